@@ -1,0 +1,37 @@
+"""compileattn: FlashAttention as a first-class citizen of torch.compile for LLM inference.
+
+Public API only; see README.md for the data path of one step.
+"""
+import logging as _logging
+
+from . import ops  # noqa: F401  (defines the torch.ops.compileattn.* ops)
+from .config import CompileConfig
+from .context import get_forward_context, set_forward_context
+from .counters import counters
+from .functional import flash_attn_varlen_func, write_kv_cache
+from .kv_cache import AttentionSpec, KVCache, allocate_kv_caches
+from .metadata import AttentionMetadata, AttentionMetadataBuilder, SequenceStep
+
+_logging.getLogger("compileattn").addHandler(_logging.NullHandler())
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Imported lazily: they pull in torch._dynamo / Inductor, which costs seconds at import.
+    if name == "compile":
+        from .decorator import compile
+
+        return compile
+    if name == "compileattn_backend":
+        from .backend import compileattn_backend
+
+        return compileattn_backend
+    raise AttributeError(f"module 'compileattn' has no attribute {name!r}")
+
+
+__all__ = [
+    "AttentionMetadata", "AttentionMetadataBuilder", "AttentionSpec", "CompileConfig", "KVCache",
+    "SequenceStep", "allocate_kv_caches", "compile", "compileattn_backend", "counters",
+    "flash_attn_varlen_func", "get_forward_context", "set_forward_context", "write_kv_cache",
+]

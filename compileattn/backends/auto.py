@@ -1,0 +1,61 @@
+"""``auto``: the backend chosen per step regime from measurements.
+
+On the CPU only ``reference`` exists. On CUDA the choice per regime lives in ``AUTO_TABLE``;
+every entry names the benchmark result it came from (benchmarks/results/).
+"""
+from __future__ import annotations
+
+from .base import AttentionBackend
+from .registry import get_backend, resolve
+
+#: regime -> backends in order of preference (first importable + supporting wins, per layer).
+#: Source: benchmarks/results/decode_attention.md (decode) and op_overhead.md (per-call CPU cost).
+AUTO_TABLE = {
+    "cpu": ("reference",),
+    "cuda_decode": ("triton", "flash", "reference"),
+    "cuda_mixed": ("flash", "triton", "reference"),
+}
+
+
+class AutoBackend(AttentionBackend):
+    name = "auto"
+
+    def __init__(self, device_type: str = "cpu"):
+        super().__init__(device_type)
+        self._candidates: dict[str, list[AttentionBackend]] = {}
+
+    def _regime(self, metadata) -> str:
+        if self.device_type != "cuda":
+            return "cpu"
+        return "cuda_decode" if metadata.is_uniform_decode else "cuda_mixed"
+
+    def candidates(self, regime: str) -> list[AttentionBackend]:
+        found = self._candidates.get(regime)
+        if found is None:
+            found = []
+            for name in AUTO_TABLE[regime]:
+                try:
+                    found.append(get_backend(name, self.device_type))
+                except ImportError:
+                    continue
+            self._candidates[regime] = found
+        return found
+
+    @property
+    def cuda_graph_capturable(self) -> bool:  # type: ignore[override]
+        decode = self.candidates("cuda_decode") if self.device_type == "cuda" else []
+        return bool(decode) and decode[0].cuda_graph_capturable
+
+    def plan(self, metadata, buffers):
+        chosen = self.candidates(self._regime(metadata))[0]
+        metadata.plan_for(chosen)
+        return chosen
+
+    def write_kv_cache(self, *args) -> None:
+        self.candidates("cpu" if self.device_type != "cuda" else "cuda_mixed")[0].write_kv_cache(*args)
+
+    def varlen_attention(self, *args) -> None:
+        self.candidates("cpu" if self.device_type != "cuda" else "cuda_mixed")[0].varlen_attention(*args)
+
+    def forward(self, query, key, value, output, cache, metadata) -> None:
+        resolve(metadata.plan_for(self), cache).forward(query, key, value, output, cache, metadata)

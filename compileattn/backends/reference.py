@@ -1,0 +1,79 @@
+"""Plain-PyTorch kernels: the semantic oracle every other backend is tested against.
+
+Semantics are FlashAttention's (``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``):
+causal masking is aligned to the bottom-right corner (query i of a sequence with q_len queries and
+k_len keys sits at absolute position k_len - q_len + i), so a chunked prefill over a cached prefix
+is right; ``window_left`` lets a query see that many earlier positions besides its own; logits are
+scaled, then soft-capped (softcap * tanh(s / softcap)); a query that sees no key outputs zeros.
+Loops over sequences on the host (it reads cu_seqlens), so it is neither fast nor capturable.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionBackend
+
+
+def attend_one_sequence(q, k, v, scale: float, causal: bool, window_left: int, softcap: float) -> torch.Tensor:
+    """q (Lq, H, D), k/v (Lk, KVH, D) -> (Lq, H, D) in float32."""
+    lq, h, _ = q.shape
+    lk, kvh, _ = k.shape
+    group = h // kvh
+    qf = q.float().transpose(0, 1)  # H, Lq, D
+    kf = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # H, Lk, D
+    vf = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    qpos = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
+    kpos = torch.arange(lk, device=q.device).unsqueeze(0)
+    visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= kpos <= qpos
+    if window_left >= 0:
+        visible &= kpos >= qpos - window_left
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing -> 0
+    return torch.matmul(probs, vf).transpose(0, 1)
+
+
+def gather_paged(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence from a paged cache (num_blocks, bs, KVH, D)."""
+    bs = cache.shape[1]
+    nb = -(-length // bs)
+    return cache[blocks[:nb].long()].reshape(nb * bs, *cache.shape[2:])[:length]
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+    cuda_graph_capturable = False
+
+    def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        key_cache.view(-1, *key_cache.shape[2:])[slots] = key[: slot_mapping.shape[0]][valid]
+        value_cache.view(-1, *value_cache.shape[2:])[slots] = value[: slot_mapping.shape[0]][valid]
+
+    def varlen_attention(
+        self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+        max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, softcap,
+    ) -> None:
+        cu_q = cu_seqlens_q.tolist()
+        paged = block_table is not None
+        lens_k = seqused_k.tolist() if seqused_k is not None else None
+        cu_k = cu_seqlens_k.tolist() if cu_seqlens_k is not None else None
+        for i in range(len(cu_q) - 1):
+            q_i = q[cu_q[i]: cu_q[i + 1]]
+            if q_i.shape[0] == 0:
+                continue
+            if paged:
+                k_i = gather_paged(k, block_table[i], lens_k[i])
+                v_i = gather_paged(v, block_table[i], lens_k[i])
+            else:
+                end = cu_k[i] + lens_k[i] if lens_k is not None else cu_k[i + 1]
+                k_i, v_i = k[cu_k[i]: end], v[cu_k[i]: end]
+            o = attend_one_sequence(q_i, k_i, v_i, softmax_scale, causal, window_left, softcap)
+            out[cu_q[i]: cu_q[i + 1]] = o.to(out.dtype)
+        # Rows past the last sequence (padding beyond cu_seqlens_q[-1]) belong to nobody.
+        if cu_q[-1] < out.shape[0]:
+            out[cu_q[-1]:] = 0

@@ -1,0 +1,109 @@
+"""CompileConfig: every knob of the compileattn torch.compile backend, in one hashable place.
+
+The config is hashed into the compile-cache key (see ``cache.py``): anything that can change the
+compiled result must be a field here, and anything that cannot (where debug output goes) is left
+out of the hash so that turning on a dump does not throw away a warm cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Literal, Sequence
+
+PieceCompiler = Literal["inductor", "aot_eager", "eager"]
+CudaGraphMode = Literal["auto", "none", "piecewise", "full_and_piecewise"]
+
+DEFAULT_SPLITTING_OPS = ("compileattn::attention",)
+_NOT_HASHED = frozenset({"debug_dump_dir", "cache_dir", "check_input_addresses"})
+
+
+def default_capture_sizes(max_size: int) -> list[int]:
+    """1, 2, 4, then multiples of 8 up to ``max_size``: the sizes vLLM settled on, since decode
+    batches are small and padding a batch of 9 to 16 wastes less than one more graph costs."""
+    sizes = [s for s in (1, 2, 4) if s <= max_size]
+    sizes += list(range(8, max_size + 1, 8))
+    return sizes
+
+
+@dataclasses.dataclass
+class CompileConfig:
+    """Settings of ``torch.compile(model, backend="compileattn", options=...)``.
+
+    Pass either a ``CompileConfig`` as ``options={"config": cfg}`` or its fields directly as
+    ``options={...}``; unknown keys raise ``TypeError`` so a typo never silently does nothing.
+    """
+
+    #: "auto" | "flash" | "triton" | "reference": the attention kernels (see backends/registry.py).
+    attention_backend: str = "auto"
+    #: Ops the graph is split at. Names "ns::op" or "ns::op.overload".
+    splitting_ops: Sequence[str] = DEFAULT_SPLITTING_OPS
+    #: What compiles each piece. "eager"/"aot_eager" are for debugging the split itself.
+    piece_compiler: PieceCompiler = "inductor"
+    #: Token counts compiled as static shapes in addition to the dynamic-shape compile.
+    compile_sizes: Sequence[int] = ()
+    #: "auto" = "full_and_piecewise" on CUDA, "none" elsewhere.
+    cudagraph_mode: CudaGraphMode = "auto"
+    #: Token counts captured as CUDA graphs; None = default_capture_sizes(max_capture_size).
+    cudagraph_capture_sizes: Sequence[int] | None = None
+    max_capture_size: int = 256
+    #: Move shape logic that feeds an attention op into the neighbouring piece (passes/hoist.py).
+    hoist_shape_logic: bool = True
+    #: Extra Inductor options for every piece.
+    inductor_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Where compiled pieces are saved and loaded; None disables the compile cache.
+    cache_dir: str | None = None
+    #: Where depyf writes decompiled code, graphs and pieces; None disables the dump.
+    debug_dump_dir: str | None = None
+    #: Verify on the first replay of every size that piece inputs live where they were captured.
+    check_input_addresses: bool = True
+
+    def __post_init__(self) -> None:
+        if self.piece_compiler not in ("inductor", "aot_eager", "eager"):
+            raise ValueError(f"piece_compiler must be inductor, aot_eager or eager, got {self.piece_compiler!r}")
+        if self.cudagraph_mode not in ("auto", "none", "piecewise", "full_and_piecewise"):
+            raise ValueError(f"cudagraph_mode: unknown mode {self.cudagraph_mode!r}")
+        if self.max_capture_size < 1:
+            raise ValueError(f"max_capture_size must be >= 1, got {self.max_capture_size}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            if not sizes or any(int(s) < 1 for s in sizes):
+                raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
+            self.cudagraph_capture_sizes = sorted({int(s) for s in sizes})
+        self.splitting_ops = tuple(self.splitting_ops)
+        self.compile_sizes = tuple(sorted({int(s) for s in self.compile_sizes}))
+
+    @property
+    def capture_sizes(self) -> list[int]:
+        if self.cudagraph_capture_sizes is not None:
+            return list(self.cudagraph_capture_sizes)
+        return default_capture_sizes(self.max_capture_size)
+
+    def resolved_cudagraph_mode(self, device_type: str) -> str:
+        if self.cudagraph_mode != "auto":
+            return self.cudagraph_mode
+        return "full_and_piecewise" if device_type == "cuda" else "none"
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | None) -> "CompileConfig":
+        options = dict(options or {})
+        config = options.pop("config", None)
+        if config is not None and not isinstance(config, CompileConfig):
+            raise TypeError(f"options['config'] must be a CompileConfig, got {type(config).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown compileattn option(s) {unknown}; known: {sorted(names)}")
+        if config is None:
+            return cls(**options)
+        return dataclasses.replace(config, **options)
+
+    def hash(self) -> str:
+        """Stable hash of every field that changes the compiled result."""
+        fields = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _NOT_HASHED
+        }
+        blob = json.dumps(fields, sort_keys=True, default=repr)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,0 +1,55 @@
+"""Counters of compile-time and run-time events, for users' tests and ours.
+
+``with compileattn.counters.expect(dynamo_graphs=1, pieces=5): ...`` asserts exact deltas of the
+named counters over the block (the idiom vLLM's tests use), so a test states what compiling or
+running must cost rather than timing it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+
+@dataclasses.dataclass
+class Counters:
+    #: FX graphs Dynamo handed to the compileattn backend (one per compile, more means recompiles).
+    dynamo_graphs: int = 0
+    #: Pieces produced by the split pass (N splitting ops -> up to N + 1 pieces).
+    pieces: int = 0
+    #: Pieces compiled by the piece compiler (Inductor etc.), not counting cache loads.
+    backend_compiles: int = 0
+    #: Pieces loaded from the compile cache instead of compiled.
+    cache_hits: int = 0
+    #: Pieces looked up in the compile cache and not found.
+    cache_misses: int = 0
+    #: CUDA graphs captured (one per piece per size in piecewise mode, one per size in full mode).
+    cudagraph_captures: int = 0
+    #: Forward steps served by replaying CUDA graphs (piecewise or full).
+    cudagraph_replays: int = 0
+    #: Forward steps that ran without CUDA graphs (too many tokens, or graphs off).
+    eager_steps: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+
+    @contextlib.contextmanager
+    def expect(self, **deltas: int) -> Iterator["Counters"]:
+        """Assert that each named counter grows by exactly the given amount inside the block."""
+        unknown = sorted(set(deltas) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"unknown counter(s) {unknown}")
+        before = self.snapshot()
+        yield self
+        after = self.snapshot()
+        wrong = {k: (after[k] - before[k], v) for k, v in deltas.items() if after[k] - before[k] != v}
+        if wrong:
+            detail = ", ".join(f"{k}: got +{got}, expected +{want}" for k, (got, want) in wrong.items())
+            raise AssertionError(f"compileattn counters: {detail}")
+
+
+counters = Counters()

@@ -1,0 +1,1 @@
+"""Small decoder families (random weights) that drive the compiler in tests, benchmarks and the demo."""

@@ -1,0 +1,36 @@
+"""The attention layer models use: reshapes in Python, then one ``compileattn::attention`` call.
+
+The reshapes and shape checks here are plain Python on static sizes, so under torch.compile
+they are evaluated at trace time or become views inside the captured piece before the op; the op
+itself receives (tokens, heads, head_dim) tensors and does no shape work per call.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kv_cache import AttentionSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: AttentionSpec, layer_name: str):
+        super().__init__()
+        self.spec = spec
+        self.layer_name = layer_name
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (tokens, heads*head_dim), k/v (tokens, kv_heads*head_dim) -> (tokens, heads*head_dim)."""
+        spec = self.spec
+        d = spec.head_dim
+        if q.shape[-1] != spec.num_heads * d or k.shape[-1] != spec.num_kv_heads * d or v.shape != k.shape:
+            raise ValueError(
+                f"{self.layer_name}: expected q (*, {spec.num_heads * d}) and k/v (*, {spec.num_kv_heads * d}); "
+                f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        n = q.shape[0]
+        q = q.view(n, spec.num_heads, d)
+        k = k.view(n, spec.num_kv_heads, d)
+        v = v.view(n, spec.num_kv_heads, d)
+        out = torch.empty_like(q)
+        torch.ops.compileattn.attention(q, k, v, out, self.layer_name)
+        return out.view(n, spec.num_heads * d)

@@ -1,0 +1,162 @@
+"""Argument checks for the flash-attn-shaped public functions, run before any kernel.
+
+Each check names the offending argument and raises ``TypeError`` (wrong dtype/type) or
+``ValueError`` (wrong shape/value). The value checks (monotonic cu_seqlens, block-table range)
+read device tensors, i.e. sync the host on CUDA: they belong to the public API's ``validate=True``
+path and to the once-per-step metadata builder, never to the per-layer op.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import check_dtype, check_gqa, check_head_dim
+
+_INDEX_DTYPES = (torch.int32,)
+
+
+def _same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, but q is on {device}")
+
+
+def _index_tensor(name: str, t: torch.Tensor | None, ndim: int, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    _same_device(name, t, device)
+
+
+def check_varlen_args(
+    q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+    window_left: int, softcap: float, check_values: bool = True,
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    check_dtype(q.dtype, "q")
+    for name, t in (("k", k), ("v", v), ("out", out)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+        _same_device(name, t, q.device)
+    if q.dim() != 3:
+        raise ValueError(f"q must be (total_q, num_heads, head_dim), got shape {tuple(q.shape)}")
+    if out.shape != q.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, q has {tuple(q.shape)}")
+    paged = block_table is not None
+    if k.shape != v.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} disagree")
+    if paged:
+        if k.dim() != 4:
+            raise ValueError(f"with block_table, k must be (num_blocks, block_size, kv_heads, head_dim), "
+                             f"got shape {tuple(k.shape)}")
+        if seqused_k is None:
+            raise ValueError("seqused_k is required with block_table (the K length of each sequence)")
+    else:
+        if k.dim() != 3:
+            raise ValueError(f"k must be (total_k, kv_heads, head_dim), got shape {tuple(k.shape)}")
+        if cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_k is required when K/V are not paged (no block_table)")
+    head_dim, kv_heads = k.shape[-1], k.shape[-2]
+    check_head_dim(q.shape[2], "q head_dim")
+    if head_dim != q.shape[2]:
+        raise ValueError(f"k head_dim {head_dim} differs from q head_dim {q.shape[2]}")
+    check_gqa(q.shape[1], kv_heads)
+    _index_tensor("cu_seqlens_q", cu_seqlens_q, 1, q.device)
+    _index_tensor("cu_seqlens_k", cu_seqlens_k, 1, q.device)
+    _index_tensor("seqused_k", seqused_k, 1, q.device)
+    _index_tensor("block_table", block_table, 2, q.device)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_seqs < 0:
+        raise ValueError("cu_seqlens_q must have at least one entry")
+    if cu_seqlens_k is not None and cu_seqlens_k.shape[0] != num_seqs + 1:
+        raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.shape[0]} entries, cu_seqlens_q {num_seqs + 1}")
+    if seqused_k is not None and seqused_k.shape[0] != num_seqs:
+        raise ValueError(f"seqused_k has {seqused_k.shape[0]} entries for {num_seqs} sequences")
+    if paged and block_table.shape[0] != num_seqs:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences")
+    if window_left < -1:
+        raise ValueError(f"window_size left must be -1 or >= 0, got {window_left}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    if check_values:
+        _check_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+
+
+def _check_monotonic(name: str, cu: torch.Tensor, total: int) -> list[int]:
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {vals[0]}")
+    if any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {vals}")
+    if vals[-1] > total:
+        raise ValueError(f"{name} ends at {vals[-1]} but the tensor holds {total} tokens")
+    return vals
+
+
+def _check_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k):
+    cu_q = _check_monotonic("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    if lens_q and max(lens_q) > max_seqlen_q:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query ({max(lens_q)})")
+    if block_table is not None:
+        lens_k = seqused_k.tolist()
+        if any(x < 0 for x in lens_k):
+            raise ValueError(f"seqused_k must be >= 0, got {lens_k}")
+        num_blocks, block_size = k.shape[0], k.shape[1]
+        capacity = block_table.shape[1] * block_size
+        if lens_k and max(lens_k) > capacity:
+            raise ValueError(f"seqused_k has a context of {max(lens_k)} tokens beyond the "
+                             f"{block_table.shape[1]} blocks x {block_size} given in block_table")
+        if block_table.numel():
+            for i, n in enumerate(lens_k):
+                used = block_table[i, : -(-n // block_size)]
+                if used.numel() and (int(used.max()) >= num_blocks or int(used.min()) < 0):
+                    raise ValueError(f"block_table row {i} has an entry outside [0, {num_blocks})")
+    else:
+        cu_k = _check_monotonic("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+        lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+        if seqused_k is not None:
+            used = seqused_k.tolist()
+            if any(u < 0 or u > n for u, n in zip(used, lens_k)):
+                raise ValueError(f"seqused_k {used} must lie within the cu_seqlens_k lengths {lens_k}")
+            lens_k = used
+    if lens_k and max(lens_k) > max_seqlen_k:
+        raise ValueError(f"max_seqlen_k={max_seqlen_k} is below the longest key sequence ({max(lens_k)})")
+
+
+def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_values: bool = True) -> None:
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("slot_mapping", slot_mapping)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    check_dtype(key.dtype, "key")
+    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype != key.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but key has {key.dtype}")
+    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("slot_mapping", slot_mapping)):
+        if t.device != key.device:
+            raise ValueError(f"{name} is on {t.device}, but key is on {key.device}")
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(f"key and value must both be (tokens, kv_heads, head_dim), got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must "
+                         f"agree and be (num_blocks, block_size, kv_heads, head_dim)")
+    if key_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(f"key_cache (kv_heads, head_dim) {tuple(key_cache.shape[2:])} differs from key's "
+                         f"{tuple(key.shape[1:])}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
+        raise TypeError(f"slot_mapping must be 1-D int64, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if slot_mapping.shape[0] > key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+    if check_values and slot_mapping.numel():
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        hi, lo = int(slot_mapping.max()), int(slot_mapping.min())
+        if hi >= num_slots or lo < -1:
+            raise ValueError(f"slot_mapping entries must lie in [-1, {num_slots}); got min {lo}, max {hi}")
