@@ -1,0 +1,109 @@
+"""The CUDA-graph runtime: capture per size into one shared pool, replay, check addresses.
+
+Graph replay reads its inputs from the addresses they had at capture. Nothing is copied in: the
+pieces' inputs are the model's persistent input buffers, its parameters and the previous piece's
+static outputs, so copying would only cost time. The price is that a caller who passes a tensor
+at a new address would silently get results computed from the old one, which is how stale
+addresses corrupted outputs in vLLM when its check ran only at debug level. Here the check runs
+on the first replay of every size in every mode and raises ``CudaGraphAddressError``.
+
+Outputs of a replay are the graph's static tensors: they are overwritten by the next replay of
+the same size, as with any CUDA-graph runtime.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .counters import counters
+
+logger = logging.getLogger("compileattn")
+
+
+class CudaGraphAddressError(RuntimeError):
+    """A captured graph's input no longer lives at the address it was captured with."""
+
+
+def _tensor_addresses(args: Sequence[Any]) -> list[tuple[int, int]]:
+    return [(i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+
+class CapturedGraph:
+    __slots__ = ("graph", "outputs", "addresses", "checked", "name", "size")
+
+    def __init__(self, graph, outputs, addresses, name: str, size: int):
+        self.graph = graph
+        self.outputs = outputs
+        self.addresses = addresses
+        self.checked = False
+        self.name = name
+        self.size = size
+
+    def check(self, args: Sequence[Any]) -> None:
+        for i, ptr in self.addresses:
+            now = args[i].data_ptr()
+            if now != ptr:
+                raise CudaGraphAddressError(
+                    f"{self.name}, size {self.size}: input {i} was captured at 0x{ptr:x} but is now at "
+                    f"0x{now:x}; a CUDA graph would read stale memory. Pass inputs that live in persistent "
+                    f"buffers (slice views of one preallocated tensor), or turn CUDA graphs off."
+                )
+        self.checked = True
+
+
+class GraphPool:
+    """One memory pool shared by every graph of one compiled model, and the bookkeeping of it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.handle = torch.cuda.graph_pool_handle()
+        self.capture_seconds = 0.0
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[Any], name: str, size: int) -> CapturedGraph:
+        """Warm up once (JIT compiles, allocator settles), capture, then replay so this call's
+        outputs are real: a capture records kernels without running them."""
+        start = time.perf_counter()
+        fn(*args)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.handle):
+            outputs = fn(*args)
+        graph.replay()
+        elapsed = time.perf_counter() - start
+        self.capture_seconds += elapsed
+        counters.cudagraph_captures += 1
+        logger.info("captured %s for %d tokens in %.1f ms (graph pool now %.1f MiB)", name, size,
+                    elapsed * 1e3, self.pool_bytes() / 2**20)
+        # Unchecked until its first replay: that is when a caller's moved input would bite.
+        return CapturedGraph(graph, outputs, _tensor_addresses(args), name, size)
+
+    def pool_bytes(self) -> int:
+        """Bytes reserved in this pool's segments (from the caching allocator's snapshot)."""
+        total = 0
+        for seg in torch.cuda.memory_snapshot():
+            if tuple(seg.get("segment_pool_id", ())) == tuple(self.handle):
+                total += seg["total_size"]
+        return total
+
+
+class PieceGraphs:
+    """Per-size graphs of one compiled piece (piecewise mode)."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], pool: GraphPool):
+        self.name = name
+        self.fn = fn
+        self.pool = pool
+        self.graphs: dict[int, CapturedGraph] = {}
+
+    def run(self, size: int, args: Sequence[Any]):
+        entry = self.graphs.get(size)
+        if entry is None:
+            entry = self.graphs[size] = self.pool.capture(self.fn, args, self.name, size)
+            return entry.outputs
+        if not entry.checked:
+            entry.check(args)
+        entry.graph.replay()
+        return entry.outputs

@@ -1,0 +1,238 @@
+"""Piecewise compilation: split at attention, compile each piece once, run with CUDA graphs.
+
+``compile_piecewise`` is what the ``compileattn`` torch.compile backend returns for a Dynamo graph:
+
+1. clean-up and hoist passes, then the split at the splitting ops (passes/);
+2. each piece is compiled once for the dynamic token dimension (Inductor's ``standalone_compile``
+   with the shapes of Dynamo's tracing context, or eager/aot_eager for debugging), or loaded from
+   the compile cache;
+3. the splitting ops are rebound to direct Python calls (``ops.attention_impl``), skipping the
+   dispatcher, and the split graph's ``submod_i`` attributes become plain callables, skipping
+   ``nn.Module.__call__`` (hooks machinery costs microseconds per call, paid per layer per step);
+4. ``PiecewiseRuntime`` picks the mode per step: full-graph replay for uniform-decode steps whose
+   attention backend is capturable, piecewise replay for other steps at a capture size, and plain
+   compiled pieces for anything larger.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from passes import cleanup, hoist_shape_logic, split_graph
+from passes.split import Piece, is_splitting_node
+
+from . import context
+from .cache import CompileCache, cache_key
+from .config import CompileConfig
+from .counters import counters
+from .ops import attention_impl
+
+logger = logging.getLogger("compileattn")
+
+_UNIFIED = ("compileattn::attention", "compileattn::attention.default")
+
+
+def _direct_splitting_call(piece: Piece) -> Callable[..., Any]:
+    """A plain callable for a splitting-op submodule. For the unified attention op it calls
+    ``attention_impl`` with the submodule's arguments, bypassing the dispatcher."""
+    nodes = [n for n in piece.module.graph.nodes if n.op == "call_function"]
+    placeholders = [n for n in piece.module.graph.nodes if n.op == "placeholder"]
+    if len(nodes) == 1 and is_splitting_node(nodes[0], _UNIFIED) and not nodes[0].kwargs:
+        position = {p: i for i, p in enumerate(placeholders)}
+        spec = [(True, position[a]) if isinstance(a, torch.fx.Node) else (False, a) for a in nodes[0].args]
+        (q_in, q), (k_in, k), (v_in, v), (o_in, o), (name_in, name) = spec
+        if q_in and k_in and v_in and o_in and not name_in:
+            def call(*args, _q=q, _k=k, _v=v, _o=o, _name=name):
+                attention_impl(args[_q], args[_k], args[_v], args[_o], _name)
+            return call
+    return piece.module.forward
+
+
+def _compile_piece(piece: Piece, args: list[Any], config: CompileConfig) -> Any:
+    if config.piece_compiler == "eager":
+        return piece.module.forward
+    if config.piece_compiler == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(piece.module, args)
+    return torch._inductor.standalone_compile(
+        piece.module, args, dynamic_shapes="from_tracing_context", options=dict(config.inductor_options)
+    )
+
+
+def _token_count_getter(example_inputs: Sequence[Any]) -> Callable[[Sequence[Any]], int] | None:
+    """How to read a step's token count from the graph inputs: the first SymInt input, else the
+    first symbolic dim of a tensor input. None for a fully static graph."""
+    for i, ex in enumerate(example_inputs):
+        if isinstance(ex, torch.SymInt):
+            return lambda args, _i=i: int(args[_i])
+    for i, ex in enumerate(example_inputs):
+        if isinstance(ex, torch.Tensor):
+            for d, size in enumerate(ex.shape):
+                if isinstance(size, torch.SymInt):
+                    return lambda args, _i=i, _d=d: args[_i].shape[_d]
+    return None
+
+
+class _PieceCompiler(torch.fx.Interpreter):
+    """Runs the split graph on fake inputs so each piece is compiled with its own input shapes."""
+
+    def __init__(self, split_gm, pieces: list[Piece], config: CompileConfig, cache: CompileCache | None):
+        super().__init__(split_gm)
+        self.pieces = {p.name: p for p in pieces}
+        self.config = config
+        self.cache = cache
+        self.compiled: dict[str, Any] = {}
+
+    def call_module(self, target, args, kwargs):
+        result = super().call_module(target, args, kwargs)
+        piece = self.pieces.get(target)
+        if piece is not None and not piece.is_splitting_op:
+            self.compiled[target] = self._compile(piece, list(args))
+        return result
+
+    def _compile(self, piece: Piece, args: list[Any]):
+        use_cache = self.cache is not None and self.config.piece_compiler == "inductor"
+        if use_cache:
+            loaded = self.cache.load(piece.index, piece.module)
+            if loaded is not None:
+                counters.cache_hits += 1
+                return loaded
+            counters.cache_misses += 1
+        start = time.perf_counter()
+        compiled = _compile_piece(piece, args, self.config)
+        counters.backend_compiles += 1
+        logger.info("compiled %s with %s in %.2f s", piece.name, self.config.piece_compiler,
+                    time.perf_counter() - start)
+        if use_cache:
+            self.cache.save(piece.index, piece.module, compiled)
+        return compiled
+
+
+def compile_piecewise(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig):
+    counters.dynamo_graphs += 1
+    start = time.perf_counter()
+    gm = cleanup(gm)
+    if config.hoist_shape_logic:
+        gm = hoist_shape_logic(gm, config.splitting_ops)
+    split_gm, pieces = split_graph(gm, config.splitting_ops)
+    counters.pieces += sum(not p.is_splitting_op for p in pieces)
+    if config.debug_dump_dir:
+        from .debug import dump_graph
+
+        dump_graph(config.debug_dump_dir, "graph", gm)
+        dump_graph(config.debug_dump_dir, "split_graph", split_gm)
+        for p in pieces:
+            dump_graph(config.debug_dump_dir, f"piece_{p.index}_{p.name}", p.module)
+
+    cache = CompileCache(config.cache_dir, cache_key(config, gm)) if config.cache_dir else None
+    fake_mode = detect_fake_mode(example_inputs)
+    fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    compiler = _PieceCompiler(split_gm, pieces, config, cache)
+    with fake_mode:
+        compiler.run(*fake_args)
+
+    device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    runtime = PiecewiseRuntime(split_gm, pieces, compiler.compiled, config, device,
+                               _token_count_getter(example_inputs))
+    logger.info("compileattn: %d pieces (%d splitting ops) ready in %.2f s", len(compiler.compiled),
+                sum(p.is_splitting_op for p in pieces), time.perf_counter() - start)
+    return runtime
+
+
+class PiecewiseRuntime:
+    """Calls the split graph; picks full-graph, piecewise-graph or graph-free execution per step."""
+
+    def __init__(self, split_gm, pieces, compiled, config: CompileConfig, device: torch.device,
+                 token_count: Callable[[Sequence[Any]], int] | None):
+        self.split_gm = split_gm
+        self.config = config
+        self.device = device
+        self.token_count = token_count
+        self.mode = config.resolved_cudagraph_mode(device.type)
+        if self.mode != "none" and device.type != "cuda":
+            raise ValueError(f"cudagraph_mode={config.cudagraph_mode!r} needs CUDA, graph is on {device}")
+        if self.mode != "none" and token_count is None:
+            logger.info("graph has no dynamic token dimension; CUDA graphs off")
+            self.mode = "none"
+        self.capture_sizes = frozenset(config.capture_sizes)
+        self.pool = None
+        self.current_size: int | None = None
+        self._full: dict[int, Any] = {}
+        self._full_ok: dict[tuple[int, int], bool] = {}
+        self.pieces = pieces
+        for piece in pieces:
+            delattr(split_gm, piece.name)  # plain attributes, not submodules: no Module.__call__
+            if piece.is_splitting_op:
+                setattr(split_gm, piece.name, _direct_splitting_call(piece))
+            else:
+                setattr(split_gm, piece.name, self._piece_runner(piece.name, compiled[piece.name]))
+        self._forward = split_gm.forward
+
+    def _piece_runner(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if self.mode == "none":
+            return fn
+        from .cudagraph import GraphPool, PieceGraphs
+
+        if self.pool is None:
+            self.pool = GraphPool(self.device)
+        graphs = PieceGraphs(name, fn, self.pool)
+
+        def run(*args):
+            size = self.current_size
+            if size is None:
+                return fn(*args)
+            return graphs.run(size, args)
+
+        run.graphs = graphs  # for tests and introspection
+        return run
+
+    def _full_graph_allowed(self) -> bool:
+        ctx = context._current
+        if ctx is None or not ctx.metadata.is_uniform_decode:
+            return False
+        key = (id(ctx.metadata.backend), id(ctx.kv_caches))
+        ok = self._full_ok.get(key)
+        if ok is None:
+            from .backends.registry import resolve
+
+            backend = ctx.metadata.backend
+            ok = backend.cuda_graph_capturable and all(
+                resolve(backend, c).cuda_graph_capturable for c in ctx.kv_caches.values())
+            self._full_ok[key] = ok
+        return ok
+
+    def __call__(self, *args):
+        if self.mode == "none":
+            counters.eager_steps += 1
+            return self._forward(*args)
+        size = self.token_count(args)
+        if size not in self.capture_sizes:
+            counters.eager_steps += 1
+            return self._forward(*args)
+        counters.cudagraph_replays += 1
+        if self.mode == "full_and_piecewise" and self._full_graph_allowed():
+            return self._run_full(size, args)
+        self.current_size = size
+        try:
+            return self._forward(*args)
+        finally:
+            self.current_size = None
+
+    def _run_full(self, size: int, args):
+        entry = self._full.get(size)
+        if entry is None:
+            self._full[size] = entry = self.pool.capture(self._forward, args, "full graph", size)
+            return entry.outputs
+        if not entry.checked:
+            entry.check(args)
+        entry.graph.replay()
+        return entry.outputs
+
+    def graph_pool_bytes(self) -> int:
+        return self.pool.pool_bytes() if self.pool is not None else 0

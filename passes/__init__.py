@@ -1,0 +1,7 @@
+"""FX passes of the compileattn backend. Each takes a GraphModule and returns one, and is testable
+on CPU with a toy graph."""
+from .cleanup import cleanup
+from .hoist import hoist_shape_logic
+from .split import Piece, is_splitting_node, split_graph
+
+__all__ = ["Piece", "cleanup", "hoist_shape_logic", "is_splitting_node", "split_graph"]

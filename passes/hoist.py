@@ -1,0 +1,121 @@
+"""Move shape logic to capture time: out of and away from the eagerly-run splitting ops.
+
+Everything between CUDA-graph replays runs eagerly once per layer per step, so any shape work
+done there is paid per layer per step (the seed measured ~60 µs per attention call for reshapes
+and checks inside the op). This pass makes sure that work lives inside captured pieces:
+
+1. Layout: every tensor a splitting op reads is made contiguous *before* the op (a
+   ``contiguous`` node placed in the preceding piece, so it is captured), so the kernel path never
+   copies or checks strides. A non-contiguous tensor the op *writes* cannot be fixed by a copy
+   (the write would land in the copy): that is a compile-time ``ValueError``.
+2. Hoisting: pure nodes that follow a splitting op but do not depend on it (size arithmetic,
+   views, the next layer's reshapes of untouched tensors) are moved before it, into the preceding
+   piece, so the following piece receives finished values instead of recomputing shapes.
+
+"Depends on" is conservative: a node is tainted if it reads the splitting op, a tensor the op
+mutates, or anything derived from those (views included), wherever it sits in the graph.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Sequence
+
+import torch
+import torch.fx
+
+from .split import is_splitting_node
+
+#: call_method names known not to mutate their receiver.
+_PURE_METHODS = frozenset({
+    "view", "reshape", "size", "dim", "contiguous", "to", "transpose", "permute", "unsqueeze", "squeeze",
+    "flatten", "unflatten", "expand", "float", "half", "bfloat16", "type_as", "view_as", "split", "chunk",
+    "narrow", "select", "__getitem__", "numel", "stride",
+})
+
+
+def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Argument nodes the op's schema marks as written (``Tensor(a!)``)."""
+    target = node.target
+    overload = target.default if isinstance(target, torch._ops.OpOverloadPacket) else target
+    schema = getattr(overload, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                out.append(value)
+    return out
+
+
+def _is_pure(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _PURE_METHODS
+    if node.op != "call_function":
+        return False
+    if node.is_impure():
+        return False
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        overload = target.default if isinstance(target, torch._ops.OpOverloadPacket) else target
+        return not overload._schema.is_mutable
+    name = getattr(target, "__name__", "")
+    return not name.endswith("_") or target is operator.getitem
+
+
+def _inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def _make_inputs_contiguous(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int:
+    written = set(_mutated_args(node))
+    fixed = 0
+    for arg in _inputs(node):
+        value = arg.meta.get("example_value", arg.meta.get("val"))
+        if not isinstance(value, torch.Tensor) or value.is_contiguous():
+            continue
+        if arg in written:
+            raise ValueError(f"{node.target}: the tensor it writes ({arg.name}) is not contiguous; "
+                             f"allocate it contiguous (e.g. torch.empty_like(query))")
+        with gm.graph.inserting_before(node):
+            fixed_arg = gm.graph.call_method("contiguous", (arg,))
+        fixed_arg.meta["example_value"] = value.contiguous()
+        node.replace_input_with(arg, fixed_arg)
+        fixed += 1
+    return fixed
+
+
+def _tainted_by(gm: torch.fx.GraphModule, node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The op, what it writes, and every node derived from either (anywhere in the graph)."""
+    tainted = {node, *_mutated_args(node)}
+    changed = True
+    while changed:  # views of a written tensor may precede the op, so iterate to a fixed point
+        changed = False
+        for n in gm.graph.nodes:
+            if n not in tainted and any(i in tainted for i in n.all_input_nodes):
+                tainted.add(n)
+                changed = True
+    return tainted
+
+
+def hoist_shape_logic(gm: torch.fx.GraphModule, splitting_ops: Sequence[str]) -> torch.fx.GraphModule:
+    splits = [n for n in gm.graph.nodes if is_splitting_node(n, splitting_ops)]
+    made_contiguous = sum(_make_inputs_contiguous(gm, s) for s in splits)
+    moved = 0
+    for split in splits:
+        tainted = _tainted_by(gm, split)
+        stayed: set[torch.fx.Node] = {split}  # nodes after the op that stay there
+        node = split.next
+        while node.op != "output" and not is_splitting_node(node, splitting_ops):
+            following = node.next
+            if node not in tainted and _is_pure(node) and not stayed.intersection(node.all_input_nodes):
+                split.prepend(node)
+                moved += 1
+            else:
+                stayed.add(node)
+            node = following
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta["compileattn_hoist"] = {"made_contiguous": made_contiguous, "moved": moved}
+    return gm
