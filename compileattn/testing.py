@@ -1,0 +1,80 @@
+"""Helpers for compile-correctness tests: random ragged steps, cache snapshots, eager-vs-compiled.
+
+A compiled model and its eager twin both write the KV cache, so comparing them on one batch means
+running each from the same cache state: ``assert_matches_eager`` snapshots the caches, runs eager,
+restores, runs the compiled callable, and compares outputs on the real (unpadded) tokens and the
+caches afterwards.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .context import set_forward_context
+from .kv_cache import KVCache
+from .metadata import AttentionMetadataBuilder, SequenceStep
+
+#: (atol, rtol) for comparing a compiled run with eager, by dtype: Inductor may fuse and reorder
+#: reductions, so results differ by rounding, not by semantics.
+TOLERANCES = {torch.float32: (2e-4, 2e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 6e-2)}
+
+
+def random_step(
+    rng: random.Random, *, num_seqs: int, block_size: int, num_blocks: int, max_query_len: int = 8,
+    max_context_len: int = 40, decode_fraction: float = 0.5,
+) -> list[SequenceStep]:
+    """A ragged step: decodes first (as the engine orders them), then prefills and chunked prefills,
+    each sequence with its own distinct blocks."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    seqs = []
+    for i in range(num_seqs):
+        decode = rng.random() < decode_fraction
+        q = 1 if decode else rng.randint(1, max_query_len)
+        ctx = rng.randint(1 if decode else 0, max_context_len)
+        need = -(-(q + ctx) // block_size)
+        if need > len(free):
+            raise ValueError("num_blocks too small for this random step")
+        seqs.append(SequenceStep(q, ctx, [free.pop() for _ in range(need)]))
+    seqs.sort(key=lambda s: s.query_len != 1)  # stable: decodes first
+    return seqs
+
+
+def snapshot(caches: Mapping[str, KVCache]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {k: (c.key_cache.clone(), c.value_cache.clone()) for k, c in caches.items()}
+
+
+def restore(caches: Mapping[str, KVCache], saved) -> None:
+    for k, c in caches.items():
+        c.key_cache.copy_(saved[k][0])
+        c.value_cache.copy_(saved[k][1])
+
+
+def assert_matches_eager(
+    eager: Callable[..., torch.Tensor], compiled: Callable[..., torch.Tensor],
+    builder: AttentionMetadataBuilder, caches: Mapping[str, KVCache], seqs: Sequence[SequenceStep],
+    make_inputs: Callable[[int], Sequence[Any]], *, pad_to: int | None = None,
+    atol: float | None = None, rtol: float | None = None,
+) -> torch.Tensor:
+    """Run one step eagerly and compiled from the same cache state; compare real rows and caches.
+    ``make_inputs(num_tokens)`` returns the model inputs for the (padded) token count."""
+    md = builder.build(seqs, pad_to=pad_to)
+    inputs = make_inputs(md.num_tokens)
+    saved = snapshot(caches)
+    with set_forward_context(md, caches):
+        expected = eager(*inputs).clone()
+    after_eager = snapshot(caches)
+    restore(caches, saved)
+    with set_forward_context(md, caches):
+        actual = compiled(*inputs).clone()
+    dtype = expected.dtype
+    default_atol, default_rtol = TOLERANCES.get(dtype, (1e-5, 1e-5))
+    tol = dict(atol=default_atol if atol is None else atol, rtol=default_rtol if rtol is None else rtol)
+    n = md.num_actual_tokens
+    torch.testing.assert_close(actual[:n], expected[:n], **tol)
+    for name, cache in caches.items():
+        torch.testing.assert_close(cache.key_cache, after_eager[name][0], **tol)
+        torch.testing.assert_close(cache.value_cache, after_eager[name][1], **tol)
+    return actual

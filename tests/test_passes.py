@@ -1,0 +1,129 @@
+"""FX passes on toy graphs (CPU): split at packet and overload, user ops, order, hoisting."""
+import operator
+
+import pytest
+import torch
+import torch.fx
+
+import compileattn  # noqa: F401  (registers the ops)
+from passes import cleanup, hoist_shape_logic, split_graph
+from passes.split import is_splitting_node
+
+ATTN = ("compileattn::attention",)
+
+_lib = torch.library.Library("compileattn_test", "DEF")
+_lib.define("marker(Tensor x) -> Tensor")
+_lib.impl("marker", lambda x: x * 2, "CompositeExplicitAutograd")
+torch.library.register_fake("compileattn_test::marker")(lambda x: torch.empty_like(x))
+
+
+def _attention_graph(target, layers=2, contiguous_q=True):
+    """A Dynamo-like graph: per layer, views feeding the attention op, then an op on its output."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    for i in range(layers):
+        q = g.call_method("view", (x, 4, 2, 8))
+        if not contiguous_q:
+            q = g.call_method("transpose", (q, 0, 1))
+        k = g.call_method("view", (x, 4, 2, 8))
+        out = g.call_function(torch.empty_like, (q,))
+        g.call_function(target, (q, k, k, out, f"l{i}"))
+        x = g.call_method("view", (out, 4, 16))
+        x = g.call_function(operator.add, (x, 1.0))
+    g.output((x,))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("target", [torch.ops.compileattn.attention, torch.ops.compileattn.attention.default])
+def test_split_matches_packet_and_overload(target):
+    gm = _attention_graph(target, layers=3)
+    split_gm, pieces = split_graph(gm, ATTN)
+    assert [p.is_splitting_op for p in pieces] == [False, True, False, True, False, True, False]
+    assert [p.index for p in pieces] == list(range(7))
+
+
+def test_split_by_overload_name_only_matches_that_overload():
+    gm = _attention_graph(torch.ops.compileattn.attention.default)
+    _, pieces = split_graph(gm, ("compileattn::attention.default",))
+    assert sum(p.is_splitting_op for p in pieces) == 2
+    _, pieces = split_graph(gm, ("compileattn::other",))
+    assert sum(p.is_splitting_op for p in pieces) == 0 and len(pieces) == 1
+
+
+def test_split_at_a_user_op_keeps_semantics_and_order():
+    def f(x):
+        y = x + 1
+        z = torch.ops.compileattn_test.marker(y)
+        return z * 3 + y
+
+    gm = torch.fx.symbolic_trace(f)
+    split_gm, pieces = split_graph(gm, ("compileattn_test::marker",))
+    assert [p.is_splitting_op for p in pieces] == [False, True, False]
+    x = torch.randn(5)
+    torch.testing.assert_close(split_gm(x), f(x))
+
+
+def test_pieces_return_tuples():
+    gm = _attention_graph(torch.ops.compileattn.attention)
+    _, pieces = split_graph(gm, ATTN)
+    for p in pieces:
+        if not p.is_splitting_op:
+            out = next(n for n in p.module.graph.nodes if n.op == "output")
+            assert isinstance(out.args[0], (tuple, list))
+
+
+def test_cleanup_drops_dead_shape_checks():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    eq = g.call_function(operator.eq, (x, x))
+    g.call_function(operator.not_, (eq,))
+    g.output(g.call_function(operator.add, (x, 1)))
+    gm = cleanup(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [operator.add]
+
+
+def _attention_call(q_value, out_value):
+    """x -> q (view) -> attention(q, q, q, out); example_value meta set the way Dynamo sets it."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    q = g.call_method("view", (x, 4, 2, 8))
+    out = g.call_function(torch.empty_like, (q,))
+    attn = g.call_function(torch.ops.compileattn.attention, (q, q, q, out, "l0"))
+    g.output((out,))
+    q.meta["example_value"] = q_value
+    out.meta["example_value"] = out_value
+    return torch.fx.GraphModule(torch.nn.Module(), g), attn
+
+
+def test_hoist_makes_read_inputs_contiguous():
+    gm, attn = _attention_call(torch.empty(2, 4, 8).transpose(0, 1), torch.empty(4, 2, 8))
+    gm = hoist_shape_logic(gm, ATTN)
+    assert [a.target for a in attn.args[:3]] == ["contiguous"] * 3
+    assert attn.args[0] is attn.args[1] is attn.args[2]  # one copy, read three times
+    assert gm.meta["compileattn_hoist"]["made_contiguous"] == 1
+
+
+def test_hoist_refuses_non_contiguous_output():
+    gm, _ = _attention_call(torch.empty(4, 2, 8), torch.empty(2, 4, 8).transpose(0, 1))
+    with pytest.raises(ValueError, match="not contiguous"):
+        hoist_shape_logic(gm, ATTN)
+
+
+def test_hoist_moves_independent_shape_logic_before_the_op_only():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.placeholder("y")
+    q = g.call_method("view", (x, 4, 2, 8))
+    out = g.call_function(torch.empty_like, (q,))
+    out_view = g.call_method("view", (out, 4, 16))  # a view of the written tensor, made before the op
+    attn = g.call_function(torch.ops.compileattn.attention, (q, q, q, out, "l0"))
+    y2 = g.call_method("view", (y, 2, 8))  # independent: may move before the op
+    n_size = g.call_method("size", (y, 0))  # independent size arithmetic
+    r = g.call_method("view", (out_view, 64))  # reads the written tensor through an alias: must stay
+    s = g.call_function(operator.add, (r, 1.0))
+    g.output((s, y2, n_size))
+    gm = hoist_shape_logic(torch.fx.GraphModule(torch.nn.Module(), g), ATTN)
+    order = list(gm.graph.nodes)
+    assert order.index(y2) < order.index(attn) and order.index(n_size) < order.index(attn)
+    assert order.index(r) > order.index(attn) and order.index(s) > order.index(attn)
+    assert gm.meta["compileattn_hoist"]["moved"] == 2
