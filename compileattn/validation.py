@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_cache import check_dtype, check_gqa, check_head_dim
+from .kv_cache import check_dtype, check_head_dim
 
 _INDEX_DTYPES = (torch.int32,)
 
@@ -65,7 +65,10 @@ def check_varlen_args(
     check_head_dim(q.shape[2], "q head_dim")
     if head_dim != q.shape[2]:
         raise ValueError(f"k head_dim {head_dim} differs from q head_dim {q.shape[2]}")
-    check_gqa(q.shape[1], kv_heads)
+    if q.shape[1] < 1 or kv_heads < 1 or q.shape[1] % kv_heads:
+        # Named after the arguments the caller passed (q, k), not AttentionSpec's field names.
+        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the {kv_heads} kv heads of k/v "
+                         f"(GQA/MQA need num_heads divisible by num_kv_heads)")
     _index_tensor("cu_seqlens_q", cu_seqlens_q, 1, q.device)
     _index_tensor("cu_seqlens_k", cu_seqlens_k, 1, q.device)
     _index_tensor("seqused_k", seqused_k, 1, q.device)
