@@ -1,0 +1,391 @@
+"""Bad input raises ValueError/TypeError naming the argument, before any kernel runs.
+
+Every test here runs with the reference backend's kernels (and its per-step ``plan``) replaced by
+functions that raise ``AssertionError``: a check that fires too late, after a kernel started,
+shows up as that AssertionError instead of the expected ValueError/TypeError. ``test_kernels_are_
+really_patched`` proves the patch is live, so the other tests cannot pass vacuously. A second
+device is emulated with the ``meta`` device, which has no kernels of its own to run either.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compileattn
+from compileattn import AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep
+from compileattn.backends.reference import ReferenceBackend
+
+NB, BS, H, KVH, D = 6, 4, 4, 2, 64
+
+
+class KernelRan(AssertionError):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def no_kernels(monkeypatch):
+    def ran(*args, **kwargs):
+        raise KernelRan("a kernel ran before the input was rejected")
+
+    for name in ("write_kv_cache", "varlen_attention", "forward", "plan"):
+        monkeypatch.setattr(ReferenceBackend, name, ran)
+
+
+def i32(values, device="cpu"):
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def contiguous(**over):
+    """Valid contiguous-K/V arguments (two sequences: 3 queries over 5 keys, 1 over 4), overridable."""
+    args = dict(q=torch.randn(4, H, D), k=torch.randn(9, KVH, D), v=torch.randn(9, KVH, D),
+                cu_seqlens_q=i32([0, 3, 4]), cu_seqlens_k=i32([0, 5, 9]), max_seqlen_q=3, max_seqlen_k=5)
+    args.update(over)
+    return args
+
+
+def paged(**over):
+    """Valid paged arguments: two sequences of 5 and 4 keys in blocks of 4."""
+    args = dict(q=torch.randn(4, H, D), k=torch.randn(NB, BS, KVH, D), v=torch.randn(NB, BS, KVH, D),
+                cu_seqlens_q=i32([0, 3, 4]), cu_seqlens_k=None, max_seqlen_q=3, max_seqlen_k=5,
+                block_table=i32([[2, 0], [5, 1]]), seqused_k=i32([5, 4]))
+    args.update(over)
+    return args
+
+
+def call(args, **kw):
+    a = dict(args)
+    pos = [a.pop(n) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+    return compileattn.flash_attn_varlen_func(*pos, causal=True, **a, **kw)
+
+
+def kv_write(**over):
+    args = dict(key=torch.randn(3, KVH, D), value=torch.randn(3, KVH, D),
+                key_cache=torch.zeros(NB, BS, KVH, D), value_cache=torch.zeros(NB, BS, KVH, D),
+                slot_mapping=torch.tensor([0, 7, -1]))
+    args.update(over)
+    return args
+
+
+def builder(**over):
+    kw = dict(block_size=BS, num_blocks=NB, max_num_tokens=16, max_blocks_per_seq=3, backend="reference")
+    kw.update(over)
+    return AttentionMetadataBuilder(**kw)
+
+
+def test_kernels_are_really_patched():
+    for args in (contiguous(), paged()):
+        with pytest.raises(KernelRan):
+            call(args)
+    with pytest.raises(KernelRan):
+        compileattn.write_kv_cache(**kv_write())
+    with pytest.raises(KernelRan):
+        builder().build([SequenceStep(1, 4, [0, 1])])
+
+
+# ---------------------------------------------------------------- heads
+
+@pytest.mark.parametrize("make", [contiguous, paged])
+@pytest.mark.parametrize("q_heads,kv_heads", [(6, 4), (2, 4), (4, 3)])
+def test_heads_not_divisible_by_kv_heads(make, q_heads, kv_heads):
+    kshape = (9, kv_heads, D) if make is contiguous else (NB, BS, kv_heads, D)
+    args = make(q=torch.randn(4, q_heads, D), k=torch.randn(kshape), v=torch.randn(kshape),
+                out=torch.empty(4, q_heads, D))
+    with pytest.raises(ValueError, match=rf"^q has {q_heads} heads, not a multiple of the {kv_heads} kv heads"):
+        call(args)
+
+
+def test_spec_heads_not_divisible():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        AttentionSpec(num_heads=6, num_kv_heads=4, head_dim=D)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        AttentionSpec(num_heads=4, num_kv_heads=0, head_dim=D)
+
+
+# ---------------------------------------------------------------- dtypes
+
+@pytest.mark.parametrize("name", ["k", "v", "out"])
+def test_varlen_dtype_mismatch(name):
+    args = paged()
+    t = args.get(name, torch.randn(4, H, D))
+    args[name] = t.half()
+    with pytest.raises(TypeError, match=rf"^{name} has dtype"):
+        call(args)
+
+
+def test_varlen_unsupported_dtype():
+    args = contiguous()
+    for n in ("q", "k", "v"):
+        args[n] = args[n].double()
+    with pytest.raises(TypeError, match="^q has dtype"):
+        call(args)
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "seqused_k", "block_table"])
+def test_varlen_index_dtype(name):
+    args = paged()
+    args[name] = args[name].long()
+    with pytest.raises(TypeError, match=f"^{name} must be int32"):
+        call(args)
+
+
+@pytest.mark.parametrize("name", ["value", "key_cache", "value_cache"])
+def test_write_kv_cache_dtype_mismatch(name):
+    args = kv_write()
+    args[name] = args[name].half()
+    with pytest.raises(TypeError, match=f"^{name} has dtype"):
+        compileattn.write_kv_cache(**args)
+
+
+def test_write_kv_cache_slot_mapping_dtype():
+    with pytest.raises(TypeError, match="slot_mapping"):
+        compileattn.write_kv_cache(**kv_write(slot_mapping=torch.tensor([0, 7, -1], dtype=torch.int32)))
+
+
+def test_kv_cache_dtype_mismatch():
+    spec = AttentionSpec(H, KVH, D)
+    with pytest.raises(TypeError, match="value_cache"):
+        KVCache(torch.zeros(NB, BS, KVH, D), torch.zeros(NB, BS, KVH, D, dtype=torch.float16), spec)
+
+
+# ---------------------------------------------------------------- devices (meta = "another device")
+
+@pytest.mark.parametrize("name", ["k", "v", "out"])
+def test_varlen_device_mismatch(name):
+    args = paged()
+    t = args.get(name, torch.randn(4, H, D))
+    args[name] = t.to("meta")
+    with pytest.raises(ValueError, match=rf"^{name} is on meta"):
+        call(args)
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "seqused_k", "block_table"])
+def test_varlen_index_device_mismatch(name):
+    args = paged()
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"^{name} is on meta"):
+        call(args)
+
+
+def test_varlen_cu_seqlens_k_device_mismatch():
+    with pytest.raises(ValueError, match="^cu_seqlens_k is on meta"):
+        call(contiguous(cu_seqlens_k=i32([0, 5, 9], device="meta")))
+
+
+@pytest.mark.parametrize("name", ["value", "key_cache", "value_cache", "slot_mapping"])
+def test_write_kv_cache_device_mismatch(name):
+    args = kv_write()
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"^{name} is on meta"):
+        compileattn.write_kv_cache(**args)
+
+
+def test_kv_cache_device_mismatch():
+    spec = AttentionSpec(H, KVH, D)
+    with pytest.raises(ValueError, match="value_cache"):
+        KVCache(torch.zeros(NB, BS, KVH, D), torch.zeros(NB, BS, KVH, D, device="meta"), spec)
+
+
+# ---------------------------------------------------------------- head dims
+
+@pytest.mark.parametrize("make", [contiguous, paged])
+def test_unsupported_head_dim(make):
+    args = make()
+    for n in ("q", "k", "v"):
+        args[n] = torch.randn(*args[n].shape[:-1], 48)
+    with pytest.raises(ValueError, match="head_dim=48"):
+        call(args)
+
+
+def test_k_head_dim_differs_from_q():
+    args = contiguous(k=torch.randn(9, KVH, 128), v=torch.randn(9, KVH, 128))
+    with pytest.raises(ValueError, match="^k head_dim"):
+        call(args)
+
+
+def test_spec_unsupported_head_dim():
+    with pytest.raises(ValueError, match="head_dim=48"):
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=48)
+
+
+def test_kv_cache_disagrees_with_spec():
+    spec = AttentionSpec(H, KVH, D)
+    with pytest.raises(ValueError, match="num_kv_heads=2, head_dim=64"):
+        KVCache(torch.zeros(NB, BS, KVH, 128), torch.zeros(NB, BS, KVH, 128), spec)
+
+
+# ---------------------------------------------------------------- block tables
+
+@pytest.mark.parametrize("entry", [NB, NB + 5, -1])
+def test_builder_block_table_entry_out_of_range(entry):
+    with pytest.raises(ValueError, match=r"seqs\[1\]\.block_table entry"):
+        builder().build([SequenceStep(1, 4, [0, 1]), SequenceStep(2, 0, [entry])])
+
+
+@pytest.mark.parametrize("entry", [NB, NB + 5, -1])
+def test_varlen_block_table_entry_out_of_range(entry):
+    with pytest.raises(ValueError, match=r"^block_table row 1"):
+        call(paged(block_table=i32([[2, 0], [entry, 1]])))
+
+
+def test_varlen_block_table_entries_past_the_context_are_ignored():
+    """FlashAttention only reads the blocks a sequence uses; padding entries may hold anything."""
+    with pytest.raises(KernelRan):  # i.e. validation passed
+        call(paged(block_table=i32([[2, 0, 99], [5, 1, -7]])))
+
+
+def test_builder_context_beyond_blocks():
+    with pytest.raises(ValueError, match=r"seqs\[0\]: context_len 7 \+ query_len 2 .* block_table has 2"):
+        builder().build([SequenceStep(2, 7, [0, 1])])
+
+
+def test_varlen_context_beyond_blocks():
+    with pytest.raises(ValueError, match="^seqused_k has a context of 9 tokens beyond"):
+        call(paged(seqused_k=i32([9, 4]), max_seqlen_k=9))
+
+
+def test_builder_table_wider_than_max_blocks_per_seq():
+    with pytest.raises(ValueError, match="max_blocks_per_seq"):
+        builder().build([SequenceStep(1, 0, [0, 1, 2, 3])])
+
+
+# ---------------------------------------------------------------- cu_seqlens
+
+@pytest.mark.parametrize("name,values", [
+    ("cu_seqlens_q", [0, 3, 2, 4]),
+    ("cu_seqlens_k", [0, 5, 4, 9]),
+])
+def test_non_monotonic_cu_seqlens(name, values):
+    args = contiguous(q=torch.randn(4, H, D), cu_seqlens_q=i32([0, 3, 3, 4]), cu_seqlens_k=i32([0, 5, 5, 9]))
+    args[name] = i32(values)
+    with pytest.raises(ValueError, match=f"^{name} must be non-decreasing"):
+        call(args)
+
+
+@pytest.mark.parametrize("name,values,msg", [
+    ("cu_seqlens_q", [1, 3, 4], "must start at 0"),
+    ("cu_seqlens_q", [0, 3, 5], "ends at 5"),
+    ("cu_seqlens_k", [0, 5, 10], "ends at 10"),
+])
+def test_cu_seqlens_bounds(name, values, msg):
+    args = contiguous()
+    args[name] = i32(values)
+    with pytest.raises(ValueError, match=f"^{name} {msg}"):
+        call(args)
+
+
+def test_cu_seqlens_lengths_disagree():
+    with pytest.raises(ValueError, match="^cu_seqlens_k has 2 entries"):
+        call(contiguous(cu_seqlens_k=i32([0, 9])))
+
+
+@pytest.mark.parametrize("name,value", [("max_seqlen_q", 2), ("max_seqlen_k", 4)])
+def test_max_seqlen_below_actual(name, value):
+    with pytest.raises(ValueError, match=f"^{name}={value}"):
+        call(contiguous(**{name: value}))
+
+
+# ---------------------------------------------------------------- slots
+
+@pytest.mark.parametrize("slot", [NB * BS, 10 ** 6, -2])
+def test_slot_out_of_range(slot):
+    with pytest.raises(ValueError, match="^slot_mapping entries must lie in"):
+        compileattn.write_kv_cache(**kv_write(slot_mapping=torch.tensor([0, slot, -1])))
+
+
+def test_slot_mapping_longer_than_tokens():
+    with pytest.raises(ValueError, match="^slot_mapping has 4 entries for 3 tokens"):
+        compileattn.write_kv_cache(**kv_write(slot_mapping=torch.tensor([0, 1, 2, 3])))
+
+
+# ---------------------------------------------------------------- K/V cache shapes
+
+def test_kv_cache_shapes_disagree():
+    spec = AttentionSpec(H, KVH, D)
+    with pytest.raises(ValueError, match="value_cache shape"):
+        KVCache(torch.zeros(NB, BS, KVH, D), torch.zeros(NB, 2 * BS, KVH, D), spec)
+
+
+def test_write_kv_cache_shapes_disagree():
+    with pytest.raises(ValueError, match=r"^key_cache .* and value_cache .* must agree"):
+        compileattn.write_kv_cache(**kv_write(value_cache=torch.zeros(NB + 1, BS, KVH, D)))
+    with pytest.raises(ValueError, match=r"key_cache \(kv_heads, head_dim\)"):
+        compileattn.write_kv_cache(**kv_write(key_cache=torch.zeros(NB, BS, 1, D),
+                                              value_cache=torch.zeros(NB, BS, 1, D)))
+    with pytest.raises(ValueError, match="^key and value"):
+        compileattn.write_kv_cache(**kv_write(value=torch.randn(2, KVH, D)))
+
+
+@pytest.mark.parametrize("make", [contiguous, paged])
+def test_varlen_kv_shapes_disagree(make):
+    args = make()
+    args["v"] = torch.randn(args["v"].shape[0] + 1, *args["v"].shape[1:])
+    with pytest.raises(ValueError, match=r"^k shape .* and v shape .* disagree"):
+        call(args)
+
+
+def test_paged_k_must_be_4d():
+    with pytest.raises(ValueError, match="^with block_table, k must be"):
+        call(paged(k=torch.randn(9, KVH, D), v=torch.randn(9, KVH, D)))
+
+
+# ---------------------------------------------------------------- other arguments
+
+def test_paged_needs_seqused_k():
+    with pytest.raises(ValueError, match="^seqused_k is required"):
+        call(paged(seqused_k=None))
+
+
+def test_seqused_k_negative():
+    with pytest.raises(ValueError, match="^seqused_k must be >= 0"):
+        call(paged(seqused_k=i32([5, -1])))
+
+
+def test_out_shape():
+    with pytest.raises(ValueError, match="^out has shape"):
+        call(contiguous(out=torch.empty(5, H, D)))
+
+
+@pytest.mark.parametrize("window,match", [((-2, 0), "window_size left"), ((3, 2), "window_size right"),
+                                          (3, "window_size must be")])
+def test_window_size(window, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(contiguous(window_size=window))
+
+
+def test_negative_softcap():
+    with pytest.raises(ValueError, match="^softcap"):
+        call(contiguous(softcap=-1.0))
+
+
+@pytest.mark.xfail(strict=True, raises=(AttributeError, RuntimeError),
+                   reason="functional.py computes the default max_seqlen_k from cu_seqlens_k before "
+                          "validating it (see the helper's report); remove this mark once fixed")
+def test_missing_cu_seqlens_k_is_named_even_without_max_seqlen():
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        call(contiguous(cu_seqlens_k=None, max_seqlen_k=None))
+
+
+# ---------------------------------------------------------------- the metadata builder
+
+@pytest.mark.parametrize("seqs,pad_to,match", [
+    ([], None, "^seqs"),
+    ([SequenceStep(0, 3, [0])], None, r"seqs\[0\]\.query_len"),
+    ([SequenceStep(2, -1, [0])], None, r"seqs\[0\]\.context_len"),
+    ([SequenceStep(2.0, 0, [0])], None, r"seqs\[0\]\.query_len"),
+    ([SequenceStep(3, 0, [0])], 2, "pad_to=2"),
+    ([SequenceStep(3, 0, [0])], 17, "max_num_tokens"),
+])
+def test_builder_rejects_bad_steps(seqs, pad_to, match):
+    with pytest.raises(ValueError, match=match):
+        builder().build(seqs, pad_to=pad_to)
+
+
+@pytest.mark.parametrize("name", ["block_size", "num_blocks", "max_num_tokens", "max_blocks_per_seq"])
+def test_builder_rejects_bad_sizes(name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        builder(**{name: 0})
+
+
+def test_builder_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="attention_backend='nope'"):
+        builder(backend="nope")
