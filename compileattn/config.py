@@ -35,6 +35,8 @@ class CompileConfig:
     """
 
     #: "auto" | "flash" | "triton" | "reference": the attention kernels (see backends/registry.py).
+    #: Read by whoever builds the per-step metadata from this config (Engine, demo, benchmarks):
+    #: the attention op runs the backend its step's metadata was planned for.
     attention_backend: str = "auto"
     #: Ops the graph is split at. Names "ns::op" or "ns::op.overload".
     splitting_ops: Sequence[str] = DEFAULT_SPLITTING_OPS
@@ -78,6 +80,13 @@ class CompileConfig:
         if self.cudagraph_capture_sizes is not None:
             return list(self.cudagraph_capture_sizes)
         return default_capture_sizes(self.max_capture_size)
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        """The capture size a step of ``num_tokens`` is padded to (itself if above every size)."""
+        for size in self.capture_sizes:
+            if size >= num_tokens:
+                return size
+        return num_tokens
 
     def resolved_cudagraph_mode(self, device_type: str) -> str:
         if self.cudagraph_mode != "auto":

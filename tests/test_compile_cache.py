@@ -1,0 +1,53 @@
+"""The compile cache across processes: a second process loads its pieces instead of compiling;
+changing the config (a key input) misses."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import compileattn as ca
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+    from compileattn import SequenceStep as S
+    model = OPTForCausalLM(OPTConfig.tiny(), seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), 16, 4, dtype=torch.float32)
+    b = ca.AttentionMetadataBuilder(block_size=4, num_blocks=16, max_num_tokens=32, max_blocks_per_seq=8)
+    compiled = torch.compile(model, backend="compileattn", fullgraph=True,
+                             options={"cache_dir": sys.argv[1], "max_capture_size": int(sys.argv[2])})
+    md = b.build([S(1, 4, [0, 1]), S(3, 0, [2])])
+    ids = torch.arange(md.num_tokens); pos = torch.arange(md.num_tokens)
+    torch._dynamo.mark_dynamic(ids, 0); torch._dynamo.mark_dynamic(pos, 0)
+    with ca.set_forward_context(md, caches):
+        out = compiled(ids, pos)
+    with ca.set_forward_context(md, caches):
+        ref = model(ids, pos)
+    print(json.dumps({**ca.counters.snapshot(), "max_err": (out - ref).abs().max().item()}))
+""")
+
+
+def _run(cache_dir, max_capture_size):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), str(max_capture_size)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_second_process_hits_and_config_change_misses(tmp_path):
+    pieces = 3  # OPT tiny: 2 layers -> 3 pieces
+    first = _run(tmp_path, 256)
+    assert (first["cache_misses"], first["cache_hits"], first["backend_compiles"]) == (pieces, 0, pieces)
+    second = _run(tmp_path, 256)
+    assert (second["cache_misses"], second["cache_hits"], second["backend_compiles"]) == (0, pieces, 0)
+    assert second["max_err"] < 1e-4
+    changed = _run(tmp_path, 128)
+    assert (changed["cache_misses"], changed["cache_hits"], changed["backend_compiles"]) == (pieces, 0, pieces)
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2

@@ -1,0 +1,120 @@
+"""CUDA-graph runtime on a GPU: piecewise and full-decode modes equal eager, through padding, at
+every capture size hit; replay counts; one shared pool; the address check. CI skips these."""
+import random
+
+import pytest
+import torch
+
+import compileattn as ca
+from compileattn.backend import compileattn_backend
+from compileattn.cudagraph import CudaGraphAddressError
+from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
+from compileattn.testing import assert_matches_eager, random_step
+
+pytestmark = pytest.mark.cuda
+
+BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 512, 64
+SIZES = [1, 2, 4, 8, 16, 24, 32]
+
+
+class _Runtimes:
+    """A compileattn backend that remembers the runtimes it built (for pool and graph checks)."""
+
+    def __init__(self, **options):
+        self.options = options
+        self.built = []
+
+    def __call__(self, gm, example_inputs):
+        runtime = compileattn_backend(gm, example_inputs, options=self.options)
+        self.built.append(runtime)
+        return runtime
+
+
+def _setup(dtype, backend="auto", layers=2):
+    model = LlamaForCausalLM(LlamaConfig.tiny(num_layers=layers, head_dim=64), dtype=dtype, device="cuda", seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=dtype, device="cuda")
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=16, device="cuda", backend=backend)
+    ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device="cuda")
+    pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device="cuda")
+
+    def make_inputs(n):
+        ids_buf[:n].random_(0, model.config.vocab_size)
+        pos_buf[:n].random_(0, 200)
+        ids, pos = ids_buf[:n], pos_buf[:n]
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        return ids, pos
+
+    return model, caches, builder, make_inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_piecewise_graphs_equal_eager_through_padding(dtype):
+    model, caches, builder, make_inputs = _setup(dtype)
+    cfg = ca.CompileConfig(cudagraph_mode="piecewise", cudagraph_capture_sizes=SIZES)
+    backend = _Runtimes(config=cfg)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(0)
+    hit = set()
+    steps = 0
+    for i in range(30):
+        seqs = random_step(rng, num_seqs=rng.randint(1, 5), block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                           max_query_len=6, max_context_len=100)
+        n = sum(s.query_len for s in seqs)
+        pad = cfg.padded_num_tokens(n)
+        hit.add(pad)
+        with ca.counters.expect(cudagraph_replays=1):
+            assert_matches_eager(model, compiled, builder, caches, seqs, make_inputs, pad_to=pad)
+        steps += 1
+    (runtime,) = backend.built
+    pieces = [getattr(runtime.split_gm, p.name) for p in runtime.pieces if not p.is_splitting_op]
+    for piece in pieces:
+        assert set(piece.graphs.graphs) == hit  # one graph per capture size hit, per piece
+        assert piece.graphs.pool is runtime.pool  # all graphs share one pool
+    assert runtime.graph_pool_bytes() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_full_decode_graphs_equal_eager(dtype):
+    from compileattn.backends.registry import get_backend
+
+    try:
+        backend_name = "triton"
+        get_backend(backend_name, "cuda")
+    except ImportError as exc:
+        pytest.skip(f"no capturable attention backend: {exc}")
+    model, caches, builder, make_inputs = _setup(dtype, backend=backend_name)
+    cfg = ca.CompileConfig(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=SIZES)
+    backend = _Runtimes(config=cfg)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(1)
+    for i in range(20):
+        decode = i % 2 == 0
+        seqs = random_step(rng, num_seqs=rng.randint(1, 7), block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                           max_query_len=5, max_context_len=150, decode_fraction=1.0 if decode else 0.3)
+        pad = cfg.padded_num_tokens(sum(s.query_len for s in seqs))
+        assert_matches_eager(model, compiled, builder, caches, seqs, make_inputs, pad_to=pad)
+    (runtime,) = backend.built
+    assert runtime._full, "uniform-decode steps should have used full graphs"
+    assert ca.counters.cudagraph_replays >= 20
+
+
+def test_replays_equal_steps_and_address_check_catches_moved_input():
+    model, caches, builder, make_inputs = _setup(torch.float16)
+    cfg = ca.CompileConfig(cudagraph_mode="piecewise", cudagraph_capture_sizes=SIZES)
+    compiled = torch.compile(model, backend=_Runtimes(config=cfg), fullgraph=True)
+    seqs = [ca.SequenceStep(1, 10, [0]), ca.SequenceStep(3, 0, [1])]
+    md = builder.build(seqs, pad_to=4)
+    with ca.counters.expect(cudagraph_replays=5, cudagraph_captures=3):  # 3 pieces, 1 size
+        for _ in range(5):
+            ids, pos = make_inputs(4)
+            with ca.set_forward_context(md, caches):
+                compiled(ids, pos)
+    # A fresh size: capture, then its first replay with the ids moved to a new address must raise.
+    md8 = builder.build(seqs, pad_to=8)
+    ids, pos = make_inputs(8)
+    with ca.set_forward_context(md8, caches):
+        compiled(ids, pos)
+        with pytest.raises(CudaGraphAddressError, match="input"):
+            compiled(ids.clone(), pos)

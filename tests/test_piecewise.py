@@ -1,0 +1,118 @@
+"""The compileattn torch.compile backend on CPU: split, piecewise compile, equality with eager."""
+import random
+import warnings
+
+import pytest
+import torch
+
+import compileattn as ca
+from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
+from compileattn.models.opt import OPTConfig, OPTForCausalLM
+from compileattn.testing import assert_matches_eager, random_step
+
+BLOCK = 4
+NUM_BLOCKS = 128
+
+
+def _setup(model):
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=256,
+                                          max_blocks_per_seq=32)
+    return caches, builder
+
+
+def _inputs(vocab):
+    def make(n):
+        ids = torch.randint(0, vocab, (n,))
+        pos = torch.randint(0, 60, (n,))
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        return ids, pos
+    return make
+
+
+MODELS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig.tiny(num_layers=3), seed=1),
+    "opt": lambda: OPTForCausalLM(OPTConfig.tiny(), seed=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_compiled_equals_eager_on_ragged_batches_with_one_compile(name):
+    model = MODELS[name]()
+    layers = len(model.attention_specs())
+    caches, builder = _setup(model)
+    compiled = torch.compile(model, backend="compileattn", fullgraph=True)
+    rng = random.Random(0)
+    sizes = set()
+    with ca.counters.expect(dynamo_graphs=1, pieces=layers + 1, backend_compiles=layers + 1):
+        for i in range(12):
+            seqs = random_step(rng, num_seqs=rng.randint(1, 6), block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                               max_query_len=9, max_context_len=30)
+            pad = sum(s.query_len for s in seqs) + (i % 3)  # some steps padded
+            sizes.add(pad)
+            assert_matches_eager(model, compiled, builder, caches, seqs, _inputs(model.config.vocab_size),
+                                 pad_to=pad)
+    assert len(sizes) > 5
+
+
+@pytest.mark.parametrize("piece_compiler", ["eager", "aot_eager"])
+def test_debug_piece_compilers(piece_compiler):
+    model = MODELS["llama"]()
+    caches, builder = _setup(model)
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": piece_compiler})
+    rng = random.Random(1)
+    for _ in range(3):
+        seqs = random_step(rng, num_seqs=3, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+        assert_matches_eager(model, compiled, builder, caches, seqs, _inputs(model.config.vocab_size))
+
+
+def test_config_object_and_unknown_option():
+    model = MODELS["opt"]()
+    caches, builder = _setup(model)
+    cfg = ca.CompileConfig(piece_compiler="eager", hoist_shape_logic=False)
+    compiled = torch.compile(model, backend="compileattn", options={"config": cfg})
+    seqs = random_step(random.Random(2), num_seqs=2, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    assert_matches_eager(model, compiled, builder, caches, seqs, _inputs(model.config.vocab_size))
+    with pytest.raises(TypeError, match="piece_compilr"):
+        ca.CompileConfig.from_options({"piece_compilr": "eager"})
+
+
+def test_splitting_op_runs_without_the_dispatcher():
+    """The split graph calls attention_impl directly: the op's dispatcher entry is never hit."""
+    model = MODELS["opt"]()
+    caches, builder = _setup(model)
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "eager"})
+    seqs = random_step(random.Random(3), num_seqs=2, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    assert_matches_eager(model, compiled, builder, caches, seqs, _inputs(model.config.vocab_size))
+    md = builder.build(seqs)
+    ids, pos = _inputs(model.config.vocab_size)(md.num_tokens)
+    calls = []
+    with warnings.catch_warnings(), torch.library._scoped_library("compileattn", "IMPL") as lib:
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel" is the point
+        lib.impl("attention", lambda *a: calls.append(a[-1]), "CompositeExplicitAutograd")
+        with ca.set_forward_context(md, caches):
+            compiled(ids, pos)
+            assert calls == []
+            q = torch.zeros(1, 2, 32)
+            torch.ops.compileattn.attention(q, q, q, q, "control")  # the override does catch dispatches
+    assert calls == ["control"]
+
+
+def test_no_graph_break_and_one_op_node_per_layer():
+    model = MODELS["llama"]()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    caches, builder = _setup(model)
+    seqs = random_step(random.Random(4), num_seqs=2, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    md = builder.build(seqs)
+    with ca.set_forward_context(md, caches):
+        compiled(*_inputs(model.config.vocab_size)(md.num_tokens))
+    assert len(graphs) == 1
+    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "compileattn" in str(n.target)]
+    assert len(ops) == len(model.attention_specs())
