@@ -42,8 +42,6 @@ class CompileConfig:
     splitting_ops: Sequence[str] = DEFAULT_SPLITTING_OPS
     #: What compiles each piece. "eager"/"aot_eager" are for debugging the split itself.
     piece_compiler: PieceCompiler = "inductor"
-    #: Token counts compiled as static shapes in addition to the dynamic-shape compile.
-    compile_sizes: Sequence[int] = ()
     #: "auto" = "full_and_piecewise" on CUDA, "none" elsewhere.
     cudagraph_mode: CudaGraphMode = "auto"
     #: Token counts captured as CUDA graphs; None = default_capture_sizes(max_capture_size).
@@ -73,7 +71,6 @@ class CompileConfig:
                 raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
             self.cudagraph_capture_sizes = sorted({int(s) for s in sizes})
         self.splitting_ops = tuple(self.splitting_ops)
-        self.compile_sizes = tuple(sorted({int(s) for s in self.compile_sizes}))
 
     @property
     def capture_sizes(self) -> list[int]:
