@@ -1,0 +1,209 @@
+"""The per-step metadata builder and the forward context.
+
+The builder is where all of a step's shape logic lives (so the per-layer op does none), and its
+device tensors must stay at fixed addresses across steps (so a captured CUDA graph reads the next
+step's metadata). Expected values here are computed independently: by hand for small cases, and
+with the naive slot formula (tests/naive.py) for drawn ones.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import compileattn
+import naive
+from compileattn import (AttentionMetadata, AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep,
+                         allocate_kv_caches, get_forward_context, set_forward_context)
+from compileattn.backends.reference import ReferenceBackend
+
+BS, NB = 4, 16
+
+
+def builder(**over):
+    kw = dict(block_size=BS, num_blocks=NB, max_num_tokens=32, max_blocks_per_seq=4, backend="reference")
+    kw.update(over)
+    return AttentionMetadataBuilder(**kw)
+
+
+#: decode at position 5 (blocks 7, 2); prefill of 3 (block 4); chunk of 2 after 3 cached (blocks 1, 5).
+SEQS = [SequenceStep(1, 5, [7, 2]), SequenceStep(3, 0, [4]), SequenceStep(2, 3, [1, 5])]
+
+
+def test_slot_mapping_by_hand():
+    md = builder().build(SEQS)
+    # decode pos 5 -> block 2 offset 1; prefill pos 0..2 -> block 4; chunk pos 3, 4 -> block 1 off 3, block 5 off 0
+    assert md.slot_mapping.tolist() == [2 * 4 + 1, 16, 17, 18, 1 * 4 + 3, 5 * 4 + 0]
+    assert md.slot_mapping.dtype == torch.int64
+
+
+def test_lengths_and_cu_seqlens():
+    md = builder().build(SEQS)
+    assert md.query_start_loc.tolist() == [0, 1, 4, 6]
+    assert md.query_start_loc.dtype == torch.int32
+    assert md.seq_lens.tolist() == [6, 3, 5] and md.seq_lens.dtype == torch.int32
+    assert md.query_lens_cpu.tolist() == [1, 3, 2] and md.seq_lens_cpu.tolist() == [6, 3, 5]
+    assert md.query_lens_cpu.device.type == "cpu"
+    assert (md.max_query_len, md.max_seq_len) == (3, 6)
+    assert (md.num_actual_tokens, md.num_tokens, md.num_actual_seqs, md.num_seqs) == (6, 6, 3, 3)
+    assert md.block_size == BS
+    assert md.block_table.dtype == torch.int32 and md.block_table.shape == (3, 4)
+    assert md.block_table[:, :2].tolist() == [[7, 2], [4, 0], [1, 5]]
+
+
+def test_decode_prefill_split():
+    md = builder().build([SequenceStep(1, 3, [0]), SequenceStep(1, 0, [1])] + SEQS[1:])
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills, md.is_uniform_decode) == (2, 2, 2, False)
+    md = builder().build([SequenceStep(1, 3, [0]), SequenceStep(1, 7, [1, 2])])
+    assert (md.num_decodes, md.num_prefills, md.is_uniform_decode) == (2, 0, True)
+    md = builder().build([SequenceStep(4, 0, [0])])
+    assert (md.num_decodes, md.num_prefills, md.is_uniform_decode) == (0, 1, False)
+    # Only the leading q_len == 1 run counts: a decode after a prefill is not in the decode part.
+    md = builder().build([SequenceStep(1, 3, [0]), SequenceStep(3, 0, [1]), SequenceStep(1, 2, [2])])
+    assert md.num_decodes == 1
+
+
+def test_padding():
+    md = builder().build(SEQS, pad_to=9)
+    assert (md.num_actual_tokens, md.num_tokens, md.num_actual_seqs, md.num_seqs) == (6, 9, 3, 6)
+    assert md.query_lens_cpu.tolist() == [1, 3, 2, 1, 1, 1]
+    assert md.seq_lens.tolist() == [6, 3, 5, 0, 0, 0]
+    assert md.query_start_loc.tolist() == [0, 1, 4, 6, 7, 8, 9]
+    assert md.slot_mapping.tolist()[6:] == [-1, -1, -1]
+    assert md.slot_mapping.tolist()[:6] == builder().build(SEQS).slot_mapping.tolist()
+    assert (md.max_query_len, md.max_seq_len) == (3, 6), "padding must not change the max lengths"
+    assert md.num_decodes == 1 and md.num_prefills == 2
+
+
+def test_padding_writes_nowhere_and_outputs_zero():
+    spec = AttentionSpec(4, 2, 64)
+    caches = allocate_kv_caches({"l0": spec}, num_blocks=NB, block_size=BS, dtype=torch.float32)
+    before_k = caches["l0"].key_cache.clone()
+    md = builder().build(SEQS, pad_to=10)
+    q = torch.randn(10, 4, 64)
+    k, v = torch.randn(10, 2, 64), torch.randn(10, 2, 64)
+    out = torch.full_like(q, float("nan"))
+    with set_forward_context(md, caches):
+        torch.ops.compileattn.attention(q, k, v, out, "l0")
+    assert torch.equal(out[6:], torch.zeros(4, 4, 64))
+    assert not out[:6].isnan().any()
+    flat = caches["l0"].key_cache.view(-1, 2, 64)
+    written = set(md.slot_mapping[:6].tolist())
+    for s in range(flat.shape[0]):
+        if s not in written:
+            assert torch.equal(flat[s], before_k.view(-1, 2, 64)[s]), f"slot {s} was written by padding"
+    for t, s in enumerate(md.slot_mapping[:6].tolist()):
+        assert torch.equal(flat[s], k[t])
+
+
+def test_persistent_buffers_keep_their_addresses():
+    b = builder()
+    first = b.build(SEQS, pad_to=8)
+    ptrs = {n: getattr(first, n).data_ptr() for n in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")}
+    second = b.build([SequenceStep(1, 9, [3, 8, 9]), SequenceStep(2, 0, [6])], pad_to=4)
+    for n, p in ptrs.items():
+        assert getattr(second, n).data_ptr() == p, f"{n} moved between steps"
+    # ... and the second step's values are its own, not the first step's leftovers.
+    assert second.query_start_loc.tolist() == [0, 1, 3, 4]
+    assert second.seq_lens.tolist() == [10, 2, 0]
+    assert second.slot_mapping.tolist() == [9 * 4 + 1, 24, 25, -1]
+    assert second.block_table[:2, :3].tolist() == [[3, 8, 9], [6, 0, 0]]
+    assert first.buffers is second.buffers
+
+
+def test_persistent_buffer_shape_conflict_raises():
+    b = builder()
+    b.buffers.get("x", (4,), torch.int32)
+    with pytest.raises(RuntimeError, match="'x'"):
+        b.buffers.get("x", (5,), torch.int32)
+
+
+def test_backend_plans_once_per_step(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ReferenceBackend, "plan", lambda self, md, buffers: calls.append(md) or "the plan")
+    md = builder().build(SEQS)
+    assert len(calls) == 1 and calls[0] is md
+    assert md.plan_for(md.backend) == "the plan"
+    assert md.plan_for(md.backend) == "the plan"
+    assert len(calls) == 1, "plan_for must memoise the step's plan"
+
+
+@st.composite
+def drawn_steps(draw):
+    n = draw(st.integers(1, 5))
+    lens = [(draw(st.integers(1, 6)), draw(st.integers(0, 9))) for _ in range(n)]
+    return lens, draw(st.integers(0, 4)), draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(drawn=drawn_steps(), block_size=st.sampled_from([1, 2, 4, 16]))
+def test_slot_mapping_matches_naive(drawn, block_size):
+    lens, pad, seed = drawn
+    totals = [q + c for q, c in lens]
+    num_blocks = sum(-(-t // block_size) for t in totals) + 3
+    tables = naive.assign_blocks(totals, block_size, num_blocks, random.Random(seed))
+    b = builder(block_size=block_size, num_blocks=num_blocks, max_num_tokens=64,
+                max_blocks_per_seq=max(len(t) for t in tables))
+    md = b.build([SequenceStep(q, c, t) for (q, c), t in zip(lens, tables)], pad_to=sum(q for q, _ in lens) + pad)
+    want = [naive.slot_of(t, p, block_size) for (q, c), t in zip(lens, tables) for p in range(c, c + q)]
+    assert md.slot_mapping.tolist() == want + [-1] * pad
+    assert md.query_start_loc.tolist() == naive.cu_seqlens([q for q, _ in lens] + [1] * pad).tolist()
+    assert md.seq_lens.tolist() == totals + [0] * pad
+
+
+# ---------------------------------------------------------------- forward context
+
+def _caches(block_size=BS, device="cpu"):
+    spec = AttentionSpec(4, 2, 64)
+    return {"l0": KVCache(torch.zeros(NB, block_size, 2, 64, device=device),
+                          torch.zeros(NB, block_size, 2, 64, device=device), spec)}
+
+
+def test_forward_context_is_scoped_and_nests():
+    md1, md2 = builder().build(SEQS), builder().build(SEQS[:1])
+    with pytest.raises(RuntimeError, match="no forward context"):
+        get_forward_context()
+    with set_forward_context(md1, _caches()) as ctx1:
+        assert get_forward_context() is ctx1 and ctx1.metadata is md1
+        with set_forward_context(md2, _caches()):
+            assert get_forward_context().metadata is md2
+        assert get_forward_context() is ctx1
+    with pytest.raises(RuntimeError, match="no forward context"):
+        get_forward_context()
+
+
+def test_forward_context_restored_after_an_exception():
+    with pytest.raises(KeyError):
+        with set_forward_context(builder().build(SEQS), _caches()):
+            raise KeyError("boom")
+    with pytest.raises(RuntimeError):
+        get_forward_context()
+
+
+def test_forward_context_block_size_mismatch():
+    with pytest.raises(ValueError, match=r"kv_caches\['l0'\] has block_size 8, metadata has 4"):
+        with set_forward_context(builder().build(SEQS), _caches(block_size=8)):
+            pass
+
+
+def test_forward_context_device_mismatch():
+    with pytest.raises(ValueError, match=r"kv_caches\['l0'\] is on meta, metadata on cpu"):
+        with set_forward_context(builder().build(SEQS), _caches(device="meta")):
+            pass
+
+
+def test_forward_context_type_checks():
+    with pytest.raises(TypeError, match="metadata"):
+        with set_forward_context("not metadata", _caches()):
+            pass
+    with pytest.raises(TypeError, match=r"kv_caches\['l0'\]"):
+        with set_forward_context(builder().build(SEQS), {"l0": torch.zeros(NB, BS, 2, 64)}):
+            pass
+
+
+def test_public_names():
+    assert compileattn.AttentionMetadata is AttentionMetadata
+    assert isinstance(builder().build(SEQS), AttentionMetadata)
