@@ -383,3 +383,16 @@ def test_write_kv_cache_ignores_tokens_past_the_slot_mapping():
     assert torch.equal(key_cache[1, 1, 0], key[0, 0]) and torch.equal(key_cache[0, 0, 0], key[1, 0])
     assert torch.equal(value_cache[1, 1, 0], value[0, 0]) and torch.equal(value_cache[0, 0, 0], value[1, 0])
     assert int((key_cache != 0).any(-1).sum()) == 2
+
+
+@pytest.mark.xfail(strict=True, reason="functional.py ignores window_size right=0 when causal=False; "
+                                       "FlashAttention treats (w, 0) as causal (see the helper's report)")
+@pytest.mark.parametrize("window_left", [-1, 2])
+def test_right_window_zero_is_causal(window_left):
+    """In FlashAttention a right window of 0 hides every later key, i.e. it is causal masking."""
+    case = Case(2, 2, 64, q_lens=[5], k_lens=[5], causal=True, window_left=window_left, seed=9)
+    qs, ks, vs = make_seqs(case)
+    out = compileattn.flash_attn_varlen_func(
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), naive.cu_seqlens([5]), naive.cu_seqlens([5]),
+        causal=False, window_size=(window_left, 0), backend="reference")
+    assert_close(out, expected(case, qs, ks, vs), case.dtype)
