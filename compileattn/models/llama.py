@@ -1,0 +1,211 @@
+"""Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU) with random weights, for driving the compiler.
+
+Module paths follow Hugging Face's (``model.layers.{i}.self_attn.attn``) so a layer's KV-cache key
+is also its module path. Two constraints shape ``forward``:
+
+- It must trace with ``torch.compile(fullgraph=True)`` with the token dim dynamic, so no Python
+  branches on tensor values and no shape arithmetic beyond what Dynamo can keep symbolic.
+- The attention op receives contiguous (tokens, heads*head_dim) inputs: the fused qkv projection is
+  split into strided views, and FlashAttention kernels (and CUDA-graph address checks) want dense
+  tensors, so RoPE writes fresh q/k and v is made contiguous explicitly.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..kv_cache import AttentionSpec, check_gqa, check_head_dim
+from .attention import Attention
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    #: Tokens to the left a query sees (Mistral-style); -1 = full causal attention.
+    sliding_window: int = -1
+    max_position: int = 4096
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        check_gqa(self.num_heads, self.num_kv_heads)
+        check_head_dim(self.head_dim)
+        for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "max_position"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sliding_window < -1:
+            raise ValueError(f"sliding_window must be -1 (off) or >= 0, got {self.sliding_window}")
+
+    @classmethod
+    def tiny(cls, **overrides) -> "LlamaConfig":
+        """CPU tests: a few hundred thousand parameters, GQA 4:2, head dim 32."""
+        return dataclasses.replace(cls(), **overrides)
+
+    @classmethod
+    def small(cls, **overrides) -> "LlamaConfig":
+        """The demo's default: big enough that a step takes measurable time, small enough to compile
+        in seconds on a 2-core CPU."""
+        base = cls(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
+                   head_dim=32, intermediate_size=768)
+        return dataclasses.replace(base, **overrides)
+
+    @classmethod
+    def llama3_8b(cls, **overrides) -> "LlamaConfig":
+        """Llama-3-8B's shapes (without its RoPE frequency scaling, which changes no kernel shape)."""
+        base = cls(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                   head_dim=128, intermediate_size=14336, rope_theta=500000.0, max_position=8192)
+        return dataclasses.replace(base, **overrides)
+
+
+def init_random_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic random weights: N(0, std) for every Linear/Embedding parameter (biases too, so
+    a test notices a dropped bias), ones/zeros for norms.
+
+    Drawn with a generator on the parameters' device, in their dtype: an 8B model is filled in a
+    second on a GPU instead of minutes through the CPU. The same seed therefore gives the same
+    weights on the same device type, not across CPU and CUDA.
+    """
+    params = list(module.parameters())
+    if not params:
+        return
+    gen = torch.Generator(device=params[0].device).manual_seed(seed)
+    with torch.no_grad():
+        for name, sub in module.named_modules():
+            if isinstance(sub, (nn.Linear, nn.Embedding)):
+                for p in sub.parameters(recurse=False):
+                    p.normal_(0.0, std, generator=gen)
+            elif isinstance(sub, (RMSNorm, nn.LayerNorm)):
+                sub.weight.fill_(1.0)
+                if getattr(sub, "bias", None) is not None:
+                    sub.bias.zero_()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32 as HF/vLLM do: fp16 squares of activations overflow past ~256.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos/sin (tokens, head_dim/2) computed from ``positions`` in fp32, then cast to ``dtype``."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX/HF "rotate half" RoPE on x (tokens, heads, head_dim); returns a new contiguous tensor."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_name: str):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        spec = AttentionSpec(c.num_heads, c.num_kv_heads, c.head_dim, sliding_window=c.sliding_window)
+        self.attn = Attention(spec, layer_name)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.reshape(n, self.num_heads, self.head_dim), cos, sin).reshape(n, self.q_size)
+        k = apply_rope(k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin).reshape(n, self.kv_size)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, f"model.layers.{index}.self_attn.attn")
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Random-weight Llama. ``forward`` -> hidden states; ``compute_logits`` is separate so a driver
+    can gather the rows it samples from first (and so it stays out of the compiled graph)."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", seed: int = 0):
+        super().__init__()
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        self.config = config
+        # Built on the meta device and materialised once: nn.Linear's own init would fill 8B
+        # parameters only for init_random_weights to overwrite them.
+        with torch.device("meta"):
+            self.model = LlamaModel(config)
+            self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False)
+        self.to_empty(device=device)
+        self.to(dtype)
+        # Inference only: without this every compile would also trace a backward graph.
+        self.requires_grad_(False)
+        init_random_weights(self, seed)
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: int64 (tokens,) -> hidden (tokens, hidden_size)."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> fp32 (N, vocab); fp32 so greedy ties are not made by rounding the logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def attention_specs(self) -> dict[str, AttentionSpec]:
+        return {layer.self_attn.attn.layer_name: layer.self_attn.attn.spec for layer in self.model.layers}
