@@ -26,10 +26,11 @@ def flash_attn_varlen_func(
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair, got {window_size!r}")
     window_left, window_right = int(window_size[0]), int(window_size[1])
-    if window_right not in (-1, 0) and causal:
-        raise ValueError(f"window_size right={window_right} contradicts causal=True")
     if window_right not in (-1, 0):
-        raise ValueError(f"window_size right={window_right} is not supported (only left windows)")
+        raise ValueError(f"window_size right={window_right} is not supported (only -1 or 0: compileattn "
+                         f"serves decoders, whose windows look left)")
+    # FlashAttention: a right window of 0 hides every later key, which is exactly causal masking.
+    causal = causal or window_right == 0
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
     if max_seqlen_k is None:

@@ -385,8 +385,6 @@ def test_write_kv_cache_ignores_tokens_past_the_slot_mapping():
     assert int((key_cache != 0).any(-1).sum()) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="functional.py ignores window_size right=0 when causal=False; "
-                                       "FlashAttention treats (w, 0) as causal (see the helper's report)")
 @pytest.mark.parametrize("window_left", [-1, 2])
 def test_right_window_zero_is_causal(window_left):
     """In FlashAttention a right window of 0 hides every later key, i.e. it is causal masking."""
