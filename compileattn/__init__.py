@@ -19,10 +19,10 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # Imported lazily: they pull in torch._dynamo / Inductor, which costs seconds at import.
-    if name == "compile":
-        from .decorator import compile
+    if name in ("compile", "RecompileError"):
+        from . import decorator
 
-        return compile
+        return getattr(decorator, name)
     if name == "compileattn_backend":
         from .backend import compileattn_backend
 
@@ -32,6 +32,6 @@ def __getattr__(name):
 
 __all__ = [
     "AttentionMetadata", "AttentionMetadataBuilder", "AttentionSpec", "CompileConfig", "KVCache",
-    "SequenceStep", "allocate_kv_caches", "compile", "compileattn_backend", "counters",
+    "RecompileError", "SequenceStep", "allocate_kv_caches", "compile", "compileattn_backend", "counters",
     "flash_attn_varlen_func", "get_forward_context", "set_forward_context", "write_kv_cache",
 ]

@@ -15,7 +15,7 @@ PieceCompiler = Literal["inductor", "aot_eager", "eager"]
 CudaGraphMode = Literal["auto", "none", "piecewise", "full_and_piecewise"]
 
 DEFAULT_SPLITTING_OPS = ("compileattn::attention",)
-_NOT_HASHED = frozenset({"debug_dump_dir", "cache_dir", "check_input_addresses"})
+_NOT_HASHED = frozenset({"debug_dump_dir", "cache_dir", "check_input_addresses", "disable"})
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
@@ -55,6 +55,8 @@ class CompileConfig:
     cache_dir: str | None = None
     #: Where depyf writes decompiled code, graphs and pieces; None disables the dump.
     debug_dump_dir: str | None = None
+    #: Run @compileattn.compile functions eagerly (also COMPILEATTN_DISABLE=1), for bisecting.
+    disable: bool = False
     #: Verify on the first replay of every size that piece inputs live where they were captured.
     check_input_addresses: bool = True
 

@@ -25,9 +25,9 @@ class _Runtimes:
         self.built = []
 
     def __call__(self, gm, example_inputs):
-        runtime = compileattn_backend(gm, example_inputs, options=self.options)
-        self.built.append(runtime)
-        return runtime
+        compiled = compileattn_backend(gm, example_inputs, options=self.options)
+        self.built.append(compiled.__self__)
+        return compiled
 
 
 def _setup(dtype, backend="auto", layers=2):
