@@ -31,6 +31,9 @@ def flash_attn_varlen_func(
                          f"serves decoders, whose windows look left)")
     # FlashAttention: a right window of 0 hides every later key, which is exactly causal masking.
     causal = causal or window_right == 0
+    # Structure first: the defaults below read the index tensors, which must exist and be tensors.
+    check_varlen_args(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, 0, 0,
+                      window_left, softcap, check_values=False)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
     if max_seqlen_k is None:

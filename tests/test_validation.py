@@ -357,9 +357,6 @@ def test_negative_softcap():
         call(contiguous(softcap=-1.0))
 
 
-@pytest.mark.xfail(strict=True, raises=(AttributeError, RuntimeError),
-                   reason="functional.py computes the default max_seqlen_k from cu_seqlens_k before "
-                          "validating it (see the helper's report); remove this mark once fixed")
 def test_missing_cu_seqlens_k_is_named_even_without_max_seqlen():
     with pytest.raises(ValueError, match="cu_seqlens_k"):
         call(contiguous(cu_seqlens_k=None, max_seqlen_k=None))
