@@ -1,0 +1,519 @@
+"""Shared helpers of the benchmark scripts: environment record, result files, GPU timing.
+
+Why the timing works the way it does:
+
+- GPU time of a kernel is measured by capturing ``iters`` calls in one CUDA graph and timing its
+  replays with CUDA events (``gpu_time_us``). Timing eager calls with events would measure the
+  CPU's launch rate instead whenever a call's Python/launch cost exceeds its GPU time (FA4's
+  Python entry costs ~100 µs, longer than most decode kernels), which is exactly what a decode
+  benchmark must not hide. When capture fails, the fallback is events around ``iters`` eager
+  calls, and the result says so (``method``).
+- ``rotations``: the timed calls cycle over that many copies of the inputs, so that a small KV
+  cache (4 MiB at batch 1 / context 1024) is not served from the 50 MiB L2 on every call after
+  the first; in a model the other layers evict it between two calls of one layer.
+- The memory floor of a kernel is the bytes it must read divided by the device-to-device copy
+  bandwidth measured in the same process (``copy_bandwidth``), which counts bytes read plus bytes
+  written, the convention of every "achieved bandwidth" figure.
+
+No CUDA is needed to import this module (the scripts print "needs CUDA" and exit 0 on a CPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+MiB = 1 << 20
+
+#: Environment variables recorded with every result (they change what runs or how it compiles).
+_ENV_PREFIXES = ("COMPILEATTN_", "TORCHINDUCTOR_", "TRITON_", "CUDA_VISIBLE_DEVICES", "PYTHONPATH",
+                 "FLASHINFER_", "TORCH_COMPILE", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def ensure_repo_on_path() -> None:
+    """Make ``compileattn`` and ``passes`` importable when a script is run as ``python benchmarks/x.py``
+    without ``PYTHONPATH=.``."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+class Log:
+    """``log("...")`` prints with the seconds since start and flushes: the device run's output is
+    read from a tail after the fact, and a stalled step must be visible as the last line."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.elapsed():7.1f}s] {msg}", flush=True)
+
+
+class Budget:
+    """A wall-clock budget: work past the deadline is skipped (and reported as skipped), so a run
+    always ends in time to write what it measured. ``seconds`` <= 0 means no limit."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds if seconds and seconds > 0 else None
+        self.start = time.monotonic()
+
+    def left(self) -> float:
+        if self.seconds is None:
+            return math.inf
+        return self.seconds - (time.monotonic() - self.start)
+
+    def exceeded(self, reserve: float = 0.0) -> bool:
+        return self.left() < reserve
+
+    def reason(self) -> str:
+        return f"skipped: time budget of {self.seconds:.0f} s used up (raise --budget-s)"
+
+
+def cuda_missing_message(script: str) -> str | None:
+    """None when CUDA is usable, else the one-line explanation the script prints before exiting 0."""
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001
+        return f"{script}: needs CUDA and PyTorch; torch is not importable ({exc}). Nothing measured."
+    if torch.cuda.is_available():
+        return None
+    return (f"{script}: needs CUDA (torch {torch.__version__} sees no GPU); nothing measured. "
+            f"Run it on a CUDA machine, see benchmarks/README.md.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment record
+
+
+def package_version(dists: Sequence[str], module: str | None = None) -> str | None:
+    """Installed version of the first of ``dists`` found, else ``module.__version__`` if that module
+    imports, else None. Packs unpacked onto PYTHONPATH keep their ``*.dist-info``, so
+    ``importlib.metadata`` finds them without importing (FlashInfer's import JIT-loads kernels)."""
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001  (a broken dist-info is "unknown", not a crash)
+            continue
+    if module is not None:
+        try:
+            return str(getattr(importlib.import_module(module), "__version__", "unknown"))
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        commit = out.stdout.strip() if out.returncode == 0 else None
+        if commit:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=10)
+            if dirty.returncode == 0 and dirty.stdout.strip():
+                commit += "+dirty"
+        return commit
+    except Exception:  # noqa: BLE001  (the device copy of the tree may have no .git)
+        return None
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    argv = list(sys.argv if argv is None else argv)
+    return shlex.join([os.path.basename(sys.executable), *argv])
+
+
+def gpu_record(device: Any = None) -> dict[str, Any] | None:
+    try:
+        import torch
+    except Exception:  # noqa: BLE001
+        return None
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    props = torch.cuda.get_device_properties(index)
+    return {
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "memory_GiB": round(props.total_memory / 2**30, 1),
+        "l2_MiB": round(l2_cache_bytes(index) / MiB, 1),
+        "device_count": torch.cuda.device_count(),
+    }
+
+
+def environment(argv: Sequence[str] | None = None, **extra: Any) -> dict[str, Any]:
+    """Everything needed to reproduce or distrust a result: GPU, versions, the exact command."""
+    try:
+        import torch
+        torch_version, cuda_version = torch.__version__, torch.version.cuda
+    except Exception:  # noqa: BLE001
+        torch_version = cuda_version = None
+    env = {
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "command": command_line(argv),
+        "cwd": os.getcwd(),
+        "git_commit": git_commit(),
+        "gpu": gpu_record(),
+        "versions": {
+            "torch": torch_version,
+            "cuda": cuda_version,
+            "triton": package_version(["triton"]),
+            "flash-attn-4": package_version(["flash-attn-4", "fa4"]),
+            "flash-attn (FA2)": package_version(["flash-attn", "flash_attn"]),
+            "flashinfer": package_version(["flashinfer-python", "flashinfer"]),
+            "compileattn": package_version([], "compileattn"),
+        },
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},
+    }
+    env.update(extra)
+    return env
+
+
+def environment_markdown(env: dict[str, Any]) -> str:
+    gpu = env.get("gpu") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (env.get("versions") or {}).items() if v)
+    lines = [
+        f"- GPU: {gpu.get('name', 'none')} (sm {gpu.get('capability', '?')}, {gpu.get('sm_count', '?')} SMs, "
+        f"{gpu.get('memory_GiB', '?')} GiB, L2 {gpu.get('l2_MiB', '?')} MiB)",
+        f"- Versions: {versions}",
+        f"- Command: `{env.get('command', '?')}`",
+        f"- Commit: {env.get('git_commit') or 'unknown'}; host {env.get('host', '?')}; {env.get('time_utc', '?')}",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Result files
+
+
+def write_json(path: str | os.PathLike, payload: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=False, default=_json_default) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return repr(obj)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text if text.endswith("\n") else text + "\n")
+    return path
+
+
+def output_paths(prefix: str | os.PathLike) -> dict[str, Path]:
+    """``prefix`` -> prefix.json / .md / .png (an existing suffix on ``prefix`` is dropped)."""
+    p = Path(prefix)
+    if p.suffix in (".json", ".md", ".png"):
+        p = p.with_suffix("")
+    return {"json": p.with_name(p.name + ".json"), "md": p.with_name(p.name + ".md"),
+            "png": p.with_name(p.name + ".png")}
+
+
+def try_plot(path: str | os.PathLike, draw: Callable[[Any], Any]) -> str | None:
+    """Draw with matplotlib (optional) into ``path``: ``draw(plt)`` returns the figure. Returns None
+    on success, else why no plot was written (the JSON and markdown never depend on it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # noqa: BLE001
+        return f"no PNG: matplotlib unavailable ({type(exc).__name__}: {exc}); re-plot later with --merge"
+    try:
+        fig = draw(plt)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=130, bbox_inches="tight")
+        plt.close(fig)
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return f"no PNG: plotting failed ({type(exc).__name__}: {exc})"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub markdown table; ``align`` is one char per column: l, r or c (default: l then r)."""
+    headers = [str(h) for h in headers]
+    rows = [["" if c is None else str(c).replace("|", "\\|") for c in r] for r in rows]
+    for r in rows:
+        if len(r) != len(headers):
+            raise ValueError(f"row {r} has {len(r)} cells, the table has {len(headers)} columns")
+    align = align or ("l" + "r" * (len(headers) - 1))
+    marks = {"l": ":--", "r": "--:", "c": ":-:"}
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(marks[a] for a in align) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def fmt_num(x: float | None, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}f}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Linear-interpolated percentile (numpy's default), ``p`` in [0, 100]."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= p <= 100:
+        raise ValueError(f"p must be in [0, 100], got {p}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * p / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize_us(samples_s: Sequence[float]) -> dict[str, float]:
+    """Per-step wall times in seconds -> p50/p90/p99/mean/min/max in µs."""
+    us = [s * 1e6 for s in samples_s]
+    return {"p50_us": percentile(us, 50), "p90_us": percentile(us, 90), "p99_us": percentile(us, 99),
+            "mean_us": statistics.fmean(us), "min_us": min(us), "max_us": max(us), "steps": len(us)}
+
+
+def rel_error(actual: Any, expected: Any) -> float:
+    """‖a − e‖ / ‖e‖ in fp32 (Frobenius); inf when ``actual`` has a NaN/inf or ‖e‖ = 0 ≠ ‖a‖.
+
+    A norm-relative error, not an elementwise atol: decode outputs are averages of many values and
+    small (~0.03), so an absolute tolerance loose enough for bf16 would pass an all-zero output."""
+    import torch
+
+    a = actual.detach().float()
+    e = expected.detach().float().to(a.device)
+    if a.shape != e.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(e.shape)}")
+    if not torch.isfinite(a).all():
+        return math.inf
+    den = e.norm().item()
+    num = (a - e).norm().item()
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return num / den
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU timing
+
+
+def synchronize() -> None:
+    """``torch.cuda.synchronize()`` where there is CUDA (the CPU tests drive the same code)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def l2_cache_bytes(device: Any = None) -> int:
+    import torch
+
+    index = torch.cuda.current_device() if device is None else device
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "L2_cache_size", 0) or 50 * MiB)
+
+
+def rotations_for(bytes_per_copy: int, l2_bytes: int, factor: float = 4.0, max_copies: int = 64) -> int:
+    """Input copies to cycle over so the working set is ``factor`` x L2 (1 when one copy already is)."""
+    if bytes_per_copy <= 0:
+        return 1
+    return int(min(max_copies, max(1, math.ceil(factor * l2_bytes / bytes_per_copy))))
+
+
+@dataclasses.dataclass
+class TimingResult:
+    us: float  # median GPU µs per call
+    min_us: float
+    method: str  # "cuda-graph" | "events"
+    iters: int  # calls per timed sample
+    reps: int
+    spread: float  # (max - min) / median over the samples
+    note: str = ""
+
+
+def _events_us(fn: Callable[[int], Any], iters: int, rotations: int) -> float:
+    import torch
+
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(iters):
+        fn(i % rotations)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def gpu_time_us(fn: Callable[[int], Any], *, rotations: int = 1, target_ms: float = 3.0, reps: int = 7,
+                min_iters: int = 4, max_iters: int = 1000, warmup: int = 2, use_graph: bool = True,
+                after: Callable[[], Any] | None = None) -> TimingResult:
+    """GPU µs per call of ``fn(r)`` (``r`` = which input copy, cycled modulo ``rotations``).
+
+    ``iters`` calls are captured into one CUDA graph (so a replay costs one launch of CPU time and
+    the kernels run back to back), sized so one replay lasts about ``target_ms``; the result is the
+    median over ``reps`` replays. ``fn`` must not sync the host. If capture fails, events around
+    ``iters`` eager calls are used instead (then CPU launch cost can show up as GPU time, and
+    ``method`` says "events"). ``after()`` runs once after the timed calls, while the graph (and the
+    outputs it wrote) is alive: the place to check that the captured calls computed the right thing.
+    """
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the capture stream, as torch.cuda.graph wants
+        for i in range(max(1, warmup)):
+            fn(i % rotations)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    est = _events_us(fn, max(3, min(rotations, 16)), rotations)
+    iters = int(min(max_iters, max(min_iters, math.ceil(target_ms * 1e3 / max(est, 0.5)))))
+    if rotations > 1:
+        iters = min(max(iters, rotations), max(max_iters, rotations))
+        iters = math.ceil(iters / rotations) * rotations
+    note = ""
+    if use_graph:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                for i in range(iters):
+                    fn(i % rotations)
+        except Exception as exc:  # noqa: BLE001  (not capturable: fall back to events, say why)
+            note = f"CUDA-graph capture failed ({short_error(exc, 200)})"
+            graph = None
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001
+                pass
+        if graph is not None:
+            graph.replay()
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            samples = []
+            for _ in range(reps):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3 / iters)
+            med = statistics.median(samples)
+            if after is not None:
+                after()
+            del graph
+            return TimingResult(med, min(samples), "cuda-graph", iters, reps, (max(samples) - min(samples)) / med)
+    samples = [_events_us(fn, iters, rotations) for _ in range(reps)]
+    med = statistics.median(samples)
+    if after is not None:
+        after()
+    return TimingResult(med, min(samples), "events", iters, reps, (max(samples) - min(samples)) / med, note)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, device: Any = "cuda") -> dict[str, float]:
+    """Device-to-device ``copy_`` bandwidth in GB/s (bytes read + bytes written, decimal GB), over a
+    buffer far larger than L2; the memory floor every bandwidth-bound kernel is measured against."""
+    import torch
+
+    bufs = [torch.ones(nbytes, dtype=torch.uint8, device=device)]
+    bufs.append(torch.empty_like(bufs[0]))
+    t = gpu_time_us(lambda _r: bufs[1].copy_(bufs[0]), target_ms=20.0, reps=5, min_iters=3, max_iters=50)
+    gbps = 2 * nbytes / (t.us * 1e-6) / 1e9
+    bufs.clear()
+    torch.cuda.empty_cache()
+    return {"bytes": nbytes, "us": t.us, "GBps": gbps, "method": t.method}
+
+
+# ----------------------------------------------------------------------------------------------
+# Misc
+
+
+def parse_int_list(text: str) -> list[int]:
+    """"1,4,16" -> [1, 4, 16] (argparse type): positive ints, order kept, duplicates dropped."""
+    out: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = int(part)
+        except ValueError:
+            raise ValueError(f"not an integer: {part!r}") from None
+        if v < 1:
+            raise ValueError(f"must be >= 1: {v}")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise ValueError("empty list")
+    return out
+
+
+def parse_name_list(text: str, allowed: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part not in allowed:
+            raise ValueError(f"unknown name {part!r}; choose from {', '.join(allowed)}")
+        if part not in out:
+            out.append(part)
+    if not out:
+        raise ValueError("empty list")
+    return out
+
+
+def argparse_type(parser_fn: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Wrap a parser so argparse reports its ValueError message as a usage error."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            return parser_fn(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = getattr(parser_fn, "__name__", "value")
+    return parse
+
+
+def short_error(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,1063 @@
+#!/usr/bin/env python
+"""End-to-end step latency: eager, torch.compile, compileattn, and hand-captured full CUDA graphs.
+
+Models (random weights, issue 5 item 3): an OPT-125m-shaped decoder in fp16 and a
+Llama-3-8B-shaped decoder in bf16 (GQA 32/8). Steps: decode steps of ``batch`` sequences that
+each already have ``context`` tokens in the paged KV cache (filled with random K/V directly, no
+prefill through the model), and one mixed step (decodes + one prefill chunk).
+
+A step is ``model(input_ids, positions)`` inside the step's forward context, timed as wall time
+from the call to the end of a ``torch.cuda.synchronize()`` (CPU work included), per step; the
+tables give p50/p90/p99 over ``--steps`` steps after ``--warmup``. The per-step metadata is built
+once per cell, outside the timed region, and is the same object for every column (building it is
+host work every column would pay alike; ``benchmarks/op_overhead.py`` measures per-call costs).
+
+Columns, all running the same attention backend (``--backend``, default ``triton``: capturable):
+
+- ``eager``: the model as written (the attention op through the dispatcher);
+- ``inductor``: ``torch.compile(model, fullgraph=True)``, token dim marked dynamic;
+- ``reduce-overhead``: the same with ``mode="reduce-overhead"`` (Inductor's CUDA-graph trees);
+- ``ca-piecewise``: ``compileattn.compile`` with ``CompileConfig(cudagraph_mode="piecewise")``;
+- ``ca-full``: the same with ``cudagraph_mode="full_and_piecewise"`` (full graphs for decode);
+- ``graph-eager`` / ``graph-inductor``: one hand-captured ``torch.cuda.graph`` of the whole eager /
+  Inductor-compiled step per token count, replayed (the floors: no CPU work between kernels).
+
+Inputs live in persistent buffers (each step passes views ``[:num_tokens]`` of one tensor), token
+counts are padded with ``CompileConfig.padded_num_tokens``, and every column reads and writes the
+same caches through the same metadata buffers, so CUDA-graph addresses stay valid across cells.
+Every column's output is compared with eager's for the same step before it is timed; one that
+disagrees is reported FAILED, not timed.
+
+Also measured: compile time of each compiled column (its first call), capture time and graph-pool
+memory of the compileattn runtimes and the hand-captured graphs, and compileattn's cold and warm
+start in fresh subprocesses after a model's columns (cold: empty compileattn, Inductor and Triton
+cache dirs; warm: a second process on the same dirs; ``--cold-warm-only`` runs just these).
+
+Under ``--budget-s`` the column groups run in priority order (eager and its full graph, compileattn
+piecewise, compileattn full-decode, Inductor and its full graph, reduce-overhead), then the
+cold/warm subprocesses; whatever is past the budget is reported as skipped.
+
+Run: see benchmarks/README.md. On a machine without CUDA it prints why and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+_HERE = Path(__file__).resolve().parent
+for _p in (str(_HERE), str(_HERE.parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import common  # noqa: E402
+
+BLOCK_SIZE = 16
+#: Where everything runs. Only "cuda" is a benchmark; "cpu" exists so the plumbing can be smoke-run
+#: on a machine without a GPU (by a test or a developer setting this attribute).
+DEVICE = "cuda"
+#: Norm-relative difference to eager allowed (fused kernels round differently over many layers).
+TOLERANCE = 5e-2
+
+MODELS = {
+    "opt": {"label": "OPT-125m shape", "dtype": "float16"},
+    "llama": {"label": "Llama-3-8B shape", "dtype": "bfloat16"},
+}
+COLUMNS = ["eager", "inductor", "reduce-overhead", "ca-piecewise", "ca-full", "graph-eager", "graph-inductor"]
+#: Columns measured together (they share a compiled object); order = priority under the budget.
+GROUPS = [
+    ("eager", ("eager", "graph-eager")),
+    ("ca-piecewise", ("ca-piecewise",)),
+    ("ca-full", ("ca-full",)),
+    ("inductor", ("inductor", "graph-inductor")),
+    ("reduce-overhead", ("reduce-overhead",)),
+]
+FULL_GRAPHS = ("graph-eager", "graph-inductor")
+
+#: Issue 5's figures from the same H200 at context 512, batch 1 (µs per step); printed beside
+#: ours for comparison only. They are not this code's measurements.
+ISSUE_REFERENCE = {
+    "opt": {"eager": 3442, "one full graph": 535, "hand-made piecewise runtime (29 µs attention op)": 598,
+            "reduce-overhead with Inductor graph partition": 1804},
+    "llama": {"eager": 13525, "full graph of eager kernels": 5133, "hand-made piecewise": 5342,
+              "reduce-overhead": 4838},
+}
+GOALS = {"opt_piecewise_vs_best_graph": 1.05, "llama_piecewise_vs_reduce_overhead": 0.97,
+         "full_decode_vs_best_graph": 1.02, "warm_start_s": 2.0}
+
+DEFAULTS = {"models": ["opt", "llama"], "batches": [1, 8, 64], "contexts": [512, 4096], "steps": 50, "warmup": 5}
+QUICK = {"models": ["opt"], "batches": [1, 8], "contexts": [512], "steps": 20, "warmup": 4}
+DEFAULT_OUT = common.RESULTS_DIR / "latency"
+
+
+class Unavailable(Exception):
+    """This column cannot run in this configuration (the message says why)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ints = common.argparse_type(common.parse_int_list)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=common.argparse_type(lambda s: common.parse_name_list(s, list(MODELS))),
+                   default=None, help="opt,llama (default both; --quick: opt)")
+    p.add_argument("--batches", type=ints, default=None, help="decode batch sizes (default 1,8,64)")
+    p.add_argument("--contexts", type=ints, default=None, help="tokens already cached per sequence (default 512,4096)")
+    p.add_argument("--columns", type=common.argparse_type(lambda s: common.parse_name_list(s, COLUMNS)),
+                   default=list(COLUMNS), help=f"subset of {','.join(COLUMNS)}")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per cell (default 50, quick 20)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per cell first (default 5, quick 4)")
+    p.add_argument("--no-mixed", action="store_true", help="skip the mixed prefill+decode step")
+    p.add_argument("--mixed-decodes", type=int, default=8, help="decodes in the mixed step (at the first context)")
+    p.add_argument("--mixed-prefill", type=int, default=248, help="prefill tokens in the mixed step")
+    p.add_argument("--backend", default="triton", help="attention backend of every column (default triton)")
+    p.add_argument("--llama-layers", type=int, default=None, help="override the Llama shape's 32 layers")
+    p.add_argument("--no-cold-warm", action="store_true", help="skip the cold/warm compile subprocesses")
+    p.add_argument("--cold-warm-only", action="store_true", help="only the cold/warm compile subprocesses")
+    p.add_argument("--quick", action="store_true",
+                   help="OPT only, batch 1 and 8, context 512, 20 steps, no cold/warm subprocesses")
+    p.add_argument("--budget-s", type=float, default=280.0,
+                   help="wall-clock budget; work past it is reported as skipped (0 = none)")
+    p.add_argument("--tolerance", type=float, default=TOLERANCE)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="output prefix: writes PREFIX.json/.md/.png")
+    p.add_argument("--label", default=None)
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="merge result files of several runs into one report (no GPU needed)")
+    p.add_argument("-o", "--output", default=None, help="output prefix for --merge (default: --out)")
+    p.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    preset = QUICK if args.quick else DEFAULTS
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+    if args.cold_warm_only and args.no_cold_warm:
+        p.error("--cold-warm-only and --no-cold-warm exclude each other")
+    if args.quick and not args.cold_warm_only:
+        args.no_cold_warm = True
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.mixed_decodes < 0 or args.mixed_prefill < 1:
+        p.error("--mixed-decodes must be >= 0 and --mixed-prefill >= 1")
+    if args.llama_layers is not None and args.llama_layers < 1:
+        p.error("--llama-layers must be >= 1")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Cells: the steps measured
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    kind: str  # "decode" | "mixed"
+    batch: int  # decode sequences
+    context: int  # tokens cached per decode sequence
+    prefill: int = 0  # new tokens of the one prefill sequence (mixed only)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch + self.prefill
+
+    @property
+    def name(self) -> str:
+        if self.kind == "mixed":
+            return f"mixed: {self.batch} decodes @ {self.context} + prefill {self.prefill}"
+        return f"decode b{self.batch} @ {self.context}"
+
+    def seqs(self, block_size: int = BLOCK_SIZE, first_block: int = 0):
+        """SequenceStep list (decodes first, as the builder wants), blocks assigned consecutively
+        from ``first_block``."""
+        from compileattn.metadata import SequenceStep
+
+        out, nxt = [], first_block
+        per = -(-(self.context + 1) // block_size)
+        for _ in range(self.batch):
+            out.append(SequenceStep(1, self.context, list(range(nxt, nxt + per))))
+            nxt += per
+        if self.prefill:
+            n = -(-self.prefill // block_size)
+            out.append(SequenceStep(self.prefill, 0, list(range(nxt, nxt + n))))
+            nxt += n
+        return out
+
+    def blocks(self, block_size: int = BLOCK_SIZE) -> int:
+        return sum(len(s.block_table) for s in self.seqs(block_size))
+
+    def max_blocks_per_seq(self, block_size: int = BLOCK_SIZE) -> int:
+        return max(len(s.block_table) for s in self.seqs(block_size))
+
+    def positions(self) -> list[int]:
+        return [self.context] * self.batch + list(range(self.prefill))
+
+
+def make_cells(args) -> list[Cell]:
+    """Largest token count first: every compiled column's first call (its compile) then has >= 2
+    tokens, which a dynamic token dim needs (Dynamo specializes sizes 0 and 1)."""
+    cells = [Cell("decode", b, c) for c in args.contexts for b in args.batches]
+    if not args.no_mixed:
+        cells.append(Cell("mixed", args.mixed_decodes, args.contexts[0], args.mixed_prefill))
+    return sorted(cells, key=lambda c: (-c.tokens, c.context))
+
+
+# ----------------------------------------------------------------------------------------------
+# Models and the shared state of one model's run
+
+
+def build_model(name: str, *, max_position: int, layers: int | None, device: str = "cuda"):
+    import torch
+
+    device = device or DEVICE
+    if name == "opt":
+        from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+        # OPT-125m's table has 2048 positions; the 4096-token cells need more rows (shape only).
+        cfg = OPTConfig.opt_125m(max_position=max(2048, max_position))
+        return OPTForCausalLM(cfg, dtype=torch.float16, device=device, seed=0)
+    if name == "llama":
+        from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
+
+        over = {"max_position": max(8192, max_position)}
+        if layers is not None:
+            over["num_layers"] = layers
+        return LlamaForCausalLM(LlamaConfig.llama3_8b(**over), dtype=torch.bfloat16, device=device, seed=0)
+    raise ValueError(f"unknown model {name!r}")
+
+
+class Bench:
+    """One model's model, caches, metadata builder and persistent input buffers."""
+
+    def __init__(self, name: str, cells: Sequence[Cell], args, log: common.Log):
+        import torch
+
+        import compileattn as ca
+
+        self.name = name
+        self.args = args
+        self.log = log
+        self.cells = list(cells)
+        max_pos = max(c.context + max(1, c.prefill) for c in cells) + 8
+        t = time.monotonic()
+        self.model = build_model(name, max_position=max_pos, layers=args.llama_layers if name == "llama" else None)
+        self.dtype = next(self.model.parameters()).dtype
+        self.pad_config = ca.CompileConfig(max_capture_size=max(256, max(c.tokens for c in cells)))
+        self.max_tokens = max(self.pad_config.padded_num_tokens(c.tokens) for c in cells)
+        # Every cell owns its blocks: a step writes its tokens' K/V into the cache, and with shared
+        # blocks one cell's writes would change the context another cell reads, so a column's output
+        # would depend on which cells ran before it and could not be compared with eager's.
+        self.first_block: dict[Cell, int] = {}
+        num_blocks = 1
+        for c in cells:
+            self.first_block[c] = num_blocks
+            num_blocks += c.blocks()
+        self.caches = ca.allocate_kv_caches(self.model.attention_specs(), num_blocks, BLOCK_SIZE, dtype=self.dtype,
+                                            device=DEVICE)
+        gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+        for cache in self.caches.values():  # the "context already in the cache": random K/V
+            cache.key_cache.normal_(generator=gen)
+            cache.value_cache.normal_(generator=gen)
+        self.builder = ca.AttentionMetadataBuilder(
+            block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_tokens=self.max_tokens,
+            max_blocks_per_seq=max(c.max_blocks_per_seq() for c in cells), device=DEVICE, backend=args.backend)
+        self.ids_buf = torch.zeros(self.max_tokens, dtype=torch.long, device=DEVICE)
+        self.pos_buf = torch.zeros(self.max_tokens, dtype=torch.long, device=DEVICE)
+        self.reference: dict[Cell, Any] = {}
+        cache_gib = sum(c.key_cache.numel() * 2 * c.key_cache.element_size() for c in self.caches.values()) / 2**30
+        log(f"{name}: model + {cache_gib:.1f} GiB KV cache ({num_blocks} blocks of {BLOCK_SIZE}) ready in "
+            f"{time.monotonic() - t:.1f} s")
+
+    def padded(self, cell: Cell) -> int:
+        return self.pad_config.padded_num_tokens(cell.tokens)
+
+    def prepare(self, cell: Cell):
+        """Write the cell's inputs into the persistent buffers and build its metadata (which writes
+        the builder's persistent metadata buffers); returns (metadata, ids view, positions view)."""
+        import torch
+
+        n = self.padded(cell)
+        md = self.builder.build(cell.seqs(first_block=self.first_block[cell]), pad_to=n)
+        gen = torch.Generator(device=DEVICE).manual_seed(self.args.seed * 7 + cell.tokens * 13 + cell.context)
+        self.ids_buf.zero_()
+        self.pos_buf.zero_()
+        vocab = self.model.config.vocab_size
+        self.ids_buf[: cell.tokens].copy_(torch.randint(0, vocab, (cell.tokens,), generator=gen, device=DEVICE))
+        self.pos_buf[: cell.tokens].copy_(torch.tensor(cell.positions(), dtype=torch.long))
+        return md, self.ids_buf[:n], self.pos_buf[:n]
+
+    def close(self) -> None:
+        del self.model, self.caches, self.builder, self.ids_buf, self.pos_buf
+        self.reference.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# Column groups: how each column's step is made
+
+
+def _sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _mark_dynamic(*tensors) -> None:
+    import torch
+
+    for t in tensors:
+        if t.shape[0] >= 2:  # a size-1 dim cannot be dynamic (Dynamo specializes 0 and 1)
+            torch._dynamo.mark_dynamic(t, 0)
+
+
+class _HandGraphs:
+    """One ``torch.cuda.graph`` of a whole step per token count (compileattn's GraphPool: warm-up
+    call, capture into one pool, replay), the floor a runtime with no CPU work could reach."""
+
+    def __init__(self, fn: Callable, name: str):
+        import torch
+
+        from compileattn.cudagraph import GraphPool
+
+        self.fn = fn
+        self.name = name
+        self.pool = GraphPool(torch.device(DEVICE))
+        self.graphs: dict[int, Any] = {}
+
+    def step(self, ids, pos) -> Callable[[], Any]:
+        n = ids.shape[0]
+
+        def run():
+            entry = self.graphs.get(n)
+            if entry is None:
+                entry = self.graphs[n] = self.pool.capture(self.fn, (ids, pos), self.name, n)
+                return entry.outputs
+            if not entry.checked:
+                entry.check((ids, pos))
+            entry.graph.replay()
+            return entry.outputs
+
+        return run
+
+    def stats(self) -> dict[str, Any]:
+        return {"capture_s": self.pool.capture_seconds, "graph_pool_bytes": self.pool.pool_bytes(),
+                "graphs": len(self.graphs)}
+
+
+class Group:
+    columns: tuple[str, ...] = ()
+
+    def step(self, column: str, cell: Cell, ids, pos) -> Callable[[], Any]:
+        raise NotImplementedError
+
+    def stats(self, column: str) -> dict[str, Any]:
+        return {}
+
+
+def _require_capturable(bench: Bench, what: str) -> None:
+    backend = bench.builder.backend
+    if not getattr(backend, "cuda_graph_capturable", False):
+        raise Unavailable(f"{what} needs a CUDA-graph-capturable attention backend; {backend.name!r} is not")
+
+
+class EagerGroup(Group):
+    columns = ("eager", "graph-eager")
+
+    def __init__(self, bench: Bench):
+        self.bench = bench
+        self.graphs = None
+
+    def step(self, column, cell, ids, pos):
+        model = self.bench.model
+        if column == "eager":
+            return lambda: model(ids, pos)
+        _require_capturable(self.bench, "a full CUDA graph of the eager step")
+        if self.graphs is None:
+            self.graphs = _HandGraphs(model, "eager full graph")
+        return self.graphs.step(ids, pos)
+
+    def stats(self, column):
+        return self.graphs.stats() if column == "graph-eager" and self.graphs else {}
+
+
+class InductorGroup(Group):
+    columns = ("inductor", "graph-inductor")
+
+    def __init__(self, bench: Bench):
+        import torch
+
+        self.bench = bench
+        self.compiled = torch.compile(bench.model, fullgraph=True)
+        self.graphs = None
+
+    def step(self, column, cell, ids, pos):
+        _mark_dynamic(ids, pos)
+        compiled = self.compiled
+        if column == "inductor":
+            return lambda: compiled(ids, pos)
+        _require_capturable(self.bench, "a full CUDA graph of the Inductor step")
+        if self.graphs is None:
+            self.graphs = _HandGraphs(compiled, "inductor full graph")
+        return self.graphs.step(ids, pos)
+
+    def stats(self, column):
+        return self.graphs.stats() if column == "graph-inductor" and self.graphs else {}
+
+
+class ReduceOverheadGroup(Group):
+    columns = ("reduce-overhead",)
+
+    def __init__(self, bench: Bench):
+        import torch
+
+        self.compiled = torch.compile(bench.model, mode="reduce-overhead", fullgraph=True)
+
+    def step(self, column, cell, ids, pos):
+        import torch
+
+        _mark_dynamic(ids, pos)
+        compiled = self.compiled
+        mark = torch.compiler.cudagraph_mark_step_begin
+
+        def run():
+            mark()  # each call is a new step: earlier outputs may be overwritten (we clone before)
+            return compiled(ids, pos)
+
+        return run
+
+
+class _Runtimes:
+    """The compileattn backend, remembering the runtimes it built (capture time, graph pool)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.built: list = []
+
+    def __call__(self, gm, example_inputs):
+        from compileattn.backend import compileattn_backend
+
+        compiled = compileattn_backend(gm, example_inputs, options={"config": self.config})
+        # The backend returns the runtime's bound __call__ (or, in older versions, the runtime).
+        self.built.append(getattr(compiled, "__self__", compiled))
+        return compiled
+
+
+def make_forward(model):
+    def forward(input_ids, positions):
+        return model(input_ids, positions)
+
+    return forward
+
+
+class CompileattnGroup(Group):
+    def __init__(self, bench: Bench, column: str):
+        import compileattn as ca
+
+        self.columns = (column,)
+        mode = {"ca-piecewise": "piecewise", "ca-full": "full_and_piecewise"}[column]
+        if mode == "full_and_piecewise":
+            _require_capturable(bench, "compileattn full-decode graphs")
+        self.config = ca.CompileConfig(cudagraph_mode=mode, attention_backend=bench.args.backend,
+                                       max_capture_size=bench.pad_config.max_capture_size)
+        self.runtimes = _Runtimes(self.config)
+        self.fn = ca.compile(make_forward(bench.model), dynamic_arg_dims={"input_ids": 0, "positions": 0},
+                             config=self.config, backend=self.runtimes)
+        self.compiled = False
+
+    def step(self, column, cell, ids, pos):
+        if not self.compiled and ids.shape[0] < 2:
+            raise Unavailable("compileattn.compile's first call (the compile) needs >= 2 tokens; "
+                              "include a batch >= 2 or the mixed step")
+        self.compiled = True
+        fn = self.fn
+        return lambda: fn(ids, pos)
+
+    def stats(self, column):
+        if not self.runtimes.built:
+            return {}
+        rt = self.runtimes.built[-1]
+        return {"capture_s": rt.pool.capture_seconds if rt.pool is not None else 0.0,
+                "graph_pool_bytes": rt.graph_pool_bytes(), "runtimes": len(self.runtimes.built),
+                "full_graphs": len(getattr(rt, "_full", {})), "mode": rt.mode}
+
+
+def make_group(name: str, bench: Bench) -> Group:
+    if name == "eager":
+        return EagerGroup(bench)
+    if name == "inductor":
+        return InductorGroup(bench)
+    if name == "reduce-overhead":
+        return ReduceOverheadGroup(bench)
+    return CompileattnGroup(bench, name)
+
+
+def _reset_compilers() -> None:
+    import torch
+
+    try:
+        torch._dynamo.reset()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
+    except Exception:  # noqa: BLE001
+        pass
+    gc.collect()
+    _sync()
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring
+
+
+def base_row(model: str, cell: Cell, column: str, padded: int) -> dict[str, Any]:
+    return {"run": 0, "model": model, "kind": cell.kind, "batch": cell.batch, "context": cell.context,
+            "prefill": cell.prefill, "tokens": cell.tokens, "padded_tokens": padded, "column": column,
+            "status": None, "reason": ""}
+
+
+def warm_up(step: Callable[[], Any], warmup: int) -> tuple[float, Any]:
+    """Run ``warmup`` (>= 1) untimed steps; (seconds of the first, which compiles/captures when the
+    column does that lazily; a clone of the last output, for the comparison with eager)."""
+    t = time.perf_counter()
+    out = step()
+    _sync()
+    first = time.perf_counter() - t
+    for _ in range(warmup - 1):
+        out = step()
+    _sync()
+    check = out.detach().clone()
+    return first, check
+
+
+def timed_steps(step: Callable[[], Any], steps: int) -> list[float]:
+    """Wall seconds per step, each ended by a device synchronize (the step's CPU work included)."""
+    _sync()
+    samples = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        _sync()
+        samples.append(time.perf_counter() - t)
+    return samples
+
+
+def eager_reference(bench: Bench, cell: Cell) -> Any:
+    import torch
+
+    import compileattn as ca
+
+    md, ids, pos = bench.prepare(cell)
+    with ca.set_forward_context(md, bench.caches), torch.no_grad():
+        bench.model(ids, pos)
+        out = bench.model(ids, pos)
+        _sync()
+    return out[: cell.tokens].detach().clone()
+
+
+def measure_cell(bench: Bench, group: Group, column: str, cell: Cell, row: dict[str, Any], args,
+                 log: common.Log) -> None:
+    """Warm up, compare with eager, time; results go into ``row``. A function of its own so the
+    step closure (which holds the compiled callable) dies on return: compileattn.compile's globals
+    must be collectable before the next group compiles (see _reset_compilers)."""
+    import torch
+
+    import compileattn as ca
+
+    try:
+        md, ids, pos = bench.prepare(cell)
+        with ca.set_forward_context(md, bench.caches), torch.no_grad():
+            step = group.step(column, cell, ids, pos)
+            first, out = warm_up(step, max(1, args.warmup))
+            row["first_call_s"] = round(first, 3)
+            err = common.rel_error(out[: cell.tokens], bench.reference[cell])
+            row["rel_err"] = err
+            del out
+            if not err <= args.tolerance:
+                row.update(status="FAILED", reason=f"output differs from eager: rel. error {err:.3g} > {args.tolerance}")
+            else:
+                row.update(status="ok", **common.summarize_us(timed_steps(step, args.steps)))
+    except Unavailable as exc:
+        row.update(status="unavailable", reason=str(exc))
+    except Exception as exc:  # noqa: BLE001  (one failing column must not cost the table)
+        row.update(status="error", reason=common.short_error(exc))
+        log("".join(traceback.format_exc(limit=8)).rstrip())
+        try:
+            _sync()
+        except Exception:  # noqa: BLE001
+            pass
+    log(f"  {column:16s} {cell.name:34s} " + (
+        f"p50 {row['p50_us']:9.1f}  p90 {row['p90_us']:9.1f}  p99 {row['p99_us']:9.1f} µs"
+        f"  (first call {row['first_call_s']:.2f} s)" if row["status"] == "ok"
+        else f"{row['status']}: {row['reason']}"))
+
+
+def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: list[dict[str, Any]],
+              stats: list[dict[str, Any]], checkpoint: Callable[[], None] | None = None) -> None:
+    """Every selected column on every cell of one model, appended to ``rows`` / ``stats`` as they
+    finish (so a caller still has them if a later group crashes); ``checkpoint()`` after each group."""
+    cells = make_cells(args)
+    bench = Bench(name, cells, args, log)
+    backend = bench.builder.backend
+    log(f"{name}: attention backend {backend.name} (capturable: {backend.cuda_graph_capturable}); cells: "
+        + "; ".join(c.name for c in cells))
+    for cell in cells:
+        bench.reference[cell] = eager_reference(bench, cell)
+    for group_name, columns in GROUPS:
+        wanted = [c for c in columns if c in args.columns]
+        if not wanted:
+            continue
+        if budget.exceeded():
+            rows += [{**base_row(name, cell, col, bench.padded(cell)), "status": "skipped", "reason": budget.reason()}
+                     for col in wanted for cell in cells]
+            continue
+        log(f"{name}: {group_name} ({', '.join(wanted)})")
+        group = None
+        try:
+            group = make_group(group_name, bench)
+        except Exception as exc:  # noqa: BLE001
+            status = "unavailable" if isinstance(exc, Unavailable) else "error"
+            reason = str(exc) if isinstance(exc, Unavailable) else common.short_error(exc)
+            rows += [{**base_row(name, cell, col, bench.padded(cell)), "status": status, "reason": reason}
+                     for col in wanted for cell in cells]
+            continue
+        first_seen: dict[str, list[float]] = {}
+        for cell in cells:
+            for column in wanted:
+                row = base_row(name, cell, column, bench.padded(cell))
+                rows.append(row)
+                if budget.exceeded():
+                    row.update(status="skipped", reason=budget.reason())
+                    continue
+                measure_cell(bench, group, column, cell, row, args, log)
+                if row.get("first_call_s") is not None:
+                    first_seen.setdefault(column, []).append(row["first_call_s"])
+        for column in wanted:
+            try:
+                extra = group.stats(column)
+            except Exception as exc:  # noqa: BLE001
+                extra = {"stats_error": common.short_error(exc)}
+            firsts = first_seen.get(column, [])
+            stats.append({"run": 0, "model": name, "column": column, "first_call_s": firsts[0] if firsts else None,
+                          "later_first_call_max_s": max(firsts[1:]) if len(firsts) > 1 else None, **extra})
+            log(f"  {column}: first call {firsts[0] if firsts else 0:.2f} s, "
+                f"later cells' first calls up to {max(firsts[1:]) if len(firsts) > 1 else 0:.2f} s, {extra}")
+        del group
+        _reset_compilers()
+        if checkpoint is not None:
+            checkpoint()
+    bench.close()
+    del bench
+    _reset_compilers()
+
+
+# ----------------------------------------------------------------------------------------------
+# Cold / warm compile in subprocesses
+
+
+def probe_main(spec: dict[str, Any]) -> int:
+    """The body of one cold/warm subprocess: build the model, compile with compileattn (piecewise
+    CUDA graphs, cache in ``spec['cache_dir']``), run one 8-token decode step; print JSON."""
+    t0 = time.perf_counter()
+    import torch
+
+    import compileattn as ca
+
+    t_import = time.perf_counter() - t0
+    model = build_model(spec["model"], max_position=64, layers=spec.get("layers"))
+    caches = ca.allocate_kv_caches(model.attention_specs(), 32, BLOCK_SIZE, dtype=next(model.parameters()).dtype,
+                                   device=DEVICE)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK_SIZE, num_blocks=32, max_num_tokens=8,
+                                          max_blocks_per_seq=2, device=DEVICE, backend=spec["backend"])
+    md = builder.build([ca.SequenceStep(1, 16, [2 * i, 2 * i + 1]) for i in range(8)])
+    ids = torch.zeros(8, dtype=torch.long, device=DEVICE)
+    pos = torch.full((8,), 16, dtype=torch.long, device=DEVICE)
+    config = ca.CompileConfig(cudagraph_mode="piecewise" if DEVICE == "cuda" else "none",
+                              attention_backend=spec["backend"], cache_dir=spec["cache_dir"])
+    runtimes = _Runtimes(config)
+    fn = ca.compile(make_forward(model), dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config,
+                    backend=runtimes)
+    _sync()
+    t_ready = time.perf_counter() - t0
+    with ca.set_forward_context(md, caches), torch.no_grad():
+        t = time.perf_counter()
+        fn(ids, pos)
+        _sync()
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        fn(ids, pos)
+        _sync()
+        second = time.perf_counter() - t
+    rt = runtimes.built[-1] if runtimes.built else None
+    capture = rt.pool.capture_seconds if rt is not None and rt.pool is not None else 0.0
+    result = {"import_s": t_import, "ready_s": t_ready, "first_call_s": first, "capture_s": capture,
+              "compile_s": first - capture, "second_call_s": second, "counters": ca.counters.snapshot()}
+    print("PROBE_RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def run_probes(name: str, args, budget: common.Budget, log: common.Log) -> list[dict[str, Any]]:
+    out = []
+    root = Path(tempfile.mkdtemp(prefix=f"compileattn_coldwarm_{name}_"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(common.ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    env["TRITON_CACHE_DIR"] = str(root / "triton")
+    spec = {"model": name, "backend": args.backend, "cache_dir": str(root / "compileattn"),
+            "layers": args.llama_layers if name == "llama" else None}
+    for phase in ("cold", "warm"):
+        rec = {"run": 0, "model": name, "phase": phase, "status": None, "reason": ""}
+        out.append(rec)
+        left = budget.left()
+        if left < 30:
+            rec.update(status="skipped", reason=budget.reason())
+            continue
+        t = time.monotonic()
+        try:
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_probe", json.dumps(spec)],
+                                  capture_output=True, text=True, env=env, timeout=min(420.0, left))
+            rec["process_s"] = round(time.monotonic() - t, 2)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE_RESULT ")]
+            if proc.returncode != 0 or not lines:
+                rec.update(status="error", reason=f"exit {proc.returncode}: " + (proc.stderr or proc.stdout)[-600:])
+            else:
+                rec.update(status="ok", **json.loads(lines[-1][len("PROBE_RESULT "):]))
+        except subprocess.TimeoutExpired:
+            rec.update(status="error", reason="timed out", process_s=round(time.monotonic() - t, 2))
+        log(f"{name} {phase} start: " + (f"first call {rec['first_call_s']:.2f} s (capture {rec['capture_s']:.2f} s), "
+                                        f"process {rec['process_s']:.1f} s, counters {rec['counters']}"
+                                        if rec["status"] == "ok" else f"{rec['status']}: {rec['reason']}"))
+    return out
+
+
+def run_benchmark(args, log: common.Log, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every model; ``checkpoint(payload)`` after each column group and cold/warm pair, so a run
+    killed at its time limit still leaves what it finished on disk."""
+    import torch
+
+    from compileattn.backends.registry import get_backend
+
+    budget = common.Budget(args.budget_s)
+    env = common.environment()
+    log(f"GPU {env['gpu']}; versions {env['versions']}")
+    try:
+        backend = get_backend(args.backend, DEVICE)
+        backend_info = {"name": backend.name, "capturable": bool(backend.cuda_graph_capturable)}
+    except Exception as exc:  # noqa: BLE001
+        backend_info = {"name": args.backend, "error": common.short_error(exc)}
+        log(f"attention backend {args.backend!r} unusable: {backend_info['error']}")
+    rows: list[dict[str, Any]] = []
+    stats: list[dict[str, Any]] = []
+    probes: list[dict[str, Any]] = []
+    run = {"label": args.label or f"{', '.join(args.models)} / {args.backend}", "env": env, "backend": backend_info,
+           "budget_s": args.budget_s}
+    payload = {"benchmark": "latency",
+               "config": {"models": args.models, "batches": args.batches, "contexts": args.contexts,
+                          "columns": args.columns, "steps": args.steps, "warmup": args.warmup,
+                          "mixed": None if args.no_mixed else {"decodes": args.mixed_decodes,
+                                                               "prefill": args.mixed_prefill},
+                          "llama_layers": args.llama_layers, "tolerance": args.tolerance, "block_size": BLOCK_SIZE},
+               "runs": [run], "rows": rows, "stats": stats, "probes": probes}
+
+    def save(more_rows: Sequence[dict[str, Any]] = (), more_stats: Sequence[dict[str, Any]] = ()) -> None:
+        if checkpoint is None:
+            return
+        run["elapsed_s"] = round(log.elapsed(), 1)
+        checkpoint({**payload, "rows": rows + list(more_rows), "stats": stats + list(more_stats)})
+
+    if "error" not in backend_info:
+        for name in args.models:
+            if args.cold_warm_only:
+                pass
+            elif budget.exceeded():
+                for cell in make_cells(args):
+                    rows += [{**base_row(name, cell, col, 0), "status": "skipped", "reason": budget.reason()}
+                             for col in args.columns]
+            else:
+                model_rows: list[dict[str, Any]] = []
+                model_stats: list[dict[str, Any]] = []
+                try:
+                    run_model(name, args, budget, log, model_rows, model_stats,
+                              checkpoint=lambda: save(model_rows, model_stats))
+                except Exception as exc:  # noqa: BLE001  (e.g. out of memory building the model)
+                    log(f"{name} failed: {common.short_error(exc)}\n" + traceback.format_exc(limit=8).rstrip())
+                    done = {(r["kind"], r["batch"], r["context"], r["column"]) for r in model_rows}
+                    model_rows += [{**base_row(name, cell, col, 0), "status": "error",
+                                    "reason": f"model run failed: {common.short_error(exc)}"}
+                                   for cell in make_cells(args) for col in args.columns
+                                   if (cell.kind, cell.batch, cell.context, col) not in done]
+                    _reset_compilers()
+                res = {"rows": model_rows, "stats": model_stats}
+                rows += res["rows"]
+                stats += res["stats"]
+                torch.cuda.empty_cache()
+                save()
+            # After the model's columns (its memory is freed by then); needs ~30 s of budget left.
+            if not args.no_cold_warm:
+                probes += run_probes(name, args, budget, log)
+                save()
+    run["elapsed_s"] = round(log.elapsed(), 1)
+    return payload
+
+
+# ----------------------------------------------------------------------------------------------
+# Merging and reporting (CPU-only code: tested in tests/test_benchmarks_cpu.py)
+
+
+def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    if not payloads:
+        raise ValueError("nothing to merge")
+    merged = {k: v for k, v in payloads[0].items() if k not in ("runs", "rows", "stats", "probes")}
+    merged.update(runs=[], rows=[], stats=[], probes=[])
+    for i, pl in enumerate(payloads):
+        if pl.get("benchmark") != "latency":
+            raise ValueError(f"input {i} is not a latency result (benchmark={pl.get('benchmark')!r})")
+        offset = len(merged["runs"])
+        merged["runs"] += [dict(r) for r in pl["runs"]]
+        for key in ("rows", "stats", "probes"):
+            merged[key] += [{**r, "run": r.get("run", 0) + offset} for r in pl.get(key, [])]
+    return merged
+
+
+def row_key(r: dict[str, Any]) -> tuple:
+    return (r["model"], r["kind"], r["batch"], r["context"], r["prefill"])
+
+
+def select(rows: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """(model, kind, batch, context, prefill, column) -> the row shown (an ok row over others;
+    among equals the earliest run)."""
+    chosen: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        key = (*row_key(r), r["column"])
+        cur = chosen.get(key)
+        if cur is None or (cur["status"] != "ok" and r["status"] == "ok"):
+            chosen[key] = r
+    return chosen
+
+
+def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple) -> dict[str, float | None]:
+    def p50(col):
+        r = chosen.get((*cell, col))
+        return r["p50_us"] if r and r["status"] == "ok" else None
+
+    graphs = [v for v in (p50(c) for c in FULL_GRAPHS) if v is not None]
+    best = min(graphs) if graphs else None
+    pw, full, ro = p50("ca-piecewise"), p50("ca-full"), p50("reduce-overhead")
+    return {"best_graph_us": best,
+            "piecewise_vs_best_graph": pw / best if pw and best else None,
+            "full_vs_best_graph": full / best if full and best else None,
+            "piecewise_vs_reduce_overhead": pw / ro if pw and ro else None}
+
+
+def goal_lines(payload: dict[str, Any]) -> list[str]:
+    chosen = select(payload["rows"])
+    cells = sorted({k[:5] for k in chosen if k[1] == "decode"})
+    lines = []
+
+    def check(model, key, limit, what):
+        vals = [(c, ratios(chosen, c)[key]) for c in cells if c[0] == model]
+        vals = [(c, v) for c, v in vals if v is not None]
+        if not vals:
+            return f"- {what}: not checked (missing columns)."
+        bad = [(c, v) for c, v in vals if v > limit]
+        worst = max(vals, key=lambda cv: cv[1])
+        return (f"- {what}: {'MET' if not bad else 'NOT MET'} — met in {len(vals) - len(bad)}/{len(vals)} decode "
+                f"cells; worst {worst[1]:.2f}× at batch {worst[0][2]}, context {worst[0][3]}.")
+
+    models = sorted({c[0] for c in cells})
+    if "opt" in models:
+        lines.append(check("opt", "piecewise_vs_best_graph", GOALS["opt_piecewise_vs_best_graph"],
+                           f"OPT: compileattn piecewise ≤ {GOALS['opt_piecewise_vs_best_graph']}× the best full graph"))
+    if "llama" in models:
+        lines.append(check("llama", "piecewise_vs_reduce_overhead", GOALS["llama_piecewise_vs_reduce_overhead"],
+                           f"Llama: compileattn piecewise ≤ {GOALS['llama_piecewise_vs_reduce_overhead']}× "
+                           f"reduce-overhead"))
+    for m in models:
+        lines.append(check(m, "full_vs_best_graph", GOALS["full_decode_vs_best_graph"],
+                           f"{MODELS.get(m, {}).get('label', m)}: compileattn full-decode ≤ "
+                           f"{GOALS['full_decode_vs_best_graph']}× the best full graph"))
+    for p in payload.get("probes", []):
+        if p["phase"] == "warm" and p["status"] == "ok":
+            ok = p["first_call_s"] <= GOALS["warm_start_s"]
+            lines.append(f"- {MODELS.get(p['model'], {}).get('label', p['model'])}: warm start (first call of a second "
+                         f"process, compile cache hit) {p['first_call_s']:.2f} s — "
+                         f"{'MET' if ok else 'NOT MET'} (goal ≤ {GOALS['warm_start_s']} s).")
+    return lines
+
+
+def cell_text(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "—"
+    if r["status"] != "ok":
+        return {"unavailable": "n/a", "skipped": "skipped", "FAILED": "**FAILED**", "error": "error"}.get(
+            r["status"], r["status"])
+    return f"{r['p50_us']:.0f} / {r['p90_us']:.0f} / {r['p99_us']:.0f}"
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    chosen = select(payload["rows"])
+    runs = payload["runs"]
+    out = ["# End-to-end step latency (µs per step, wall time incl. CPU, p50 / p90 / p99)", ""]
+    for i, run in enumerate(runs):
+        b = run.get("backend", {})
+        out.append(f"Run {i} — {run.get('label', '?')}; attention backend {b.get('name', '?')}"
+                   + (f" (unusable: {b['error']})" if b.get("error") else ""))
+        out.append(common.environment_markdown(run.get("env", {})))
+        out.append("")
+    cfg = payload.get("config", {})
+    out.append(f"Steps per cell: {cfg.get('steps')} timed after {cfg.get('warmup')} warm-up; every column's output "
+               f"checked against eager first (norm-relative tolerance {cfg.get('tolerance')}). Decode steps: each "
+               f"sequence has `context` tokens cached; the mixed step adds one prefill chunk. Token counts are padded "
+               f"to a capture size. Ratios use p50; 'best graph' = the faster hand-captured full graph.")
+    out.append("")
+    columns = [c for c in COLUMNS if any(k[5] == c for k in chosen)]
+    present = {k[0] for k in chosen} | {x["model"] for x in payload.get("stats", []) + payload.get("probes", [])}
+    models = [m for m in MODELS if m in present] + sorted(present - set(MODELS))
+    for model in models:
+        cells = sorted({k[:5] for k in chosen if k[0] == model}, key=lambda c: (c[1] != "decode", c[3], c[2]))
+        out.append(f"## {MODELS.get(model, {}).get('label', model)} ({MODELS.get(model, {}).get('dtype', '?')})")
+        out.append("")
+        if not cells:
+            out += ["No step timings in this run.", ""]
+        headers = ["step", "batch", "context", "tokens"] + columns + ["pw ÷ best graph", "full ÷ best graph",
+                                                                      "pw ÷ reduce-overhead"]
+        table = []
+        for cell in cells:
+            any_row = next(chosen[(*cell, c)] for c in COLUMNS if (*cell, c) in chosen)
+            rt = ratios(chosen, cell)
+            step = "decode" if cell[1] == "decode" else f"mixed (+{cell[4]} prefill)"
+            table.append([step, cell[2], cell[3], f"{any_row['tokens']}→{any_row['padded_tokens']}"]
+                         + [cell_text(chosen.get((*cell, c))) for c in columns]
+                         + [common.fmt_num(rt["piecewise_vs_best_graph"], 2), common.fmt_num(rt["full_vs_best_graph"], 2),
+                            common.fmt_num(rt["piecewise_vs_reduce_overhead"], 2)])
+        if table:
+            out.append(common.markdown_table(headers, table))
+            out.append("")
+        st = [s for s in payload.get("stats", []) if s["model"] == model]
+        if st:
+            out.append("Compile and capture: the first call of a column compiles (and captures, where that happens at "
+                       "once); a later cell's first call recompiles (inductor at batch 1) or captures a new size.")
+            out.append("")
+            out.append(common.markdown_table(
+                ["column", "first call s", "later first call, max s", "capture s", "graph pool MiB", "graphs"],
+                [[s["column"], common.fmt_num(s.get("first_call_s"), 2),
+                  common.fmt_num(s.get("later_first_call_max_s"), 2), common.fmt_num(s.get("capture_s"), 2),
+                  common.fmt_num(s["graph_pool_bytes"] / common.MiB, 1) if s.get("graph_pool_bytes") is not None else "—",
+                  s.get("graphs", s.get("full_graphs", "—"))] for s in st]))
+            out.append("")
+        pr = [p for p in payload.get("probes", []) if p["model"] == model]
+        if pr:
+            out.append("compileattn cold / warm start (fresh processes; cold: empty compileattn, Inductor and Triton "
+                       "caches; warm: the same cache dirs again):")
+            out.append("")
+            out.append(common.markdown_table(
+                ["phase", "first call s", "of which capture s", "process s", "pieces compiled", "cache hits"],
+                [[p["phase"], common.fmt_num(p.get("first_call_s"), 2), common.fmt_num(p.get("capture_s"), 2),
+                  common.fmt_num(p.get("process_s"), 1),
+                  (p.get("counters") or {}).get("backend_compiles", "—") if p["status"] == "ok" else p["status"],
+                  (p.get("counters") or {}).get("cache_hits", "—") if p["status"] == "ok" else p.get("reason", "")[:80]]
+                 for p in pr]))
+            out.append("")
+        ref = ISSUE_REFERENCE.get(model)
+        if ref:
+            out.append("For comparison only — the issue's figures (same H200, context 512, batch 1, µs per step; not "
+                       "measured by this script): " + "; ".join(f"{k} {v}" for k, v in ref.items()) + ".")
+            out.append("")
+    out.append("## Goal check (issue 5)")
+    out.append("")
+    out.extend(goal_lines(payload) or ["- nothing to check"])
+    problems = {}
+    for r in payload["rows"]:
+        if r["status"] in ("unavailable", "error", "FAILED") and r.get("reason"):
+            problems.setdefault((r["column"], r["status"], r["reason"]), []).append(r)
+    if problems:
+        out += ["", "## Notes", ""]
+        for (col, status, reason), rs in sorted(problems.items()):
+            out.append(f"- {col} — {status} in {len(rs)} cell(s): {reason}")
+    return "\n".join(out) + "\n"
+
+
+def plot(payload: dict[str, Any]):
+    chosen = select(payload["rows"])
+    models = [m for m in MODELS if any(k[0] == m for k in chosen)]
+
+    def draw(plt):
+        fig, axes = plt.subplots(1, max(1, len(models)), figsize=(7.5 * max(1, len(models)), 4.8), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            cells = sorted({k[:5] for k in chosen if k[0] == model}, key=lambda c: (c[1] != "decode", c[3], c[2]))
+            cols = [c for c in COLUMNS if any(k[0] == model and k[5] == c for k in chosen)]
+            width = 0.8 / max(1, len(cols))
+            for j, col in enumerate(cols):
+                xs, ys, lo, hi = [], [], [], []
+                for i, cell in enumerate(cells):
+                    r = chosen.get((*cell, col))
+                    if r and r["status"] == "ok":
+                        xs.append(i + (j - (len(cols) - 1) / 2) * width)
+                        ys.append(r["p50_us"])
+                        lo.append(0)
+                        hi.append(r["p99_us"] - r["p50_us"])
+                ax.bar(xs, ys, width, yerr=[lo, hi], label=col, capsize=2)
+            ax.set_xticks(range(len(cells)))
+            ax.set_xticklabels([f"b{c[2]}@{c[3]}" if c[1] == "decode" else f"mixed\n+{c[4]}" for c in cells],
+                               fontsize=8)
+            ax.set_yscale("log")
+            ax.set_ylabel("µs per step (p50, bar to p99)")
+            ax.set_title(MODELS[model]["label"])
+            ax.grid(alpha=0.3, axis="y")
+        axes[0][0].legend(fontsize=7)
+        return fig
+
+    return draw
+
+
+def write_outputs(payload: dict[str, Any], prefix: str, no_plot: bool, log: Callable[[str], None]) -> str:
+    paths = common.output_paths(prefix)
+    md = render_markdown(payload)
+    common.write_json(paths["json"], payload)
+    if not no_plot:
+        why = common.try_plot(paths["png"], plot(payload))
+        if why:
+            log(why)
+        else:
+            md += f"\n![latency]({paths['png'].name})\n"
+    common.write_text(paths["md"], md)
+    log(f"wrote {paths['json']} and {paths['md']}")
+    return md
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args._probe:
+        common.ensure_repo_on_path()
+        return probe_main(json.loads(args._probe))
+    log = common.Log()
+    if args.merge:
+        merged = merge_payloads([common.read_json(p) for p in args.merge])
+        print(write_outputs(merged, args.output or args.out, args.no_plot, log), flush=True)
+        return 0
+    missing = common.cuda_missing_message("latency.py")
+    if missing:
+        print(missing, flush=True)
+        return 0
+    common.ensure_repo_on_path()
+    payload = run_benchmark(args, log, checkpoint=lambda pl: write_outputs(pl, args.out, True, lambda _m: None))
+    print(write_outputs(payload, args.out, args.no_plot, log), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

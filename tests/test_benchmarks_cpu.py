@@ -1,0 +1,414 @@
+"""CPU-side logic of the benchmark scripts: arguments, statistics, result files, merging runs and
+the goal checks, the decode peers and compileattn adapters on tiny CPU shapes, and the latency
+driver's plumbing on a tiny model. No timing is asserted (there is no GPU here)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Before anything imports triton: its own library functions (tl.zeros, ...) are decorated in
+    # interpreter mode only if the variable is set when triton is imported (test_triton_backend
+    # does the same).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import common  # noqa: E402
+import decode_attention as dec  # noqa: E402
+import latency as lat  # noqa: E402
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+
+
+# -- arguments ---------------------------------------------------------------------------------------
+
+
+def test_decode_args_defaults_quick_and_explicit():
+    a = dec.parse_args([])
+    assert (a.contexts, a.batches, a.pages) == ([1024, 4096], [1, 4, 16, 64, 256], [16, 128])
+    assert a.impls == list(dec.IMPLS)
+    q = dec.parse_args(["--quick"])
+    assert (q.contexts, q.batches, q.pages, q.reps) == ([1024], [1, 64], [16], 5)
+    e = dec.parse_args(["--quick", "--batches", "2,2,8", "--impls", "ca-triton,fi-tc"])
+    assert e.batches == [2, 8] and e.contexts == [1024] and e.impls == ["ca-triton", "fi-tc"]
+
+
+@pytest.mark.parametrize("argv", [["--batches", "0"], ["--batches", "x"], ["--impls", "nope"], ["--reps", "0"]])
+def test_decode_args_reject_bad_values(argv, capsys):
+    with pytest.raises(SystemExit):
+        dec.parse_args(argv)
+
+
+def test_latency_args_defaults_quick_and_explicit():
+    a = lat.parse_args([])
+    assert (a.models, a.batches, a.contexts, a.steps) == (["opt", "llama"], [1, 8, 64], [512, 4096], 50)
+    assert not a.no_cold_warm and a.columns == lat.COLUMNS
+    q = lat.parse_args(["--quick"])
+    assert (q.models, q.batches, q.contexts, q.steps, q.no_cold_warm) == (["opt"], [1, 8], [512], 20, True)
+    e = lat.parse_args(["--models", "llama", "--columns", "eager,ca-full", "--llama-layers", "2"])
+    assert e.models == ["llama"] and e.columns == ["eager", "ca-full"] and e.llama_layers == 2
+
+
+@pytest.mark.parametrize("argv", [["--models", "gpt"], ["--steps", "0"], ["--columns", "fast"],
+                                  ["--llama-layers", "0"]])
+def test_latency_args_reject_bad_values(argv, capsys):
+    with pytest.raises(SystemExit):
+        lat.parse_args(argv)
+
+
+@no_cuda
+@pytest.mark.parametrize("module,name", [(dec, "decode_attention.py"), (lat, "latency.py")])
+def test_without_cuda_scripts_say_so_and_exit_0(module, name, capsys, tmp_path):
+    assert module.main(["--quick", "--out", str(tmp_path / "x")]) == 0
+    out = capsys.readouterr().out
+    assert name in out and "needs CUDA" in out
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+# -- statistics and files ----------------------------------------------------------------------------
+
+
+def test_percentile_matches_linear_interpolation():
+    xs = list(range(1, 101))
+    assert common.percentile(xs, 50) == pytest.approx(50.5)
+    assert common.percentile(xs, 90) == pytest.approx(90.1)
+    assert common.percentile(xs, 99) == pytest.approx(99.01)
+    assert common.percentile([7.0], 99) == 7.0
+    assert common.percentile([3, 1, 2], 0) == 1 and common.percentile([3, 1, 2], 100) == 3
+    with pytest.raises(ValueError):
+        common.percentile([], 50)
+    s = common.summarize_us([0.001, 0.002, 0.003])
+    assert s["p50_us"] == pytest.approx(2000) and s["mean_us"] == pytest.approx(2000) and s["steps"] == 3
+
+
+def test_rel_error_catches_zero_and_nan_outputs():
+    e = torch.randn(4, 8)
+    assert common.rel_error(e.clone(), e) == 0.0
+    assert common.rel_error(torch.zeros_like(e), e) == pytest.approx(1.0)
+    bad = e.clone()
+    bad[0, 0] = float("nan")
+    assert common.rel_error(bad, e) == math.inf
+    with pytest.raises(ValueError):
+        common.rel_error(e[:2], e)
+
+
+def test_rotations_cover_l2():
+    assert common.rotations_for(4 << 20, 50 << 20) == 50
+    assert common.rotations_for(1 << 30, 50 << 20) == 1
+    assert common.rotations_for(1024, 50 << 20) == 64  # capped
+
+
+def test_writers_and_markdown(tmp_path):
+    paths = common.output_paths(tmp_path / "sub" / "res.json")
+    assert paths["md"].name == "res.md" and paths["png"].name == "res.png"
+    common.write_json(paths["json"], {"a": [1, 2.5], "p": Path("/x")})
+    assert common.read_json(paths["json"]) == {"a": [1, 2.5], "p": "/x"}
+    table = common.markdown_table(["a", "b"], [[1, "x|y"], [None, 2]])
+    assert table.splitlines() == ["| a | b |", "|:--|--:|", "| 1 | x\\|y |", "|  | 2 |"]
+    with pytest.raises(ValueError):
+        common.markdown_table(["a"], [[1, 2]])
+    assert common.fmt_num(None) == "—" and common.fmt_num(1234.5) == "1,234" and common.fmt_num(1.234, 2) == "1.23"
+
+
+def test_environment_records_command_and_versions():
+    env = common.environment(["benchmarks/x.py", "--quick"])
+    assert env["command"].endswith("benchmarks/x.py --quick")
+    assert env["versions"]["torch"] == torch.__version__
+    assert "GPU" in common.environment_markdown(env)
+
+
+def test_budget():
+    assert not common.Budget(0).exceeded() and common.Budget(None).left() == math.inf
+    assert common.Budget(-1).seconds is None
+    b = common.Budget(1e-9)
+    assert b.exceeded() and "budget" in b.reason()
+
+
+# -- decode: merging runs, ratios, goals -------------------------------------------------------------
+
+
+def _dec_row(run, impl, ctx, batch, page, us=None, status="ok", reason=""):
+    r = dec.base_row(impl, ctx, batch, page, run)
+    if status == "ok":
+        kvb = dec.kv_bytes(batch, ctx)
+        r.update(us=us, tbps=kvb / (us * 1e-6) / 1e12, x_floor=1.2, method="cuda-graph")
+    r.update(status=status, reason=reason)
+    return r
+
+
+def _dec_payload(label, rows):
+    return {"benchmark": "decode_attention", "shape": {}, "config": {},
+            "runs": [{"label": label, "env": {}, "copy_bandwidth": {"GBps": 4000.0}}], "rows": rows}
+
+
+def _two_runs():
+    a = _dec_payload("fa4", [
+        _dec_row(0, "ca-triton", 4096, 64, 16, 300.0), _dec_row(0, "ca-flash", 4096, 64, 16, 260.0),
+        _dec_row(0, "ca-triton", 4096, 1, 16, 15.0), _dec_row(0, "ca-flash", 4096, 1, 16, 59.0),
+        _dec_row(0, "sdpa-contig", 4096, 64, None, 280.0),
+        _dec_row(0, "flex", 4096, 64, 16, status="error", reason="boom"),
+    ])
+    b = _dec_payload("fi", [
+        _dec_row(0, "ca-triton", 4096, 64, 16, 240.0), _dec_row(0, "fi-tc", 4096, 64, 16, 252.0),
+        _dec_row(0, "ca-triton", 4096, 1, 16, 13.0), _dec_row(0, "fi-tc", 4096, 1, 16, 12.0),
+        _dec_row(0, "ca-flash", 4096, 64, 16, status="unavailable", reason="no FA"),
+    ])
+    return a, b
+
+
+def test_decode_merge_prefers_the_run_that_measured_flashinfer():
+    merged = dec.merge_payloads(list(_two_runs()), ["a", "b"])
+    assert [r["label"] for r in merged["runs"]] == ["fa4", "fi"]
+    chosen = dec.select(merged["rows"])
+    tri = chosen[(4096, 64, 16, "ca-triton")]
+    assert tri["run"] == 1 and tri["ratio_fi_tc"] == pytest.approx(240 / 252) and tri["ratio_same_run"]
+    assert tri["other_runs"] == [{"run": 0, "us": 300.0, "status": "ok"}]
+    fl = chosen[(4096, 64, 16, "ca-flash")]  # only run 0 has it ok: cross-run ratio, flagged
+    assert fl["run"] == 0 and fl["ratio_fi_tc"] == pytest.approx(260 / 252) and not fl["ratio_same_run"]
+    sdpa = chosen[(4096, 64, 16, "sdpa-contig")]  # page-independent row shown on the page row
+    assert sdpa["page_independent"] and sdpa["us"] == 280.0
+    goals = {(g["context"], g["batch"]): g for g in dec.goal_check(chosen)}
+    g64, g1 = goals[(4096, 64)], goals[(4096, 1)]
+    assert g64["best"] == "ca-triton" and g64["time_ok"] and g64["bw_ok"] is (g64["tbps"] >= dec.GOAL_TBPS)
+    assert g1["time_ok"] is False and g1["ratio"] == pytest.approx(13 / 12) and g1["bw_ok"] is None
+    text = "\n".join(dec.goal_summary(goals.values()))
+    assert "NOT MET" in text and "1/2" in text
+
+
+def test_decode_report_marks_failures_and_reasons(tmp_path):
+    a, b = _two_runs()
+    a["rows"].append(_dec_row(0, "gather-sdpa", 4096, 64, 16, status="FAILED", reason="rel. error 1 > 0.02"))
+    md = dec.render_markdown(dec.merge_payloads([a, b]))
+    assert "**FAILED**" in md and "rel. error 1" in md and "boom" in md
+    assert "Goal check" in md
+    table = {tuple(c.strip() for c in ln.split("|")[1:4]): ln.split("|")[-2].strip()
+             for ln in md.splitlines() if ln.startswith("| 4096 |")}
+    assert table[("4096", "64", "16")] == "0.95" and table[("4096", "1", "16")] == "1.08"  # same-run: no *
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    common.write_json(pa, a)
+    common.write_json(pb, b)
+    out = tmp_path / "merged"
+    assert dec.main(["--merge", str(pa), str(pb), "-o", str(out), "--no-plot"]) == 0
+    saved = json.loads((tmp_path / "merged.json").read_text())
+    assert len(saved["runs"]) == 2 and len(saved["rows"]) == len(a["rows"]) + len(b["rows"])
+    assert (tmp_path / "merged.md").read_text().startswith("# Decode attention")
+
+
+def test_decode_merge_rejects_other_results():
+    with pytest.raises(ValueError, match="not a decode_attention"):
+        dec.merge_payloads([{"benchmark": "latency", "runs": [], "rows": []}])
+
+
+def test_decode_plot_when_matplotlib_present(tmp_path):
+    pytest.importorskip("matplotlib")
+    merged = dec.merge_payloads(list(_two_runs()))
+    assert common.try_plot(tmp_path / "p.png", dec.plot(merged)) is None
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+# -- decode: inputs, oracle and implementations on tiny CPU shapes -----------------------------------
+
+
+@pytest.fixture
+def tiny_case():
+    case = dec.make_case(40, 3, rotations=2, device="cpu", dtype=torch.float32, seed=0, num_heads=4,
+                         num_kv_heads=2, head_dim=32)
+    return case, dec.make_paged(case, 16, seed=0)
+
+
+def test_paged_layout_holds_the_same_kv_and_oracle_matches_reference(tiny_case):
+    case, pc = tiny_case
+    b, nb = pc.block_table.shape
+    assert nb == 3 and len(set(pc.block_table.flatten().tolist())) == b * nb  # distinct pages
+    rebuilt = pc.kcs[0][pc.block_table.long()].reshape(b, nb * 16, 2, 32)[:, :40]
+    torch.testing.assert_close(rebuilt, case.k)
+    torch.testing.assert_close(pc.kcs[1], pc.kcs[0])
+    assert dec.check_oracle_against_reference(case, pc) < 1e-5
+    wrong = dec.Case(case.context, case.batch, case.q, case.k, case.v, case.scale,
+                     torch.zeros_like(case.expected), case.rotations)
+    assert dec.check_oracle_against_reference(wrong, pc) == math.inf or dec.check_oracle_against_reference(wrong, pc) > 1
+
+
+@pytest.mark.parametrize("impl", ["sdpa-contig", "gather-sdpa"])
+def test_sdpa_peers_equal_the_oracle(tiny_case, impl):
+    case, pc = tiny_case
+    kernel = dec.builder_for(impl, case, pc)()
+    for r in range(case.rotations):
+        kernel.fn(r)
+        assert common.rel_error(kernel.output().reshape(case.expected.shape), case.expected) < 1e-5
+
+
+def test_compileattn_adapter_generic_path_on_reference_backend(tiny_case):
+    case, pc = tiny_case
+    kernel = dec.build_compileattn("reference", case, pc)
+    assert "includes the one-token KV write" in kernel.note
+    before = pc.kcs[0].clone()
+    kernel.fn(0)
+    assert common.rel_error(kernel.output(), case.expected) < 1e-5
+    torch.testing.assert_close(pc.kcs[0], before)  # the re-written token K/V were already there
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check (the GPU runs the script itself)")
+def test_compileattn_triton_adapter_runs_attention_only(tiny_case):
+    pytest.importorskip("triton")
+    import triton.language.standard as tl_standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from compileattn.backends.triton import _mode
+
+    _mode.sync_interpreter_mode()
+    if not (_mode.interpreting() and isinstance(tl_standard.zeros, InterpretedFunction)):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process")
+    case, pc = tiny_case
+    kernel = dec.build_compileattn("triton", case, pc)
+    assert kernel.note.startswith("triton decode launcher")
+    for r in range(case.rotations):
+        kernel.output().zero_()
+        kernel.fn(r)
+        assert common.rel_error(kernel.output(), case.expected) < 1e-4
+
+
+def test_unavailable_peers_give_a_reason(tiny_case):
+    case, pc = tiny_case
+    for impl in ("ca-flash", "fi-tc"):
+        try:
+            dec.builder_for(impl, case, pc)()
+        except dec.Unavailable as exc:
+            assert str(exc)
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(f"{impl} raised {type(exc).__name__} instead of Unavailable: {exc}")
+
+
+def test_measure_times_only_what_matches_the_oracle(tiny_case, monkeypatch):
+    """measure(): ok rows get µs/TB/s/×floor, a wrong kernel is FAILED (never timed), a kernel whose
+    timed (captured) calls go wrong is FAILED after timing, a crash is an error row, not a crash."""
+    case, pc = tiny_case
+    timed = []
+
+    def fake_timer(fn, *, rotations, after=None, **kw):
+        for r in range(rotations):
+            fn(r)
+        timed.append(fn)
+        if after is not None:
+            after()
+        return common.TimingResult(10.0, 9.5, "cuda-graph", rotations, 3, 0.01)
+
+    monkeypatch.setattr(common, "gpu_time_us", fake_timer)
+    args = dec.parse_args(["--quick"])
+    kw = dict(args=args, budget=common.Budget(0), copy_gbps=4000.0, log=lambda msg: None)
+    ok = dec.measure("gather-sdpa", case, pc, **kw)
+    assert ok["status"] == "ok" and ok["us"] == 10.0 and len(timed) == 1
+    assert ok["tbps"] == pytest.approx(case.kv_bytes / 10e-6 / 1e12)
+    assert ok["x_floor"] == pytest.approx(10.0 / (case.kv_bytes / 4000e9 * 1e6))
+
+    zeros = torch.zeros_like(case.q)
+    monkeypatch.setattr(dec, "builder_for", lambda *a: lambda: dec.Kernel(lambda r: None, lambda: zeros))
+    bad = dec.measure("ca-triton", case, pc, **kw)
+    assert bad["status"] == "FAILED" and bad["us"] is None and len(timed) == 1  # not timed
+
+    good = case.expected.to(case.q.dtype).clone()
+    calls = []
+
+    def drifting(r):  # right on the check call, wrong during the timed calls
+        calls.append(r)
+        if len(calls) > 1:
+            good.zero_()
+
+    monkeypatch.setattr(dec, "builder_for", lambda *a: lambda: dec.Kernel(drifting, lambda: good))
+    late = dec.measure("ca-triton", case, pc, **kw)
+    assert late["status"] == "FAILED" and late["us"] is None and late["us_invalid"] == 10.0
+
+    def boom():
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(dec, "builder_for", lambda *a: boom)
+    err = dec.measure("ca-triton", case, pc, **kw)
+    assert err["status"] == "error" and "kernel exploded" in err["reason"]
+    skipped = dec.measure("ca-triton", case, pc, **{**kw, "budget": common.Budget(1e-9)})
+    assert skipped["status"] == "skipped"
+
+
+# -- latency: cells, merging, ratios, goals ----------------------------------------------------------
+
+
+def test_latency_cells_order_and_blocks():
+    args = lat.parse_args(["--batches", "1,8", "--contexts", "20,40", "--mixed-decodes", "2", "--mixed-prefill", "5"])
+    cells = lat.make_cells(args)
+    assert [c.tokens for c in cells] == [8, 8, 7, 1, 1]  # largest first: the compile call has >= 2 tokens
+    mixed = next(c for c in cells if c.kind == "mixed")
+    seqs = mixed.seqs(16, first_block=10)
+    assert [s.query_len for s in seqs] == [1, 1, 5] and [s.context_len for s in seqs] == [20, 20, 0]
+    assert seqs[0].block_table == [10, 11] and seqs[2].block_table == [14]
+    assert mixed.blocks(16) == 5 and mixed.positions() == [20, 20, 0, 1, 2, 3, 4]
+
+
+def _lat_row(run, model, column, batch, p50, status="ok", context=512):
+    cell = lat.Cell("decode", batch, context)
+    r = lat.base_row(model, cell, column, batch)
+    r["run"] = run
+    if status == "ok":
+        r.update(p50_us=p50, p90_us=p50 * 1.1, p99_us=p50 * 1.2, mean_us=p50, min_us=p50, max_us=p50, steps=3)
+    r["status"] = status
+    return r
+
+
+def test_latency_merge_ratios_and_goals(tmp_path):
+    a = {"benchmark": "latency", "config": {}, "runs": [{"label": "opt"}], "stats": [], "probes": [
+        {"run": 0, "model": "opt", "phase": "warm", "status": "ok", "first_call_s": 1.5, "capture_s": 0.1}],
+         "rows": [_lat_row(0, "opt", "graph-eager", 1, 540), _lat_row(0, "opt", "graph-inductor", 1, 500),
+                  _lat_row(0, "opt", "ca-piecewise", 1, 520), _lat_row(0, "opt", "ca-full", 1, 530),
+                  _lat_row(0, "opt", "eager", 1, 3400)]}
+    b = {"benchmark": "latency", "config": {}, "runs": [{"label": "llama"}], "stats": [], "probes": [],
+         "rows": [_lat_row(0, "llama", "reduce-overhead", 1, 4800), _lat_row(0, "llama", "ca-piecewise", 1, 4900),
+                  _lat_row(0, "llama", "graph-eager", 1, 5100, status="FAILED")]}
+    merged = lat.merge_payloads([a, b])
+    assert [r["run"] for r in merged["rows"]][-1] == 1 and len(merged["runs"]) == 2
+    chosen = lat.select(merged["rows"])
+    rt = lat.ratios(chosen, ("opt", "decode", 1, 512, 0))
+    assert rt["best_graph_us"] == 500 and rt["piecewise_vs_best_graph"] == pytest.approx(1.04)
+    assert rt["full_vs_best_graph"] == pytest.approx(1.06)
+    lines = "\n".join(lat.goal_lines(merged))
+    assert "OPT: compileattn piecewise ≤ 1.05× the best full graph: MET" in lines
+    assert "full-decode ≤ 1.02× the best full graph: NOT MET" in lines
+    assert "reduce-overhead: NOT MET" in lines and "warm start" in lines and "1.50 s — MET" in lines
+    md = lat.render_markdown(merged)
+    assert "520 / 572 / 624" in md and "**FAILED**" in md and "issue's figures" in md
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    common.write_json(pa, a)
+    common.write_json(pb, b)
+    assert lat.main(["--merge", str(pa), str(pb), "-o", str(tmp_path / "m"), "--no-plot"]) == 0
+    assert (tmp_path / "m.md").exists() and len(common.read_json(tmp_path / "m.json")["rows"]) == 8
+
+
+def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
+    """Bench, metadata per cell, the eager reference, fail-soft columns and the report, on the CPU
+    with the reference backend (graph columns are unavailable there: it is not capturable)."""
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    monkeypatch.setattr(lat, "DEVICE", "cpu")
+    monkeypatch.setattr(lat, "build_model", lambda name, **kw: OPTForCausalLM(
+        OPTConfig.tiny(), dtype=torch.float32, device="cpu"))
+    args = lat.parse_args(["--models", "opt", "--batches", "1,3", "--contexts", "20", "--steps", "2",
+                           "--warmup", "1", "--backend", "reference", "--columns", "eager,graph-eager",
+                           "--mixed-decodes", "1", "--mixed-prefill", "4", "--no-cold-warm"])
+    rows, stats, saves = [], [], []
+    lat.run_model("opt", args, common.Budget(0), common.Log(), rows, stats, checkpoint=lambda: saves.append(len(rows)))
+    assert saves == [6]  # one checkpoint per column group: eager + graph-eager, 3 cells
+    res = {"rows": rows, "stats": stats}
+    by = {(r["column"], r["kind"], r["batch"]): r for r in rows}
+    for key in [("eager", "decode", 1), ("eager", "decode", 3), ("eager", "mixed", 1)]:
+        assert by[key]["status"] == "ok" and by[key]["rel_err"] == 0.0 and by[key]["steps"] == 2
+    assert by[("graph-eager", "decode", 3)]["status"] == "unavailable"
+    assert "capturable" in by[("graph-eager", "decode", 3)]["reason"]
+    payload = {"benchmark": "latency", "config": {}, "runs": [{"label": "cpu"}], "rows": res["rows"],
+               "stats": res["stats"], "probes": []}
+    md = lat.render_markdown(payload)
+    assert "OPT-125m shape" in md and "n/a" in md
