@@ -14,6 +14,23 @@ from .metadata import AttentionMetadata, AttentionMetadataBuilder, SequenceStep
 
 _logging.getLogger("compileattn").addHandler(_logging.NullHandler())
 
+
+def _register_backend_name() -> None:
+    """Also register "compileattn" with Dynamo on import. The entry point covers installed copies;
+    this covers a checkout used through PYTHONPATH (as on machines with no package index)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "compileattn" not in _BACKENDS:
+        def compileattn(gm, example_inputs, options=None):
+            from .backend import compileattn_backend
+
+            return compileattn_backend(gm, example_inputs, options=options)
+
+        register_backend(compileattn, name="compileattn")
+
+
+_register_backend_name()
+
 __version__ = "0.1.0"
 
 

@@ -3,14 +3,36 @@
 Dynamo keeps the results of symbolic shape comparisons that the model code evaluated for its own
 checks (``s77 == s77`` / ``not_``); they are pure and unused, and left in place they would add
 SymInt traffic across piece boundaries.
+
+This is a hand-written DCE rather than ``Graph.eliminate_dead_code()``: in torch 2.11 that treats a
+call of an OpOverloadPacket (how Dynamo records custom ops) as pure, so it deleted the attention
+op (it returns nothing; its effect is the write into ``output``). Here a node with a mutable schema
+is never removed, whatever torch version decides about packets.
 """
 from __future__ import annotations
 
+import torch
 import torch.fx
 
 
+def _has_side_effects(node: torch.fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method"):
+        return True  # placeholders, outputs, get_attr and call_module are left alone
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        overloads = ([getattr(target, name) for name in target.overloads()]
+                     if isinstance(target, torch._ops.OpOverloadPacket) else [target])
+        if any(o._schema.is_mutable for o in overloads):
+            return True
+    if node.op == "call_method":
+        return target.endswith("_") and not target.endswith("__")  # in-place: add_, copy_, ...
+    return node.is_impure()
+
+
 def cleanup(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    gm.graph.eliminate_dead_code()
+    for node in reversed(list(gm.graph.nodes)):
+        if not node.users and not _has_side_effects(node):
+            gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
     return gm

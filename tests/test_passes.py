@@ -127,3 +127,21 @@ def test_hoist_moves_independent_shape_logic_before_the_op_only():
     assert order.index(y2) < order.index(attn) and order.index(n_size) < order.index(attn)
     assert order.index(r) > order.index(attn) and order.index(s) > order.index(attn)
     assert gm.meta["compileattn_hoist"]["moved"] == 2
+
+
+@pytest.mark.parametrize("target", [torch.ops.compileattn.attention, torch.ops.compileattn.attention.default])
+def test_cleanup_keeps_mutating_ops_without_users(target):
+    """torch 2.11's eliminate_dead_code dropped the packet form of the attention op (it has no
+    users; its effect is the write into ``output``)."""
+    gm = _attention_graph(target, layers=2)
+    gm = cleanup(gm)
+    assert sum(1 for n in gm.graph.nodes if n.target is target) == 2
+
+
+def test_cleanup_keeps_in_place_methods():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.call_method("add_", (x, 1))
+    g.output(x)
+    gm = cleanup(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert any(n.target == "add_" for n in gm.graph.nodes)
