@@ -1,0 +1,118 @@
+"""Tile sizes, warps, pipeline depth and the split-KV count: pure functions of shapes.
+
+Nothing here reads sequence lengths: a CUDA graph captured for a batch size replays for every
+context length, so the launch configuration may depend only on the batch shape, the layer shape,
+the dtype and the GPU. Decode is HBM-bound; the tile choice aims at ~16 KiB per K (and V) tile,
+enough bytes in flight per SM with ``num_stages`` tiles buffered in shared memory, while leaving
+room for 2 programs per SM. These are starting points; benchmarks/triton_decode_quick.py sweeps
+the neighbourhood on the target GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+#: Resident decode programs per SM the split heuristic assumes. Compiled for sm90 (bf16, GQA 8,
+#: head dim 128, 64-key tiles, 4 warps) the decode kernel takes 108 registers per thread and 38 KiB
+#: of shared memory, so the register file holds 4 programs per SM.
+PROGRAMS_PER_SM = 4
+#: More splits mean more combine work and programs with only a tile or two of keys each.
+MAX_SPLITS = 32
+#: Stand-in SM count under the interpreter, small so default CPU tests exercise split-KV.
+INTERPRETER_SM_COUNT = 4
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Overrides of the heuristics, for tests and benchmark sweeps; None = heuristic."""
+
+    decode_block_n: int | None = None
+    decode_num_warps: int | None = None
+    decode_num_stages: int | None = None
+    num_splits: int | None = None
+    unified_block_m: int | None = None
+    unified_block_n: int | None = None
+    unified_num_warps: int | None = None
+    unified_num_stages: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    block_m: int  # padded GQA group: the M of both tl.dots (>= 16)
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UnifiedConfig:
+    block_m: int  # rows of a tile = block_q tokens x group heads (padded up to a power of two)
+    block_q: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _tile_keys(d_pad: int, element_size: int, lo: int, hi: int) -> int:
+    """Keys per tile so one K tile is ~16 KiB, as a power of two in [lo, hi]."""
+    return max(lo, min(hi, next_pow2(16384 // (d_pad * element_size) + 1) // 2))
+
+
+@functools.lru_cache(maxsize=None)
+def decode_config(group: int, head_dim: int, dtype: torch.dtype, tuning: Tuning = Tuning()) -> DecodeConfig:
+    d_pad = next_pow2(head_dim)
+    esize = torch.empty((), dtype=dtype).element_size()
+    block_m = max(16, next_pow2(group))
+    block_n = tuning.decode_block_n or _tile_keys(d_pad, esize, 16, 128)
+    # fp32 tiles are twice the registers; with 4 warps they spilled (sm90 compile, head dim 128).
+    warps = tuning.decode_num_warps or (8 if block_m * d_pad >= 64 * 256 or esize == 4 else 4)
+    stages = tuning.decode_num_stages or 3
+    return DecodeConfig(block_m, block_n, warps, stages)
+
+
+@functools.lru_cache(maxsize=None)
+def unified_config(group: int, head_dim: int, dtype: torch.dtype, tuning: Tuning = Tuning()) -> UnifiedConfig:
+    d_pad = next_pow2(head_dim)
+    esize = torch.empty((), dtype=dtype).element_size()
+    # fp32 runs IEEE dots on FMA units (no tensor cores): smaller tiles keep them out of local memory.
+    block_m = tuning.unified_block_m or max(32 if esize == 4 else 64, next_pow2(group))
+    block_m = max(block_m, next_pow2(group))
+    block_q = block_m // group
+    block_n = tuning.unified_block_n or _tile_keys(d_pad, esize, 16, 64)
+    warps = tuning.unified_num_warps or (8 if d_pad >= 256 or esize == 4 else 4)
+    stages = tuning.unified_num_stages or 2
+    return UnifiedConfig(block_m, block_q, block_n, warps, stages)
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, sm_count: int, tuning: Tuning = Tuning()) -> int:
+    """Splits per sequence so the decode grid fills about one wave of resident programs.
+
+    From the batch shape and the GPU only (never from lengths): a short sequence simply leaves
+    its surplus split programs with an empty key range, which costs one early exit each.
+    """
+    if tuning.num_splits is not None:
+        return max(1, tuning.num_splits)
+    programs = num_seqs * num_kv_heads
+    slots = sm_count * PROGRAMS_PER_SM
+    if programs >= slots:
+        return 1
+    return max(1, min(MAX_SPLITS, slots // programs))
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_type: str, index: int | None = None) -> int:
+    if device_type != "cuda":
+        return INTERPRETER_SM_COUNT
+    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+    return props.multi_processor_count
+
+
+def precision(dtype: torch.dtype) -> str:
+    """fp32 dots in IEEE fp32, not TF32: fp32 callers want fp32 results (it is not a speed path)."""
+    return "ieee" if dtype == torch.float32 else "tf32"

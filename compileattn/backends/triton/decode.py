@@ -1,0 +1,110 @@
+"""Paged decode (one query token per sequence) with GQA packing and split-KV, plus the combine.
+
+Grid ``(num_seqs, num_kv_heads, num_splits)``. A program owns every query head of its KV head:
+the GROUP query rows (padded to BLOCK_M >= 16, the smallest tl.dot M) form the A operand, so each
+K/V tile is loaded once for the whole group and both products run on tensor cores. Decode is
+bound by HBM bandwidth, so reading each KV byte once is the whole game; the padded rows cost only
+tensor-core issue slots, which are idle anyway.
+
+Split-KV: with few sequences, ``num_seqs * num_kv_heads`` programs cannot keep every SM's memory
+pipeline busy, so each sequence's tiles are dealt out evenly over ``num_splits`` programs which
+write fp32 partial outputs and their log2-sum-exp; ``combine_kernel`` merges them. The split count
+is a launch-time constant chosen from the batch shape alone (see config.py); each program loops to
+its own sequence's length (read from ``seq_lens`` on the device), so a CUDA graph captured once
+per batch size serves every context length.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tile import attend_range, key_ranges
+
+
+@triton.jit
+def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, cu_q, seq_lens, block_table,
+                  stride_qt, stride_qh, stride_ot, stride_oh,
+                  stride_kb, stride_kp, stride_kh, stride_bt,
+                  qk_scale, cap, window,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    tok = tl.load(cu_q + seq)
+    has_query = tl.load(cu_q + seq + 1) > tok  # the public varlen API allows empty queries
+    kv_len = tl.load(seq_lens + seq)
+    kv_len = tl.where(has_query, kv_len, 0)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = (offs_m < GROUP) & has_query
+    d_ok = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_m
+    tok64 = tok.to(tl.int64)
+    q = tl.load(q_ptr + tok64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    q_last = kv_len - 1
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + q_last
+    k_lo, k_hi, body_lo, body_hi = key_ranges(kv_len, q_last, q_last, window, BLOCK_N, False, HAS_WINDOW)
+    if SPLIT:
+        num_tiles = tl.cdiv(k_hi - k_lo, BLOCK_N)
+        s0 = k_lo + ((split * num_tiles) // num_splits) * BLOCK_N
+        s1 = tl.minimum(k_lo + (((split + 1) * num_tiles) // num_splits) * BLOCK_N, k_hi)
+    else:
+        s0 = k_lo
+        s1 = k_hi
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = attend_range(acc, m_i, l_i, q, q_pos, k_cache + kvh * stride_kh, v_cache + kvh * stride_kh,
+                                 block_table + seq.to(tl.int64) * stride_bt, 0, s0, s1, body_lo, body_hi, kv_len,
+                                 stride_kb, stride_kp, offs_d, qk_scale, cap, window,
+                                 HEAD_DIM, D_PAD, PAGE, BLOCK_N, True, False, HAS_WINDOW, HAS_SOFTCAP,
+                                 PRECISION, NUM_STAGES, True, INTERPRET)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        part = ((seq * num_heads + heads) * num_splits + split).to(tl.int64)
+        tl.store(lse_part + part, lse, mask=offs_m < GROUP)
+        tl.store(o_part + part[:, None] * D_PAD + offs_d[None, :], o, mask=(offs_m < GROUP)[:, None])
+    else:
+        tl.store(out_ptr + tok64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def combine_kernel(out_ptr, o_part, lse_part, cu_q, stride_ot, stride_oh, num_splits,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Grid (num_seqs, num_heads): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    tok = tl.load(cu_q + seq)
+    if tl.load(cu_q + seq + 1) > tok:
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        s_ok = offs_s < num_splits
+        base = ((seq * num_heads + head) * num_splits).to(tl.int64)
+        lse = tl.load(lse_part + base + offs_s, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)
+        o = tl.load(o_part + (base + offs_s)[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        total = tl.sum(w, 0)
+        total = tl.where(total > 0.0, total, 1.0)
+        res = tl.sum(o * w[:, None], 0) / total
+        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+                 res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+#: The mode the kernels above were decorated in (see _mode.sync_interpreter_mode).
+INTERPRETED = bool(triton.knobs.runtime.interpret)

@@ -1,0 +1,197 @@
+"""Device helpers shared by the decode and unified kernels: KV tiles through the block table,
+the masked/unmasked online-softmax step, and the split of a sequence's keys into tile ranges.
+
+Scores live in the log2 domain (``exp2`` is one SFU instruction, ``exp`` is two), so the callers
+fold ``log2(e)`` into ``qk_scale``/``cap``.
+
+Why three ranges (head, body, tail) instead of one masked loop: in decode almost every tile is
+fully visible, and dropping the per-element causal/window/length masks and the load predicates
+there is what keeps the loop a pure stream of loads and dots. Only the first tile of a sliding
+window, the diagonal tiles of a prefill and the last partial tile pay for masks.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no tanh that also runs under TRITON_INTERPRET; this form saturates to +-1 without NaN
+    # (exp2 -> inf gives 1 - 0, exp2 -> 0 gives 1 - 2).
+    return 1.0 - 2.0 / (tl.exp2(x * 2.885390081777927) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
+def kv_row_offsets(bt_row, kv_first, start, pos, kv_len, stride_b, stride_p,
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """Element offsets (int64) of the tile's token rows in a K or V cache (all ``pos`` < kv_len).
+
+    Paged: token ``pos`` lives in page ``bt_row[pos // PAGE]`` at row ``pos % PAGE``. When a tile
+    lies inside one page (PAGE a multiple of BLOCK_N, tile starts aligned) one scalar block-table
+    load serves the tile; otherwise each token gathers its own entry (repeated entries hit L1).
+    Contiguous (varlen with cu_seqlens_k): row ``kv_first + pos``.
+    """
+    if PAGED:
+        if PAGE % BLOCK_N == 0:
+            page = tl.load(bt_row + start // PAGE).to(tl.int64)
+        else:
+            page = tl.load(bt_row + pos // PAGE).to(tl.int64)
+        return page * stride_b + (pos % PAGE).to(tl.int64) * stride_p
+    else:
+        return (kv_first + pos).to(tl.int64) * stride_p
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, start, q, q_pos, k_base, v_base, bt_row, kv_first, kv_len,
+          stride_b, stride_p, offs_d, qk_scale, cap, window,
+          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+          PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+          HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over the key tile [start, start + BLOCK_N)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    if MASKED:
+        # Keys past the end read the last valid row instead of being predicated off: the scores
+        # mask drops them (p = 0 times a finite value), and unpredicated loads keep the tile in
+        # the pipeline's shared-memory buffers without per-vector predicate registers.
+        rows = kv_row_offsets(bt_row, kv_first, start, tl.minimum(pos, kv_len - 1), kv_len, stride_b, stride_p,
+                              PAGE, BLOCK_N, PAGED)
+    else:
+        rows = kv_row_offsets(bt_row, kv_first, start, pos, kv_len, stride_b, stride_p, PAGE, BLOCK_N, PAGED)
+    k_ptrs = k_base + rows[:, None] + offs_d[None, :]
+    v_ptrs = v_base + rows[:, None] + offs_d[None, :]
+    if HEAD_DIM != D_PAD:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if HAS_SOFTCAP:
+        s = cap * _tanh(s * qk_scale)
+    else:
+        s = s * qk_scale
+    if MASKED:
+        visible = (pos < kv_len)[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] >= q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; subtracting it would give NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first, lo, hi, kv_len,
+                 stride_b, stride_p, offs_d, qk_scale, cap, window,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """Online softmax of the query rows ``q`` over key tiles [lo, hi) (lo tile-aligned).
+
+    MASKED=False promises every (row, key) pair of every tile is visible and every key < kv_len:
+    no masks and no load predicates. ``q_pos`` holds each row's absolute position (for the
+    causal and window masks). Under the interpreter the loop is a ``while``: its ``range`` turns
+    the bounds into Python ints through ``int(ndarray of shape (1,))``, an error on NumPy 2; the
+    compiled kernel keeps ``tl.range``, which the software pipeliner needs.
+    """
+    if INTERPRET:
+        start = lo
+        while start < hi:
+            acc, m_i, l_i = _tile(acc, m_i, l_i, start, q, q_pos, k_base, v_base, bt_row, kv_first, kv_len,
+                                  stride_b, stride_p, offs_d, qk_scale, cap, window,
+                                  HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, MASKED, CAUSAL, HAS_WINDOW,
+                                  HAS_SOFTCAP, PRECISION)
+            start += BLOCK_N
+    else:
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, start, q, q_pos, k_base, v_base, bt_row, kv_first, kv_len,
+                                  stride_b, stride_p, offs_d, qk_scale, cap, window,
+                                  HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, MASKED, CAUSAL, HAS_WINDOW,
+                                  HAS_SOFTCAP, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def key_ranges(kv_len, min_qpos, max_qpos, window, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr):
+    """(k_lo, k_hi, body_lo, body_hi) for query rows at positions [min_qpos, max_qpos].
+
+    Keys [k_lo, k_hi) are visible to some row (k_lo tile-aligned); tiles in [body_lo, body_hi)
+    are visible to every row (both tile-aligned, body_lo <= body_hi). Negative intermediates are
+    clamped before any division: compiled Triton truncates integer division, the interpreter floors.
+    """
+    k_hi = kv_len
+    f_hi = kv_len
+    if CAUSAL:
+        k_hi = tl.minimum(kv_len, max_qpos + 1)
+        f_hi = tl.minimum(kv_len, min_qpos + 1)
+    k_hi = tl.maximum(k_hi, 0)
+    f_hi = tl.maximum(f_hi, 0)
+    k_lo = kv_len * 0
+    f_lo = kv_len * 0
+    if HAS_WINDOW:
+        k_lo = tl.maximum(min_qpos - window, 0)
+        f_lo = tl.maximum(max_qpos - window, 0)
+    k_lo = (k_lo // BLOCK_N) * BLOCK_N
+    body_lo = ((f_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    body_hi = tl.maximum((f_hi // BLOCK_N) * BLOCK_N, body_lo)
+    return k_lo, k_hi, body_lo, body_hi
+
+
+@triton.jit
+def attend_range(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first, s0, s1, body_lo, body_hi, kv_len,
+                 stride_b, stride_p, offs_d, qk_scale, cap, window,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 TAIL_IN_BODY: tl.constexpr, INTERPRET: tl.constexpr):
+    """Keys [s0, s1) (s0 tile-aligned) as masked head, unmasked body and masked tail.
+
+    Head and tail hold at most two tiles each (a window's first tiles; the causal diagonal of a
+    BLOCK_Q-token tile or a sequence's last partial tile), so they are not software-pipelined.
+    Without a window the head is empty (body_lo == 0) and is not compiled.
+
+    TAIL_IN_BODY (decode): the body loop runs to s1 with masks instead of a separate tail loop.
+    A separate tail loop holds its K/V tile in registers rather than the pipeline's shared-memory
+    buffers: compiled for sm90 (bf16, GQA 8, head dim 128, 64-key tiles) the decode kernel needs
+    120 registers per thread that way and 108 with the tail folded in.
+    """
+    if HAS_WINDOW:
+        acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
+                                     s0, tl.minimum(s1, body_lo), kv_len, stride_b, stride_p, offs_d,
+                                     qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True, CAUSAL,
+                                     HAS_WINDOW, HAS_SOFTCAP, PRECISION, 1, INTERPRET)
+    if TAIL_IN_BODY:
+        acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
+                                     tl.maximum(s0, body_lo), s1, kv_len, stride_b, stride_p,
+                                     offs_d, qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True,
+                                     CAUSAL, HAS_WINDOW, HAS_SOFTCAP, PRECISION, NUM_STAGES, INTERPRET)
+    else:
+        acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
+                                     tl.maximum(s0, body_lo), tl.minimum(s1, body_hi), kv_len, stride_b,
+                                     stride_p, offs_d, qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N,
+                                     PAGED, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, PRECISION, NUM_STAGES,
+                                     INTERPRET)
+        acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
+                                     tl.maximum(s0, body_hi), s1, kv_len, stride_b, stride_p, offs_d,
+                                     qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True, CAUSAL,
+                                     HAS_WINDOW, HAS_SOFTCAP, PRECISION, 1, INTERPRET)
+    return acc, m_i, l_i
+
+#: The mode the kernels above were decorated in (see _mode.sync_interpreter_mode).
+INTERPRETED = bool(triton.knobs.runtime.interpret)

@@ -1,0 +1,534 @@
+"""The Triton backend equals the reference backend: KV write, paged decode (split and not), the
+unified varlen kernel (prefill, chunked prefill, mixed batches, contiguous K/V).
+
+Without CUDA the kernels run under TRITON_INTERPRET=1, which must be set before ``triton`` is
+first imported: Triton's own helpers (``tl.zeros``, ``tl.sum``, ...) are decorated at its import.
+This module sets it when it is the first to import triton. When some other test module imported
+triton first (Inductor does, for one), the interpreter tests cannot run in this process; they are
+skipped here and ``test_interpreter_suite_in_subprocess`` runs this file in a fresh interpreter
+with the variable set, so they run either way. (``_mode.sync_interpreter_mode`` handles the
+lesser case of only this backend's kernel modules having been imported first.) The interpreter's
+bf16 tl.dot is broken, so the CPU runs fp16 and fp32; the CUDA-marked tests add bf16, CUDA-graph
+capture/replay with new metadata contents, and a host-sync check of ``forward``.
+
+Caches start as NaN everywhere except the cached context, so a kernel that touches a slot past a
+sequence's length, or a stale page, poisons its output instead of passing by luck.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="the triton backend needs the triton package")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from compileattn import AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep, set_forward_context  # noqa: E402
+from compileattn.backends.reference import ReferenceBackend  # noqa: E402
+from compileattn.backends.triton import _mode  # noqa: E402
+from compileattn.backends.triton.backend import TritonBackend  # noqa: E402
+from compileattn.backends.triton.config import (  # noqa: E402
+    MAX_SPLITS, PROGRAMS_PER_SM, Tuning, decode_config, num_splits, unified_config,
+)
+
+
+def _interpreter_usable() -> bool:
+    """Triton itself was imported in interpreter mode (its jit helpers are interpreted)."""
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return _mode.interpreting() and isinstance(standard.zeros, InterpretedFunction)
+
+
+if not CUDA:
+    _mode.sync_interpreter_mode()
+
+INTERPRETED = not CUDA and _interpreter_usable()
+cpu_only = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests need no CUDA and TRITON_INTERPRET=1 set "
+                              "before triton's import (else they run via test_interpreter_suite_in_subprocess)")
+DEVICE = "cuda" if CUDA else "cpu"
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 1e-2), torch.bfloat16: (2e-2, 2e-2)}
+
+
+@pytest.mark.skipif(CUDA or INTERPRETED, reason="the interpreter tests run in this process")
+def test_interpreter_suite_in_subprocess():
+    """Triton was imported here before TRITON_INTERPRET could be set: run this file afresh."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x",
+                           "-p", "no:cacheprovider"], cwd=root, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout, proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# case construction
+
+
+def make_case(spec, dtype, block_size, lens, *, pad_to=None, device=DEVICE, seed=0):
+    """Random step: ``lens`` is [(query_len, context_len)]; pages are a random permutation."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(q + c) // block_size) for q, c in lens]
+    num_blocks = sum(need) + 2
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i:i + n])
+        i += n
+    kvh, d = spec.num_kv_heads, spec.head_dim
+    kc = torch.full((num_blocks, block_size, kvh, d), float("nan"))
+    vc = torch.full_like(kc, float("nan"))
+    slots = [t[p // block_size] * block_size + p % block_size for (q, c), t in zip(lens, tables) for p in range(c)]
+    if slots:
+        kc.view(-1, kvh, d)[slots] = torch.randn(len(slots), kvh, d, generator=g)
+        vc.view(-1, kvh, d)[slots] = torch.randn(len(slots), kvh, d, generator=g)
+    tokens = sum(q for q, _ in lens)
+    n = tokens if pad_to is None else pad_to
+    q = 2 * torch.randn(n, spec.num_heads, d, generator=g)
+    k = torch.randn(n, kvh, d, generator=g)
+    v = torch.randn(n, kvh, d, generator=g)
+    seqs = [SequenceStep(ql, c, t) for (ql, c), t in zip(lens, tables)]
+    cast = dict(dtype=dtype, device=device)
+    return dict(seqs=seqs, q=q.to(**cast), k=k.to(**cast), v=v.to(**cast), kc=kc.to(**cast), vc=vc.to(**cast),
+                num_blocks=num_blocks, max_blocks=max(need) + 1, num_tokens=n)
+
+
+def builder(case, block_size, backend, max_num_tokens=None):
+    return AttentionMetadataBuilder(block_size=block_size, num_blocks=case["num_blocks"],
+                                    max_num_tokens=max_num_tokens or case["num_tokens"] + 8,
+                                    max_blocks_per_seq=case["max_blocks"], device=case["q"].device, backend=backend)
+
+
+def run_forward(backend, spec, case, block_size, pad_to=None):
+    md = builder(case, block_size, backend).build(case["seqs"], pad_to=pad_to)
+    cache = KVCache(case["kc"].clone(), case["vc"].clone(), spec)
+    out = torch.full_like(case["q"], 7.0)
+    backend.forward(case["q"], case["k"], case["v"], out, cache, md)
+    return out, cache, md
+
+
+def triton_backend(device_type=DEVICE, **tuning) -> TritonBackend:
+    be = TritonBackend(device_type)
+    be.tuning = Tuning(**tuning)
+    return be
+
+
+def check_forward(spec, dtype, block_size, lens, *, pad_to=None, seed=0, **tuning):
+    """Triton forward == reference forward (output and both caches); returns the triton plan."""
+    case = make_case(spec, dtype, block_size, lens, pad_to=pad_to, seed=seed)
+    be = triton_backend(**tuning)
+    out, cache, md = run_forward(be, spec, case, block_size, pad_to)
+    want, ref_cache, _ = run_forward(ReferenceBackend(), spec, case, block_size, pad_to)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
+    torch.testing.assert_close(cache.key_cache, ref_cache.key_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(cache.value_cache, ref_cache.value_cache, atol=0, rtol=0, equal_nan=True)
+    real = sum(q for q, _ in lens)
+    assert torch.all(out[real:] == 0), "padding rows must be zero"
+    return md.plans[be]
+
+
+def splits_of(plan, spec, dtype) -> int:
+    return plan.layer(spec, dtype).attend.splits
+
+
+# ---------------------------------------------------------------------------------------------
+# interpreter mode and pure heuristics
+
+
+@cpu_only
+def test_interpreter_mode_in_effect():
+    assert _interpreter_usable()
+    assert _mode.kernels_interpreted(), "kernels were decorated in compiled mode; the CPU tests would not run"
+
+
+@cpu_only
+def test_kernels_follow_mode_changes(monkeypatch):
+    """Imported under one mode and used under the other: sync re-decorates, both ways."""
+    from compileattn.backends.triton import decode
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    try:
+        assert _mode.sync_interpreter_mode()
+        assert not _mode.kernels_interpreted()
+        assert type(decode.decode_kernel).__name__ == "JITFunction"
+    finally:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        _mode.sync_interpreter_mode()
+    assert _mode.kernels_interpreted()
+    assert TritonBackend("cpu").unsupported_reason(AttentionSpec(2, 1, 32), torch.float16, "cpu", 16) is None
+
+
+def test_split_heuristic_fills_one_wave():
+    sms = 132
+    slots = sms * PROGRAMS_PER_SM
+    assert num_splits(1, 8, sms) == min(MAX_SPLITS, slots // 8)
+    assert num_splits(256, 8, sms) == 1
+    previous = MAX_SPLITS
+    for b in (1, 2, 3, 5, 8, 16, 24, 32, 64, 128):
+        s = num_splits(b, 8, sms)
+        assert 1 <= s <= previous  # never more splits for a bigger batch
+        assert s == 1 or b * 8 * s <= slots  # at most one wave of resident programs
+        assert s == MAX_SPLITS or b * 8 * (s + 1) > slots  # and as close to one wave as allowed
+        previous = s
+    assert num_splits(4, 8, sms, Tuning(num_splits=5)) == 5
+
+
+def test_configs_are_tensor_core_shaped():
+    for group in (1, 3, 8, 16, 64):
+        for d in (32, 64, 80, 128, 256):
+            for dtype in (torch.float16, torch.float32):
+                dc = decode_config(group, d, dtype)
+                assert dc.block_m >= max(16, group) and dc.block_n >= 16
+                uc = unified_config(group, d, dtype)
+                assert uc.block_q >= 1 and uc.block_q * group <= uc.block_m and uc.block_n >= 16
+    assert decode_config(8, 128, torch.bfloat16).block_n == 64
+
+
+def test_unsupported_reasons():
+    be = TritonBackend("cpu")
+    spec = AttentionSpec(4, 2, 64)
+    assert be.unsupported_reason(spec, torch.bfloat16, "cpu", 16) is not None
+    assert be.unsupported_reason(spec, torch.float16, "meta", 16) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# KV write
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_kv_write_matches_reference(block_size, dtype):
+    if not (CUDA or INTERPRETED):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(1)
+    kvh, d, t, nb = 3, 32, 9, 6
+    # Key/value as strided views of a fused projection, the way a model hands them over.
+    kv = torch.randn(t, 2 * kvh * d + 8, generator=g).to(dtype=dtype, device=DEVICE)
+    key = kv[:, :kvh * d].view(t, kvh, d)
+    value = kv[:, kvh * d:2 * kvh * d].view(t, kvh, d)
+    slots = torch.randperm(nb * block_size, generator=g)[:t]
+    slots[[2, 5]] = -1
+    slots = slots.to(DEVICE)
+    caches = [torch.zeros(nb, block_size, kvh, d, dtype=dtype, device=DEVICE) for _ in range(4)]
+    triton_backend().write_kv_cache(key, value, caches[0], caches[1], slots)
+    ReferenceBackend().write_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# paged decode (interpreter)
+
+DECODE_LENS = [(1, 150), (1, 0), (1, 37), (1, 97)]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("block_size,block_n", [(1, 16), (16, 16), (16, 64), (64, 32), (5, 16)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_matches_reference(dtype, block_size, block_n, splits):
+    spec = AttentionSpec(4, 2, 32)
+    plan = check_forward(spec, dtype, block_size, DECODE_LENS, pad_to=6, decode_block_n=block_n, num_splits=splits)
+    assert plan.path == "decode" and splits_of(plan, spec, dtype) == splits
+
+
+@cpu_only
+@pytest.mark.parametrize("heads", [(4, 1), (6, 2), (2, 2)], ids=["mqa", "group3", "mha"])
+def test_decode_head_layouts(heads):
+    spec = AttentionSpec(heads[0], heads[1], 64)
+    plan = check_forward(spec, torch.float16, 16, [(1, 70), (1, 5)], decode_block_n=32, num_splits=2)
+    assert plan.path == "decode"
+
+
+@cpu_only
+def test_decode_default_heuristics_split():
+    """No overrides: the CPU stand-in SM count makes a batch of one split."""
+    spec = AttentionSpec(4, 2, 32)
+    plan = check_forward(spec, torch.float16, 16, [(1, 300)])
+    assert splits_of(plan, spec, torch.float16) > 1
+
+
+@cpu_only
+@pytest.mark.parametrize("window,softcap", [(10, 0.0), (0, 0.0), (40, 0.0), (-1, 2.0), (17, 3.0)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_window_softcap(window, softcap, splits):
+    spec = AttentionSpec(4, 2, 32, sliding_window=window, softcap=softcap)
+    check_forward(spec, torch.float32, 16, DECODE_LENS, decode_block_n=16, num_splits=splits)
+
+
+@cpu_only
+def test_decode_padded_head_dim():
+    spec = AttentionSpec(4, 2, 80)
+    check_forward(spec, torch.float16, 16, [(1, 40), (1, 3)], pad_to=3, decode_block_n=16, num_splits=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# unified kernel (interpreter)
+
+MIXED_LENS = [(1, 40), (1, 0), (7, 0), (13, 50), (1, 20), (18, 9)]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_mixed_batch_matches_reference(dtype, block_size):
+    spec = AttentionSpec(4, 2, 32)
+    plan = check_forward(spec, dtype, block_size, MIXED_LENS, pad_to=43, unified_block_m=16, unified_block_n=16)
+    assert plan.path == "unified"
+
+
+@cpu_only
+@pytest.mark.parametrize("heads", [(4, 1), (6, 2)], ids=["mqa", "group3"])
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_unified_head_layouts(heads, block_n):
+    spec = AttentionSpec(heads[0], heads[1], 32)
+    check_forward(spec, torch.float16, 16, [(9, 30), (1, 17), (20, 0)], unified_block_m=16, unified_block_n=block_n)
+
+
+@cpu_only
+@pytest.mark.parametrize("window,softcap,causal", [(5, 0.0, True), (20, 2.0, True), (-1, 1.5, True),
+                                                   (-1, 0.0, False), (6, 0.0, False)])
+def test_unified_window_softcap_causal(window, softcap, causal):
+    spec = AttentionSpec(4, 2, 32, sliding_window=window, softcap=softcap, causal=causal)
+    check_forward(spec, torch.float32, 16, MIXED_LENS, unified_block_m=16, unified_block_n=16)
+
+
+@cpu_only
+def test_unified_default_tiles():
+    spec = AttentionSpec(4, 2, 64)
+    check_forward(spec, torch.float16, 16, [(70, 60), (1, 9)], pad_to=74)
+
+
+HYPOTHESIS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@cpu_only
+@HYPOTHESIS
+@given(data=st.data())
+def test_ragged_batches_hypothesis(data):
+    heads = data.draw(st.sampled_from([(2, 1), (4, 2), (4, 4), (6, 3)]))
+    block_size = data.draw(st.sampled_from([1, 3, 16, 64]))
+    window = data.draw(st.sampled_from([-1, -1, 0, 7, 30]))
+    softcap = data.draw(st.sampled_from([0.0, 0.0, 4.0]))
+    decode = data.draw(st.booleans())
+    n = data.draw(st.integers(1, 3))
+    qmax = 1 if decode else 12
+    lens = [(data.draw(st.integers(1, qmax)), data.draw(st.integers(0, 70))) for _ in range(n)]
+    pad = data.draw(st.integers(0, 2))
+    spec = AttentionSpec(heads[0], heads[1], 32, sliding_window=window, softcap=softcap)
+    check_forward(spec, torch.float16, block_size, lens, pad_to=sum(q for q, _ in lens) + pad,
+                  seed=data.draw(st.integers(0, 2**16)), decode_block_n=16, unified_block_m=16, unified_block_n=16,
+                  num_splits=data.draw(st.sampled_from([None, 1, 2, 5])))
+
+
+# ---------------------------------------------------------------------------------------------
+# public varlen_attention: contiguous K/V, paged decode path, rows past the last sequence
+
+
+def _contiguous_case(dtype, q_lens, k_lens, kvh=2, h=4, d=32, extra_rows=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(q_lens) + extra_rows, sum(k_lens)
+    cast = dict(dtype=dtype, device=DEVICE)
+    q = (2 * torch.randn(tq, h, d, generator=g)).to(**cast)
+    k = torch.randn(tk, kvh, d, generator=g).to(**cast)
+    v = torch.randn(tk, kvh, d, generator=g).to(**cast)
+    cu_q = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(k_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(True, -1, 0.0), (False, -1, 0.0), (True, 4, 2.0)])
+@pytest.mark.parametrize("use_seqused", [False, True])
+def test_varlen_contiguous_matches_reference(causal, window, softcap, use_seqused):
+    if not (CUDA or INTERPRETED):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    q_lens, k_lens = [5, 0, 12, 1], [9, 4, 12, 30]
+    q, k, v, cu_q, cu_k = _contiguous_case(torch.float32, q_lens, k_lens)
+    used = torch.tensor([7, 4, 12, 25], dtype=torch.int32, device=DEVICE) if use_seqused else None
+    outs = []
+    for be in (triton_backend(unified_block_m=16, unified_block_n=16), ReferenceBackend()):
+        out = torch.full_like(q, 7.0)
+        be.varlen_attention(q, k, v, out, cu_q, cu_k, used, None, max(q_lens), max(k_lens), 0.3, causal, window,
+                            softcap)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], **dict(zip(("atol", "rtol"), TOL[torch.float32])))
+    assert torch.all(outs[0][sum(q_lens):] == 0)
+
+
+def test_varlen_paged_decode_path_with_empty_query():
+    """max_seqlen_q == 1 on a paged cache takes the decode kernel; a sequence without a query
+    token (cu_seqlens_q repeats) must not disturb its neighbours."""
+    if not (CUDA or INTERPRETED):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    spec = AttentionSpec(4, 2, 32)
+    case = make_case(spec, torch.float16, 16, [(1, 60), (1, 31), (1, 7)])
+    kc = torch.nan_to_num(case["kc"])
+    vc = torch.nan_to_num(case["vc"])
+    tables = torch.zeros(3, case["max_blocks"], dtype=torch.int32)
+    for i, s in enumerate(case["seqs"]):
+        tables[i, :len(s.block_table)] = torch.tensor(s.block_table)
+    tables = tables.to(DEVICE)
+    cu_q = torch.tensor([0, 1, 1, 2], dtype=torch.int32, device=DEVICE)
+    used = torch.tensor([60, 31, 7], dtype=torch.int32, device=DEVICE)
+    q = case["q"][:3].contiguous()
+    outs = []
+    for be in (triton_backend(num_splits=3, decode_block_n=16), ReferenceBackend()):
+        out = torch.full_like(q, 7.0)
+        be.varlen_attention(q, kc, vc, out, cu_q, None, used, tables, 1, 60, 0.2, True, -1, 0.0)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], **dict(zip(("atol", "rtol"), TOL[torch.float16])))
+    assert torch.all(outs[0][2] == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# through the compileattn::attention op
+
+
+def test_attention_op_uses_triton_backend():
+    if not (CUDA or INTERPRETED):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    import compileattn.ops  # noqa: F401  (registers the ops)
+
+    spec = AttentionSpec(4, 2, 32)
+    dtype = torch.float16
+    case = make_case(spec, dtype, 16, [(1, 33), (1, 8)], pad_to=3)
+    be = triton_backend(num_splits=2, decode_block_n=16)
+    md = builder(case, 16, be).build(case["seqs"], pad_to=3)
+    cache = KVCache(case["kc"].clone(), case["vc"].clone(), spec)
+    out = torch.empty_like(case["q"])
+    with set_forward_context(md, {"layer0": cache}):
+        torch.ops.compileattn.attention(case["q"], case["k"], case["v"], out, "layer0")
+    assert be in md.plans and cache.resolved[be] is be
+    want, _, _ = run_forward(ReferenceBackend(), spec, case, 16, pad_to=3)
+    torch.testing.assert_close(out, want, **dict(zip(("atol", "rtol"), TOL[dtype])))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA
+
+
+CUDA_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((4, 1), 128), ((16, 8), 256), ((8, 8), 80),
+                                            ((64, 8), 128)])
+@pytest.mark.parametrize("splits", [None, 1])  # None: the heuristic, which splits this small batch
+def test_cuda_decode(dtype, block_size, heads, head_dim, splits):
+    spec = AttentionSpec(heads[0], heads[1], head_dim)
+    lens = [(1, 700), (1, 0), (1, 33), (1, 1500), (1, 64)]
+    check_forward(spec, dtype, block_size, lens, pad_to=8, num_splits=splits)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((4, 1), 128), ((16, 8), 256), ((12, 4), 96)])
+def test_cuda_mixed(dtype, block_size, heads, head_dim):
+    spec = AttentionSpec(heads[0], heads[1], head_dim)
+    lens = [(1, 300), (1, 0), (130, 0), (77, 513), (1, 20), (5, 1000)]
+    check_forward(spec, dtype, block_size, lens, pad_to=224)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("window,softcap", [(100, 0.0), (-1, 30.0), (257, 10.0)])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_cuda_window_softcap(dtype, window, softcap, mixed):
+    spec = AttentionSpec(8, 2, 128, sliding_window=window, softcap=softcap)
+    lens = [(1, 1000), (1, 50), (1, 300)] + ([(200, 400)] if mixed else [])
+    check_forward(spec, dtype, 16, lens)
+
+
+@pytest.mark.cuda
+def test_cuda_forward_never_syncs():
+    spec = AttentionSpec(32, 8, 128)
+    for lens in ([(1, 2000), (1, 3)], [(1, 100), (50, 30)]):
+        case = make_case(spec, torch.bfloat16, 16, lens, pad_to=64)
+        be = triton_backend()
+        md = builder(case, 16, be).build(case["seqs"], pad_to=64)
+        cache = KVCache(case["kc"].clone(), case["vc"].clone(), spec)
+        out = torch.empty_like(case["q"])
+        be.forward(case["q"], case["k"], case["v"], out, cache, md)  # first call binds and compiles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            be.forward(case["q"], case["k"], case["v"], out, cache, md)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_cuda_graph_replay_with_new_metadata(dtype, block_size, splits):
+    """Capture a decode step, then change lengths and block tables in the persistent buffers
+    (by building the next step's metadata) and replay: the graph must follow the new contents."""
+    spec = AttentionSpec(16, 4, 128)
+    pad = 8
+    steps = [[(1, 900), (1, 5), (1, 2500)], [(1, 3000), (1, 700), (1, 0), (1, 64), (1, 1)]]
+    cases = [make_case(spec, dtype, block_size, lens, pad_to=pad, seed=i) for i, lens in enumerate(steps)]
+    nb = max(c["num_blocks"] for c in cases)
+    mb = max(c["max_blocks"] for c in cases)
+    be = triton_backend(num_splits=splits)
+    b = AttentionMetadataBuilder(block_size=block_size, num_blocks=nb, max_num_tokens=pad, max_blocks_per_seq=mb,
+                                 device=DEVICE, backend=be)
+    kc = torch.full((nb, block_size, spec.num_kv_heads, spec.head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    cache = KVCache(kc, vc, spec)
+    q, k, v = (torch.empty_like(cases[0][x]) for x in ("q", "k", "v"))
+    out = torch.empty_like(q)
+
+    def load(case):
+        cache.key_cache[: case["num_blocks"]].copy_(case["kc"])
+        cache.value_cache[: case["num_blocks"]].copy_(case["vc"])
+        for x, t in ((q, "q"), (k, "k"), (v, "v")):
+            x.copy_(case[t])
+
+    load(cases[0])
+    md = b.build(cases[0]["seqs"], pad_to=pad)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        be.forward(q, k, v, out, cache, md)  # warm-up: compile, bind, allocate scratch
+    torch.cuda.current_stream().wait_stream(s)
+    load(cases[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        be.forward(q, k, v, out, cache, md)
+
+    for case in cases:
+        load(case)
+        b.build(case["seqs"], pad_to=pad)  # new contents, same buffers
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_cache = KVCache(case["kc"].clone(), case["vc"].clone(), spec)
+        ref_md = builder(case, block_size, ReferenceBackend()).build(case["seqs"], pad_to=pad)
+        want = torch.empty_like(out)
+        ReferenceBackend().forward(case["q"], case["k"], case["v"], want, ref_cache, ref_md)
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
+        n = case["num_blocks"]
+        torch.testing.assert_close(cache.key_cache[:n], ref_cache.key_cache, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
+def test_cuda_long_context_default_split():
+    """Production-like decode shape with the default heuristics: batch 2, 4096+ tokens."""
+    spec = AttentionSpec(64, 8, 128)
+    plan = check_forward(spec, torch.bfloat16, 16, [(1, 4100), (1, 3000)])
+    assert plan.path == "decode" and splits_of(plan, spec, torch.bfloat16) > 1
