@@ -10,11 +10,15 @@ replays timed with events; calls cycle over disjoint page sets totalling >= 4x L
 from HBM):
 
 - ``default``: the decode launch the backend binds (heuristic tiles and split count);
-- ``sweep``: tiles (keys per tile, warps, pipeline stages) x split counts around the heuristic;
+- ``sweep``: tiles (keys per tile, warps, pipeline stages, tail mode ``t``: 0 = last tile folded
+  into the body loop, n = own n-stage loop) and split counts around the heuristic;
   the best is printed with its config, so ``config.py`` defaults can be updated from one run;
 - ``unified``: the same decode batch through the unified varlen kernel (what a mixed batch's
   decode rows cost), to judge whether mixed batches should be split;
 - ``forward``: ``backend.forward`` (one-token KV write + attention) with the default plan.
+
+Then the unified kernel alone on a prefill (4 x 1024 new tokens) and a chunked prefill (2 x 512
+new after 3584 cached), default tiles and a few neighbours, as µs and causal TFLOP/s.
 
 Host cost: CPU µs per ``backend.forward`` call (3 launches at batch 1: write, decode, combine)
 against an empty ``torch.add`` launch, measured back-to-back at batch 1 where the GPU is idle.
@@ -54,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=common.parse_int_list, default=[1, 16, 64, 256])
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--budget-s", type=float, default=420.0)
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -150,6 +155,61 @@ def forward_case(torch, step):
     return be, md, cache, k, v
 
 
+class Prefill:
+    """Prefill / chunked prefill: ``seqs`` of (new tokens, cached tokens), all K/V already paged."""
+
+    def __init__(self, torch, seqs, page):
+        dev, dtype = DEV, getattr(torch, DTYPE_NAME)
+        self.seqs = seqs
+        need = [math.ceil((q + c) / page) for q, c in seqs]
+        nb = sum(need)
+        g = torch.Generator(device=dev).manual_seed(7)
+        self.kc = torch.randn(nb, page, KVH, D, device=dev, generator=g).to(dtype)
+        self.vc = torch.randn(nb, page, KVH, D, device=dev, generator=g).to(dtype)
+        t = sum(q for q, _ in seqs)
+        self.q = torch.randn(t, H, D, device=dev, generator=g).to(dtype)
+        self.out = torch.empty_like(self.q)
+        perm = torch.randperm(nb, device=dev, generator=g).to(torch.int32)
+        self.table = torch.zeros(len(seqs), max(need), dtype=torch.int32, device=dev)
+        i = 0
+        for s, n in enumerate(need):
+            self.table[s, :n] = perm[i:i + n]
+            i += n
+        self.cu_q = torch.tensor([0] + [sum(q for q, _ in seqs[:i + 1]) for i in range(len(seqs))],
+                                 dtype=torch.int32, device=dev)
+        self.seq_lens = torch.tensor([q + c for q, c in seqs], dtype=torch.int32, device=dev)
+        self.page = page
+        # causal: query i of q_len after c cached tokens sees c + i + 1 keys; 2 dots x 2 flop per MAC
+        self.flops = sum(4 * H * D * (q * c + q * (q + 1) // 2) for q, c in seqs)
+
+    def check(self, torch) -> float:
+        from compileattn.backends.reference import attend_one_sequence, gather_paged
+
+        q0, c0 = self.seqs[0]
+        k = gather_paged(self.kc, self.table[0], q0 + c0)
+        v = gather_paged(self.vc, self.table[0], q0 + c0)
+        want = attend_one_sequence(self.q[:q0], k, v, D ** -0.5, True, -1, 0.0)
+        return common.rel_error(self.out[:q0].float(), want)
+
+
+def time_prefill(torch, case, cfg):
+    from compileattn.backends.triton.launch import Softmax, UnifiedLaunch
+
+    launch = UnifiedLaunch(cfg, case.q.shape[0], len(case.seqs), H, KVH, D, case.page, case.q.dtype,
+                           Softmax(D ** -0.5, 0.0, -1), True, paged=True, has_seq_lens=True)
+
+    def fn(_r=0):
+        launch(case.q, case.kc, case.vc, case.out, case.cu_q, None, case.seq_lens, case.table)
+
+    case.out.fill_(float("nan"))
+    fn()
+    torch.cuda.synchronize()
+    err = case.check(torch)
+    if not err <= TOLERANCE:
+        return None, err
+    return common.gpu_time_us(fn, target_ms=5.0, reps=5).us, err
+
+
 def host_us(torch, fn, n=300) -> float:
     for _ in range(20):
         fn()
@@ -178,7 +238,7 @@ def main(argv=None) -> int:
     l2 = common.l2_cache_bytes()
     bw = common.copy_bandwidth()
     log(f"{torch.cuda.get_device_name()}  SMs={sms}  L2={l2 >> 20} MiB  copy={bw['GBps'] / 1e3:.2f} TB/s")
-    base = decode_config(H // KVH, D, getattr(torch, DTYPE_NAME))
+    base = decode_config(H // KVH, D, getattr(torch, DTYPE_NAME), args.page)
     results = {"device": torch.cuda.get_device_name(), "copy_TBps": bw["GBps"] / 1e3, "rows": []}
     summary = []
     for batch in args.batches:
@@ -189,11 +249,18 @@ def main(argv=None) -> int:
         row["default"] = dict(cfg=base.__dict__, splits=default_splits, us=us, TBps=tbps, err=err)
         log(f"batch {batch}: default {base} splits={default_splits}: "
             + (f"{us:.1f} us {tbps:.2f} TB/s" if us else f"FAIL err={err:.3g}"))
-        best = (us, f"default (N{base.block_n} w{base.num_warps} s{base.num_stages} splits {default_splits})")
+        best = (us, f"default (N{base.block_n} w{base.num_warps} s{base.num_stages} t{base.tail_stages} "
+                    f"splits {default_splits})")
         if not args.no_sweep:
             split_set = sorted({1, max(1, default_splits // 2), default_splits, default_splits * 2}
                                | ({8, 16, 32, 64} if batch <= 4 else set()) | ({2, 3, 4, 6} if batch <= 32 else set()))
-            tiles = [DecodeConfig(base.block_m, n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3))]
+            def tail(n, s):  # the heuristic's tail mode for that tile (config.decode_config)
+                return s if args.page > 1 and args.page % n else 0
+
+            tiles = [DecodeConfig(base.block_m, n, w, s, tail(n, s))
+                     for n, w, s in itertools.product((16, 32, 64, 128), (4, 8), (2, 3))]
+            tiles += [DecodeConfig(base.block_m, base.block_n, base.num_warps, base.num_stages, t)
+                      for t in (0, 1, base.num_stages)]
             grid = [(base, s) for s in split_set if s != default_splits]
             grid += [(c, default_splits) for c in tiles if c != base]
             for cfg, splits in grid:
@@ -205,7 +272,7 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001  (a config that does not compile/run is data)
                     us2, tb2, err2 = None, None, common.short_error(exc, 120)
                 row["sweep"].append(dict(cfg=cfg.__dict__, splits=splits, us=us2, TBps=tb2, err=err2))
-                tag = f"N{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} splits {splits}"
+                tag = f"N{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} t{cfg.tail_stages} splits {splits}"
                 log(f"  {tag}: " + (f"{us2:.1f} us {tb2:.2f} TB/s" if us2 else f"FAIL {err2}"))
                 if us2 and (best[0] is None or us2 < best[0]):
                     best = (us2, tag)
@@ -221,6 +288,32 @@ def main(argv=None) -> int:
         results["rows"].append(row)
         del step, be, md, cache
         torch.cuda.empty_cache()
+
+    # Unified kernel on prefill shapes: default tiles and a few neighbours.
+    from compileattn.backends.triton.config import UnifiedConfig, unified_config
+
+    prefill_rows = []
+    if not args.no_prefill:
+        ubase = unified_config(H // KVH, D, getattr(torch, DTYPE_NAME))
+        variants = [ubase] + [UnifiedConfig(m, m // (H // KVH), n, w, st) for m, n, w, st in
+                              ((128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3))]
+        for name, seqs in (("prefill 4 x 1024", [(1024, 0)] * 4),
+                           ("chunked prefill 2 x 512 after 3584", [(512, 3584)] * 2)):
+            case = Prefill(torch, seqs, args.page)
+            for cfg in variants:
+                if budget.left() < 20:
+                    break
+                try:
+                    us_p, err_p = time_prefill(torch, case, cfg)
+                except Exception as exc:  # noqa: BLE001
+                    us_p, err_p = None, common.short_error(exc, 120)
+                tag = f"M{cfg.block_m} N{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+                tflops = case.flops / (us_p * 1e-6) / 1e12 if us_p else None
+                log(f"{name} {tag}: " + (f"{us_p:.1f} us {tflops:.0f} TFLOP/s" if us_p else f"FAIL {err_p}"))
+                prefill_rows.append([name, tag + (" (default)" if cfg == ubase else ""), common.fmt_num(us_p),
+                                     common.fmt_num(tflops, 0)])
+            del case
+    results["prefill"] = prefill_rows
 
     # Host cost per forward call (batch 1: GPU time is far below launch cost, so the loop is CPU-bound).
     step = Step(torch, 1, args.context, args.page, l2)
@@ -242,6 +335,9 @@ def main(argv=None) -> int:
         ["batch", "FlashInfer µs (issue)", "triton µs", "TB/s", "÷FI", "best swept µs (config)", "unified µs",
          "forward µs"], rows))
     print(f"\nhost µs per backend.forward call (batch 1): {host_fwd:.1f}; empty torch.add launch: {host_add:.1f}")
+    if prefill_rows:
+        print("\nUnified kernel (paged, page %d, causal):" % args.page)
+        print(common.markdown_table(["case", "tiles", "µs", "TFLOP/s"], prefill_rows))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0

@@ -33,7 +33,9 @@ pytest.importorskip("triton", reason="the triton backend needs the triton packag
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from compileattn import AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep, set_forward_context  # noqa: E402
+from compileattn import (  # noqa: E402
+    AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep, set_forward_context,
+)
 from compileattn.backends.reference import ReferenceBackend  # noqa: E402
 from compileattn.backends.triton import _mode  # noqa: E402
 from compileattn.backends.triton.backend import TritonBackend  # noqa: E402
@@ -194,6 +196,8 @@ def test_configs_are_tensor_core_shaped():
                 uc = unified_config(group, d, dtype)
                 assert uc.block_q >= 1 and uc.block_q * group <= uc.block_m and uc.block_n >= 16
     assert decode_config(8, 128, torch.bfloat16).block_n == 64
+    assert decode_config(8, 128, torch.bfloat16, page=16).tail_stages > 0  # tiles gather 4 pages
+    assert decode_config(8, 128, torch.bfloat16, page=64).tail_stages == 0  # a tile is in one page
 
 
 def test_unsupported_reasons():
@@ -241,6 +245,16 @@ def test_decode_matches_reference(dtype, block_size, block_n, splits):
     spec = AttentionSpec(4, 2, 32)
     plan = check_forward(spec, dtype, block_size, DECODE_LENS, pad_to=6, decode_block_n=block_n, num_splits=splits)
     assert plan.path == "decode" and splits_of(plan, spec, dtype) == splits
+
+
+@cpu_only
+@pytest.mark.parametrize("tail_stages", [0, 1, 3])
+def test_decode_tail_modes(tail_stages):
+    """The last partial tile folded into the body loop, or in its own 1- or 3-stage loop."""
+    spec = AttentionSpec(4, 2, 32)
+    plan = check_forward(spec, torch.float16, 16, DECODE_LENS, decode_block_n=32, num_splits=2,
+                         decode_tail_stages=tail_stages)
+    assert plan.layer(spec, torch.float16).attend.attn.kwargs["TAIL_STAGES"] == tail_stages
 
 
 @cpu_only
@@ -419,13 +433,18 @@ def test_attention_op_uses_triton_backend():
 
 
 CUDA_DTYPES = [torch.bfloat16, torch.float16]
+#: (block_size, (heads, kv_heads), head_dim): every layout at page 16, pages 1 and 64 on two of them
+#: (a full product would compile ~100 kernel variants on the device for little extra coverage).
+CUDA_DECODE_SHAPES = ([(16, h, d) for h, d in (((8, 2), 64), ((4, 1), 128), ((16, 8), 256), ((8, 8), 80),
+                                                 ((64, 8), 128))]
+                      + [(bs, h, d) for bs in (1, 64) for h, d in (((64, 8), 128), ((4, 1), 128))])
+CUDA_MIXED_SHAPES = ([(16, h, d) for h, d in (((8, 2), 64), ((4, 1), 128), ((16, 8), 256), ((12, 4), 96))]
+                     + [(bs, (8, 2), 64) for bs in (1, 64)])
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
-@pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((4, 1), 128), ((16, 8), 256), ((8, 8), 80),
-                                            ((64, 8), 128)])
+@pytest.mark.parametrize("block_size,heads,head_dim", CUDA_DECODE_SHAPES)
 @pytest.mark.parametrize("splits", [None, 1])  # None: the heuristic, which splits this small batch
 def test_cuda_decode(dtype, block_size, heads, head_dim, splits):
     spec = AttentionSpec(heads[0], heads[1], head_dim)
@@ -435,8 +454,7 @@ def test_cuda_decode(dtype, block_size, heads, head_dim, splits):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
-@pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((4, 1), 128), ((16, 8), 256), ((12, 4), 96)])
+@pytest.mark.parametrize("block_size,heads,head_dim", CUDA_MIXED_SHAPES)
 def test_cuda_mixed(dtype, block_size, heads, head_dim):
     spec = AttentionSpec(heads[0], heads[1], head_dim)
     lens = [(1, 300), (1, 0), (130, 0), (77, 513), (1, 20), (5, 1000)]

@@ -127,7 +127,7 @@ class TritonBackend(AttentionBackend):
             out.masked_fill_(tail.view(-1, 1, 1), 0)
 
     def _decode_launch(self, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, device, scratch):
-        cfg = decode_config(num_heads // kv_heads, head_dim, dtype, self.tuning)
+        cfg = decode_config(num_heads // kv_heads, head_dim, dtype, block_size, self.tuning)
         splits = num_splits(num_seqs, kv_heads, self._sm_count(device), self.tuning)
         return DecodeLaunch(cfg, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, splits, scratch)
 

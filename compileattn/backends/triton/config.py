@@ -35,6 +35,7 @@ class Tuning:
     decode_block_n: int | None = None
     decode_num_warps: int | None = None
     decode_num_stages: int | None = None
+    decode_tail_stages: int | None = None
     num_splits: int | None = None
     unified_block_m: int | None = None
     unified_block_n: int | None = None
@@ -48,6 +49,8 @@ class DecodeConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    #: 0: the last partial tile runs in the (then masked) body loop; n: its own n-stage loop.
+    tail_stages: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +68,8 @@ def _tile_keys(d_pad: int, element_size: int, lo: int, hi: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def decode_config(group: int, head_dim: int, dtype: torch.dtype, tuning: Tuning = Tuning()) -> DecodeConfig:
+def decode_config(group: int, head_dim: int, dtype: torch.dtype, page: int = 16,
+                  tuning: Tuning = Tuning()) -> DecodeConfig:
     d_pad = next_pow2(head_dim)
     esize = torch.empty((), dtype=dtype).element_size()
     block_m = max(16, next_pow2(group))
@@ -73,7 +77,11 @@ def decode_config(group: int, head_dim: int, dtype: torch.dtype, tuning: Tuning 
     # fp32 tiles are twice the registers; with 4 warps they spilled (sm90 compile, head dim 128).
     warps = tuning.decode_num_warps or (8 if block_m * d_pad >= 64 * 256 or esize == 4 else 4)
     stages = tuning.decode_num_stages or 3
-    return DecodeConfig(block_m, block_n, warps, stages)
+    # Fewest registers on sm90 (see tile.attend_range): a pipelined tail loop when tiles gather
+    # from several pages, the tail folded into the body when a tile sits in one page (or page 1).
+    gathered = page > 1 and page % block_n != 0
+    tail = tuning.decode_tail_stages if tuning.decode_tail_stages is not None else (stages if gathered else 0)
+    return DecodeConfig(block_m, block_n, warps, stages, tail)
 
 
 @functools.lru_cache(maxsize=None)

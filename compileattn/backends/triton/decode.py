@@ -29,7 +29,7 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, cu_q, seq_
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-                  NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+                  NUM_STAGES: tl.constexpr, TAIL_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,7 +68,7 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, cu_q, seq_
                                  block_table + seq.to(tl.int64) * stride_bt, 0, s0, s1, body_lo, body_hi, kv_len,
                                  stride_kb, stride_kp, offs_d, qk_scale, cap, window,
                                  HEAD_DIM, D_PAD, PAGE, BLOCK_N, True, False, HAS_WINDOW, HAS_SOFTCAP,
-                                 PRECISION, NUM_STAGES, True, INTERPRET)
+                                 PRECISION, NUM_STAGES, TAIL_STAGES, INTERPRET)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

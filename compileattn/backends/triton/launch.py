@@ -78,7 +78,8 @@ class DecodeLaunch:
                           BLOCK_M=cfg.block_m, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=block_size,
                           BLOCK_N=cfg.block_n, SPLIT=splits > 1, HAS_WINDOW=sm.has_window,
                           HAS_SOFTCAP=sm.has_softcap, PRECISION=precision(dtype), NUM_STAGES=cfg.num_stages,
-                          INTERPRET=_mode.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                          TAIL_STAGES=cfg.tail_stages, INTERPRET=_mode.interpreting(), num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages)
         self.combine = None
         self.o_part = self.lse_part = None
         if splits > 1:
@@ -117,7 +118,8 @@ class UnifiedLaunch:
             BLOCK_Q=cfg.block_q, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), PAGE=block_size,
             BLOCK_N=cfg.block_n, PAGED=paged, HAS_SEQ_LENS=has_seq_lens, CAUSAL=causal,
             HAS_WINDOW=sm.has_window, HAS_SOFTCAP=sm.has_softcap, PRECISION=precision(dtype),
-            NUM_STAGES=cfg.num_stages, INTERPRET=_mode.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            NUM_STAGES=cfg.num_stages, INTERPRET=_mode.interpreting(), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
 
     def __call__(self, q, k, v, out, cu_q, cu_k, seq_lens, block_table) -> None:
         """``v`` must have ``k``'s strides (one row offset serves both)."""

@@ -159,24 +159,25 @@ def attend_range(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first, s0, 
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 TAIL_IN_BODY: tl.constexpr, INTERPRET: tl.constexpr):
+                 TAIL_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
     """Keys [s0, s1) (s0 tile-aligned) as masked head, unmasked body and masked tail.
 
     Head and tail hold at most two tiles each (a window's first tiles; the causal diagonal of a
-    BLOCK_Q-token tile or a sequence's last partial tile), so they are not software-pipelined.
-    Without a window the head is empty (body_lo == 0) and is not compiled.
+    BLOCK_Q-token tile or a sequence's last partial tile). The head is not software-pipelined;
+    without a window it is empty (body_lo == 0) and not compiled.
 
-    TAIL_IN_BODY (decode): the body loop runs to s1 with masks instead of a separate tail loop.
-    A separate tail loop holds its K/V tile in registers rather than the pipeline's shared-memory
-    buffers: compiled for sm90 (bf16, GQA 8, head dim 128, 64-key tiles) the decode kernel needs
-    120 registers per thread that way and 108 with the tail folded in.
+    ``TAIL_STAGES`` picks how the tail runs, for the sake of registers (occupancy): 0 folds it
+    into the body loop (which then masks every tile), n >= 1 runs it as its own loop with n
+    pipeline stages. The best choice depends on the tile shape; compiled for sm90 (bf16, GQA 8,
+    head dim 128, 64-key tiles) the decode kernel needs per thread: page 16: 120 registers with
+    a 1-stage tail, 108 folded, 96 with a 3-stage tail; page 64: 80 folded, 136 with a 3-stage tail.
     """
     if HAS_WINDOW:
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
                                      s0, tl.minimum(s1, body_lo), kv_len, stride_b, stride_p, offs_d,
                                      qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True, CAUSAL,
                                      HAS_WINDOW, HAS_SOFTCAP, PRECISION, 1, INTERPRET)
-    if TAIL_IN_BODY:
+    if TAIL_STAGES == 0:
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
                                      tl.maximum(s0, body_lo), s1, kv_len, stride_b, stride_p,
                                      offs_d, qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True,
@@ -190,8 +191,9 @@ def attend_range(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first, s0, 
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
                                      tl.maximum(s0, body_hi), s1, kv_len, stride_b, stride_p, offs_d,
                                      qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True, CAUSAL,
-                                     HAS_WINDOW, HAS_SOFTCAP, PRECISION, 1, INTERPRET)
+                                     HAS_WINDOW, HAS_SOFTCAP, PRECISION, TAIL_STAGES, INTERPRET)
     return acc, m_i, l_i
+
 
 #: The mode the kernels above were decorated in (see _mode.sync_interpreter_mode).
 INTERPRETED = bool(triton.knobs.runtime.interpret)

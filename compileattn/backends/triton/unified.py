@@ -85,7 +85,7 @@ def unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q, cu_k, seq_lens, block_tab
                                  block_table + seq.to(tl.int64) * stride_bt, kv_first, k_lo, k_hi, body_lo,
                                  body_hi, kv_len, stride_kb, stride_kp, offs_d, qk_scale,
                                  cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW,
-                                 HAS_SOFTCAP, PRECISION, NUM_STAGES, False, INTERPRET)
+                                 HAS_SOFTCAP, PRECISION, NUM_STAGES, 1, INTERPRET)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
