@@ -182,14 +182,9 @@ def _variants(args, st: Setup) -> tuple[dict, dict]:
     x1, y1 = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
     fns["empty launch: torch.add (1 element)"] = (lambda: torch.add(x1, 1, out=y1), None)
     try:
-        import triton
-        import triton.language as tl
+        from compileattn.backends.triton._empty import empty_kernel
 
-        @triton.jit
-        def _empty(x, n: tl.constexpr):
-            pass
-
-        fns["empty launch: Triton kernel"] = (lambda: _empty[(1,)](x1, 1), None)
+        fns["empty launch: Triton kernel"] = (lambda: empty_kernel[(1,)](x1, 1), None)
     except Exception as exc:  # noqa: BLE001
         skipped["empty launch: Triton kernel"] = f"triton unusable: {exc}"
 
