@@ -492,13 +492,19 @@ def test_cuda_forward_never_syncs():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("splits", [None, 1])
-def test_cuda_graph_replay_with_new_metadata(dtype, block_size, splits):
-    """Capture a decode step, then change lengths and block tables in the persistent buffers
-    (by building the next step's metadata) and replay: the graph must follow the new contents."""
+@pytest.mark.parametrize("kind,splits", [("decode", None), ("decode", 1), ("mixed", None)])
+def test_cuda_graph_replay_with_new_metadata(dtype, block_size, kind, splits):
+    """Capture a step, then change lengths and block tables in the persistent buffers (by building
+    the next step's metadata) and replay: the graph must follow the new contents. Decode steps
+    share the padded token count; mixed steps share token and sequence counts (what a capture
+    size fixes) but not their split into queries and contexts."""
     spec = AttentionSpec(16, 4, 128)
-    pad = 8
-    steps = [[(1, 900), (1, 5), (1, 2500)], [(1, 3000), (1, 700), (1, 0), (1, 64), (1, 1)]]
+    if kind == "decode":
+        pad = 8
+        steps = [[(1, 900), (1, 5), (1, 2500)], [(1, 3000), (1, 700), (1, 0), (1, 64), (1, 1)]]
+    else:
+        pad = 40
+        steps = [[(1, 500), (20, 30), (11, 0)], [(1, 40), (5, 900), (26, 100)]]
     cases = [make_case(spec, dtype, block_size, lens, pad_to=pad, seed=i) for i, lens in enumerate(steps)]
     nb = max(c["num_blocks"] for c in cases)
     mb = max(c["max_blocks"] for c in cases)
