@@ -14,7 +14,7 @@ from typing import Any, Literal, Sequence
 PieceCompiler = Literal["inductor", "aot_eager", "eager"]
 CudaGraphMode = Literal["auto", "none", "piecewise", "full_and_piecewise"]
 
-DEFAULT_SPLITTING_OPS = ("compileattn::attention",)
+DEFAULT_SPLITTING_OPS = ("compileattn::attention", "compileattn::attend")
 _NOT_HASHED = frozenset({"debug_dump_dir", "cache_dir", "check_input_addresses", "disable"})
 
 
@@ -47,6 +47,9 @@ class CompileConfig:
     #: Token counts captured as CUDA graphs; None = default_capture_sizes(max_capture_size).
     cudagraph_capture_sizes: Sequence[int] | None = None
     max_capture_size: int = 256
+    #: Split each unified attention op into a K/V write, captured in the piece before it, and the
+    #: attention itself, run eagerly (passes/kv_write.py).
+    capture_kv_write: bool = True
     #: Move shape logic that feeds an attention op into the neighbouring piece (passes/hoist.py).
     hoist_shape_logic: bool = True
     #: Extra Inductor options for every piece.

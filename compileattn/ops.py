@@ -36,6 +36,11 @@ _lib.define(
     "float softcap=0.0, str backend=\"auto\") -> ()"
 )
 _lib.define("attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, str layer_name) -> ()")
+# The unified op in two halves, made by passes/kv_write.py so the K/V write can be captured in the
+# CUDA-graph piece before attention. ``write_layer_kv`` returns an empty tensor that ``attend``
+# takes: the data dependency keeps the write ahead of the attention and alive through DCE.
+_lib.define("write_layer_kv(Tensor key, Tensor value, str layer_name) -> Tensor")
+_lib.define("attend(Tensor query, Tensor(a!) output, Tensor kv_written, str layer_name) -> ()")
 
 
 def _write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend="auto"):
@@ -62,7 +67,36 @@ def attention_impl(query, key, value, output, layer_name):
     backend.forward(query, key, value, output, cache, md)
 
 
+def _layer(layer_name):
+    ctx = context._current
+    if ctx is None:
+        context.get_forward_context()  # raises the explanatory error
+    cache = ctx.kv_caches[layer_name]
+    md = ctx.metadata
+    return cache.resolved.get(md.backend) or resolve(md.backend, cache), cache, md
+
+
+def write_layer_kv_impl(key, value, layer_name):
+    backend, cache, md = _layer(layer_name)
+    backend.write_layer_kv(key, value, cache, md)
+    return key.new_empty(0)
+
+
+def attend_impl(query, output, layer_name):
+    """The body of ``compileattn::attend`` (minus the dependency token), called directly by the
+    piecewise runtime: one dict lookup, then the backend's prepared kernel call."""
+    ctx = context._current
+    if ctx is None:
+        context.get_forward_context()
+    cache = ctx.kv_caches[layer_name]
+    md = ctx.metadata
+    (cache.resolved.get(md.backend) or resolve(md.backend, cache)).attend(query, output, cache, md)
+
+
 _lib.impl("write_kv_cache", _write_kv_cache, "CompositeExplicitAutograd")
+_lib.impl("write_layer_kv", write_layer_kv_impl, "CompositeExplicitAutograd")
+_lib.impl("attend", lambda query, output, kv_written, layer_name: attend_impl(query, output, layer_name),
+          "CompositeExplicitAutograd")
 _lib.impl("varlen_attention", _varlen_attention, "CompositeExplicitAutograd")
 _lib.impl("attention", attention_impl, "CompositeExplicitAutograd")
 
@@ -94,6 +128,21 @@ def _attention_fake(query, key, value, output, layer_name):
     return None
 
 
+@torch.library.register_fake("compileattn::write_layer_kv")
+def _write_layer_kv_fake(key, value, layer_name):
+    return key.new_empty(0)
+
+
+@torch.library.register_fake("compileattn::attend")
+def _attend_fake(query, output, kv_written, layer_name):
+    if output.shape != query.shape or output.dtype != query.dtype:
+        raise ValueError(f"compileattn::attend({layer_name!r}): output {tuple(output.shape)}/{output.dtype} "
+                         f"must match query {tuple(query.shape)}/{query.dtype}")
+    return None
+
+
 write_kv_cache = torch.ops.compileattn.write_kv_cache.default
+write_layer_kv = torch.ops.compileattn.write_layer_kv.default
+attend = torch.ops.compileattn.attend.default
 varlen_attention = torch.ops.compileattn.varlen_attention.default
 attention = torch.ops.compileattn.attention.default

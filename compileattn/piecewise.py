@@ -23,18 +23,19 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
-from passes import cleanup, hoist_shape_logic, split_graph
+from passes import capture_kv_write, cleanup, hoist_shape_logic, split_graph
 from passes.split import Piece, is_splitting_node
 
 from . import context
 from .cache import CompileCache, cache_key
 from .config import CompileConfig
 from .counters import counters
-from .ops import attention_impl
+from .ops import attend_impl, attention_impl
 
 logger = logging.getLogger("compileattn")
 
 _UNIFIED = ("compileattn::attention", "compileattn::attention.default")
+_ATTEND = ("compileattn::attend", "compileattn::attend.default")
 
 
 def _direct_splitting_call(piece: Piece) -> Callable[..., Any]:
@@ -50,6 +51,13 @@ def _direct_splitting_call(piece: Piece) -> Callable[..., Any]:
             def call(*args, _q=q, _k=k, _v=v, _o=o, _name=name):
                 attention_impl(args[_q], args[_k], args[_v], args[_o], _name)
             return call
+    if len(nodes) == 1 and is_splitting_node(nodes[0], _ATTEND) and not nodes[0].kwargs:
+        position = {p: i for i, p in enumerate(placeholders)}
+        query, output, _, name = nodes[0].args
+        if isinstance(query, torch.fx.Node) and isinstance(output, torch.fx.Node) and isinstance(name, str):
+            def call_attend(*args, _q=position[query], _o=position[output], _name=name):
+                attend_impl(args[_q], args[_o], _name)
+            return call_attend
     return piece.module.forward
 
 
@@ -118,6 +126,8 @@ def compile_piecewise(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     counters.dynamo_graphs += 1
     start = time.perf_counter()
     gm = cleanup(gm)
+    if config.capture_kv_write:
+        gm = capture_kv_write(gm)
     if config.hoist_shape_logic:
         gm = hoist_shape_logic(gm, config.splitting_ops)
     split_gm, pieces = split_graph(gm, config.splitting_ops)

@@ -94,6 +94,34 @@ def test_opcheck_attention_under_forward_context(dtype):
         torch.library.opcheck(torch.ops.compileattn.attention.default, args)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck_write_layer_kv_and_attend_equal_the_unified_op(dtype):
+    """The two halves passes/kv_write.py splits the unified op into: opcheck each, and together they
+    give what ``attention`` gives (output and cache)."""
+    tables, t, rand = _step_tensors(dtype)
+    spec = AttentionSpec(H, KVH, D)
+    k0, v0 = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D), rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D)
+    builder = AttentionMetadataBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_tokens=16,
+                                       max_blocks_per_seq=4, backend="reference")
+    md = builder.build([SequenceStep(q, c, tb) for (q, c), tb in zip(STEP, tables)], pad_to=t + 2)
+    n = md.num_tokens
+    q, k, v = rand(n, H, D), rand(n, KVH, D), rand(n, KVH, D)
+    whole = KVCache(k0.clone(), v0.clone(), spec)
+    halves = KVCache(k0.clone(), v0.clone(), spec)
+    expected = torch.empty(n, H, D, dtype=dtype)
+    with set_forward_context(md, {"layer.0": whole}):
+        torch.ops.compileattn.attention(q, k, v, expected, "layer.0")
+    out = torch.empty(n, H, D, dtype=dtype)
+    with set_forward_context(md, {"layer.0": halves}):
+        torch.library.opcheck(torch.ops.compileattn.write_layer_kv.default, (k, v, "layer.0"))
+        dep = torch.ops.compileattn.write_layer_kv(k, v, "layer.0")
+        torch.library.opcheck(torch.ops.compileattn.attend.default, (q, out, dep, "layer.0"))
+        torch.ops.compileattn.attend(q, out, dep, "layer.0")
+    torch.testing.assert_close(out[: md.num_actual_tokens], expected[: md.num_actual_tokens])
+    torch.testing.assert_close(halves.key_cache, whole.key_cache)
+    torch.testing.assert_close(halves.value_cache, whole.value_cache)
+
+
 def test_attention_without_forward_context_raises():
     q, out = torch.randn(2, H, D), torch.zeros(2, H, D)
     k = v = torch.randn(2, KVH, D)

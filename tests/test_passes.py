@@ -145,3 +145,19 @@ def test_cleanup_keeps_in_place_methods():
     g.output(x)
     gm = cleanup(torch.fx.GraphModule(torch.nn.Module(), g))
     assert any(n.target == "add_" for n in gm.graph.nodes)
+
+
+def test_capture_kv_write_moves_the_write_into_the_preceding_piece():
+    from passes import capture_kv_write
+
+    gm = capture_kv_write(_attention_graph(torch.ops.compileattn.attention, layers=2))
+    assert gm.meta["compileattn_kv_write"] == 2
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.compileattn.attention not in targets
+    _, pieces = split_graph(gm, ("compileattn::attend",))
+    assert [p.is_splitting_op for p in pieces] == [False, True, False, True, False]
+    for i in (0, 2):  # each write sits in the piece before its attend
+        writes = [n for n in pieces[i].module.graph.nodes if n.target is torch.ops.compileattn.write_layer_kv.default]
+        assert len(writes) == 1
+    attend = next(n for n in pieces[1].module.graph.nodes if n.op == "call_function")
+    assert attend.target is torch.ops.compileattn.attend.default

@@ -91,6 +91,7 @@ def test_splitting_op_runs_without_the_dispatcher():
     with warnings.catch_warnings(), torch.library._scoped_library("compileattn", "IMPL") as lib:
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel" is the point
         lib.impl("attention", lambda *a: calls.append(a[-1]), "CompositeExplicitAutograd")
+        lib.impl("attend", lambda *a: calls.append(a[-1]), "CompositeExplicitAutograd")
         with ca.set_forward_context(md, caches):
             compiled(ids, pos)
             assert calls == []

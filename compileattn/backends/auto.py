@@ -59,3 +59,9 @@ class AutoBackend(AttentionBackend):
 
     def forward(self, query, key, value, output, cache, metadata) -> None:
         resolve(metadata.plan_for(self), cache).forward(query, key, value, output, cache, metadata)
+
+    def write_layer_kv(self, key, value, cache, metadata) -> None:
+        resolve(metadata.plan_for(self), cache).write_layer_kv(key, value, cache, metadata)
+
+    def attend(self, query, output, cache, metadata) -> None:
+        resolve(metadata.plan_for(self), cache).attend(query, output, cache, metadata)

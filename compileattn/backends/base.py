@@ -45,15 +45,24 @@ class AttentionBackend:
     ) -> None:
         raise NotImplementedError
 
-    def forward(self, query, key, value, output, cache: "KVCache", metadata: "AttentionMetadata") -> None:
-        """One layer of one step: store this step's K/V, then attend over the paged cache."""
+    def write_layer_kv(self, key, value, cache: "KVCache", metadata: "AttentionMetadata") -> None:
+        """Store this step's K/V of one layer. Must be capturable (no host sync): the compile
+        backend moves it into the CUDA-graph piece before the attention op (passes/kv_write.py)."""
         self.write_kv_cache(key, value, cache.key_cache, cache.value_cache, metadata.slot_mapping)
+
+    def attend(self, query, output, cache: "KVCache", metadata: "AttentionMetadata") -> None:
+        """Attention of one layer over the paged cache (which already holds this step's K/V)."""
         spec = cache.spec
         self.varlen_attention(
             query, cache.key_cache, cache.value_cache, output, metadata.query_start_loc, None,
             metadata.seq_lens, metadata.block_table, metadata.max_query_len, metadata.max_seq_len,
             spec.scale, spec.causal, spec.sliding_window, spec.softcap,
         )
+
+    def forward(self, query, key, value, output, cache: "KVCache", metadata: "AttentionMetadata") -> None:
+        """One layer of one step: store this step's K/V, then attend over the paged cache."""
+        self.write_layer_kv(key, value, cache, metadata)
+        self.attend(query, output, cache, metadata)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -315,17 +315,28 @@ class FlashBackend(AttentionBackend):
 
     # -- per layer -----------------------------------------------------------------------------
 
-    def forward(self, query, key, value, output, cache, metadata) -> None:
+    def _call(self, metadata, spec, dtype) -> tuple:
         step = metadata.plans.get(self)
         if step is None:
             step = metadata.plan_for(self)
-        call = step.calls.get(id(cache.spec))
-        if call is None or call[2] is not query.dtype:
-            spec = cache.spec
+        call = step.calls.get(id(spec))
+        if call is None or call[2] is not dtype:
             if len(self._seen) >= _MAX_SEEN:
                 self._seen.clear()
-            self._seen[id(spec)] = (spec, query.dtype)
-            call = self._bind(step, spec, query.dtype)
+            self._seen[id(spec)] = (spec, dtype)
+            call = self._bind(step, spec, dtype)
+        return call
+
+    def write_layer_kv(self, key, value, cache, metadata) -> None:
+        call = self._call(metadata, cache.spec, key.dtype)
+        call[3](key, value, cache.key_cache, cache.value_cache, *call[4])
+
+    def attend(self, query, output, cache, metadata) -> None:
+        call = self._call(metadata, cache.spec, query.dtype)
+        call[0](query, cache.key_cache, cache.value_cache, output, *call[1])
+
+    def forward(self, query, key, value, output, cache, metadata) -> None:
+        call = self._call(metadata, cache.spec, query.dtype)
         kc = cache.key_cache
         vc = cache.value_cache
         call[3](key, value, kc, vc, *call[4])

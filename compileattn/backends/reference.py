@@ -49,6 +49,13 @@ class ReferenceBackend(AttentionBackend):
     cuda_graph_capturable = False
 
     def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        if key.device.type == "cuda":
+            # Boolean-mask indexing syncs the host; on CUDA the write may sit inside a captured
+            # piece (passes/kv_write.py), so use the sync-free gather/scatter form.
+            from .flash import write_kv_any
+
+            write_kv_any(key, value, key_cache, value_cache, slot_mapping)
+            return
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
         key_cache.view(-1, *key_cache.shape[2:])[slots] = key[: slot_mapping.shape[0]][valid]

@@ -76,11 +76,20 @@ class TritonBackend(AttentionBackend):
             _mode.sync_interpreter_mode()
         return _StepPlan(self, metadata, buffers)
 
-    def forward(self, query, key, value, output, cache, metadata) -> None:
+    def _plan(self, metadata) -> "_StepPlan":
         plan = metadata.plans.get(self)
-        if plan is None:
-            plan = metadata.plan_for(self)
-        plan.forward(query, key, value, output, cache)
+        return plan if plan is not None else metadata.plan_for(self)
+
+    def forward(self, query, key, value, output, cache, metadata) -> None:
+        self._plan(metadata).forward(query, key, value, output, cache)
+
+    def write_layer_kv(self, key, value, cache, metadata) -> None:
+        run = self._plan(metadata).layer(cache.spec, cache.key_cache.dtype)
+        run.write_kv(key, value, cache.key_cache, cache.value_cache)
+
+    def attend(self, query, output, cache, metadata) -> None:
+        run = self._plan(metadata).layer(cache.spec, cache.key_cache.dtype)
+        run.attention(query, output, cache.key_cache, cache.value_cache)
 
     # -- public primitives (functional API; not the per-layer hot path) ----------------------
 
@@ -210,8 +219,21 @@ class _LayerRun:
     def __call__(self, q, k, v, out, key_cache, value_cache) -> None:
         if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or out.stride(2) != 1:
             return self._strided(q, k, v, out, key_cache, value_cache)
+        write_kv(self.write, k, v, key_cache, value_cache, self.plan.slot_mapping)
+        self.attention(q, out, key_cache, value_cache)
+
+    def write_kv(self, k, v, key_cache, value_cache) -> None:
+        if k.stride(2) != 1 or v.stride(2) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        write_kv(self.write, k, v, key_cache, value_cache, self.plan.slot_mapping)
+
+    def attention(self, q, out, key_cache, value_cache) -> None:
+        if q.stride(2) != 1 or out.stride(2) != 1:
+            tmp = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self.attention(q.contiguous(), tmp, key_cache, value_cache)
+            out.copy_(tmp)
+            return
         plan = self.plan
-        write_kv(self.write, k, v, key_cache, value_cache, plan.slot_mapping)
         if self.decode:
             self.attend(q, key_cache, value_cache, out, plan.cu_q, plan.seq_lens, plan.block_table)
         else:
