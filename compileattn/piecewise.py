@@ -74,16 +74,13 @@ def _compile_piece(piece: Piece, args: list[Any], config: CompileConfig) -> Any:
 
 
 def _token_count_getter(example_inputs: Sequence[Any]) -> Callable[[Sequence[Any]], int] | None:
-    """How to read a step's token count from the graph inputs: the first SymInt input, else the
-    first symbolic dim of a tensor input. None for a fully static graph."""
+    """How to read a step's token count from the graph inputs: dim 0 of the first tensor input
+    whose dim 0 is symbolic. Not "the first SymInt input": when an input is a view of a persistent
+    buffer, Dynamo may also lift the buffer's own (symbolic) size, which is not the token count.
+    None for a fully static graph."""
     for i, ex in enumerate(example_inputs):
-        if isinstance(ex, torch.SymInt):
-            return lambda args, _i=i: int(args[_i])
-    for i, ex in enumerate(example_inputs):
-        if isinstance(ex, torch.Tensor):
-            for d, size in enumerate(ex.shape):
-                if isinstance(size, torch.SymInt):
-                    return lambda args, _i=i, _d=d: args[_i].shape[_d]
+        if isinstance(ex, torch.Tensor) and ex.dim() and isinstance(ex.shape[0], torch.SymInt):
+            return lambda args, _i=i: args[_i].shape[0]
     return None
 
 

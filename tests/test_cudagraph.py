@@ -67,12 +67,18 @@ def test_piecewise_graphs_equal_eager_through_padding(dtype):
         with ca.counters.expect(cudagraph_replays=1):
             assert_matches_eager(model, compiled, builder, caches, seqs, make_inputs, pad_to=pad)
         steps += 1
-    (runtime,) = backend.built
-    pieces = [getattr(runtime.split_gm, p.name) for p in runtime.pieces if not p.is_splitting_op]
-    for piece in pieces:
-        assert set(piece.graphs.graphs) == hit  # one graph per capture size hit, per piece
-        assert piece.graphs.pool is runtime.pool  # all graphs share one pool
-    assert runtime.graph_pool_bytes() > 0
+    # Dynamo specialises a 1-token step into a graph of its own (0/1 specialisation), so there may
+    # be a second runtime; together they captured every size hit, each piece once per size.
+    captured = set()
+    for runtime in backend.built:
+        pieces = [getattr(runtime.split_gm, p.name) for p in runtime.pieces if not p.is_splitting_op]
+        sizes = {frozenset(piece.graphs.graphs) for piece in pieces}
+        assert len(sizes) == 1  # every piece captured the same sizes
+        captured |= set(next(iter(sizes)))
+        for piece in pieces:
+            assert piece.graphs.pool is runtime.pool  # all graphs of a runtime share one pool
+        assert runtime.graph_pool_bytes() > 0
+    assert captured == hit
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -95,8 +101,7 @@ def test_full_decode_graphs_equal_eager(dtype):
                            max_query_len=5, max_context_len=150, decode_fraction=1.0 if decode else 0.3)
         pad = cfg.padded_num_tokens(sum(s.query_len for s in seqs))
         assert_matches_eager(model, compiled, builder, caches, seqs, make_inputs, pad_to=pad)
-    (runtime,) = backend.built
-    assert runtime._full, "uniform-decode steps should have used full graphs"
+    assert any(rt._full for rt in backend.built), "uniform-decode steps should have used full graphs"
     assert ca.counters.cudagraph_replays >= 20
 
 
