@@ -224,7 +224,10 @@ class PiecewiseRuntime:
         if self.mode == "none":
             counters.eager_steps += 1
             return self._forward(*args)
-        size = self.token_count(args)
+        # The step's (padded) token count is the metadata's: the graph inputs can include more
+        # than one symbolic size (Dynamo lifts the base of a view input with its own size).
+        ctx = context._current
+        size = ctx.metadata.num_tokens if ctx is not None else self.token_count(args)
         if size not in self.capture_sizes:
             counters.eager_steps += 1
             return self._forward(*args)
