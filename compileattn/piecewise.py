@@ -145,8 +145,10 @@ def compile_piecewise(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
         compiler.run(*fake_args)
 
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    # From the fake inputs: Dynamo hands the backend real tensors, whose shapes are plain ints;
+    # only their fake twins say which dims are symbolic.
     runtime = PiecewiseRuntime(split_gm, pieces, compiler.compiled, config, device,
-                               _token_count_getter(example_inputs))
+                               _token_count_getter(fake_args))
     logger.info("compileattn: %d pieces (%d splitting ops) ready in %.2f s", len(compiler.compiled),
                 sum(p.is_splitting_op for p in pieces), time.perf_counter() - start)
     if config.debug_dump_dir:

@@ -117,3 +117,39 @@ def test_no_graph_break_and_one_op_node_per_layer():
     assert len(graphs) == 1
     ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "compileattn" in str(n.target)]
     assert len(ops) == len(model.attention_specs())
+
+
+def test_runtime_finds_the_token_dimension():
+    """CUDA graphs key on the token count: the runtime must find a dynamic token dim even though
+    Dynamo hands the backend real tensors (plain int shapes), and even when the inputs are views
+    of a larger persistent buffer (whose own size Dynamo may lift as another symbol)."""
+    from compileattn.backend import compileattn_backend
+
+    model = MODELS["opt"]()
+    caches, builder = _setup(model)
+    seen = []
+
+    def backend(gm, example_inputs):
+        compiled = compileattn_backend(gm, example_inputs, options={"piece_compiler": "eager"})
+        runtime = compiled.__self__
+        assert runtime.token_count is not None
+
+        def call(*args):
+            seen.append(runtime.token_count(args))
+            return compiled(*args)
+        return call
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    ids_buf = torch.zeros(64, dtype=torch.long)
+    pos_buf = torch.zeros(64, dtype=torch.long)
+    expected = []
+    for n in (6, 9, 13):
+        seqs = [ca.SequenceStep(n - 3, 0, [0, 1, 2, 3]), ca.SequenceStep(3, 2, [4, 5])]
+        md = builder.build(seqs, pad_to=n + 1)
+        ids, pos = ids_buf[: md.num_tokens], pos_buf[: md.num_tokens]
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        with ca.set_forward_context(md, caches):
+            compiled(ids, pos)
+        expected.append(md.num_tokens)
+    assert seen == expected
