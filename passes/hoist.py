@@ -86,16 +86,29 @@ def _make_inputs_contiguous(gm: torch.fx.GraphModule, node: torch.fx.Node) -> in
     return fixed
 
 
+#: Ops whose result aliases their first argument's storage.
+_VIEW_METHODS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten",
+                           "unflatten", "expand", "view_as", "narrow", "select", "__getitem__"})
+
+
+def _storage_base(node: torch.fx.Node) -> torch.fx.Node:
+    """Walk a chain of views back to the node that owns the storage (``out`` for ``out.view(...)``)."""
+    while isinstance(node, torch.fx.Node) and node.args and isinstance(node.args[0], torch.fx.Node) and (
+            (node.op == "call_method" and node.target in _VIEW_METHODS)
+            or (node.op == "call_function" and node.target is operator.getitem)):
+        node = node.args[0]
+    return node
+
+
 def _tainted_by(gm: torch.fx.GraphModule, node: torch.fx.Node) -> set[torch.fx.Node]:
-    """The op, what it writes, and every node derived from either (anywhere in the graph)."""
-    tainted = {node, *_mutated_args(node)}
-    changed = True
-    while changed:  # views of a written tensor may precede the op, so iterate to a fixed point
-        changed = False
-        for n in gm.graph.nodes:
-            if n not in tainted and any(i in tainted for i in n.all_input_nodes):
-                tainted.add(n)
-                changed = True
+    """The op, what it writes, the storage that is (a view of), and every node derived from those,
+    wherever it sits in the graph. Nodes are in topological order, so one forward pass suffices."""
+    tainted = {node}
+    for written in _mutated_args(node):
+        tainted.update((written, _storage_base(written)))
+    for n in gm.graph.nodes:
+        if n not in tainted and any(i in tainted for i in n.all_input_nodes):
+            tainted.add(n)
     return tainted
 
 

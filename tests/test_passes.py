@@ -161,3 +161,21 @@ def test_capture_kv_write_moves_the_write_into_the_preceding_piece():
         assert len(writes) == 1
     attend = next(n for n in pieces[1].module.graph.nodes if n.op == "call_function")
     assert attend.target is torch.ops.compileattn.attend.default
+
+
+def test_hoist_never_moves_a_read_of_the_written_storage_before_the_op():
+    """``attention(q, k, v, out.view(...))`` writes ``out``: a later read of ``out`` itself (not of
+    the view) must stay after the op."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    w = g.placeholder("w")
+    q = g.call_method("view", (x, 4, 2, 8))
+    out = g.call_function(torch.empty, ((4, 16),))
+    out_view = g.call_method("view", (out, -1, 2, 8))
+    attn = g.call_function(torch.ops.compileattn.attention, (q, q, q, out_view, "l0"))
+    read = g.call_function(torch.nn.functional.linear, (out, w))
+    g.output((read,))
+    gm = hoist_shape_logic(torch.fx.GraphModule(torch.nn.Module(), g), ATTN)
+    order = list(gm.graph.nodes)
+    assert order.index(read) > order.index(attn)
+    assert gm.meta["compileattn_hoist"]["moved"] == 0
