@@ -493,7 +493,7 @@ class CompileattnGroup(Group):
         rt = self.runtimes.built[-1]
         return {"capture_s": rt.pool.capture_seconds if rt.pool is not None else 0.0,
                 "graph_pool_bytes": rt.graph_pool_bytes(), "runtimes": len(self.runtimes.built),
-                "full_graphs": len(getattr(rt, "_full", {})), "mode": rt.mode}
+                "full_graphs": rt.full_graph_count(), "piece_graphs": rt.piece_graph_count(), "mode": rt.mode}
 
 
 def make_group(name: str, bench: Bench) -> Group:

@@ -27,29 +27,35 @@ class CudaGraphAddressError(RuntimeError):
     """A captured graph's input no longer lives at the address it was captured with."""
 
 
-def _tensor_addresses(args: Sequence[Any]) -> list[tuple[int, int]]:
-    return [(i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+def _tensor_layout(args: Sequence[Any]) -> list[tuple[int, int, tuple[int, ...]]]:
+    return [(i, a.data_ptr(), tuple(a.shape)) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
 
 
 class CapturedGraph:
-    __slots__ = ("graph", "outputs", "addresses", "checked", "name", "size")
+    __slots__ = ("graph", "outputs", "layout", "checked", "name", "size")
 
-    def __init__(self, graph, outputs, addresses, name: str, size: int):
+    def __init__(self, graph, outputs, layout, name: str, size: int):
         self.graph = graph
         self.outputs = outputs
-        self.addresses = addresses
+        self.layout = layout
         self.checked = False
         self.name = name
         self.size = size
 
     def check(self, args: Sequence[Any]) -> None:
-        for i, ptr in self.addresses:
-            now = args[i].data_ptr()
+        """Inputs must sit where, and be shaped as, they were at capture: a replay reads them there."""
+        for i, ptr, shape in self.layout:
+            now, now_shape = args[i].data_ptr(), tuple(args[i].shape)
             if now != ptr:
                 raise CudaGraphAddressError(
                     f"{self.name}, size {self.size}: input {i} was captured at 0x{ptr:x} but is now at "
                     f"0x{now:x}; a CUDA graph would read stale memory. Pass inputs that live in persistent "
                     f"buffers (slice views of one preallocated tensor), or turn CUDA graphs off."
+                )
+            if now_shape != shape:
+                raise CudaGraphAddressError(
+                    f"{self.name}, size {self.size}: input {i} was captured with shape {shape} but has "
+                    f"{now_shape}; the step's inputs must hold metadata.num_tokens tokens."
                 )
         self.checked = True
 
@@ -78,7 +84,7 @@ class GraphPool:
         logger.info("captured %s for %d tokens in %.1f ms (graph pool now %.1f MiB)", name, size,
                     elapsed * 1e3, self.pool_bytes() / 2**20)
         # Unchecked until its first replay: that is when a caller's moved input would bite.
-        return CapturedGraph(graph, outputs, _tensor_addresses(args), name, size)
+        return CapturedGraph(graph, outputs, _tensor_layout(args), name, size)
 
     def pool_bytes(self) -> int:
         """Bytes reserved in this pool's segments (from the caching allocator's snapshot)."""
@@ -89,19 +95,21 @@ class GraphPool:
         return total
 
 
-class PieceGraphs:
-    """Per-size graphs of one compiled piece (piecewise mode)."""
+class GraphCache:
+    """Per-size graphs of one callable: a piece (piecewise mode) or the whole forward (full mode)."""
 
-    def __init__(self, name: str, fn: Callable[..., Any], pool: GraphPool):
+    def __init__(self, name: str, fn: Callable[..., Any], pool: GraphPool, check_addresses: bool = True):
         self.name = name
         self.fn = fn
         self.pool = pool
+        self.check_addresses = check_addresses
         self.graphs: dict[int, CapturedGraph] = {}
 
     def run(self, size: int, args: Sequence[Any]):
         entry = self.graphs.get(size)
         if entry is None:
             entry = self.graphs[size] = self.pool.capture(self.fn, args, self.name, size)
+            entry.checked = not self.check_addresses
             return entry.outputs
         if not entry.checked:
             entry.check(args)

@@ -123,7 +123,7 @@ def compile_piecewise(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     counters.dynamo_graphs += 1
     start = time.perf_counter()
     gm = cleanup(gm)
-    if config.capture_kv_write:
+    if config.capture_kv_write and any(op in config.splitting_ops for op in _ATTEND):
         gm = capture_kv_write(gm)
     if config.hoist_shape_logic:
         gm = hoist_shape_logic(gm, config.splitting_ops)
@@ -178,8 +178,8 @@ class PiecewiseRuntime:
         self.capture_sizes = frozenset(config.capture_sizes)
         self.pool = None
         self.current_size: int | None = None
-        self._full: dict[int, Any] = {}
-        self._full_ok: dict[tuple[int, int], bool] = {}
+        self._full = None  # GraphCache of the whole forward, made on first use
+        self._full_ok: dict[int, tuple[Any, Any, bool]] = {}
         self.pieces = pieces
         for piece in pieces:
             delattr(split_gm, piece.name)  # plain attributes, not submodules: no Module.__call__
@@ -189,14 +189,17 @@ class PiecewiseRuntime:
                 setattr(split_gm, piece.name, self._piece_runner(piece.name, compiled[piece.name]))
         self._forward = split_gm.forward
 
-    def _piece_runner(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if self.mode == "none":
-            return fn
-        from .cudagraph import GraphPool, PieceGraphs
+    def _graph_cache(self, name: str, fn: Callable[..., Any]):
+        from .cudagraph import GraphCache, GraphPool
 
         if self.pool is None:
             self.pool = GraphPool(self.device)
-        graphs = PieceGraphs(name, fn, self.pool)
+        return GraphCache(name, fn, self.pool, self.config.check_input_addresses)
+
+    def _piece_runner(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if self.mode == "none":
+            return fn
+        graphs = self._graph_cache(name, fn)
 
         def run(*args):
             size = self.current_size
@@ -208,18 +211,17 @@ class PiecewiseRuntime:
         return run
 
     def _full_graph_allowed(self) -> bool:
+        """Uniform decode, and every layer's attention (after fallback) is capturable. Memoised per
+        (backend, caches) pair; the objects are kept in the memo so a recycled id cannot match."""
         ctx = context._current
         if ctx is None or not ctx.metadata.is_uniform_decode:
             return False
-        key = (id(ctx.metadata.backend), id(ctx.kv_caches))
-        ok = self._full_ok.get(key)
-        if ok is None:
-            from .backends.registry import resolve
-
-            backend = ctx.metadata.backend
-            ok = backend.cuda_graph_capturable and all(
-                resolve(backend, c).cuda_graph_capturable for c in ctx.kv_caches.values())
-            self._full_ok[key] = ok
+        md = ctx.metadata
+        memo = self._full_ok.get(id(md.backend))
+        if memo is not None and memo[0] is md.backend and memo[1] is ctx.kv_caches:
+            return memo[2]
+        ok = all(md.backend.capturable_for(c, md) for c in ctx.kv_caches.values())
+        self._full_ok[id(md.backend)] = (md.backend, ctx.kv_caches, ok)
         return ok
 
     def __call__(self, *args):
@@ -243,14 +245,17 @@ class PiecewiseRuntime:
             self.current_size = None
 
     def _run_full(self, size: int, args):
-        entry = self._full.get(size)
-        if entry is None:
-            self._full[size] = entry = self.pool.capture(self._forward, args, "full graph", size)
-            return entry.outputs
-        if not entry.checked:
-            entry.check(args)
-        entry.graph.replay()
-        return entry.outputs
+        if self._full is None:
+            self._full = self._graph_cache("full graph", self._forward)
+        return self._full.run(size, args)
+
+    def full_graph_count(self) -> int:
+        return len(self._full.graphs) if self._full is not None else 0
+
+    def piece_graph_count(self) -> int:
+        """CUDA graphs captured for pieces, over all sizes."""
+        return sum(len(getattr(getattr(self.split_gm, p.name), "graphs").graphs)
+                   for p in self.pieces if not p.is_splitting_op and hasattr(getattr(self.split_gm, p.name), "graphs"))
 
     def graph_pool_bytes(self) -> int:
         return self.pool.pool_bytes() if self.pool is not None else 0

@@ -153,3 +153,16 @@ def test_runtime_finds_the_token_dimension():
             compiled(ids, pos)
         expected.append(md.num_tokens)
     assert seen == expected
+
+
+def test_splitting_at_the_unified_op_only_keeps_it_whole():
+    """With splitting_ops naming only ``attention``, the KV-write rewrite must not run (it would
+    leave nothing to split at): the graph still splits once per layer."""
+    model = MODELS["llama"]()
+    layers = len(model.attention_specs())
+    caches, builder = _setup(model)
+    compiled = torch.compile(model, backend="compileattn", fullgraph=True, options={
+        "piece_compiler": "eager", "splitting_ops": ("compileattn::attention",)})
+    seqs = random_step(random.Random(5), num_seqs=3, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    with ca.counters.expect(dynamo_graphs=1, pieces=layers + 1):
+        assert_matches_eager(model, compiled, builder, caches, seqs, _inputs(model.config.vocab_size))

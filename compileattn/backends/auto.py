@@ -51,6 +51,9 @@ class AutoBackend(AttentionBackend):
         decode = self.candidates("cuda_decode") if self.device_type == "cuda" else []
         return bool(decode) and decode[0].cuda_graph_capturable
 
+    def capturable_for(self, cache, metadata) -> bool:
+        return resolve(metadata.plan_for(self), cache).cuda_graph_capturable
+
     def plan(self, metadata, buffers):
         chosen = self.candidates(self._regime(metadata))[0]
         metadata.plan_for(chosen)

@@ -31,6 +31,13 @@ class AttentionBackend:
         """None if this backend runs the configuration, else a one-line reason (logged on fallback)."""
         return None
 
+    def capturable_for(self, cache: "KVCache", metadata: "AttentionMetadata") -> bool:
+        """Whether this step's attention for ``cache``'s layer may be captured in a CUDA graph,
+        judged on the backend that actually runs it (after fallback)."""
+        from .registry import resolve
+
+        return resolve(self, cache).cuda_graph_capturable
+
     def plan(self, metadata: "AttentionMetadata", buffers: "PersistentBuffers") -> Any:
         """Once per step: everything that depends only on the step's shapes."""
         return None
