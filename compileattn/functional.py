@@ -21,6 +21,8 @@ def flash_attn_varlen_func(
     block_table=None, seqused_k=None, out=None, backend: str = "auto", validate: bool = True,
 ) -> torch.Tensor:
     """Attention over ragged sequences; K/V contiguous (``cu_seqlens_k``) or paged (``block_table``)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a tensor, got {type(q).__name__}")
     if out is None:
         out = torch.empty_like(q)
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:

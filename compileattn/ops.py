@@ -1,6 +1,6 @@
 """The compileattn custom ops: what torch.compile sees of attention.
 
-Three ops in the ``compileattn`` namespace, each with a fake (meta) function and exact aliasing:
+Five ops in the ``compileattn`` namespace, each with a fake (meta) function and exact aliasing:
 
 - ``write_kv_cache(key, value, key_cache!, value_cache!, slot_mapping)``: scatter this step's K/V
   into paged caches; slot -1 marks a padded token and is skipped.
@@ -12,6 +12,9 @@ Three ops in the ``compileattn`` namespace, each with a fake (meta) function and
   graph (and every CUDA graph captured from it) is independent of them. The K/V cache write it does
   is not declared in the schema; this is safe because the op is opaque to the compiler and only
   this op reads or writes the caches.
+- ``write_layer_kv(key, value, layer_name) -> token`` and ``attend(query, output!, token, layer_name)``:
+  the two halves passes/kv_write.py rewrites ``attention`` into, so the K/V write is captured in
+  the CUDA-graph piece before the split and only ``attend`` runs eagerly.
 
 Ops are defined with ``torch.library.Library`` + ``impl`` rather than ``@custom_op``: the latter adds
 a Python wrapper layer to every call, and ``attention`` runs eagerly once per layer per step.
@@ -55,25 +58,21 @@ def _varlen_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block
     )
 
 
-def attention_impl(query, key, value, output, layer_name):
-    """The body of ``compileattn::attention``; the piecewise runtime calls it directly, skipping the
-    dispatcher, since it is a plain Python function with no autograd or dispatch needs."""
-    ctx = context._current
-    if ctx is None:
-        context.get_forward_context()  # raises the explanatory error
-    cache = ctx.kv_caches[layer_name]
-    md = ctx.metadata
-    backend = cache.resolved.get(md.backend) or resolve(md.backend, cache)
-    backend.forward(query, key, value, output, cache, md)
-
-
 def _layer(layer_name):
+    """(backend that runs this layer, its KVCache, the step's metadata) from the forward context."""
     ctx = context._current
     if ctx is None:
         context.get_forward_context()  # raises the explanatory error
     cache = ctx.kv_caches[layer_name]
     md = ctx.metadata
     return cache.resolved.get(md.backend) or resolve(md.backend, cache), cache, md
+
+
+def attention_impl(query, key, value, output, layer_name):
+    """The body of ``compileattn::attention``; the piecewise runtime calls it directly, skipping the
+    dispatcher, since it is a plain Python function with no autograd or dispatch needs."""
+    backend, cache, md = _layer(layer_name)
+    backend.forward(query, key, value, output, cache, md)
 
 
 def write_layer_kv_impl(key, value, layer_name):
@@ -85,12 +84,8 @@ def write_layer_kv_impl(key, value, layer_name):
 def attend_impl(query, output, layer_name):
     """The body of ``compileattn::attend`` (minus the dependency token), called directly by the
     piecewise runtime: one dict lookup, then the backend's prepared kernel call."""
-    ctx = context._current
-    if ctx is None:
-        context.get_forward_context()
-    cache = ctx.kv_caches[layer_name]
-    md = ctx.metadata
-    (cache.resolved.get(md.backend) or resolve(md.backend, cache)).attend(query, output, cache, md)
+    backend, cache, md = _layer(layer_name)
+    backend.attend(query, output, cache, md)
 
 
 _lib.impl("write_kv_cache", _write_kv_cache, "CompositeExplicitAutograd")
