@@ -6,7 +6,8 @@ every entry names the benchmark result it came from (benchmarks/results/).
 from __future__ import annotations
 
 from .base import AttentionBackend
-from .registry import get_backend, resolve
+from ..kv_cache import AttentionSpec
+from .registry import first_supporting, get_backend, resolve
 
 #: regime -> backends in order of preference (first importable + supporting wins, per layer).
 #: Source, H200: benchmarks/results/decode_attention.md: the Triton decode kernel is 0.87-1.10x
@@ -59,11 +60,20 @@ class AutoBackend(AttentionBackend):
         metadata.plan_for(chosen)
         return chosen
 
-    def write_kv_cache(self, *args) -> None:
-        self.candidates("cpu" if self.device_type != "cuda" else "cuda_mixed")[0].write_kv_cache(*args)
+    def _public(self) -> AttentionBackend:
+        return self.candidates("cpu" if self.device_type != "cuda" else "cuda_mixed")[0]
 
-    def varlen_attention(self, *args) -> None:
-        self.candidates("cpu" if self.device_type != "cuda" else "cuda_mixed")[0].varlen_attention(*args)
+    def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        self._public().write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def varlen_attention(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
+        """The public op under ``auto``: the regime's first backend, with the usual fallback."""
+        spec = AttentionSpec(q.shape[1], k.shape[-2], q.shape[-1], softmax_scale, window_left, softcap, causal)
+        block_size = k.shape[1] if block_table is not None else 256  # contiguous K/V: no page constraint
+        first_supporting(self._public(), spec, q.dtype, q.device, block_size).varlen_attention(
+            q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, window_left, softcap)
 
     def forward(self, query, key, value, output, cache, metadata) -> None:
         resolve(metadata.plan_for(self), cache).forward(query, key, value, output, cache, metadata)

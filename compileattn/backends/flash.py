@@ -22,8 +22,9 @@ mapping may have -1 anywhere (or only -1), computes the same indices on the devi
 
 Selection knobs (constructor arguments, or the environment for the registry-built instance):
 ``COMPILEATTN_FLASH_CALL`` = ``compiled`` (default: the FA4 compiled kernel object), ``raw`` (the
-bare TVM-FFI function behind it, skipping two Python frames, when provably equivalent, with the
-step's metadata pre-converted to TVM-FFI tensors once per step) or
+bare TVM-FFI function behind it, skipping two Python frames, with the step's metadata
+pre-converted to TVM-FFI tensors once per step; experimental: its output differed from FA4's
+entry on the H200, so it needs COMPILEATTN_FLASH_ALLOW_RAW=1) or
 ``public`` (FA4's Python entry every call, for debugging and measurement);
 ``COMPILEATTN_FLASH_KV_WRITE`` = ``auto`` | ``triton`` | ``torch``; ``COMPILEATTN_FLASH_IMPL`` =
 ``auto`` | ``fa4`` | ``fa2``.
@@ -157,6 +158,10 @@ class FlashBackend(AttentionBackend):
         self.call_mode = call_mode or os.environ.get("COMPILEATTN_FLASH_CALL", "compiled")
         if self.call_mode not in CALL_MODES:
             raise ValueError(f"call_mode must be one of {CALL_MODES}, got {self.call_mode!r}")
+        if self.call_mode == "raw" and os.environ.get("COMPILEATTN_FLASH_ALLOW_RAW") != "1":
+            # On the H200 its output differed from FA4's entry (benchmarks/results/op_overhead.md).
+            raise ValueError("call_mode='raw' is experimental and gave wrong results on the H200; "
+                             "set COMPILEATTN_FLASH_ALLOW_RAW=1 to try it anyway")
         self.kv_writer = kv_writer or os.environ.get("COMPILEATTN_FLASH_KV_WRITE", "auto")
         if self.kv_writer not in KV_WRITERS:
             raise ValueError(f"kv_writer must be one of {KV_WRITERS}, got {self.kv_writer!r}")
@@ -360,12 +365,13 @@ class FlashBackend(AttentionBackend):
     def varlen_attention(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                          max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
         from ..kv_cache import AttentionSpec  # noqa: PLC0415
+        from .registry import first_supporting  # noqa: PLC0415
 
         spec = AttentionSpec(q.shape[1], k.shape[-2], q.shape[-1], softmax_scale, window_left, softcap, causal)
         block_size = k.shape[1] if block_table is not None else 256  # contiguous K/V: no block constraint
         reason = self.unsupported_reason(spec, q.dtype, q.device, block_size)
         if reason is not None:
-            _fallback(self, spec, q.dtype, q.device, block_size, reason).varlen_attention(
+            first_supporting(self, spec, q.dtype, q.device, block_size).varlen_attention(
                 q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, softcap)
             return
@@ -374,18 +380,3 @@ class FlashBackend(AttentionBackend):
         # Rows past the last sequence belong to nobody; FlashAttention leaves them untouched.
         rows = torch.arange(out.shape[0], device=out.device)
         out.masked_fill_((rows >= cu_seqlens_q[-1:]).view(-1, *([1] * (out.dim() - 1))), 0)
-
-
-def _fallback(backend, spec, dtype, device, block_size, reason):
-    """The next backend in the registry's order that runs this configuration (logged once)."""
-    from .registry import FALLBACK_ORDER, get_backend, log_fallback_once  # noqa: PLC0415
-
-    for name in FALLBACK_ORDER[FALLBACK_ORDER.index(backend.name) + 1:]:
-        try:
-            candidate = get_backend(name, device)
-        except ImportError:
-            continue
-        if candidate.unsupported_reason(spec, dtype, device, block_size) is None:
-            log_fallback_once(backend.name, name, reason)
-            return candidate
-    raise ValueError(f"no attention backend runs {spec} with dtype {dtype} on {device}; flash: {reason}")

@@ -59,12 +59,14 @@ def resolve(backend: AttentionBackend, cache) -> AttentionBackend:
     """The backend that runs ``cache``'s layer when ``backend`` was asked for (memoised on the cache)."""
     chosen = cache.resolved.get(backend)
     if chosen is None:
-        chosen = cache.resolved[backend] = _first_supporting(backend, cache.spec, cache.dtype,
-                                                             cache.device, cache.block_size)
+        chosen = cache.resolved[backend] = first_supporting(backend, cache.spec, cache.dtype,
+                                                            cache.device, cache.block_size)
     return chosen
 
 
-def _first_supporting(backend, spec, dtype, device, block_size) -> AttentionBackend:
+def first_supporting(backend, spec, dtype, device, block_size) -> AttentionBackend:
+    """``backend`` if it runs the configuration, else the next in FALLBACK_ORDER that does (the
+    reason logged once); ValueError if none does."""
     reason = backend.unsupported_reason(spec, dtype, device, block_size)
     if reason is None:
         return backend
