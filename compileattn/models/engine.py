@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
@@ -29,6 +29,10 @@ logger = logging.getLogger("compileattn")
 
 #: sampler(logits fp32 (N, vocab), seq_ids) -> one token per row.
 Sampler = Callable[[torch.Tensor, Sequence[int]], Sequence[int]]
+
+
+if TYPE_CHECKING:
+    from ..config import CompileConfig
 
 
 class OutOfBlocksError(RuntimeError):
@@ -164,7 +168,16 @@ class Engine:
         forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         max_model_len: int | None = None,
         mark_dynamic: bool | None = None,
+        config: "CompileConfig | None" = None,
     ):
+        if config is not None:
+            # The compile config names the attention backend and the capture sizes steps pad to.
+            if attention_backend not in ("auto", config.attention_backend):
+                raise ValueError(f"attention_backend={attention_backend!r} contradicts "
+                                 f"config.attention_backend={config.attention_backend!r}")
+            attention_backend = config.attention_backend
+            if pad_fn is None:
+                pad_fn = config.padded_num_tokens
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
                             ("max_num_tokens", max_num_tokens), ("max_num_seqs", max_num_seqs)):
             if not isinstance(value, int) or value < 1:
