@@ -217,9 +217,7 @@ class _LayerRun:
             logger.debug("triton decode: %d seqs x %d kv heads x %d splits", plan.num_seqs, kvh, self.attend.splits)
 
     def __call__(self, q, k, v, out, key_cache, value_cache) -> None:
-        if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or out.stride(2) != 1:
-            return self._strided(q, k, v, out, key_cache, value_cache)
-        write_kv(self.write, k, v, key_cache, value_cache, self.plan.slot_mapping)
+        self.write_kv(k, v, key_cache, value_cache)
         self.attention(q, out, key_cache, value_cache)
 
     def write_kv(self, k, v, key_cache, value_cache) -> None:
@@ -238,10 +236,4 @@ class _LayerRun:
             self.attend(q, key_cache, value_cache, out, plan.cu_q, plan.seq_lens, plan.block_table)
         else:
             self.attend(q, key_cache, value_cache, out, plan.cu_q, None, plan.seq_lens, plan.block_table)
-
-    def _strided(self, q, k, v, out, key_cache, value_cache) -> None:
-        """Head dim not unit-stride (unusual views): copy to contiguous, which the kernels assume."""
-        tmp = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self(q.contiguous(), k.contiguous(), v.contiguous(), tmp, key_cache, value_cache)
-        out.copy_(tmp)
 
