@@ -517,3 +517,18 @@ def argparse_type(parser_fn: Callable[[str], Any]) -> Callable[[str], Any]:
 def short_error(exc: BaseException, limit: int = 300) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def write_outputs(payload: dict, prefix: str, no_plot: bool, log, markdown: str, draw, alt: str) -> str:
+    """Write PREFIX.json, PREFIX.md and (matplotlib permitting) PREFIX.png; returns the markdown."""
+    paths = output_paths(prefix)
+    write_json(paths["json"], payload)
+    if not no_plot:
+        why = try_plot(paths["png"], draw)
+        if why:
+            log(why)
+        else:
+            markdown += f"\n![{alt}]({paths['png'].name})\n"
+    write_text(paths["md"], markdown)
+    log(f"wrote {paths['json']} and {paths['md']}")
+    return markdown

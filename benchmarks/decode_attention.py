@@ -884,18 +884,8 @@ def plot(payload: dict[str, Any]):
 
 
 def write_outputs(payload: dict[str, Any], prefix: str, no_plot: bool, log: Callable[[str], None]) -> str:
-    paths = common.output_paths(prefix)
-    md = render_markdown(payload)
-    common.write_json(paths["json"], payload)
-    if not no_plot:
-        why = common.try_plot(paths["png"], plot(payload))
-        if why:
-            log(why)
-        else:
-            md += f"\n![decode attention]({paths['png'].name})\n"
-    common.write_text(paths["md"], md)
-    log(f"wrote {paths['json']} and {paths['md']}")
-    return md
+    return common.write_outputs(payload, prefix, no_plot, log, render_markdown(payload), plot(payload),
+                                "decode attention")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
