@@ -107,6 +107,7 @@ class _PieceCompiler(torch.fx.Interpreter):
             loaded = self.cache.load(piece.index, piece.module)
             if loaded is not None:
                 counters.cache_hits += 1
+                logger.info("loaded %s from the compile cache %s", piece.name, self.cache.dir)
                 return loaded
             counters.cache_misses += 1
         start = time.perf_counter()
