@@ -56,12 +56,13 @@ class CompileCache:
         self.dir = Path(root) / key
         self.key = key
 
-    def _path(self, index: int, piece: torch.fx.GraphModule) -> Path:
+    def _path(self, index: int, piece: torch.fx.GraphModule, size: int | None) -> Path:
         digest = hashlib.sha256(piece.code.encode()).hexdigest()[:12]
-        return self.dir / f"piece_{index}_{digest}.bin"
+        shape = "dynamic" if size is None else f"static{size}"
+        return self.dir / f"piece_{index}_{shape}_{digest}.bin"
 
-    def load(self, index: int, piece: torch.fx.GraphModule) -> Callable[..., Any] | None:
-        path = self._path(index, piece)
+    def load(self, index: int, piece: torch.fx.GraphModule, size: int | None = None) -> Callable[..., Any] | None:
+        path = self._path(index, piece, size)
         if not path.exists():
             return None
         from torch._inductor import CompiledArtifact
@@ -72,9 +73,9 @@ class CompileCache:
             logger.warning("compile cache entry %s unusable (%s); recompiling", path, exc)
             return None
 
-    def save(self, index: int, piece: torch.fx.GraphModule, artifact: Any) -> None:
+    def save(self, index: int, piece: torch.fx.GraphModule, artifact: Any, size: int | None = None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self._path(index, piece)
+        path = self._path(index, piece, size)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         artifact.save(path=str(tmp), format="binary")
         os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file

@@ -43,6 +43,9 @@ class CompileConfig:
     splitting_ops: Sequence[str] = DEFAULT_SPLITTING_OPS
     #: What compiles each piece. "eager"/"aot_eager" are for debugging the split itself.
     piece_compiler: PieceCompiler = "inductor"
+    #: Token counts each piece is also compiled for with static shapes (Inductor only), used when a
+    #: step has exactly that many tokens; the dynamic-shape compile serves every other count.
+    compile_sizes: Sequence[int] = ()
     #: "auto" = "full_and_piecewise" on CUDA, "none" elsewhere.
     cudagraph_mode: CudaGraphMode = "auto"
     #: Token counts captured as CUDA graphs; None = default_capture_sizes(max_capture_size).
@@ -77,6 +80,9 @@ class CompileConfig:
                 raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
             self.cudagraph_capture_sizes = sorted({int(s) for s in sizes})
         self.splitting_ops = tuple(self.splitting_ops)
+        if any(int(s) < 1 for s in self.compile_sizes):
+            raise ValueError(f"compile_sizes must be positive ints, got {self.compile_sizes!r}")
+        self.compile_sizes = tuple(sorted({int(s) for s in self.compile_sizes}))
 
     @property
     def capture_sizes(self) -> list[int]:

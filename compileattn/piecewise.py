@@ -73,6 +73,40 @@ def _compile_piece(piece: Piece, args: list[Any], config: CompileConfig) -> Any:
     )
 
 
+def _token_symbol(fake_args: Sequence[Any]):
+    """The sympy symbol of the token dimension (dim 0 of the first tensor input where it is symbolic)."""
+    for a in fake_args:
+        if isinstance(a, torch.Tensor) and a.dim() and isinstance(a.shape[0], torch.SymInt):
+            return a.shape[0].node.expr
+    return None
+
+
+def _static_example_args(args: Sequence[Any], token_symbol, size: int) -> list[Any]:
+    """The piece's fake inputs with the token count fixed to ``size``: fresh fake tensors of a
+    FakeTensorMode without a ShapeEnv (so Inductor specialises every shape), no real memory.
+    Other symbols (a lifted buffer size) take their hints."""
+    import sympy
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def concrete(x) -> int:
+        if not isinstance(x, torch.SymInt):
+            return int(x)
+        expr = sympy.sympify(x.node.expr)
+        values = {s: sympy.Integer(size if s == token_symbol else x.node.shape_env.size_hint(s))
+                  for s in expr.free_symbols}
+        return int(expr.xreplace(values))
+
+    out = []
+    with torch._subclasses.fake_tensor.unset_fake_temporarily(), FakeTensorMode():
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                out.append(torch.empty_strided([concrete(d) for d in a.shape], [concrete(d) for d in a.stride()],
+                                               dtype=a.dtype, device=a.device))
+            else:
+                out.append(concrete(a) if isinstance(a, torch.SymInt) else a)
+    return out
+
+
 def _token_count_getter(example_inputs: Sequence[Any]) -> Callable[[Sequence[Any]], int] | None:
     """How to read a step's token count from the graph inputs: dim 0 of the first tensor input
     whose dim 0 is symbolic. Not "the first SymInt input": when an input is a view of a persistent
@@ -87,36 +121,51 @@ def _token_count_getter(example_inputs: Sequence[Any]) -> Callable[[Sequence[Any
 class _PieceCompiler(torch.fx.Interpreter):
     """Runs the split graph on fake inputs so each piece is compiled with its own input shapes."""
 
-    def __init__(self, split_gm, pieces: list[Piece], config: CompileConfig, cache: CompileCache | None):
+    def __init__(self, split_gm, pieces: list[Piece], config: CompileConfig, cache: CompileCache | None,
+                 token_symbol=None):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
         self.config = config
         self.cache = cache
+        self.token_symbol = token_symbol
         self.compiled: dict[str, Any] = {}
+        #: piece name -> {token count: statically compiled piece}
+        self.static: dict[str, dict[int, Any]] = {}
 
     def call_module(self, target, args, kwargs):
         result = super().call_module(target, args, kwargs)
         piece = self.pieces.get(target)
         if piece is not None and not piece.is_splitting_op:
-            self.compiled[target] = self._compile(piece, list(args))
+            self.compiled[target] = self._compile(piece, list(args), None)
+            if self.config.compile_sizes and self.config.piece_compiler == "inductor" and self.token_symbol is not None:
+                self.static[target] = {
+                    size: self._compile(piece, _static_example_args(args, self.token_symbol, size), size)
+                    for size in self.config.compile_sizes}
         return result
 
-    def _compile(self, piece: Piece, args: list[Any]):
+    def _compile(self, piece: Piece, args: list[Any], size: int | None):
         use_cache = self.cache is not None and self.config.piece_compiler == "inductor"
+        shape = "dynamic shapes" if size is None else f"{size} tokens"
         if use_cache:
-            loaded = self.cache.load(piece.index, piece.module)
+            loaded = self.cache.load(piece.index, piece.module, size)
             if loaded is not None:
                 counters.cache_hits += 1
-                logger.info("loaded %s from the compile cache %s", piece.name, self.cache.dir)
+                logger.info("loaded %s (%s) from the compile cache %s", piece.name, shape, self.cache.dir)
                 return loaded
             counters.cache_misses += 1
         start = time.perf_counter()
-        compiled = _compile_piece(piece, args, self.config)
+        if size is None:
+            compiled = _compile_piece(piece, args, self.config)
+        else:
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                compiled = torch._inductor.standalone_compile(
+                    piece.module, args, dynamic_shapes="from_example_inputs",
+                    options=dict(self.config.inductor_options))
         counters.backend_compiles += 1
-        logger.info("compiled %s with %s in %.2f s", piece.name, self.config.piece_compiler,
+        logger.info("compiled %s (%s) with %s in %.2f s", piece.name, shape, self.config.piece_compiler,
                     time.perf_counter() - start)
         if use_cache:
-            self.cache.save(piece.index, piece.module, compiled)
+            self.cache.save(piece.index, piece.module, compiled, size)
         return compiled
 
 
@@ -141,7 +190,7 @@ def compile_piecewise(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     cache = CompileCache(config.cache_dir, cache_key(config, gm)) if config.cache_dir else None
     fake_mode = detect_fake_mode(example_inputs)
     fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in example_inputs]
-    compiler = _PieceCompiler(split_gm, pieces, config, cache)
+    compiler = _PieceCompiler(split_gm, pieces, config, cache, _token_symbol(fake_args))
     with fake_mode:
         compiler.run(*fake_args)
 
@@ -149,7 +198,7 @@ def compile_piecewise(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     # From the fake inputs: Dynamo hands the backend real tensors, whose shapes are plain ints;
     # only their fake twins say which dims are symbolic.
     runtime = PiecewiseRuntime(split_gm, pieces, compiler.compiled, config, device,
-                               _token_count_getter(fake_args))
+                               _token_count_getter(fake_args), compiler.static)
     logger.info("compileattn: %d pieces (%d splitting ops) ready in %.2f s", len(compiler.compiled),
                 sum(p.is_splitting_op for p in pieces), time.perf_counter() - start)
     if config.debug_dump_dir:
@@ -165,7 +214,7 @@ class PiecewiseRuntime:
     """Calls the split graph; picks full-graph, piecewise-graph or graph-free execution per step."""
 
     def __init__(self, split_gm, pieces, compiled, config: CompileConfig, device: torch.device,
-                 token_count: Callable[[Sequence[Any]], int] | None):
+                 token_count: Callable[[Sequence[Any]], int] | None, static: dict[str, dict[int, Any]] | None = None):
         self.split_gm = split_gm
         self.config = config
         self.device = device
@@ -178,7 +227,10 @@ class PiecewiseRuntime:
             self.mode = "none"
         self.capture_sizes = frozenset(config.capture_sizes)
         self.pool = None
+        self.static = static or {}
+        #: the step's token count while the split graph runs, when pieces need it (graphs or static)
         self.current_size: int | None = None
+        self.graphs_on = False
         self._full = None  # GraphCache of the whole forward, made on first use
         self._full_ok: dict[int, tuple[Any, Any, bool]] = {}
         self.pieces = pieces
@@ -187,7 +239,8 @@ class PiecewiseRuntime:
             if piece.is_splitting_op:
                 setattr(split_gm, piece.name, _direct_splitting_call(piece))
             else:
-                setattr(split_gm, piece.name, self._piece_runner(piece.name, compiled[piece.name]))
+                setattr(split_gm, piece.name, self._piece_runner(piece.name, compiled[piece.name],
+                                                                 self.static.get(piece.name, {})))
         self._forward = split_gm.forward
 
     def _graph_cache(self, name: str, fn: Callable[..., Any]):
@@ -197,16 +250,18 @@ class PiecewiseRuntime:
             self.pool = GraphPool(self.device)
         return GraphCache(name, fn, self.pool, self.config.check_input_addresses)
 
-    def _piece_runner(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if self.mode == "none":
+    def _piece_runner(self, name: str, fn: Callable[..., Any], static: dict[int, Any]) -> Callable[..., Any]:
+        if self.mode == "none" and not static:
             return fn
-        graphs = self._graph_cache(name, fn)
+        graphs = self._graph_cache(name, fn) if self.mode != "none" else None
 
         def run(*args):
             size = self.current_size
             if size is None:
                 return fn(*args)
-            return graphs.run(size, args)
+            if self.graphs_on:
+                return graphs.run(size, args, static.get(size, fn))
+            return static.get(size, fn)(*args)
 
         run.graphs = graphs  # for tests and introspection
         return run
@@ -226,37 +281,42 @@ class PiecewiseRuntime:
         return ok
 
     def __call__(self, *args):
-        if self.mode == "none":
+        if self.mode == "none" and not self.static:
             counters.eager_steps += 1
             return self._forward(*args)
         # The step's (padded) token count is the metadata's: the graph inputs can include more
         # than one symbolic size (Dynamo lifts the base of a view input with its own size).
         ctx = context._current
         size = ctx.metadata.num_tokens if ctx is not None else self.token_count(args)
-        if size not in self.capture_sizes:
+        graphs = self.mode != "none" and size in self.capture_sizes
+        if graphs:
+            counters.cudagraph_replays += 1
+            if self.mode == "full_and_piecewise" and self._full_graph_allowed():
+                return self._run_full(size, args)
+        else:
             counters.eager_steps += 1
-            return self._forward(*args)
-        counters.cudagraph_replays += 1
-        if self.mode == "full_and_piecewise" and self._full_graph_allowed():
-            return self._run_full(size, args)
-        self.current_size = size
+        self.current_size, self.graphs_on = size, graphs
         try:
             return self._forward(*args)
         finally:
-            self.current_size = None
+            self.current_size, self.graphs_on = None, False
 
     def _run_full(self, size: int, args):
         if self._full is None:
             self._full = self._graph_cache("full graph", self._forward)
-        return self._full.run(size, args)
+        self.current_size = size  # inside the full graph, pieces run their (static) compiled code
+        try:
+            return self._full.run(size, args)
+        finally:
+            self.current_size = None
 
     def full_graph_count(self) -> int:
         return len(self._full.graphs) if self._full is not None else 0
 
     def piece_graph_count(self) -> int:
         """CUDA graphs captured for pieces, over all sizes."""
-        return sum(len(getattr(getattr(self.split_gm, p.name), "graphs").graphs)
-                   for p in self.pieces if not p.is_splitting_op and hasattr(getattr(self.split_gm, p.name), "graphs"))
+        runners = [getattr(self.split_gm, p.name) for p in self.pieces if not p.is_splitting_op]
+        return sum(len(r.graphs.graphs) for r in runners if getattr(r, "graphs", None) is not None)
 
     def graph_pool_bytes(self) -> int:
         return self.pool.pool_bytes() if self.pool is not None else 0

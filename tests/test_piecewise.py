@@ -1,4 +1,5 @@
 """The compileattn torch.compile backend on CPU: split, piecewise compile, equality with eager."""
+import functools
 import random
 import warnings
 
@@ -166,3 +167,38 @@ def test_splitting_at_the_unified_op_only_keeps_it_whole():
     seqs = random_step(random.Random(5), num_seqs=3, block_size=BLOCK, num_blocks=NUM_BLOCKS)
     with ca.counters.expect(dynamo_graphs=1, pieces=layers + 1):
         assert_matches_eager(model, compiled, builder, caches, seqs, _inputs(model.config.vocab_size))
+
+
+def test_static_compile_sizes_serve_their_token_count():
+    """compile_sizes: each piece is also compiled for those token counts with static shapes; a step
+    of exactly that many tokens runs the static code, any other count the dynamic one."""
+    from compileattn.backend import compileattn_backend
+
+    model = MODELS["opt"]()
+    layers = len(model.attention_specs())
+    caches, builder = _setup(model)
+    runtimes = []
+
+    def backend(gm, example_inputs):
+        compiled = compileattn_backend(gm, example_inputs, options={"compile_sizes": (8,)})
+        runtimes.append(compiled.__self__)
+        return compiled
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(6)
+    calls = []
+
+    def step(pad):
+        seqs = random_step(rng, num_seqs=2, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_query_len=3)
+        assert_matches_eager(model, compiled, builder, caches, seqs, _inputs(model.config.vocab_size), pad_to=pad)
+
+    with ca.counters.expect(dynamo_graphs=1, backend_compiles=2 * (layers + 1)):
+        step(8)  # compiles: dynamic + static-8 per piece
+        for statics in runtimes[0].static.values():  # count calls of the static code from now on
+            statics[8] = functools.partial(lambda fn, *a: calls.append(8) or fn(*a), statics[8])
+        step(11)  # another count: dynamic code
+        assert calls == []
+        step(8)
+    (runtime,) = runtimes
+    assert set(runtime.static) == {p.name for p in runtime.pieces if not p.is_splitting_op}
+    assert len(calls) == layers + 1  # the last 8-token step ran every piece's static code
