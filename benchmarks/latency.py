@@ -127,6 +127,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed-decodes", type=int, default=8, help="decodes in the mixed step (at the first context)")
     p.add_argument("--mixed-prefill", type=int, default=248, help="prefill tokens in the mixed step")
     p.add_argument("--backend", default="triton", help="attention backend of every column (default triton)")
+    p.add_argument("--compile-sizes", default="",
+                   help="comma-separated token counts the compileattn columns also compile with static "
+                        "shapes (CompileConfig.compile_sizes), e.g. the padded decode sizes")
     p.add_argument("--llama-layers", type=int, default=None, help="override the Llama shape's 32 layers")
     p.add_argument("--no-cold-warm", action="store_true", help="skip the cold/warm compile subprocesses")
     p.add_argument("--cold-warm-only", action="store_true", help="only the cold/warm compile subprocesses")
@@ -472,8 +475,9 @@ class CompileattnGroup(Group):
         mode = {"ca-piecewise": "piecewise", "ca-full": "full_and_piecewise"}[column]
         if mode == "full_and_piecewise":
             _require_capturable(bench, "compileattn full-decode graphs")
+        sizes = tuple(int(x) for x in bench.args.compile_sizes.split(",") if x.strip())
         self.config = ca.CompileConfig(cudagraph_mode=mode, attention_backend=bench.args.backend,
-                                       max_capture_size=bench.pad_config.max_capture_size)
+                                       max_capture_size=bench.pad_config.max_capture_size, compile_sizes=sizes)
         self.runtimes = _Runtimes(self.config)
         self.fn = ca.compile(make_forward(bench.model), dynamic_arg_dims={"input_ids": 0, "positions": 0},
                              config=self.config, backend=self.runtimes)
