@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import ops
-from .validation import check_kv_write_args, check_varlen_args
+from .validation import check_kv_write_args, check_varlen_args, check_varlen_values
 
 
 def flash_attn_varlen_func(
@@ -43,8 +43,8 @@ def flash_attn_varlen_func(
             max_seqlen_k = int(seqused_k.max()) if seqused_k.numel() else 0
         else:
             max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
-    check_varlen_args(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-                      max_seqlen_k, window_left, softcap, check_values=validate)
+    if validate:
+        check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     ops.varlen_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,

@@ -61,7 +61,12 @@ def _direct_splitting_call(piece: Piece) -> Callable[..., Any]:
     return piece.module.forward
 
 
-def _compile_piece(piece: Piece, args: list[Any], config: CompileConfig) -> Any:
+def _compile_piece(piece: Piece, args: list[Any], config: CompileConfig, static: bool = False) -> Any:
+    """Compile one piece for the dynamic token dim, or (``static``) for the shapes of ``args``."""
+    if static:
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            return torch._inductor.standalone_compile(
+                piece.module, args, dynamic_shapes="from_example_inputs", options=dict(config.inductor_options))
     if config.piece_compiler == "eager":
         return piece.module.forward
     if config.piece_compiler == "aot_eager":
@@ -154,13 +159,7 @@ class _PieceCompiler(torch.fx.Interpreter):
                 return loaded
             counters.cache_misses += 1
         start = time.perf_counter()
-        if size is None:
-            compiled = _compile_piece(piece, args, self.config)
-        else:
-            with torch._subclasses.fake_tensor.unset_fake_temporarily():
-                compiled = torch._inductor.standalone_compile(
-                    piece.module, args, dynamic_shapes="from_example_inputs",
-                    options=dict(self.config.inductor_options))
+        compiled = _compile_piece(piece, args, self.config, static=size is not None)
         counters.backend_compiles += 1
         logger.info("compiled %s (%s) with %s in %.2f s", piece.name, shape, self.config.piece_compiler,
                     time.perf_counter() - start)

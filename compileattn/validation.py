@@ -87,7 +87,7 @@ def check_varlen_args(
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0, got {softcap}")
     if check_values:
-        _check_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+        check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
 
 
 def _check_monotonic(name: str, cu: torch.Tensor, total: int) -> list[int]:
@@ -101,7 +101,8 @@ def _check_monotonic(name: str, cu: torch.Tensor, total: int) -> list[int]:
     return vals
 
 
-def _check_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k):
+def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k):
+    """The value checks (they read the index tensors: a host sync on CUDA)."""
     cu_q = _check_monotonic("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     if lens_q and max(lens_q) > max_seqlen_q:
