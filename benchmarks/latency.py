@@ -224,7 +224,7 @@ def make_cells(args) -> list[Cell]:
 # Models and the shared state of one model's run
 
 
-def build_model(name: str, *, max_position: int, layers: int | None, device: str = "cuda"):
+def build_model(name: str, *, max_position: int, layers: int | None, device: str | None = None):
     import torch
 
     device = device or DEVICE

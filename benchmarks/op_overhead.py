@@ -234,19 +234,6 @@ def _variants(args, st: Setup) -> tuple[dict, dict]:
             torch.cuda.synchronize()
             if not torch.equal(got, want):
                 raise SystemExit("FA4 direct call differs from FA4's entry: refusing to benchmark a wrong call")
-            try:
-                raw = flash_mod.FlashBackend("cuda", impl="fa4", call_mode="raw", kv_writer="torch")
-                md_raw = st.metadata(raw)
-                raw.forward(q, k, v, out, cache, md_raw)
-                rfn, rtail = raw.prepared_call(md_raw, cache)
-                rfn(q, kc, vc, got, *rtail)
-                torch.cuda.synchronize()
-                if not torch.equal(got, want):
-                    raise RuntimeError("its output differs from FA4's entry")
-            except Exception as exc:  # noqa: BLE001  (an experimental mode must not sink the run)
-                skipped["FA4 direct: bare TVM-FFI function (call_mode=raw)"] = f"{type(exc).__name__}: {exc}"
-            else:
-                fns["FA4 direct: bare TVM-FFI function, FFI metadata"] = (lambda: rfn(q, kc, vc, out, *rtail), None)
 
         for writer in ("triton", "torch"):
             try:
@@ -259,10 +246,6 @@ def _variants(args, st: Setup) -> tuple[dict, dict]:
             call = wmd.plan_for(b).calls[id(spec)]
             wfn, wtail = call[3], call[4]
             fns[f"KV write: {writer}"] = (lambda wfn=wfn, wtail=wtail: wfn(k, v, kc, vc, *wtail), None)
-            if "FA4 direct: bare TVM-FFI function, FFI metadata" in fns and (
-                    writer == "triton" or "KV write: triton" not in fns):
-                op_variants(f"flash (kv={writer}, raw)",
-                            flash_mod.FlashBackend("cuda", impl="fa4", kv_writer=writer, call_mode="raw"))
         op_variants("flash, FA4 entry per call", flash_mod.FlashBackend("cuda", impl="fa4", call_mode="public"))
 
         def unhoisted(q2d, k2d, v2d, layer):

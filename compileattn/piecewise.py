@@ -221,9 +221,6 @@ class PiecewiseRuntime:
         self.mode = config.resolved_cudagraph_mode(device.type)
         if self.mode != "none" and device.type != "cuda":
             raise ValueError(f"cudagraph_mode={config.cudagraph_mode!r} needs CUDA, graph is on {device}")
-        if self.mode != "none" and token_count is None:
-            logger.info("graph has no dynamic token dimension; CUDA graphs off")
-            self.mode = "none"
         self.capture_sizes = frozenset(config.capture_sizes)
         self.pool = None
         self.static = static or {}
@@ -285,8 +282,13 @@ class PiecewiseRuntime:
             return self._forward(*args)
         # The step's (padded) token count is the metadata's: the graph inputs can include more
         # than one symbolic size (Dynamo lifts the base of a view input with its own size).
+        # A graph with no symbolic token dim (Dynamo specialises 1-token steps: 0/1 specialisation)
+        # still gets graphs: its one size comes from the metadata like any other step's.
         ctx = context._current
-        size = ctx.metadata.num_tokens if ctx is not None else self.token_count(args)
+        if ctx is not None:
+            size = ctx.metadata.num_tokens
+        else:
+            size = self.token_count(args) if self.token_count is not None else None
         graphs = self.mode != "none" and size in self.capture_sizes
         if graphs:
             counters.cudagraph_replays += 1

@@ -265,13 +265,13 @@ def test_flash_window_and_softcap(window, softcap):
 def test_call_modes_agree_bitwise():
     """The direct calls launch the very kernel FA4's entry launches, with the same arguments."""
     outs = {}
-    for mode in ("public", "compiled", "raw"):
+    for mode in ("public", "compiled"):
         case = _Case(_fa4_backend(call_mode=mode), torch.bfloat16, (8, 2), 16, MIXED, seed=5)
         want = case.reference()
         case.run()  # learns; writing the same K/V again leaves the caches as they are
         outs[mode] = case.run()
         case.check(outs[mode], want)
-    assert torch.equal(outs["compiled"], outs["public"]) and torch.equal(outs["raw"], outs["public"])
+    assert torch.equal(outs["compiled"], outs["public"])
 
 
 @pytest.mark.cuda

@@ -21,11 +21,10 @@ it is two ``index_select`` + two ``index_copy_``. The public ``write_kv_cache`` 
 mapping may have -1 anywhere (or only -1), computes the same indices on the device per call.
 
 Selection knobs (constructor arguments, or the environment for the registry-built instance):
-``COMPILEATTN_FLASH_CALL`` = ``compiled`` (default: the FA4 compiled kernel object), ``raw`` (the
-bare TVM-FFI function behind it, skipping two Python frames, with the step's metadata
-pre-converted to TVM-FFI tensors once per step; experimental: its output differed from FA4's
-entry on the H200, so it needs COMPILEATTN_FLASH_ALLOW_RAW=1) or
-``public`` (FA4's Python entry every call, for debugging and measurement);
+``COMPILEATTN_FLASH_CALL`` = ``compiled`` (default: the FA4 compiled kernel object) or
+``public`` (FA4's Python entry every call, for debugging and measurement). A third mode that
+called the bare TVM-FFI function behind the compiled object was tried and removed: it saved two
+Python frames but its output differed from FA4's entry on the H200;
 ``COMPILEATTN_FLASH_KV_WRITE`` = ``auto`` | ``triton`` | ``torch``; ``COMPILEATTN_FLASH_IMPL`` =
 ``auto`` | ``fa4`` | ``fa2``.
 """
@@ -42,7 +41,7 @@ from .base import AttentionBackend
 
 logger = logging.getLogger("compileattn")
 
-CALL_MODES = ("compiled", "raw", "public")
+CALL_MODES = ("compiled", "public")
 KV_WRITERS = ("auto", "triton", "torch")
 #: Learned kernels kept per backend; mixed steps add one key per distinct max query length.
 _MAX_TEMPLATES = 1024
@@ -133,7 +132,7 @@ def _write_kv_triton(write_kv, launcher, key, value, key_cache, value_cache, slo
 class _Step:
     """One step's plan: what every layer's ``forward`` reads, built once in ``plan``."""
 
-    __slots__ = ("calls", "tensors", "ffi_tensors", "max_q", "num_seqs", "num_tokens", "block_size",
+    __slots__ = ("calls", "tensors", "max_q", "num_seqs", "num_tokens", "block_size",
                  "slot_mapping", "kv_idx", "cu_k", "max_k")
 
     def __init__(self):
@@ -158,16 +157,11 @@ class FlashBackend(AttentionBackend):
         self.call_mode = call_mode or os.environ.get("COMPILEATTN_FLASH_CALL", "compiled")
         if self.call_mode not in CALL_MODES:
             raise ValueError(f"call_mode must be one of {CALL_MODES}, got {self.call_mode!r}")
-        if self.call_mode == "raw" and os.environ.get("COMPILEATTN_FLASH_ALLOW_RAW") != "1":
-            # On the H200 its output differed from FA4's entry (benchmarks/results/op_overhead.md).
-            raise ValueError("call_mode='raw' is experimental and gave wrong results on the H200; "
-                             "set COMPILEATTN_FLASH_ALLOW_RAW=1 to try it anyway")
         self.kv_writer = kv_writer or os.environ.get("COMPILEATTN_FLASH_KV_WRITE", "auto")
         if self.kv_writer not in KV_WRITERS:
             raise ValueError(f"kv_writer must be one of {KV_WRITERS}, got {self.kv_writer!r}")
         self._writer = None  # ("torch",) | ("bound", launch module) | ("public", write_kv_cache)
         self._templates: dict[tuple, object] = {}  # FA4 kernel key -> Template | None (public entry)
-        self._raw: dict[int, object] = {}  # id(compiled fn) -> bare TVM-FFI function
         self._seen: dict[int, tuple] = {}  # id(spec) -> (spec, dtype) of layers run so far
         self._warned: set[str] = set()
 
@@ -210,7 +204,6 @@ class FlashBackend(AttentionBackend):
         step.slot_mapping = metadata.slot_mapping
         step.tensors = {"cu_q": metadata.query_start_loc, "used_k": metadata.seq_lens,
                         "table": metadata.block_table}
-        step.ffi_tensors = None
         # The builder sizes its buffers for max_num_tokens; ours follow (same address every step).
         cap = metadata.slot_mapping.untyped_storage().nbytes() // metadata.slot_mapping.element_size()
         step.kv_idx = None
@@ -256,7 +249,7 @@ class FlashBackend(AttentionBackend):
             elif tpl is None:
                 attn = self._public_call(step, spec)
             else:
-                attn = (self._kernel_fn(tpl), self.impl.bind(tpl, self._ffi_tensors(step)))
+                attn = (tpl.fn, self.impl.bind(tpl, step.tensors))
         call = step.calls[id(spec)] = (*attn, dtype, *write, spec)
         return call
 
@@ -277,36 +270,6 @@ class FlashBackend(AttentionBackend):
             self._bind(step, spec, dtype)
 
         return learn
-
-    def _kernel_fn(self, tpl):
-        if self.call_mode != "raw":
-            return tpl.fn
-        raw = self._raw.get(id(tpl.fn))
-        if raw is None:
-            from .flash_fa4 import raw_callable  # noqa: PLC0415
-
-            raw = raw_callable(tpl.fn, 4 + len(tpl.tail))
-            if raw is None:
-                self._warn_once("call_mode='raw': the compiled FA4 function is not a plain positional "
-                                "TVM-FFI call; using the compiled object")
-                raw = tpl.fn
-            self._raw[id(tpl.fn)] = raw  # tpl.fn stays alive in self._templates
-        return raw
-
-    def _ffi_tensors(self, step: _Step) -> dict:
-        """The step's metadata tensors for the kernel call; in "raw" mode converted to TVM-FFI
-        tensors once per step, so a layer's call converts only q/k/v/out through DLPack."""
-        if self.call_mode != "raw":
-            return step.tensors
-        if step.ffi_tensors is None:
-            try:
-                import tvm_ffi  # noqa: PLC0415
-
-                step.ffi_tensors = {role: tvm_ffi.from_dlpack(x) for role, x in step.tensors.items()}
-            except Exception as exc:  # noqa: BLE001
-                self._warn_once(f"call_mode='raw': cannot pre-convert metadata to TVM-FFI tensors ({exc})")
-                step.ffi_tensors = step.tensors
-        return step.ffi_tensors
 
     def _public_call(self, step: _Step, spec):
         t = step.tensors

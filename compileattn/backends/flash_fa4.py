@@ -147,35 +147,6 @@ def match_layout(args: tuple, layout: tuple, expected: dict) -> str | None:
     return None
 
 
-def raw_callable(fn, nargs: int):
-    """The bare TVM-FFI function behind ``fn`` when calling it with ``nargs`` positional arguments
-    is exactly what ``fn`` does, else None.
-
-    ``TVMFFIJitCompiledFunctionWithKwargs.__call__`` is a Python method that calls a generated
-    ``wrapper(a, b, ...)`` which calls the TVM-FFI function; when every parameter is passed
-    positionally, none needs dataclass unpacking and no pointer-address conversion is compiled in,
-    both layers pass the arguments through unchanged, and skipping them saves their frames.
-    """
-    if getattr(getattr(fn, "execution_args", None), "has_pointer_address_arg_specs", False):
-        return None
-    wrapper = getattr(fn, "_kwargs_wrapper", None)
-    if wrapper is not None:
-        glb = getattr(wrapper, "__globals__", {})
-        if "__i_unpack" in glb or "__i_target_func" not in glb:
-            return None
-        params = list(inspect.signature(wrapper).parameters.values())
-        if len(params) != nargs or any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
-            return None
-        return glb["__i_target_func"]
-    try:
-        import tvm_ffi  # noqa: PLC0415
-    except ImportError:
-        return None
-    if type(fn) is tvm_ffi.Function:  # loaded from FA4's on-disk cache: already the bare function
-        return fn
-    return None
-
-
 class Template(NamedTuple):
     """A learned kernel: call ``fn(q, k, v, out, *tail)`` with the step's tensors put into ``tail``."""
 
