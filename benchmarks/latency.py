@@ -65,8 +65,12 @@ BLOCK_SIZE = 16
 #: Where everything runs. Only "cuda" is a benchmark; "cpu" exists so the plumbing can be smoke-run
 #: on a machine without a GPU (by a test or a developer setting this attribute).
 DEVICE = "cuda"
-#: Norm-relative difference to eager allowed (fused kernels round differently over many layers).
-TOLERANCE = 5e-2
+#: Norm-relative difference to eager allowed, per dtype: fused kernels round differently, and the
+#: difference grows over the layers of a random-weight model. Measured on the H200: torch.compile's
+#: own Inductor output is 5.4-6.6 % away from eager on the 32-layer Llama shape in bf16 (whose
+#: 8-bit mantissa is 8x coarser than fp16's), and < 1 % on the OPT shape in fp16. A wrong attention
+#: (stale cache, padding leaking into real tokens) is off by O(1), far above either.
+TOLERANCE = {"float16": 5e-2, "bfloat16": 1e-1, "float32": 1e-3}
 
 MODELS = {
     "opt": {"label": "OPT-125m shape", "dtype": "float16"},
@@ -137,7 +141,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="OPT only, batch 1 and 8, context 512, 20 steps, no cold/warm subprocesses")
     p.add_argument("--budget-s", type=float, default=280.0,
                    help="wall-clock budget; work past it is reported as skipped (0 = none)")
-    p.add_argument("--tolerance", type=float, default=TOLERANCE)
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="norm-relative error to eager allowed (default per dtype: fp16 0.05, bf16 0.1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output prefix: writes PREFIX.json/.md/.png")
     p.add_argument("--label", default=None)
@@ -342,6 +347,10 @@ class _HandGraphs:
         self.pool = GraphPool(torch.device(DEVICE))
         self.graphs: dict[int, Any] = {}
 
+    def graph(self, num_tokens: int):
+        entry = self.graphs.get(num_tokens)
+        return entry.graph if entry is not None else None
+
     def step(self, ids, pos) -> Callable[[], Any]:
         n = ids.shape[0]
 
@@ -371,6 +380,10 @@ class Group:
     def stats(self, column: str) -> dict[str, Any]:
         return {}
 
+    def captured_graph(self, column: str, num_tokens: int):
+        """The CUDA graph of a whole step of ``num_tokens`` this column replays, if it has one."""
+        return None
+
 
 def _require_capturable(bench: Bench, what: str) -> None:
     backend = bench.builder.backend
@@ -397,6 +410,9 @@ class EagerGroup(Group):
     def stats(self, column):
         return self.graphs.stats() if column == "graph-eager" and self.graphs else {}
 
+    def captured_graph(self, column, num_tokens):
+        return self.graphs.graph(num_tokens) if column == "graph-eager" and self.graphs else None
+
 
 class InductorGroup(Group):
     columns = ("inductor", "graph-inductor")
@@ -420,6 +436,9 @@ class InductorGroup(Group):
 
     def stats(self, column):
         return self.graphs.stats() if column == "graph-inductor" and self.graphs else {}
+
+    def captured_graph(self, column, num_tokens):
+        return self.graphs.graph(num_tokens) if column == "graph-inductor" and self.graphs else None
 
 
 class ReduceOverheadGroup(Group):
@@ -499,6 +518,12 @@ class CompileattnGroup(Group):
                 "graph_pool_bytes": rt.graph_pool_bytes(), "runtimes": len(self.runtimes.built),
                 "full_graphs": rt.full_graph_count(), "piece_graphs": rt.piece_graph_count(), "mode": rt.mode}
 
+    def captured_graph(self, column, num_tokens):
+        """The full-decode graph the step replayed (none in piecewise mode or for a mixed step)."""
+        full = self.runtimes.built[-1]._full if self.runtimes.built else None
+        entry = full.graphs.get(num_tokens) if full is not None else None
+        return entry.graph if entry is not None else None
+
 
 def make_group(name: str, bench: Bench) -> Group:
     if name == "eager":
@@ -564,6 +589,22 @@ def timed_steps(step: Callable[[], Any], steps: int) -> list[float]:
     return samples
 
 
+def replay_gpu_us(graph, replays: int = 20) -> float:
+    """GPU µs of one replay of a captured step graph: replays back to back, so the GPU never waits
+    for the host and the time is the kernels' alone; a step's p50 minus this is its host cost."""
+    import torch
+
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
 def eager_reference(bench: Bench, cell: Cell) -> Any:
     import torch
 
@@ -595,10 +636,15 @@ def measure_cell(bench: Bench, group: Group, column: str, cell: Cell, row: dict[
             err = common.rel_error(out[: cell.tokens], bench.reference[cell])
             row["rel_err"] = err
             del out
-            if not err <= args.tolerance:
-                row.update(status="FAILED", reason=f"output differs from eager: rel. error {err:.3g} > {args.tolerance}")
+            tol = row["tolerance"] = args.tolerance if args.tolerance is not None else TOLERANCE[str(bench.dtype).removeprefix("torch.")]
+            if not err <= tol:
+                row.update(status="FAILED", reason=f"output differs from eager: rel. error {err:.3g} > {tol}")
             else:
                 row.update(status="ok", **common.summarize_us(timed_steps(step, args.steps)))
+                # ca-full replays its full graph on uniform-decode steps only
+                graph = group.captured_graph(column, ids.shape[0]) if cell.kind == "decode" or column != "ca-full" else None
+                if graph is not None:
+                    row["graph_gpu_us"] = replay_gpu_us(graph)
     except Unavailable as exc:
         row.update(status="unavailable", reason=str(exc))
     except Exception as exc:  # noqa: BLE001  (one failing column must not cost the table)
@@ -780,7 +826,8 @@ def run_benchmark(args, log: common.Log, checkpoint: Callable[[dict[str, Any]], 
                           "columns": args.columns, "steps": args.steps, "warmup": args.warmup,
                           "mixed": None if args.no_mixed else {"decodes": args.mixed_decodes,
                                                                "prefill": args.mixed_prefill},
-                          "llama_layers": args.llama_layers, "tolerance": args.tolerance, "block_size": BLOCK_SIZE},
+                          "llama_layers": args.llama_layers, "tolerance": args.tolerance if args.tolerance is not None else TOLERANCE,
+                          "block_size": BLOCK_SIZE},
                "runs": [run], "rows": rows, "stats": stats, "probes": probes}
 
     def save(more_rows: Sequence[dict[str, Any]] = (), more_stats: Sequence[dict[str, Any]] = ()) -> None:
@@ -918,6 +965,31 @@ def cell_text(r: dict[str, Any] | None) -> str:
     return f"{r['p50_us']:.0f} / {r['p90_us']:.0f} / {r['p99_us']:.0f}"
 
 
+def _tolerance_text(tol) -> str:
+    if isinstance(tol, dict):
+        return ", ".join(f"{dtype} {v}" for dtype, v in tol.items())
+    return str(tol)
+
+
+def gpu_host_table(chosen: dict[tuple, dict[str, Any]], cells: Sequence[tuple]) -> list[str]:
+    """Rows 'GPU µs / host µs' for the columns that replay one graph per step."""
+    cols = [c for c in ("ca-full", "graph-eager", "graph-inductor")
+            if any((chosen.get((*cell, c)) or {}).get("graph_gpu_us") for cell in cells)]
+    if not cols:
+        return []
+    rows = []
+    for cell in cells:
+        line = [cell[2], cell[3]]
+        for c in cols:
+            r = chosen.get((*cell, c)) or {}
+            gpu = r.get("graph_gpu_us")
+            line.append(f"{gpu:.0f} / {r['p50_us'] - gpu:.0f}" if gpu else "—")
+        rows.append(line)
+    return ["Where a full-graph step's time goes: GPU µs of one replay (timed over back-to-back replays, so "
+            "no host work is in it) / host µs (step p50 minus that: Python dispatch, graph launch, sync).", "",
+            common.markdown_table(["batch", "context"] + cols, rows), ""]
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     chosen = select(payload["rows"])
     runs = payload["runs"]
@@ -930,7 +1002,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         out.append("")
     cfg = payload.get("config", {})
     out.append(f"Steps per cell: {cfg.get('steps')} timed after {cfg.get('warmup')} warm-up; every column's output "
-               f"checked against eager first (norm-relative tolerance {cfg.get('tolerance')}). Decode steps: each "
+               f"checked against eager first (norm-relative tolerance {_tolerance_text(cfg.get('tolerance'))}). Decode steps: each "
                f"sequence has `context` tokens cached; the mixed step adds one prefill chunk. Token counts are padded "
                f"to a capture size. Ratios use p50; 'best graph' = the faster hand-captured full graph.")
     out.append("")
@@ -957,6 +1029,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         if table:
             out.append(common.markdown_table(headers, table))
             out.append("")
+            out += gpu_host_table(chosen, [c for c in cells if c[1] == "decode"])
         st = [s for s in payload.get("stats", []) if s["model"] == model]
         if st:
             out.append("Compile and capture: the first call of a column compiles (and captures, where that happens at "
