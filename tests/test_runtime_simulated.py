@@ -1,0 +1,126 @@
+"""The CUDA-graph runtime's step logic on the CPU, with CUDA graphs simulated.
+
+A simulated graph re-runs the captured callable on replay and copies the results into the
+outputs it returned at capture, so a replay hands back the same tensor objects with fresh values,
+as a real graph does. What it cannot show (kernels really captured, memory really shared) is
+tested on the GPU in tests/test_cudagraph.py; what it shows here, on every CI run, is the
+runtime's choice of mode per step, its replay/capture counting, padding, and graphs for a graph
+with no symbolic token dim (Dynamo's 1-token specialisation), whose absence the H200 caught first.
+"""
+import random
+import types
+
+import pytest
+import torch
+
+import compileattn as ca
+import compileattn.cudagraph as cudagraph
+import compileattn.piecewise as piecewise
+from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
+from compileattn.testing import assert_matches_eager, random_step
+
+BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 512, 64
+SIZES = [1, 2, 4, 8, 16, 24, 32]
+
+
+class SimulatedGraph:
+    def __init__(self, fn, args, outputs):
+        self.fn, self.args, self.outputs = fn, list(args), outputs
+
+    def replay(self):
+        fresh = self.fn(*self.args)
+        outs = self.outputs if isinstance(self.outputs, (tuple, list)) else (self.outputs,)
+        fresh = fresh if isinstance(fresh, (tuple, list)) else (fresh,)
+        for o, f in zip(outs, fresh):
+            if isinstance(o, torch.Tensor):
+                o.copy_(f)
+
+
+class SimulatedPool:
+    def __init__(self, device):
+        self.capture_seconds = 0.0
+
+    def capture(self, fn, args, name, size):
+        outputs = fn(*args)
+        ca.counters.cudagraph_captures += 1
+        return cudagraph.CapturedGraph(SimulatedGraph(fn, args, outputs), outputs, cudagraph._tensor_layout(args),
+                                       name, size)
+
+    def pool_bytes(self):
+        return 0
+
+
+@pytest.fixture
+def simulated_graphs(monkeypatch):
+    """CUDA graphs on a CPU model: the runtime believes it is on CUDA, the pool simulates graphs."""
+    monkeypatch.setattr(cudagraph, "GraphPool", SimulatedPool)
+    real_init = piecewise.PiecewiseRuntime.__init__
+
+    def init(self, split_gm, pieces, compiled, config, device, *rest, **kw):
+        real_init(self, split_gm, pieces, compiled, config, types.SimpleNamespace(type="cuda"), *rest, **kw)
+        self.device = device
+
+    monkeypatch.setattr(piecewise.PiecewiseRuntime, "__init__", init)
+
+
+def _setup():
+    model = LlamaForCausalLM(LlamaConfig.tiny(num_layers=2, head_dim=64), seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=16)
+    builder.backend.capturable_for = lambda cache, md: True  # the reference backend stands in for triton
+    ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long)
+    pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long)
+
+    def make_inputs(n):
+        ids_buf[:n].random_(0, model.config.vocab_size)
+        pos_buf[:n].random_(0, 200)
+        return ids_buf[:n], pos_buf[:n]
+
+    return model, caches, builder, make_inputs
+
+
+class _Runtimes:
+    def __init__(self, **options):
+        self.options, self.built = options, []
+
+    def __call__(self, gm, example_inputs):
+        from compileattn.backend import compileattn_backend
+
+        compiled = compileattn_backend(gm, example_inputs, options=self.options)
+        self.built.append(compiled.__self__)
+        return compiled
+
+
+def _mark(make_inputs):
+    def make(n):
+        ids, pos = make_inputs(n)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        return ids, pos
+
+    return make
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_every_step_at_a_capture_size_replays_including_one_token_steps(simulated_graphs, mode):
+    model, caches, builder, make_inputs = _setup()
+    cfg = ca.CompileConfig(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, piece_compiler="eager")
+    backend = _Runtimes(config=cfg)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(0)
+    one_token_steps = 0
+    for i in range(16):
+        decode = i % 2 == 0
+        num_seqs = 1 if i in (4, 9) else rng.randint(2, 5)  # 1-token steps: a static graph of their own
+        seqs = random_step(rng, num_seqs=num_seqs, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                           max_query_len=1 if num_seqs == 1 else 5, max_context_len=100,
+                           decode_fraction=1.0 if decode else 0.3)
+        n = sum(s.query_len for s in seqs)
+        one_token_steps += n == 1
+        with ca.counters.expect(cudagraph_replays=1, eager_steps=0):
+            assert_matches_eager(model, compiled, builder, caches, seqs, _mark(make_inputs),
+                                 pad_to=cfg.padded_num_tokens(n))
+    assert one_token_steps == 2 and len(backend.built) == 2  # the dynamic graph and the 1-token one
+    full = sum(rt.full_graph_count() for rt in backend.built)
+    assert (full > 0) == (mode == "full_and_piecewise")
