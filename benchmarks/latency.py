@@ -520,9 +520,11 @@ class CompileattnGroup(Group):
 
     def captured_graph(self, column, num_tokens):
         """The full-decode graph the step replayed (none in piecewise mode or for a mixed step)."""
-        full = self.runtimes.built[-1]._full if self.runtimes.built else None
-        entry = full.graphs.get(num_tokens) if full is not None else None
-        return entry.graph if entry is not None else None
+        for rt in reversed(self.runtimes.built):  # Dynamo may build a 1-token runtime of its own
+            entry = rt._full.graphs.get(num_tokens) if rt._full is not None else None
+            if entry is not None:
+                return entry.graph
+        return None
 
 
 def make_group(name: str, bench: Bench) -> Group:
@@ -983,7 +985,9 @@ def gpu_host_table(chosen: dict[tuple, dict[str, Any]], cells: Sequence[tuple]) 
         for c in cols:
             r = chosen.get((*cell, c)) or {}
             gpu = r.get("graph_gpu_us")
-            line.append(f"{gpu:.0f} / {r['p50_us'] - gpu:.0f}" if gpu else "—")
+            host = r["p50_us"] - gpu if gpu else None
+            # host = p50 - GPU of back-to-back replays: noisy by tens of µs in large cells, so < 0 happens
+            line.append("—" if gpu is None else f"{gpu:.0f} / {host:.0f}" + (" (noise)" if host < 0 else ""))
         rows.append(line)
     return ["Where a full-graph step's time goes: GPU µs of one replay (timed over back-to-back replays, so "
             "no host work is in it) / host µs (step p50 minus that: Python dispatch, graph launch, sync).", "",

@@ -13,7 +13,6 @@ Variants (decode, GQA 64/8, head dim 128, bf16, page 16, context 1024, batch 1..
   FA4 public             flash_attn.cute.flash_attn_varlen_func (argument processing + key + launch)
   FA4 entry (out=)       interface._flash_attn_fwd with a caller-owned out (below the autograd Function)
   FA4 direct             the compiled kernel FA4 cached, called with the learned argument list
-  FA4 direct (bare fn)   the TVM-FFI function behind it (skips the kwargs wrapper)
   KV write               the flash backend's writers alone (triton kernel; torch index_copy_)
   op ...                 compileattn.ops.attention_impl under set_forward_context (what the
                          piecewise runtime calls), and through the torch.ops dispatcher

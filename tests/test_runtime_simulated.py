@@ -110,6 +110,9 @@ def test_every_step_at_a_capture_size_replays_including_one_token_steps(simulate
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     rng = random.Random(0)
     one_token_steps = 0
+    seen = set()  # (padded size, uniform decode, 1-token graph): a repeat captures nothing new
+    captures = ca.counters.cudagraph_captures
+    repeats = 0
     for i in range(16):
         decode = i % 2 == 0
         num_seqs = 1 if i in (4, 9) else rng.randint(2, 5)  # 1-token steps: a static graph of their own
@@ -118,9 +121,16 @@ def test_every_step_at_a_capture_size_replays_including_one_token_steps(simulate
                            decode_fraction=1.0 if decode else 0.3)
         n = sum(s.query_len for s in seqs)
         one_token_steps += n == 1
+        key = (cfg.padded_num_tokens(n), all(s.query_len == 1 for s in seqs), n == 1)
+        before = ca.counters.cudagraph_captures
         with ca.counters.expect(cudagraph_replays=1, eager_steps=0):
             assert_matches_eager(model, compiled, builder, caches, seqs, _mark(make_inputs),
                                  pad_to=cfg.padded_num_tokens(n))
+        if key in seen:
+            repeats += 1
+            assert ca.counters.cudagraph_captures == before, f"step {i} re-captured {key}"
+        seen.add(key)
     assert one_token_steps == 2 and len(backend.built) == 2  # the dynamic graph and the 1-token one
     full = sum(rt.full_graph_count() for rt in backend.built)
     assert (full > 0) == (mode == "full_and_piecewise")
+    assert ca.counters.cudagraph_captures > captures and repeats > 0

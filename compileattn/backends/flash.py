@@ -24,7 +24,7 @@ Selection knobs (constructor arguments, or the environment for the registry-buil
 ``COMPILEATTN_FLASH_CALL`` = ``compiled`` (default: the FA4 compiled kernel object) or
 ``public`` (FA4's Python entry every call, for debugging and measurement). A third mode that
 called the bare TVM-FFI function behind the compiled object was tried and removed: it saved two
-Python frames but its output differed from FA4's entry on the H200;
+Python frames but its output differed from FA4's entry on the H200.
 ``COMPILEATTN_FLASH_KV_WRITE`` = ``auto`` | ``triton`` | ``torch``; ``COMPILEATTN_FLASH_IMPL`` =
 ``auto`` | ``fa4`` | ``fa2``.
 """
