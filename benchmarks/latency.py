@@ -762,7 +762,9 @@ def probe_main(spec: dict[str, Any]) -> int:
         second = time.perf_counter() - t
     rt = runtimes.built[-1] if runtimes.built else None
     capture = rt.pool.capture_seconds if rt is not None and rt.pool is not None else 0.0
+    stats = fn.compile_stats
     result = {"import_s": t_import, "ready_s": t_ready, "first_call_s": first, "capture_s": capture,
+              "dynamo_s": stats.get("dynamo_s"), "backend_s": stats.get("backend_s"),
               "compile_s": first - capture, "second_call_s": second, "counters": ca.counters.snapshot()}
     print("PROBE_RESULT " + json.dumps(result), flush=True)
     return 0
@@ -1052,8 +1054,10 @@ def render_markdown(payload: dict[str, Any]) -> str:
                        "caches; warm: the same cache dirs again):")
             out.append("")
             out.append(common.markdown_table(
-                ["phase", "first call s", "of which capture s", "process s", "pieces compiled", "cache hits"],
-                [[p["phase"], common.fmt_num(p.get("first_call_s"), 2), common.fmt_num(p.get("capture_s"), 2),
+                ["phase", "first call s", "of which Dynamo s", "of which backend s", "of which capture s",
+                 "process s", "pieces compiled", "cache hits"],
+                [[p["phase"], common.fmt_num(p.get("first_call_s"), 2), common.fmt_num(p.get("dynamo_s"), 2),
+                  common.fmt_num(p.get("backend_s"), 2), common.fmt_num(p.get("capture_s"), 2),
                   common.fmt_num(p.get("process_s"), 1),
                   (p.get("counters") or {}).get("backend_compiles", "—") if p["status"] == "ok" else p["status"],
                   (p.get("counters") or {}).get("cache_hits", "—") if p["status"] == "ok" else p.get("reason", "")[:80]]

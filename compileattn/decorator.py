@@ -417,7 +417,7 @@ def _mark_dynamic(values: Mapping[str, Any], dims: Mapping[str, tuple[int, ...]]
 class _Site:
     """Compiled state for one function or one module instance. ``fast`` is None until compiled."""
 
-    __slots__ = ("owner", "bound", "fast", "checker", "code", "pins")
+    __slots__ = ("owner", "bound", "fast", "checker", "code", "pins", "stats")
 
     def __init__(self, owner: "CompiledFunction", bound: bool):
         self.owner = owner
@@ -426,6 +426,7 @@ class _Site:
         self.checker: _ArgChecker | None = None
         self.code: types.CodeType | None = None  # the transformed code; holds Dynamo's globals alive
         self.pins: list = []
+        self.stats: dict[str, float] = {}  # seconds of the compile: total, Dynamo, backend
 
     def call(self, full_args: tuple, args: tuple, kwargs: dict):
         fast = self.fast
@@ -505,6 +506,7 @@ class _Site:
         self.checker = checker
         self.fast = _function_with_code(fn, self.code)
         total = timings["hook"] - start
+        self.stats = {"total_s": total, "dynamo_s": total - timings["backend"], "backend_s": timings["backend"]}
         log.info(
             "compileattn: compiled %s in %.2f s (Dynamo %.2f s, backend %.2f s); dynamic dims %s; later "
             "calls skip Dynamo's guards", what, total, total - timings["backend"],
@@ -575,6 +577,14 @@ class CompiledFunction:
         self._site = _Site(self, bound=False)
         self._sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._last: tuple[weakref.ref, _Site] | None = None
+
+    @property
+    def compile_stats(self) -> dict[str, float]:
+        """Seconds the compile took (``total_s``, ``dynamo_s``: tracing and bytecode, ``backend_s``:
+        compileattn's passes, piece compiles or cache loads); empty before the first call. For a
+        method, the most recently called instance's."""
+        site = self._last[1] if self._last is not None else self._site
+        return dict(site.stats)
 
     def _disabled(self) -> bool:
         return os.environ.get(DISABLE_ENV, "0") not in ("", "0") or bool(getattr(self._config, "disable", False))

@@ -89,6 +89,24 @@ def test_function_decorator_with_keywords_and_dim_lists():
     assert isinstance(f, CompiledFunction) and f.__name__ == "f" and f.__wrapped__ is not None
 
 
+def test_compile_stats_split_the_compile_into_dynamo_and_backend():
+    slow = 0.2
+
+    def backend(gm, example_inputs):
+        time.sleep(slow)  # a backend that takes a known time
+        return gm.forward
+
+    @compileattn.compile(dynamic_arg_dims={"x": 0}, backend=backend)
+    def f(x):
+        return x * 2
+
+    assert f.compile_stats == {}
+    f(torch.ones(3))
+    stats = f.compile_stats
+    assert stats["backend_s"] >= slow and stats["dynamo_s"] > 0
+    assert abs(stats["total_s"] - stats["dynamo_s"] - stats["backend_s"]) < 1e-9
+
+
 def test_backend_by_name():
     @compileattn.compile(dynamic_arg_dims={"x": 0}, backend="eager")
     def f(x):
