@@ -463,22 +463,6 @@ class ReduceOverheadGroup(Group):
         return run
 
 
-class _Runtimes:
-    """The compileattn backend, remembering the runtimes it built (capture time, graph pool)."""
-
-    def __init__(self, config):
-        self.config = config
-        self.built: list = []
-
-    def __call__(self, gm, example_inputs):
-        from compileattn.backend import compileattn_backend
-
-        compiled = compileattn_backend(gm, example_inputs, options={"config": self.config})
-        # The backend returns the runtime's bound __call__ (or, in older versions, the runtime).
-        self.built.append(getattr(compiled, "__self__", compiled))
-        return compiled
-
-
 def make_forward(model):
     def forward(input_ids, positions):
         return model(input_ids, positions)
@@ -489,6 +473,7 @@ def make_forward(model):
 class CompileattnGroup(Group):
     def __init__(self, bench: Bench, column: str):
         import compileattn as ca
+        from compileattn.testing import RecordingBackend
 
         self.columns = (column,)
         mode = {"ca-piecewise": "piecewise", "ca-full": "full_and_piecewise"}[column]
@@ -497,7 +482,7 @@ class CompileattnGroup(Group):
         sizes = tuple(int(x) for x in bench.args.compile_sizes.split(",") if x.strip())
         self.config = ca.CompileConfig(cudagraph_mode=mode, attention_backend=bench.args.backend,
                                        max_capture_size=bench.pad_config.max_capture_size, compile_sizes=sizes)
-        self.runtimes = _Runtimes(self.config)
+        self.runtimes = RecordingBackend(config=self.config)
         self.fn = ca.compile(make_forward(bench.model), dynamic_arg_dims={"input_ids": 0, "positions": 0},
                              config=self.config, backend=self.runtimes)
         self.compiled = False
@@ -734,6 +719,7 @@ def probe_main(spec: dict[str, Any]) -> int:
     import torch
 
     import compileattn as ca
+    from compileattn.testing import RecordingBackend
 
     t_import = time.perf_counter() - t0
     model = build_model(spec["model"], max_position=64, layers=spec.get("layers"))
@@ -746,7 +732,7 @@ def probe_main(spec: dict[str, Any]) -> int:
     pos = torch.full((8,), 16, dtype=torch.long, device=DEVICE)
     config = ca.CompileConfig(cudagraph_mode="piecewise" if DEVICE == "cuda" else "none",
                               attention_backend=spec["backend"], cache_dir=spec["cache_dir"])
-    runtimes = _Runtimes(config)
+    runtimes = RecordingBackend(config=config)
     fn = ca.compile(make_forward(model), dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config,
                     backend=runtimes)
     _sync()

@@ -78,3 +78,20 @@ def assert_matches_eager(
         torch.testing.assert_close(cache.key_cache, after_eager[name][0], **tol)
         torch.testing.assert_close(cache.value_cache, after_eager[name][1], **tol)
     return actual
+
+
+class RecordingBackend:
+    """The ``compileattn`` torch.compile backend, remembering the ``PiecewiseRuntime`` of every
+    graph it compiled (``.built``), so a test or benchmark can look at its graphs, pool and
+    capture time. ``options`` are those of ``torch.compile(..., options=...)``."""
+
+    def __init__(self, **options):
+        self.options = options
+        self.built: list = []
+
+    def __call__(self, gm, example_inputs):
+        from .backend import compileattn_backend
+
+        compiled = compileattn_backend(gm, example_inputs, options=self.options)
+        self.built.append(compiled.__self__)  # the backend returns the runtime's bound __call__
+        return compiled

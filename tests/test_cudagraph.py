@@ -6,28 +6,14 @@ import pytest
 import torch
 
 import compileattn as ca
-from compileattn.backend import compileattn_backend
 from compileattn.cudagraph import CudaGraphAddressError
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
-from compileattn.testing import assert_matches_eager, random_step
+from compileattn.testing import RecordingBackend, assert_matches_eager, random_step
 
 pytestmark = pytest.mark.cuda
 
 BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 512, 64
 SIZES = [1, 2, 4, 8, 16, 24, 32]
-
-
-class _Runtimes:
-    """A compileattn backend that remembers the runtimes it built (for pool and graph checks)."""
-
-    def __init__(self, **options):
-        self.options = options
-        self.built = []
-
-    def __call__(self, gm, example_inputs):
-        compiled = compileattn_backend(gm, example_inputs, options=self.options)
-        self.built.append(compiled.__self__)
-        return compiled
 
 
 def _setup(dtype, backend="auto", layers=2):
@@ -53,7 +39,7 @@ def _setup(dtype, backend="auto", layers=2):
 def test_piecewise_graphs_equal_eager_through_padding(dtype):
     model, caches, builder, make_inputs = _setup(dtype)
     cfg = ca.CompileConfig(cudagraph_mode="piecewise", cudagraph_capture_sizes=SIZES)
-    backend = _Runtimes(config=cfg)
+    backend = RecordingBackend(config=cfg)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     rng = random.Random(0)
     hit = set()
@@ -92,7 +78,7 @@ def test_full_decode_graphs_equal_eager(dtype):
         pytest.skip(f"no capturable attention backend: {exc}")
     model, caches, builder, make_inputs = _setup(dtype, backend=backend_name)
     cfg = ca.CompileConfig(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=SIZES)
-    backend = _Runtimes(config=cfg)
+    backend = RecordingBackend(config=cfg)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     rng = random.Random(1)
     with ca.counters.expect(cudagraph_replays=20):
@@ -112,7 +98,7 @@ def _run_decode_and_mixed(rng, model, compiled, builder, caches, make_inputs, cf
 def test_replays_equal_steps_and_address_check_catches_moved_input():
     model, caches, builder, make_inputs = _setup(torch.float16)
     cfg = ca.CompileConfig(cudagraph_mode="piecewise", cudagraph_capture_sizes=SIZES)
-    compiled = torch.compile(model, backend=_Runtimes(config=cfg), fullgraph=True)
+    compiled = torch.compile(model, backend=RecordingBackend(config=cfg), fullgraph=True)
     seqs = [ca.SequenceStep(1, 10, [0]), ca.SequenceStep(3, 0, [1])]
     md = builder.build(seqs, pad_to=4)
     with ca.counters.expect(cudagraph_replays=5, cudagraph_captures=3):  # 3 pieces, 1 size

@@ -17,7 +17,7 @@ import compileattn as ca
 import compileattn.cudagraph as cudagraph
 import compileattn.piecewise as piecewise
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
-from compileattn.testing import assert_matches_eager, random_step
+from compileattn.testing import RecordingBackend, assert_matches_eager, random_step
 
 BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 512, 64
 SIZES = [1, 2, 4, 8, 16, 24, 32]
@@ -80,18 +80,6 @@ def _setup():
     return model, caches, builder, make_inputs
 
 
-class _Runtimes:
-    def __init__(self, **options):
-        self.options, self.built = options, []
-
-    def __call__(self, gm, example_inputs):
-        from compileattn.backend import compileattn_backend
-
-        compiled = compileattn_backend(gm, example_inputs, options=self.options)
-        self.built.append(compiled.__self__)
-        return compiled
-
-
 def _mark(make_inputs):
     def make(n):
         ids, pos = make_inputs(n)
@@ -106,7 +94,7 @@ def _mark(make_inputs):
 def test_every_step_at_a_capture_size_replays_including_one_token_steps(simulated_graphs, mode):
     model, caches, builder, make_inputs = _setup()
     cfg = ca.CompileConfig(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, piece_compiler="eager")
-    backend = _Runtimes(config=cfg)
+    backend = RecordingBackend(config=cfg)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     rng = random.Random(0)
     one_token_steps = 0
