@@ -12,8 +12,6 @@ from torch import nn
 import compileattn
 from compileattn import debug
 
-pytest.importorskip("depyf", reason="the dump needs depyf")
-
 
 class Toy(nn.Module):
     def __init__(self):

@@ -1,13 +1,8 @@
 """The Triton backend equals the reference backend: KV write, paged decode (split and not), the
 unified varlen kernel (prefill, chunked prefill, mixed batches, contiguous K/V).
 
-Without CUDA the kernels run under TRITON_INTERPRET=1, which must be set before ``triton`` is
-first imported: Triton's own helpers (``tl.zeros``, ``tl.sum``, ...) are decorated at its import.
-This module sets it when it is the first to import triton. When some other test module imported
-triton first (Inductor does, for one), the interpreter tests cannot run in this process; they are
-skipped here and ``test_interpreter_suite_in_subprocess`` runs this file in a fresh interpreter
-with the variable set, so they run either way. (``_mode.sync_interpreter_mode`` handles the
-lesser case of only this backend's kernel modules having been imported first.) The interpreter's
+Without CUDA the kernels run under TRITON_INTERPRET=1, which tests/conftest.py sets before
+anything imports triton (Triton's own helpers are decorated at its import). The interpreter's
 bf16 tl.dot is broken, so the CPU runs fp16 and fp32; the CUDA-marked tests add bf16, CUDA-graph
 capture/replay with new metadata contents, and a host-sync check of ``forward``.
 
@@ -16,30 +11,18 @@ sequence's length, or a stale page, poisons its output instead of passing by luc
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-CUDA = torch.cuda.is_available()
-if not CUDA and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton", reason="the triton backend needs the triton package")
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from compileattn import (  # noqa: E402
+from compileattn import (
     AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep, set_forward_context,
 )
-from compileattn.backends.reference import ReferenceBackend  # noqa: E402
-from compileattn.backends.triton import _mode  # noqa: E402
-from compileattn.backends.triton.backend import TritonBackend  # noqa: E402
-from compileattn.backends.triton.config import (  # noqa: E402
+from compileattn.backends.reference import ReferenceBackend
+from compileattn.backends.triton import _mode
+from compileattn.backends.triton.backend import TritonBackend
+from compileattn.backends.triton.config import (
     MAX_SPLITS, PROGRAMS_PER_SM, Tuning, decode_config, num_splits, unified_config,
 )
 
@@ -52,26 +35,14 @@ def _interpreter_usable() -> bool:
     return _mode.interpreting() and isinstance(standard.zeros, InterpretedFunction)
 
 
+CUDA = torch.cuda.is_available()
 if not CUDA:
     _mode.sync_interpreter_mode()
 
-INTERPRETED = not CUDA and _interpreter_usable()
-cpu_only = pytest.mark.skipif(not INTERPRETED, reason="interpreter tests need no CUDA and TRITON_INTERPRET=1 set "
-                              "before triton's import (else they run via test_interpreter_suite_in_subprocess)")
+cpu_only = pytest.mark.skipif(CUDA, reason="interpreter tests (the GPU runs the compiled kernels)")
 DEVICE = "cuda" if CUDA else "cpu"
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 1e-2), torch.bfloat16: (2e-2, 2e-2)}
-
-
-@pytest.mark.skipif(CUDA or INTERPRETED, reason="the interpreter tests run in this process")
-def test_interpreter_suite_in_subprocess():
-    """Triton was imported here before TRITON_INTERPRET could be set: run this file afresh."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x",
-                           "-p", "no:cacheprovider"], cwd=root, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout, proc.stdout[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,8 +184,6 @@ def test_unsupported_reasons():
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_kv_write_matches_reference(block_size, dtype):
-    if not (CUDA or INTERPRETED):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     g = torch.Generator().manual_seed(1)
     kvh, d, t, nb = 3, 32, 9, 6
     # Key/value as strided views of a fused projection, the way a model hands them over.
@@ -365,8 +334,6 @@ def _contiguous_case(dtype, q_lens, k_lens, kvh=2, h=4, d=32, extra_rows=3, seed
 @pytest.mark.parametrize("causal,window,softcap", [(True, -1, 0.0), (False, -1, 0.0), (True, 4, 2.0)])
 @pytest.mark.parametrize("use_seqused", [False, True])
 def test_varlen_contiguous_matches_reference(causal, window, softcap, use_seqused):
-    if not (CUDA or INTERPRETED):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     q_lens, k_lens = [5, 0, 12, 1], [9, 4, 12, 30]
     q, k, v, cu_q, cu_k = _contiguous_case(torch.float32, q_lens, k_lens)
     used = torch.tensor([7, 4, 12, 25], dtype=torch.int32, device=DEVICE) if use_seqused else None
@@ -383,8 +350,6 @@ def test_varlen_contiguous_matches_reference(causal, window, softcap, use_sequse
 def test_varlen_paged_decode_path_with_empty_query():
     """max_seqlen_q == 1 on a paged cache takes the decode kernel; a sequence without a query
     token (cu_seqlens_q repeats) must not disturb its neighbours."""
-    if not (CUDA or INTERPRETED):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     spec = AttentionSpec(4, 2, 32)
     case = make_case(spec, torch.float16, 16, [(1, 60), (1, 31), (1, 7)])
     kc = torch.nan_to_num(case["kc"])
@@ -410,8 +375,6 @@ def test_varlen_paged_decode_path_with_empty_query():
 
 
 def test_attention_op_uses_triton_backend():
-    if not (CUDA or INTERPRETED):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     import compileattn.ops  # noqa: F401  (registers the ops)
 
     spec = AttentionSpec(4, 2, 32)
