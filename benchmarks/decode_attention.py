@@ -239,64 +239,23 @@ class Kernel:
     note: str = ""
 
 
-def _current_token_kv(pc: PagedCase, md):
-    """K/V rows the step's own tokens already have in the cache: a backend.forward that writes them
-    again leaves the cache unchanged."""
-    slots = md.slot_mapping[: md.num_actual_tokens]
-    kvh, d = pc.spec.num_kv_heads, pc.spec.head_dim
-    return (pc.kcs[0].view(-1, kvh, d).index_select(0, slots).clone(),
-            pc.vcs[0].view(-1, kvh, d).index_select(0, slots).clone())
-
-
 def attention_only(backend, md, pc: PagedCase, q, out) -> tuple[Callable[[int], Any], str]:
-    """``fn(r)``: the attention of ``backend.forward`` for this step on cache copy ``r``, without
-    its KV write, and a note saying which path it is.
-
-    ``forward`` = KV write + attention; a decode benchmark times the attention. Per backend:
-    triton -> the step plan's bound decode launcher (decode kernel, plus combine when split-KV);
-    flash -> ``prepared_call`` (the FA kernel call the step's plan bound, after one ``forward``
-    that compiles/learns it). Any other backend is timed through ``forward`` and the note says the
-    one-token KV write is included.
-    """
-    spec, dtype = pc.spec, q.dtype
-    kcs, vcs = pc.kcs, pc.vcs
-    plan = md.plan_for(backend)
-    layer = getattr(plan, "layer", None)
-    if getattr(backend, "name", None) == "triton" and getattr(plan, "decode", False) and callable(layer):
-        run = layer(spec, dtype)
-        attend = getattr(run, "attend", None)
-        if attend is not None:
-            cu_q, seq_lens, table = plan.cu_q, plan.seq_lens, plan.block_table
-
-            def fn(r):
-                attend(q, kcs[r], vcs[r], out, cu_q, seq_lens, table)
-
-            splits = getattr(attend, "splits", None)
-            return fn, f"triton decode launcher (splits={splits})" if splits else "triton decode launcher"
-    if hasattr(backend, "prepared_call"):
-        k_new, v_new = _current_token_kv(pc, md)
-        backend.forward(q, k_new, v_new, out, pc.caches[0], md)
-        call, tail = backend.prepared_call(md, pc.caches[0])
-
-        def fn(r):
-            call(q, kcs[r], vcs[r], out, *tail)
-
-        impl = getattr(getattr(backend, "impl", None), "name", "")
-        what = getattr(call, "__qualname__", None) or type(call).__name__
-        return fn, f"prepared call {impl}: {what}"
-    k_new, v_new = _current_token_kv(pc, md)
-    caches = pc.caches
+    """``fn(r)``: the backend's prepared attention call for this step on cache copy ``r`` (what the
+    eager op runs per layer; the step's KV write is not in it), and a note saying which path it is."""
+    shape, tensors = md.shape, md.tensors
+    calls = [backend.prepare_attend(shape, tensors, pc.spec, q.dtype, pc.kcs[r], pc.vcs[r], md.selector.buffers)
+             for r in range(len(pc.kcs))]
 
     def fn(r):
-        backend.forward(q, k_new, v_new, out, caches[r], md)
+        calls[r](q, out)
 
-    return fn, "backend.forward (includes the one-token KV write)"
+    return fn, f"{getattr(backend, 'label', backend.name)} prepared call ({calls[0].__qualname__})"
 
 
 def build_compileattn(name: str, case: Case, pc: PagedCase) -> Kernel:
     import torch
 
-    from compileattn.backends.registry import get_backend
+    from compileattn.backends.selector import get_backend
     from compileattn.metadata import AttentionMetadataBuilder, SequenceStep
 
     try:
@@ -310,7 +269,7 @@ def build_compileattn(name: str, case: Case, pc: PagedCase) -> Kernel:
     builder = AttentionMetadataBuilder(block_size=pc.page, num_blocks=pc.num_blocks, max_num_tokens=b,
                                        max_blocks_per_seq=nb, device=case.q.device, backend=backend)
     seqs = [SequenceStep(1, case.context - 1, row) for row in pc.block_table.tolist()]
-    md = builder.build(seqs)  # plans for the backend: shape work stays out of the timed region
+    md = builder.build(seqs)  # shape work stays out of the timed region
     if not md.is_uniform_decode:
         raise RuntimeError("metadata of a decode step is not uniform decode")
     out = torch.empty_like(case.q)

@@ -385,10 +385,16 @@ class Group:
         return None
 
 
+def decode_backends(bench: Bench) -> list:
+    """The backends the selector runs a decode step's layers on (after fallback)."""
+    sel = bench.builder.selector
+    return [sel.backend_for(c.spec, c.dtype, BLOCK_SIZE, uniform_decode=True) for c in bench.caches.values()]
+
+
 def _require_capturable(bench: Bench, what: str) -> None:
-    backend = bench.builder.backend
-    if not getattr(backend, "cuda_graph_capturable", False):
-        raise Unavailable(f"{what} needs a CUDA-graph-capturable attention backend; {backend.name!r} is not")
+    for backend in decode_backends(bench):
+        if not backend.capturable:
+            raise Unavailable(f"{what} needs a CUDA-graph-capturable attention backend; {backend.name!r} is not")
 
 
 class EagerGroup(Group):
@@ -653,8 +659,8 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
     finish (so a caller still has them if a later group crashes); ``checkpoint()`` after each group."""
     cells = make_cells(args)
     bench = Bench(name, cells, args, log)
-    backend = bench.builder.backend
-    log(f"{name}: attention backend {backend.name} (capturable: {backend.cuda_graph_capturable}); cells: "
+    backend = decode_backends(bench)[0]
+    log(f"{name}: decode attention backend {backend.name} (capturable: {backend.capturable}); cells: "
         + "; ".join(c.name for c in cells))
     for cell in cells:
         bench.reference[cell] = eager_reference(bench, cell)
@@ -795,14 +801,14 @@ def run_benchmark(args, log: common.Log, checkpoint: Callable[[dict[str, Any]], 
     killed at its time limit still leaves what it finished on disk."""
     import torch
 
-    from compileattn.backends.registry import get_backend
+    from compileattn.backends.selector import get_backend
 
     budget = common.Budget(args.budget_s)
     env = common.environment()
     log(f"GPU {env['gpu']}; versions {env['versions']}")
     try:
-        backend = get_backend(args.backend, DEVICE)
-        backend_info = {"name": backend.name, "capturable": bool(backend.cuda_graph_capturable)}
+        backend = get_backend(args.backend if args.backend != "auto" else "triton", DEVICE)
+        backend_info = {"name": args.backend, "decode": backend.name, "capturable": bool(backend.capturable)}
     except Exception as exc:  # noqa: BLE001
         backend_info = {"name": args.backend, "error": common.short_error(exc)}
         log(f"attention backend {args.backend!r} unusable: {backend_info['error']}")

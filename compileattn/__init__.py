@@ -18,11 +18,13 @@ _logging.getLogger("compileattn").addHandler(_logging.NullHandler())
 def _register_backend_name() -> None:
     """Also register "compileattn" with Dynamo on import. The entry point covers installed copies;
     this covers a checkout used through PYTHONPATH (as on machines with no package index)."""
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    from torch._dynamo import register_backend
 
-    if "compileattn" not in _BACKENDS:
+    from ._torch_compat import registered_backends
+
+    if "compileattn" not in registered_backends():
         def compileattn(gm, example_inputs, options=None):
-            from .backend import compileattn_backend
+            from .compilation.backend import compileattn_backend
 
             return compileattn_backend(gm, example_inputs, options=options)
 
@@ -37,11 +39,11 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Imported lazily: they pull in torch._dynamo / Inductor, which costs seconds at import.
     if name in ("compile", "RecompileError"):
-        from . import decorator
+        from .compilation import decorator
 
         return getattr(decorator, name)
     if name == "compileattn_backend":
-        from .backend import compileattn_backend
+        from .compilation.backend import compileattn_backend
 
         return compileattn_backend
     raise AttributeError(f"module 'compileattn' has no attribute {name!r}")

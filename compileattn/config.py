@@ -1,8 +1,8 @@
-"""CompileConfig: every knob of the compileattn torch.compile backend, in one hashable place.
+"""CompileConfig: every knob of the compileattn torch.compile backend, in one place.
 
-The config is hashed into the compile-cache key (see ``cache.py``): anything that can change the
-compiled result must be a field here, and anything that cannot (where debug output goes) is left
-out of the hash so that turning on a dump does not throw away a warm cache.
+Fields marked ``_compiled`` change what the piece compiler produces and are hashed into the
+compile-cache key (``compilation/cache.py``); the others (kernel choice, CUDA-graph mode and
+sizes, where caches and dumps go) are read at run time only, so changing them keeps a warm cache.
 """
 from __future__ import annotations
 
@@ -11,11 +11,17 @@ import hashlib
 import json
 from typing import Any, Literal, Sequence
 
+from .backends.selector import check_backend_name
+
 PieceCompiler = Literal["inductor", "aot_eager", "eager"]
 CudaGraphMode = Literal["auto", "none", "piecewise", "full_and_piecewise"]
 
 DEFAULT_SPLITTING_OPS = ("compileattn::attention", "compileattn::attend")
-_NOT_HASHED = frozenset({"debug_dump_dir", "cache_dir", "check_input_addresses", "disable"})
+
+
+def _compiled(default=dataclasses.MISSING, **kw):
+    """A field that changes the compiled pieces (hashed into the compile-cache key)."""
+    return dataclasses.field(default=default, metadata={"compiled": True}, **kw)
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
@@ -34,18 +40,18 @@ class CompileConfig:
     ``options={...}``; unknown keys raise ``TypeError`` so a typo never silently does nothing.
     """
 
-    #: "auto" | "flash" | "triton" | "reference": the attention kernels (see backends/registry.py).
+    #: "auto" | "flash" | "triton" | "reference": the attention kernels (chosen per layer by backends/selector.py).
     #: The attention op runs the backend its step's metadata was planned for, so this is read
     #: where metadata is built: ``Engine(model, config=cfg)`` builds with it (and pads steps to
     #: ``cfg.padded_num_tokens``); with a hand-made builder pass ``backend=cfg.attention_backend``.
     attention_backend: str = "auto"
     #: Ops the graph is split at. Names "ns::op" or "ns::op.overload".
-    splitting_ops: Sequence[str] = DEFAULT_SPLITTING_OPS
+    splitting_ops: Sequence[str] = _compiled(DEFAULT_SPLITTING_OPS)
     #: What compiles each piece. "eager"/"aot_eager" are for debugging the split itself.
-    piece_compiler: PieceCompiler = "inductor"
+    piece_compiler: PieceCompiler = _compiled("inductor")
     #: Token counts each piece is also compiled for with static shapes (Inductor only), used when a
     #: step has exactly that many tokens; the dynamic-shape compile serves every other count.
-    compile_sizes: Sequence[int] = ()
+    compile_sizes: Sequence[int] = _compiled(())
     #: "auto" = "full_and_piecewise" on CUDA, "none" elsewhere.
     cudagraph_mode: CudaGraphMode = "auto"
     #: Token counts captured as CUDA graphs; None = default_capture_sizes(max_capture_size).
@@ -53,11 +59,11 @@ class CompileConfig:
     max_capture_size: int = 256
     #: Split each unified attention op into a K/V write, captured in the piece before it, and the
     #: attention itself, run eagerly (passes/kv_write.py).
-    capture_kv_write: bool = True
+    capture_kv_write: bool = _compiled(True)
     #: Move shape logic that feeds an attention op into the neighbouring piece (passes/hoist.py).
-    hoist_shape_logic: bool = True
+    hoist_shape_logic: bool = _compiled(True)
     #: Extra Inductor options for every piece.
-    inductor_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    inductor_options: dict[str, Any] = _compiled(default_factory=dict)
     #: Where compiled pieces are saved and loaded; None disables the compile cache.
     cache_dir: str | None = None
     #: Where depyf writes decompiled code, graphs and pieces; None disables the dump.
@@ -68,6 +74,7 @@ class CompileConfig:
     check_input_addresses: bool = True
 
     def __post_init__(self) -> None:
+        check_backend_name(self.attention_backend)
         if self.piece_compiler not in ("inductor", "aot_eager", "eager"):
             raise ValueError(f"piece_compiler must be inductor, aot_eager or eager, got {self.piece_compiler!r}")
         if self.cudagraph_mode not in ("auto", "none", "piecewise", "full_and_piecewise"):
@@ -117,11 +124,7 @@ class CompileConfig:
         return dataclasses.replace(config, **options)
 
     def hash(self) -> str:
-        """Stable hash of every field that changes the compiled result."""
-        fields = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in _NOT_HASHED
-        }
+        """Stable hash of the fields that change the compiled pieces (``_compiled``)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("compiled")}
         blob = json.dumps(fields, sort_keys=True, default=repr)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,16 +1,21 @@
-"""The forward context: how the per-layer attention op finds this step's metadata and KV caches.
+"""The forward context: how the per-layer attention op finds this step's prepared calls.
 
-The op's graph inputs are only (query, key, value, output, layer_name): metadata and caches
-are deliberately not graph inputs, so the compiled graph does not change when they do, and no
-CUDA-graph piece has to treat them as inputs. A plain module global (not a ContextVar) because the
-op reads it once per layer per step and a global read is the cheapest lookup Python has.
+The op's graph inputs are only (query, key, value, output, layer_name): metadata and caches are
+deliberately not graph inputs, so the compiled graph does not change when they do, and no
+CUDA-graph piece has to treat them as inputs. Entering the context resolves the step into the
+selector's call table (memoised per step shape), so a layer's eager work is one dict lookup and
+one call. A plain module global (not a ContextVar) because the op reads it once per layer per
+step and a global read is the cheapest lookup Python has.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
+import torch
+
+from .backends.selector import CallTable
 from .kv_cache import KVCache
 from .metadata import AttentionMetadata
 
@@ -19,9 +24,16 @@ from .metadata import AttentionMetadata
 class ForwardContext:
     metadata: AttentionMetadata
     kv_caches: Mapping[str, KVCache]
+    #: layer name -> ``attend(query, output)``, the prepared attention call
+    attend: dict[str, Callable[[torch.Tensor, torch.Tensor], None]]
+    #: layer name -> ``write(key, value)``, the prepared KV-cache write
+    write: dict[str, Callable[[torch.Tensor, torch.Tensor], None]]
+    table: CallTable
 
 
 _current: ForwardContext | None = None
+#: (selector, kv_caches) pairs whose caches were checked against the builder's geometry.
+_checked: dict[int, tuple[object, Mapping[str, KVCache]]] = {}
 
 
 def get_forward_context() -> ForwardContext:
@@ -32,13 +44,29 @@ def get_forward_context() -> ForwardContext:
     return _current
 
 
+def missing_layer_error(layer_name: str) -> ValueError:
+    """The error for a layer the forward context has no cache for."""
+    known = sorted(_current.kv_caches) if _current is not None else []
+    shown = known[:8] + (["..."] if len(known) > 8 else [])
+    return ValueError(f"layer_name={layer_name!r}: the forward context's kv_caches have no entry for this layer "
+                      f"(it has {len(known)}: {shown}); allocate a cache per attention layer, keyed by the "
+                      f"layer_name the model passes")
+
+
 def _check_caches(metadata: AttentionMetadata, kv_caches: Mapping[str, KVCache]) -> None:
+    """Once per (builder, caches) pair: the caches fit the geometry the metadata was built for."""
+    if not isinstance(kv_caches, Mapping):
+        raise TypeError(f"kv_caches must be a mapping of layer name -> KVCache, got {type(kv_caches).__name__}")
     for name, cache in kv_caches.items():
         if not isinstance(cache, KVCache):
             raise TypeError(f"kv_caches[{name!r}] must be a compileattn.KVCache, got {type(cache).__name__}")
         if cache.block_size != metadata.block_size:
             raise ValueError(f"kv_caches[{name!r}] has block_size {cache.block_size}, metadata has "
                              f"{metadata.block_size}")
+        if cache.num_blocks < metadata.num_blocks:
+            raise ValueError(f"kv_caches[{name!r}] has {cache.num_blocks} blocks, but the metadata builder was "
+                             f"made for num_blocks={metadata.num_blocks}: its block tables may point past the "
+                             f"cache")
         if cache.device != metadata.device:
             raise ValueError(f"kv_caches[{name!r}] is on {cache.device}, metadata on {metadata.device}")
 
@@ -49,9 +77,16 @@ def set_forward_context(metadata: AttentionMetadata, kv_caches: Mapping[str, KVC
     global _current
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be AttentionMetadata, got {type(metadata).__name__}")
-    _check_caches(metadata, kv_caches)
+    selector = metadata.selector
+    seen = _checked.get(id(kv_caches))
+    if seen is None or seen[0] is not selector or seen[1] is not kv_caches:
+        _check_caches(metadata, kv_caches)
+        if len(_checked) > 64:
+            _checked.clear()
+        _checked[id(kv_caches)] = (selector, kv_caches)
+    table = selector.call_table(metadata.shape, metadata.tensors, kv_caches)
     previous = _current
-    _current = ForwardContext(metadata, kv_caches)
+    _current = ForwardContext(metadata, kv_caches, table.attend, table.write, table)
     try:
         yield _current
     finally:

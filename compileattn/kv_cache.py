@@ -56,6 +56,10 @@ class AttentionSpec:
         check_head_dim(self.head_dim)
         if self.scale is None:
             object.__setattr__(self, "scale", 1.0 / math.sqrt(self.head_dim))
+        elif isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
+            raise TypeError(f"scale must be a float (or None for 1/sqrt(head_dim)), got {type(self.scale).__name__}")
+        elif not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"scale must be a finite positive float (the softmax scale), got {self.scale}")
         if self.sliding_window < -1:
             raise ValueError(f"sliding_window must be -1 (off) or >= 0, got {self.sliding_window}")
         if self.softcap < 0:
@@ -73,9 +77,6 @@ class KVCache:
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     spec: AttentionSpec
-    #: requested backend -> the backend that actually runs this layer (after fallback); filled by
-    #: backends.registry.resolve so the per-layer op pays one dict lookup, not a support check.
-    resolved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         k, v, spec = self.key_cache, self.value_cache, self.spec

@@ -8,12 +8,12 @@ step's metadata at the same addresses (the buffers are sized once, for ``max_num
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from .backends.base import AttentionBackend
+from .backends.base import AttentionBackend, PersistentBuffers, StepShape, StepTensors
+from .backends.selector import KernelSelector
 
 
 class SequenceStep(NamedTuple):
@@ -36,73 +36,36 @@ class AttentionMetadata:
     """
 
     block_size: int
+    #: Blocks the builder's caches hold (every cache of the step must have at least these).
+    num_blocks: int
     num_actual_tokens: int
     num_tokens: int
     num_actual_seqs: int
     num_seqs: int
     max_query_len: int
     max_seq_len: int
-    #: Leading sequences with query length 1 (the driver puts decodes first).
+    #: Leading sequences with query length 1 (the scheduler puts decodes first).
     num_decodes: int
     is_uniform_decode: bool
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]  (cu_seqlens_q)
     seq_lens: torch.Tensor  # int32 [num_seqs]  K length = context + query (seqused_k)
     block_table: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = padding
-    query_lens_cpu: torch.Tensor  # int32 [num_seqs]
-    seq_lens_cpu: torch.Tensor  # int32 [num_seqs]
-    backend: "AttentionBackend"
-    buffers: "PersistentBuffers"
-    #: backend -> whatever its ``plan`` computed for this step (kernel choice, splits, handles).
-    plans: dict = dataclasses.field(default_factory=dict)
-
-    def plan_for(self, backend: "AttentionBackend") -> Any:
-        """The step's plan for ``backend``: made once per step, on first use by any layer."""
-        plan = self.plans.get(backend)
-        if plan is None and backend not in self.plans:
-            plan = self.plans[backend] = backend.plan(self, self.buffers)
-        return plan
+    #: Which kernels run this step's layers (the builder's; see backends/selector.py).
+    selector: KernelSelector
 
     @property
     def device(self) -> torch.device:
         return self.slot_mapping.device
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
+    def shape(self) -> StepShape:
+        return StepShape(self.num_tokens, self.num_seqs, self.block_size, self.max_query_len,
+                         self.is_uniform_decode)
 
     @property
-    def num_prefills(self) -> int:
-        return self.num_actual_seqs - self.num_decodes
-
-
-class PersistentBuffers:
-    """Device buffers allocated once at their largest size; each step writes a prefix of them.
-
-    Backends allocate their own per-step tensors here too (``backend.plan``), so that anything a
-    captured kernel reads stays at one address for the builder's lifetime.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if buf is None:
-            buf = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
-            self._buffers[name] = buf
-        elif tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
-            raise RuntimeError(f"persistent buffer {name!r} requested as {tuple(shape)}/{dtype}, "
-                               f"exists as {tuple(buf.shape)}/{buf.dtype}")
-        return buf
-
-    def fill(self, name: str, host: torch.Tensor, max_shape: Sequence[int]) -> torch.Tensor:
-        """Copy ``host`` into the leading corner of buffer ``name`` and return that view."""
-        buf = self.get(name, max_shape, host.dtype)
-        view = buf[tuple(slice(0, n) for n in host.shape)]
-        view.copy_(host, non_blocking=True)
-        return view
+    def tensors(self) -> StepTensors:
+        return StepTensors(self.query_start_loc, self.seq_lens, self.block_table, self.slot_mapping)
 
 
 class AttentionMetadataBuilder:
@@ -120,10 +83,8 @@ class AttentionMetadataBuilder:
         max_num_tokens: int,
         max_blocks_per_seq: int,
         device: torch.device | str = "cpu",
-        backend: "AttentionBackend | str" = "auto",
+        backend: AttentionBackend | str = "auto",
     ):
-        from .backends.registry import get_backend
-
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
                             ("max_num_tokens", max_num_tokens), ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(value, int) or value < 1:
@@ -133,8 +94,8 @@ class AttentionMetadataBuilder:
         self.max_num_tokens = max_num_tokens
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = torch.device(device)
-        self.backend = get_backend(backend, self.device) if isinstance(backend, str) else backend
         self.buffers = PersistentBuffers(self.device)
+        self.selector = KernelSelector(backend, self.device, self.buffers)
 
     def build(self, seqs: Sequence[SequenceStep], pad_to: int | None = None) -> AttentionMetadata:
         if len(seqs) == 0:
@@ -197,8 +158,13 @@ class AttentionMetadataBuilder:
             num_decodes += 1
         n = self.max_num_tokens
         fill = self.buffers.fill
+        real_slots = slots[:num_actual_tokens]
+        if real_slots.unique().numel() != num_actual_tokens:
+            raise ValueError(f"seqs: {_duplicate_slot_message(real_slots, seq_of_token, bs)}; every token a step "
+                             f"writes needs its own cache slot (two sequences may share only blocks they read)")
         md = AttentionMetadata(
             block_size=bs,
+            num_blocks=self.num_blocks,
             num_actual_tokens=num_actual_tokens,
             num_tokens=num_tokens,
             num_actual_seqs=num_actual_seqs,
@@ -211,10 +177,15 @@ class AttentionMetadataBuilder:
             seq_lens=fill("seq_lens", k_cpu, (n,)),
             block_table=fill("block_table", bt_cpu, (n, self.max_blocks_per_seq)),
             slot_mapping=fill("slot_mapping", slots, (n,)),
-            query_lens_cpu=q_cpu,
-            seq_lens_cpu=k_cpu,
-            backend=self.backend,
-            buffers=self.buffers,
+            selector=self.selector,
         )
-        md.plan_for(self.backend)
         return md
+
+
+def _duplicate_slot_message(slots: torch.Tensor, seq_of_token: torch.Tensor, block_size: int) -> str:
+    values, counts = slots.unique(return_counts=True)
+    slot = int(values[counts > 1][0])
+    seqs = sorted(set(seq_of_token[slots == slot].tolist()))
+    who = f"sequences {seqs}" if len(seqs) > 1 else f"sequence {seqs[0]} (twice)"
+    return (f"{who} write cache slot {slot} (block {slot // block_size}, row {slot % block_size}) in the same "
+            f"step")

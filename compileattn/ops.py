@@ -8,23 +8,30 @@ Five ops in the ``compileattn`` namespace, each with a fake (meta) function and 
   FlashAttention's ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache`` semantics, contiguous
   or paged K/V, writing into a caller-owned ``out``.
 - ``attention(query, key, value, output!, layer_name)``: the per-layer unified op the graph is split
-  at. Metadata and KV caches are not graph inputs: it reads them from the forward context, so the
-  graph (and every CUDA graph captured from it) is independent of them. The K/V cache write it does
-  is not declared in the schema; this is safe because the op is opaque to the compiler and only
-  this op reads or writes the caches.
+  at. Metadata and KV caches are not graph inputs: it reads this step's prepared calls from the
+  forward context, so the graph (and every CUDA graph captured from it) is independent of them.
+  The K/V cache write it does is not declared in the schema; this is safe because the op is
+  opaque to the compiler and only this op reads or writes the caches.
 - ``write_layer_kv(key, value, layer_name) -> token`` and ``attend(query, output!, token, layer_name)``:
   the two halves passes/kv_write.py rewrites ``attention`` into, so the K/V write is captured in
   the CUDA-graph piece before the split and only ``attend`` runs eagerly.
 
 Ops are defined with ``torch.library.Library`` + ``impl`` rather than ``@custom_op``: the latter adds
-a Python wrapper layer to every call, and ``attention`` runs eagerly once per layer per step.
+a Python wrapper layer to every call, and ``attention`` runs eagerly once per layer per step. The
+compiled runtime does not go through the dispatcher at all: it calls ``attend_caller(layer)``,
+which is the context lookup and the prepared call, nothing else.
+
+The ops are inference-only. ``attention``, ``varlen_attention`` and ``write_kv_cache`` have an
+Autograd kernel that runs them below autograd and, when an input requires grad, gives the written
+tensor a backward that raises naming the op: backpropagating through attention must fail loudly,
+not silently treat it as a constant.
 """
 from __future__ import annotations
 
 import torch
 
-from . import context
-from .backends.registry import get_backend, resolve
+from . import _torch_compat, context
+from .backends import selector
 
 _lib = torch.library.Library("compileattn", "DEF")  # noqa: TOR901 (an op library, not a test)
 
@@ -46,54 +53,169 @@ _lib.define("write_layer_kv(Tensor key, Tensor value, str layer_name) -> Tensor"
 _lib.define("attend(Tensor query, Tensor(a!) output, Tensor kv_written, str layer_name) -> ()")
 
 
+def _context() -> context.ForwardContext:
+    ctx = context._current
+    return ctx if ctx is not None else context.get_forward_context()  # the latter raises the explanation
+
+
+def _check_layer_call(ctx: context.ForwardContext, layer_name: str, query, key=None) -> None:
+    """Eager calls only (the compiled runtime checks once per step shape): the tensors agree with
+    the step's metadata and the layer's cache, so a mismatch is an error, not zero rows."""
+    cache = ctx.kv_caches.get(layer_name)
+    if cache is None:
+        raise context.missing_layer_error(layer_name)
+    md, spec = ctx.metadata, cache.spec
+    if query.shape[0] != md.num_tokens:
+        raise ValueError(f"compileattn::attention({layer_name!r}): query has {query.shape[0]} tokens but the step's "
+                         f"metadata has num_tokens={md.num_tokens} ({md.num_actual_tokens} real + padding); pass "
+                         f"the step's (padded) tokens")
+    if query.dtype != cache.dtype:
+        raise TypeError(f"compileattn::attention({layer_name!r}): query is {query.dtype} but the layer's KV cache "
+                        f"is {cache.dtype}; allocate caches in the model's dtype")
+    if query.shape[1:] != (spec.num_heads, spec.head_dim):
+        raise ValueError(f"compileattn::attention({layer_name!r}): query is (tokens, {query.shape[1]}, "
+                         f"{query.shape[2]}) but the layer's AttentionSpec has {spec.num_heads} heads of "
+                         f"{spec.head_dim}")
+    if key is not None and (key.shape[0] != query.shape[0] or key.shape[1:] != (spec.num_kv_heads, spec.head_dim)):
+        raise ValueError(f"compileattn::attention({layer_name!r}): key is {tuple(key.shape)}, expected "
+                         f"({query.shape[0]}, {spec.num_kv_heads}, {spec.head_dim}) from the query and the "
+                         f"layer's AttentionSpec")
+
+
+def _attend_eager(ctx, layer_name: str, query, output) -> None:
+    attend = ctx.attend[layer_name]
+    if query.is_contiguous() and output.is_contiguous():
+        attend(query, output)
+    else:  # prepared calls take dense (tokens, heads, head_dim) tensors
+        dense = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        attend(query.contiguous(), dense)
+        output.copy_(dense)
+
+
+def attention_impl(query, key, value, output, layer_name):
+    """``compileattn::attention`` called eagerly: checked, then the layer's write and attend."""
+    ctx = _context()
+    _check_layer_call(ctx, layer_name, query, key)
+    ctx.write[layer_name](key, value)
+    _attend_eager(ctx, layer_name, query, output)
+
+
+def write_layer_kv_impl(key, value, layer_name):
+    """Runs inside a compiled piece (captured in its CUDA graph): the prepared write."""
+    try:
+        write = _context().write[layer_name]
+    except KeyError:
+        raise context.missing_layer_error(layer_name) from None
+    write(key, value)
+    return key.new_empty(0)
+
+
+def attend_impl(query, output, kv_written, layer_name):
+    ctx = _context()
+    _check_layer_call(ctx, layer_name, query)
+    _attend_eager(ctx, layer_name, query, output)
+
+
+def _lookup_error(layer_name: str, ctx) -> Exception:
+    if ctx is None:
+        return RuntimeError("no forward context: run the model inside "
+                            "compileattn.set_forward_context(metadata, kv_caches)")
+    return context.missing_layer_error(layer_name)
+
+
+def attend_caller(layer_name: str, query_index: int, output_index: int, dense: bool = True):
+    """``call(*args)`` for the compiled runtime's attention submodule, whose inputs hold the query
+    at ``query_index`` and the output at ``output_index``: the context lookup and the prepared
+    call, nothing else. ``dense``: the compile proved query and output contiguous (the hoist pass
+    makes them so); otherwise the call goes through dense copies."""
+
+    def call_attend(*args):
+        ctx = context._current
+        try:
+            attend = ctx.attend[layer_name]
+        except (AttributeError, KeyError):
+            raise _lookup_error(layer_name, ctx) from None
+        attend(args[query_index], args[output_index])
+
+    def call_attend_strided(*args):
+        ctx = context._current
+        if ctx is None or layer_name not in ctx.attend:
+            raise _lookup_error(layer_name, ctx)
+        _attend_eager(ctx, layer_name, args[query_index], args[output_index])
+
+    return call_attend if dense else call_attend_strided
+
+
+def attention_caller(layer_name: str, query_index: int, key_index: int, value_index: int, output_index: int,
+                     dense: bool = True):
+    """``attend_caller`` for the unified op (write, then attend), when the KV write is not
+    captured in the piece before it (``CompileConfig.capture_kv_write=False``)."""
+
+    def call_attention(*args):
+        ctx = context._current
+        if ctx is None or layer_name not in ctx.attend:
+            raise _lookup_error(layer_name, ctx)
+        ctx.write[layer_name](args[key_index], args[value_index])
+        if dense:
+            ctx.attend[layer_name](args[query_index], args[output_index])
+        else:
+            _attend_eager(ctx, layer_name, args[query_index], args[output_index])
+
+    return call_attention
+
+
 def _write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend="auto"):
-    get_backend(backend, key.device).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    selector.run_write(backend, key, value, key_cache, value_cache, slot_mapping)
 
 
 def _varlen_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                       max_seqlen_k, softmax_scale, causal=True, window_left=-1, softcap=0.0, backend="auto"):
-    get_backend(backend, q.device).varlen_attention(
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_left, softcap,
-    )
-
-
-def _layer(layer_name):
-    """(backend that runs this layer, its KVCache, the step's metadata) from the forward context."""
-    ctx = context._current
-    if ctx is None:
-        context.get_forward_context()  # raises the explanatory error
-    cache = ctx.kv_caches[layer_name]
-    md = ctx.metadata
-    return cache.resolved.get(md.backend) or resolve(md.backend, cache), cache, md
-
-
-def attention_impl(query, key, value, output, layer_name):
-    """The body of ``compileattn::attention``; the piecewise runtime calls it directly, skipping the
-    dispatcher, since it is a plain Python function with no autograd or dispatch needs."""
-    backend, cache, md = _layer(layer_name)
-    backend.forward(query, key, value, output, cache, md)
-
-
-def write_layer_kv_impl(key, value, layer_name):
-    backend, cache, md = _layer(layer_name)
-    backend.write_layer_kv(key, value, cache, md)
-    return key.new_empty(0)
-
-
-def attend_impl(query, output, layer_name):
-    """The body of ``compileattn::attend`` (minus the dependency token), called directly by the
-    piecewise runtime: one dict lookup, then the backend's prepared kernel call."""
-    backend, cache, md = _layer(layer_name)
-    backend.attend(query, output, cache, md)
+    selector.run_varlen(backend, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
+                        max_seqlen_k, softmax_scale, causal, window_left, softcap)
 
 
 _lib.impl("write_kv_cache", _write_kv_cache, "CompositeExplicitAutograd")
 _lib.impl("write_layer_kv", write_layer_kv_impl, "CompositeExplicitAutograd")
-_lib.impl("attend", lambda query, output, kv_written, layer_name: attend_impl(query, output, layer_name),
-          "CompositeExplicitAutograd")
+_lib.impl("attend", attend_impl, "CompositeExplicitAutograd")
 _lib.impl("varlen_attention", _varlen_attention, "CompositeExplicitAutograd")
 _lib.impl("attention", attention_impl, "CompositeExplicitAutograd")
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """Marks ``written`` as produced by an inference-only op: its backward raises."""
+
+    @staticmethod
+    def forward(ctx, op_name, written, *inputs):
+        ctx.op_name = op_name
+        ctx.mark_dirty(written)
+        return written
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.op_name} is inference-only and has no backward: compileattn serves models, it "
+                           f"does not train them (run under torch.no_grad() or torch.inference_mode())")
+
+
+_BelowAutograd = _torch_compat.below_autograd_guard()
+
+
+def _register_inference_only(name: str, written: int, inputs: tuple[int, ...]) -> None:
+    op = getattr(torch.ops.compileattn, name).default
+    qualified = f"compileattn::{name}"
+
+    def autograd_kernel(*args, **kwargs):
+        with _BelowAutograd():
+            result = op(*args, **kwargs)
+        if torch.is_grad_enabled() and any(args[i].requires_grad for i in inputs):
+            _InferenceOnly.apply(qualified, args[written], *(args[i] for i in inputs))
+        return result
+
+    _lib.impl(name, autograd_kernel, "Autograd")
+
+
+_register_inference_only("attention", written=3, inputs=(0, 1, 2))
+_register_inference_only("varlen_attention", written=3, inputs=(0, 1, 2))
+_register_inference_only("write_kv_cache", written=2, inputs=(0, 1))
 
 
 @torch.library.register_fake("compileattn::write_kv_cache")
@@ -120,6 +242,9 @@ def _attention_fake(query, key, value, output, layer_name):
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"compileattn::attention({layer_name!r}): {query.shape[1]} query heads not divisible "
                          f"by {key.shape[1]} kv heads")
+    if output.shape != query.shape:
+        raise ValueError(f"compileattn::attention({layer_name!r}): output {tuple(output.shape)} must have the "
+                         f"query's shape {tuple(query.shape)}")
     return None
 
 

@@ -7,8 +7,9 @@ caches afterwards.
 """
 from __future__ import annotations
 
+import contextlib
 import random
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -81,7 +82,7 @@ def assert_matches_eager(
 
 
 class RecordingBackend:
-    """The ``compileattn`` torch.compile backend, remembering the ``PiecewiseRuntime`` of every
+    """The ``compileattn`` torch.compile backend, remembering the ``StepDispatcher`` of every
     graph it compiled (``.built``), so a test or benchmark can look at its graphs, pool and
     capture time. ``options`` are those of ``torch.compile(..., options=...)``."""
 
@@ -90,8 +91,24 @@ class RecordingBackend:
         self.built: list = []
 
     def __call__(self, gm, example_inputs):
-        from .backend import compileattn_backend
+        from .compilation.backend import compileattn_backend
 
         compiled = compileattn_backend(gm, example_inputs, options=self.options)
-        self.built.append(compiled.__self__)  # the backend returns the runtime's bound __call__
+        self.built.append(compiled.__self__)  # the backend returns the dispatcher's bound __call__
         return compiled
+
+
+@contextlib.contextmanager
+def simulated_cuda_graphs() -> Iterator[None]:
+    """Compiled models made inside the block get CUDA-graph modes on the CPU, with graphs that
+    re-run their callable on replay (``compilation.cudagraph.SimulatedGraphPool``): the dispatcher's
+    per-step logic (modes, capture and replay counts, padding, 1-token graphs, address checks)
+    runs in CI. Compile and run inside the block."""
+    from .compilation import cudagraph
+
+    previous = cudagraph.simulating()
+    cudagraph.simulate(True)
+    try:
+        yield
+    finally:
+        cudagraph.simulate(previous)

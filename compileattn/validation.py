@@ -90,20 +90,23 @@ def check_varlen_args(
         check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
 
 
-def _check_monotonic(name: str, cu: torch.Tensor, total: int) -> list[int]:
+def _check_monotonic(name: str, cu: torch.Tensor, total: int, exact: bool) -> list[int]:
+    """``exact``: the offsets must end at ``total`` (every row belongs to a sequence), else within it."""
     vals = cu.tolist()
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {vals[0]}")
     if any(b < a for a, b in zip(vals, vals[1:])):
         raise ValueError(f"{name} must be non-decreasing, got {vals}")
-    if vals[-1] > total:
-        raise ValueError(f"{name} ends at {vals[-1]} but the tensor holds {total} tokens")
+    if vals[-1] > total or (exact and vals[-1] != total):
+        raise ValueError(f"{name} ends at {vals[-1]} but the tensor holds {total} tokens"
+                         + ("; every row must belong to a sequence (a row past the last offset would be "
+                            "left unwritten)" if exact else ""))
     return vals
 
 
 def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k):
     """The value checks (they read the index tensors: a host sync on CUDA)."""
-    cu_q = _check_monotonic("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    cu_q = _check_monotonic("cu_seqlens_q", cu_seqlens_q, q.shape[0], exact=True)
     lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     if lens_q and max(lens_q) > max_seqlen_q:
         raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query ({max(lens_q)})")
@@ -122,7 +125,7 @@ def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table
                 if used.numel() and (int(used.max()) >= num_blocks or int(used.min()) < 0):
                     raise ValueError(f"block_table row {i} has an entry outside [0, {num_blocks})")
     else:
-        cu_k = _check_monotonic("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+        cu_k = _check_monotonic("cu_seqlens_k", cu_seqlens_k, k.shape[0], exact=False)
         lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
         if seqused_k is not None:
             used = seqused_k.tolist()
@@ -157,10 +160,16 @@ def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_
                          f"{tuple(key.shape[1:])}")
     if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
         raise TypeError(f"slot_mapping must be 1-D int64, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    if slot_mapping.shape[0] > key.shape[0]:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens of key/value; "
+                         f"give every token a slot (-1 for one that writes nothing)")
     if check_values and slot_mapping.numel():
         num_slots = key_cache.shape[0] * key_cache.shape[1]
         hi, lo = int(slot_mapping.max()), int(slot_mapping.min())
         if hi >= num_slots or lo < -1:
             raise ValueError(f"slot_mapping entries must lie in [-1, {num_slots}); got min {lo}, max {hi}")
+        real = slot_mapping[slot_mapping >= 0]
+        values, counts = real.unique(return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"slot_mapping writes slot {int(values[counts > 1][0])} more than once; which value "
+                             f"lands there would depend on the kernel's write order")

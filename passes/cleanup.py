@@ -11,21 +11,18 @@ is never removed, whatever torch version decides about packets.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx
+
+from .._torch_compat import op_schemas
 
 
 def _has_side_effects(node: torch.fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return True  # placeholders, outputs, get_attr and call_module are left alone
-    target = node.target
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        overloads = ([getattr(target, name) for name in target.overloads()]
-                     if isinstance(target, torch._ops.OpOverloadPacket) else [target])
-        if any(o._schema.is_mutable for o in overloads):
-            return True
+    if any(schema.is_mutable for schema in op_schemas(node.target)):
+        return True
     if node.op == "call_method":
-        return target.endswith("_") and not target.endswith("__")  # in-place: add_, copy_, ...
+        return node.target.endswith("_") and not node.target.endswith("__")  # in-place: add_, copy_, ...
     return node.is_impure()
 
 

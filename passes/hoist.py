@@ -1,8 +1,8 @@
 """Move shape logic to capture time: out of and away from the eagerly-run splitting ops.
 
 Everything between CUDA-graph replays runs eagerly once per layer per step, so any shape work
-done there is paid per layer per step (the seed measured ~60 µs per attention call for reshapes
-and checks inside the op). This pass makes sure that work lives inside captured pieces:
+done there is paid per layer per step (~60 µs per attention call for reshapes and checks inside
+the op, measured on the H200). This pass makes sure that work lives inside captured pieces:
 
 1. Layout: every tensor a splitting op reads is made contiguous *before* the op (a
    ``contiguous`` node placed in the preceding piece, so it is captured), so the kernel path never
@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
+from .._torch_compat import call_schema
 from .split import is_splitting_node
 
 #: call_method names known not to mutate their receiver.
@@ -35,9 +36,7 @@ _PURE_METHODS = frozenset({
 
 def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Argument nodes the op's schema marks as written (``Tensor(a!)``)."""
-    target = node.target
-    overload = target.default if isinstance(target, torch._ops.OpOverloadPacket) else target
-    schema = getattr(overload, "_schema", None)
+    schema = call_schema(node.target)
     if schema is None:
         return []
     out = []
@@ -56,12 +55,11 @@ def _is_pure(node: torch.fx.Node) -> bool:
         return False
     if node.is_impure():
         return False
-    target = node.target
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        overload = target.default if isinstance(target, torch._ops.OpOverloadPacket) else target
-        return not overload._schema.is_mutable
-    name = getattr(target, "__name__", "")
-    return not name.endswith("_") or target is operator.getitem
+    schema = call_schema(node.target)
+    if schema is not None:
+        return not schema.is_mutable
+    name = getattr(node.target, "__name__", "")
+    return not name.endswith("_") or node.target is operator.getitem
 
 
 def _inputs(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -12,19 +12,10 @@ import dataclasses
 import operator
 from typing import Sequence
 
-import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-
-def op_names(target) -> tuple[str, ...]:
-    """Names a call_function target answers to: ("ns::op",) for a packet, plus "ns::op.overload"."""
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return (target._qualified_op_name,)
-    if isinstance(target, torch._ops.OpOverload):
-        packet = target.overloadpacket._qualified_op_name
-        return (packet, f"{packet}.{target._overloadname}")
-    return ()
+from .._torch_compat import op_names
 
 
 def is_splitting_node(node: torch.fx.Node, splitting_ops: Sequence[str]) -> bool:

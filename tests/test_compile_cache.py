@@ -1,5 +1,6 @@
 """The compile cache across processes: a second process loads its pieces instead of compiling;
-changing the config (a key input) misses."""
+a run-time setting (CUDA-graph sizes, kernel choice) keeps the cache warm; a setting that changes
+the compiled pieces misses."""
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     caches = ca.allocate_kv_caches(model.attention_specs(), 16, 4, dtype=torch.float32)
     b = ca.AttentionMetadataBuilder(block_size=4, num_blocks=16, max_num_tokens=32, max_blocks_per_seq=8)
     compiled = torch.compile(model, backend="compileattn", fullgraph=True,
-                             options={"cache_dir": sys.argv[1], "max_capture_size": int(sys.argv[2])})
+                             options={"cache_dir": sys.argv[1], **json.loads(sys.argv[2])})
     md = b.build([S(1, 4, [0, 1]), S(3, 0, [2])])
     ids = torch.arange(md.num_tokens); pos = torch.arange(md.num_tokens)
     torch._dynamo.mark_dynamic(ids, 0); torch._dynamo.mark_dynamic(pos, 0)
@@ -32,9 +33,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(cache_dir, max_capture_size):
+def _run(cache_dir, **options):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), str(max_capture_size)],
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), json.dumps(options)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -43,11 +44,14 @@ def _run(cache_dir, max_capture_size):
 @pytest.mark.slow
 def test_second_process_hits_and_config_change_misses(tmp_path):
     pieces = 3  # OPT tiny: 2 layers -> 3 pieces
-    first = _run(tmp_path, 256)
+    first = _run(tmp_path)
     assert (first["cache_misses"], first["cache_hits"], first["backend_compiles"]) == (pieces, 0, pieces)
-    second = _run(tmp_path, 256)
+    second = _run(tmp_path)
     assert (second["cache_misses"], second["cache_hits"], second["backend_compiles"]) == (0, pieces, 0)
     assert second["max_err"] < 1e-4
-    changed = _run(tmp_path, 128)
+    runtime_only = _run(tmp_path, max_capture_size=128, attention_backend="reference", cudagraph_mode="none",
+                        check_input_addresses=False)
+    assert (runtime_only["cache_misses"], runtime_only["cache_hits"]) == (0, pieces), "a run-time setting missed"
+    changed = _run(tmp_path, hoist_shape_logic=False)
     assert (changed["cache_misses"], changed["cache_hits"], changed["backend_compiles"]) == (pieces, 0, pieces)
     assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2

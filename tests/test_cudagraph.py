@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import compileattn as ca
-from compileattn.cudagraph import CudaGraphAddressError
+from compileattn.compilation.cudagraph import CudaGraphAddressError
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.testing import RecordingBackend, assert_matches_eager, random_step
 

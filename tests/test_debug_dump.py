@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import compileattn
-from compileattn import debug
+from compileattn.compilation import debug
 
 
 class Toy(nn.Module):
@@ -105,7 +105,7 @@ def test_failed_compile_restores_dynamo_and_the_next_dump_works(tmp_path):
     with torch.no_grad(), pytest.raises(Exception, match="backend exploded"):
         model(torch.randn(4, 8))
     assert dynamo_patch_state() == before
-    assert debug.active_dump_dir() is None
+    assert debug._active_dir is None
 
     model, eager = compiled_toy(compileattn.CompileConfig(debug_dump_dir=str(tmp_path / "b")))
     with torch.no_grad():
@@ -124,7 +124,7 @@ def test_nested_dump_contexts_enter_depyf_once(tmp_path, monkeypatch):
         with debug.dump_context(str(tmp_path / "inner")) as inner:
             assert inner == outer == str(tmp_path / "outer")
     assert entered == [str(tmp_path / "outer")]
-    assert debug.active_dump_dir() is None
+    assert debug._active_dir is None
 
 
 def test_dump_graph_writes_the_graph_module_code(tmp_path):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import compileattn
-from compileattn.decorator import CompiledFunction, RecompileError
+from compileattn.compilation.decorator import CompiledFunction, RecompileError
 
 
 class CountingBackend:

@@ -271,7 +271,7 @@ def test_engine_takes_backend_and_padding_from_the_compile_config():
     model = LlamaForCausalLM(LlamaConfig.tiny(), seed=0)
     cfg = ca.CompileConfig(attention_backend="reference", cudagraph_capture_sizes=[4, 8, 16])
     engine = Engine(model, num_blocks=32, max_num_tokens=32, max_num_seqs=4, config=cfg)
-    assert engine.builder.backend.name == "reference"
+    assert engine.builder.selector.requested_name == "reference"
     assert engine.pad_fn(3) == 4 and engine.pad_fn(9) == 16 and engine.pad_fn(17) == 17
     with pytest.raises(ValueError, match="attention_backend"):
         Engine(model, num_blocks=32, max_num_tokens=32, max_num_seqs=4, config=cfg, attention_backend="triton")

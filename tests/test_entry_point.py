@@ -70,8 +70,8 @@ pytestmark = pytest.mark.skipif(
 
 def test_entry_point_names_the_backend_function():
     (ep,) = [ep for ep in importlib.metadata.entry_points(group="torch_dynamo_backends") if ep.name == "compileattn"]
-    assert ep.value == "compileattn.backend:compileattn_backend"
-    from compileattn.backend import compileattn_backend
+    assert ep.value == "compileattn.compilation.backend:compileattn_backend"
+    from compileattn.compilation.backend import compileattn_backend
 
     assert ep.load() is compileattn_backend
 

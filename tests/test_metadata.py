@@ -45,8 +45,6 @@ def test_lengths_and_cu_seqlens():
     assert md.query_start_loc.tolist() == [0, 1, 4, 6]
     assert md.query_start_loc.dtype == torch.int32
     assert md.seq_lens.tolist() == [6, 3, 5] and md.seq_lens.dtype == torch.int32
-    assert md.query_lens_cpu.tolist() == [1, 3, 2] and md.seq_lens_cpu.tolist() == [6, 3, 5]
-    assert md.query_lens_cpu.device.type == "cpu"
     assert (md.max_query_len, md.max_seq_len) == (3, 6)
     assert (md.num_actual_tokens, md.num_tokens, md.num_actual_seqs, md.num_seqs) == (6, 6, 3, 3)
     assert md.block_size == BS
@@ -56,11 +54,11 @@ def test_lengths_and_cu_seqlens():
 
 def test_decode_prefill_split():
     md = builder().build([SequenceStep(1, 3, [0]), SequenceStep(1, 0, [1])] + SEQS[1:])
-    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills, md.is_uniform_decode) == (2, 2, 2, False)
+    assert (md.num_decodes, md.is_uniform_decode) == (2, False)
     md = builder().build([SequenceStep(1, 3, [0]), SequenceStep(1, 7, [1, 2])])
-    assert (md.num_decodes, md.num_prefills, md.is_uniform_decode) == (2, 0, True)
+    assert (md.num_decodes, md.is_uniform_decode) == (2, True)
     md = builder().build([SequenceStep(4, 0, [0])])
-    assert (md.num_decodes, md.num_prefills, md.is_uniform_decode) == (0, 1, False)
+    assert (md.num_decodes, md.is_uniform_decode) == (0, False)
     # Only the leading q_len == 1 run counts: a decode after a prefill is not in the decode part.
     md = builder().build([SequenceStep(1, 3, [0]), SequenceStep(3, 0, [1]), SequenceStep(1, 2, [2])])
     assert md.num_decodes == 1
@@ -69,13 +67,13 @@ def test_decode_prefill_split():
 def test_padding():
     md = builder().build(SEQS, pad_to=9)
     assert (md.num_actual_tokens, md.num_tokens, md.num_actual_seqs, md.num_seqs) == (6, 9, 3, 6)
-    assert md.query_lens_cpu.tolist() == [1, 3, 2, 1, 1, 1]
+    assert md.query_start_loc.diff().tolist() == [1, 3, 2, 1, 1, 1]
     assert md.seq_lens.tolist() == [6, 3, 5, 0, 0, 0]
     assert md.query_start_loc.tolist() == [0, 1, 4, 6, 7, 8, 9]
     assert md.slot_mapping.tolist()[6:] == [-1, -1, -1]
     assert md.slot_mapping.tolist()[:6] == builder().build(SEQS).slot_mapping.tolist()
     assert (md.max_query_len, md.max_seq_len) == (3, 6), "padding must not change the max lengths"
-    assert md.num_decodes == 1 and md.num_prefills == 2
+    assert md.num_decodes == 1 and md.num_actual_seqs == 3
 
 
 def test_padding_writes_nowhere_and_outputs_zero():
@@ -111,7 +109,7 @@ def test_persistent_buffers_keep_their_addresses():
     assert second.seq_lens.tolist() == [10, 2, 0]
     assert second.slot_mapping.tolist() == [9 * 4 + 1, 24, 25, -1]
     assert second.block_table[:2, :3].tolist() == [[3, 8, 9], [6, 0, 0]]
-    assert first.buffers is second.buffers
+    assert first.selector is second.selector
 
 
 def test_persistent_buffer_shape_conflict_raises():
@@ -121,14 +119,26 @@ def test_persistent_buffer_shape_conflict_raises():
         b.buffers.get("x", (5,), torch.int32)
 
 
-def test_backend_plans_once_per_step(monkeypatch):
-    calls = []
-    monkeypatch.setattr(ReferenceBackend, "plan", lambda self, md, buffers: calls.append(md) or "the plan")
-    md = builder().build(SEQS)
-    assert len(calls) == 1 and calls[0] is md
-    assert md.plan_for(md.backend) == "the plan"
-    assert md.plan_for(md.backend) == "the plan"
-    assert len(calls) == 1, "plan_for must memoise the step's plan"
+def test_call_table_is_prepared_once_per_step_shape(monkeypatch):
+    """Entering a step resolves it into the selector's call table; a step shape seen before reuses
+    the table (its calls read the same persistent buffers), a new shape prepares a new one."""
+    prepared = []
+    real = ReferenceBackend.prepare_attend
+    monkeypatch.setattr(ReferenceBackend, "prepare_attend",
+                        lambda self, *a: prepared.append(a[0]) or real(self, *a))
+    spec = AttentionSpec(4, 2, 64)
+    caches = allocate_kv_caches({"l0": spec, "l1": spec}, num_blocks=NB, block_size=BS, dtype=torch.float32)
+    b = builder()
+    with set_forward_context(b.build(SEQS, pad_to=8), caches) as first:
+        pass
+    assert len(prepared) == 2, "one prepared call per layer"
+    with set_forward_context(b.build([SequenceStep(1, 9, [3, 8, 9]), SequenceStep(6, 0, [6, 10])], pad_to=8),
+                             caches) as second:
+        pass
+    assert len(prepared) == 4, "max_query_len changed (3 -> 6): a new step shape"
+    with set_forward_context(b.build(SEQS, pad_to=8), caches) as third:
+        pass
+    assert len(prepared) == 4 and third.table is first.table and second.table is not first.table
 
 
 @st.composite

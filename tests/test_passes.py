@@ -6,8 +6,8 @@ import torch
 import torch.fx
 
 import compileattn  # noqa: F401  (registers the ops)
-from passes import cleanup, hoist_shape_logic, split_graph
-from passes.split import is_splitting_node
+from compileattn.passes import cleanup, hoist_shape_logic, split_graph
+from compileattn.passes.split import is_splitting_node
 
 ATTN = ("compileattn::attention",)
 
@@ -148,7 +148,7 @@ def test_cleanup_keeps_in_place_methods():
 
 
 def test_capture_kv_write_moves_the_write_into_the_preceding_piece():
-    from passes import capture_kv_write
+    from compileattn.passes import capture_kv_write
 
     gm = capture_kv_write(_attention_graph(torch.ops.compileattn.attention, layers=2))
     assert gm.meta["compileattn_kv_write"] == 2

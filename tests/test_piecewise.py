@@ -124,7 +124,7 @@ def test_runtime_finds_the_token_dimension():
     """CUDA graphs key on the token count: the runtime must find a dynamic token dim even though
     Dynamo hands the backend real tensors (plain int shapes), and even when the inputs are views
     of a larger persistent buffer (whose own size Dynamo may lift as another symbol)."""
-    from compileattn.backend import compileattn_backend
+    from compileattn.compilation.backend import compileattn_backend
 
     model = MODELS["opt"]()
     caches, builder = _setup(model)
@@ -172,7 +172,7 @@ def test_splitting_at_the_unified_op_only_keeps_it_whole():
 def test_static_compile_sizes_serve_their_token_count():
     """compile_sizes: each piece is also compiled for those token counts with static shapes; a step
     of exactly that many tokens runs the static code, any other count the dynamic one."""
-    from compileattn.backend import compileattn_backend
+    from compileattn.compilation.backend import compileattn_backend
 
     model = MODELS["opt"]()
     layers = len(model.attention_specs())

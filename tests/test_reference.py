@@ -333,15 +333,15 @@ def test_queries_that_see_nothing_output_zero(causal):
         assert out[2:4].abs().sum() > 0
 
 
-def test_rows_past_the_last_sequence_are_zeroed():
+def test_rows_past_the_last_sequence_are_an_error():
+    """Checked by the public entry (a value check, like flash-attn's callers rely on): a row that
+    belongs to no sequence would be left unwritten, so it is refused before any kernel runs."""
     case = Case(2, 2, 64, q_lens=[3], k_lens=[3])
     qs, ks, vs = make_seqs(case)
     q = torch.cat(qs + [torch.randn(2, 2, 64)])
-    out = torch.full_like(q, float("nan"))
-    compileattn.flash_attn_varlen_func(q, torch.cat(ks), torch.cat(vs), naive.cu_seqlens([3]),
-                                       naive.cu_seqlens([3]), causal=True, out=out, backend="reference")
-    assert_close(out[:3], expected(case, qs, ks, vs), case.dtype)
-    assert torch.equal(out[3:], torch.zeros(2, 2, 64))
+    with pytest.raises(ValueError, match="cu_seqlens_q ends at 3 but the tensor holds 5 tokens"):
+        compileattn.flash_attn_varlen_func(q, torch.cat(ks), torch.cat(vs), naive.cu_seqlens([3]),
+                                           naive.cu_seqlens([3]), causal=True, backend="reference")
 
 
 # ---------------------------------------------------------------- KV-cache write
@@ -372,17 +372,22 @@ def test_write_kv_cache_matches_naive_and_skips_padding(block_size, via_op):
         assert not (key_cache.view(-1, kvh, d) == key[t]).all(-1).all(-1).any()
 
 
-def test_write_kv_cache_ignores_tokens_past_the_slot_mapping():
-    """A slot mapping shorter than the tokens (the unpadded prefix) leaves the rest unwritten."""
-    key = torch.randn(4, 1, 64)
-    value = torch.randn(4, 1, 64)
-    key_cache = torch.zeros(2, 4, 1, 64)
-    value_cache = torch.zeros(2, 4, 1, 64)
-    compileattn.write_kv_cache(key, value, key_cache, value_cache, torch.tensor([5, 0], dtype=torch.int64),
-                               backend="reference")
-    assert torch.equal(key_cache[1, 1, 0], key[0, 0]) and torch.equal(key_cache[0, 0, 0], key[1, 0])
-    assert torch.equal(value_cache[1, 1, 0], value[0, 0]) and torch.equal(value_cache[0, 0, 0], value[1, 0])
-    assert int((key_cache != 0).any(-1).sum()) == 2
+def test_write_kv_cache_refuses_a_short_slot_mapping():
+    """A slot mapping shorter than the tokens would leave tokens unwritten: refused, by name."""
+    key, value = torch.randn(4, 1, 64), torch.randn(4, 1, 64)
+    key_cache, value_cache = torch.zeros(2, 4, 1, 64), torch.zeros(2, 4, 1, 64)
+    with pytest.raises(ValueError, match="slot_mapping has 2 entries for 4 tokens"):
+        compileattn.write_kv_cache(key, value, key_cache, value_cache, torch.tensor([5, 0], dtype=torch.int64),
+                                   backend="reference")
+    assert not key_cache.any(), "nothing may be written before the check"
+
+
+def test_write_kv_cache_refuses_duplicate_slots():
+    key, value = torch.randn(3, 1, 64), torch.randn(3, 1, 64)
+    key_cache, value_cache = torch.zeros(2, 4, 1, 64), torch.zeros(2, 4, 1, 64)
+    with pytest.raises(ValueError, match="slot_mapping writes slot 5 more than once"):
+        compileattn.write_kv_cache(key, value, key_cache, value_cache, torch.tensor([5, -1, 5]),
+                                   backend="reference")
 
 
 @pytest.mark.parametrize("window_left", [-1, 2])

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import compileattn
-from compileattn import AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep
+from compileattn import AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep, allocate_kv_caches, set_forward_context
+from compileattn.backends import selector
 from compileattn.backends.reference import ReferenceBackend
 
 NB, BS, H, KVH, D = 6, 4, 4, 2, 64
@@ -27,8 +28,10 @@ def no_kernels(monkeypatch):
     def ran(*args, **kwargs):
         raise KernelRan("a kernel ran before the input was rejected")
 
-    for name in ("write_kv_cache", "varlen_attention", "forward", "plan"):
+    for name in ("varlen_attention", "prepare_attend"):
         monkeypatch.setattr(ReferenceBackend, name, ran)
+    for name in ("run_varlen", "run_write"):
+        monkeypatch.setattr(selector, name, ran)
 
 
 def i32(values, device="cpu"):
@@ -78,8 +81,9 @@ def test_kernels_are_really_patched():
             call(args)
     with pytest.raises(KernelRan):
         compileattn.write_kv_cache(**kv_write())
-    with pytest.raises(KernelRan):
-        builder().build([SequenceStep(1, 4, [0, 1])])
+    caches = allocate_kv_caches({"l0": AttentionSpec(4, 2, 32)}, NB, BS, torch.float32)
+    with pytest.raises(KernelRan), set_forward_context(builder().build([SequenceStep(1, 4, [0, 1])]), caches):
+        pass
 
 
 # ---------------------------------------------------------------- heads

@@ -1,5 +1,6 @@
-"""Attention kernel backends: reference (plain PyTorch), triton (own kernels), flash (FA4/FA2)."""
+"""Attention kernel backends. ``selector.py`` makes every choice of kernel; a new backend is a
+subclass of ``base.AttentionBackend`` in its own module, named in ``selector.py``."""
 from .base import AttentionBackend
-from .registry import backend_names, get_backend, resolve
+from .selector import BACKEND_NAMES, get_backend
 
-__all__ = ["AttentionBackend", "backend_names", "get_backend", "resolve"]
+__all__ = ["AttentionBackend", "BACKEND_NAMES", "get_backend"]

@@ -1,75 +1,107 @@
-"""The one interface every attention kernel backend implements.
+"""The interface every attention kernel backend implements, and the records it is handed.
 
-A backend does its shape-dependent work in ``plan`` (once per step, from host-side metadata) and
-keeps ``forward`` (once per layer per step, eager between CUDA-graph replays) down to kernel
-launches. ``forward``'s default is "write K/V into the cache, then paged varlen attention", which
-is right for any backend that implements the two primitives.
+A backend answers two questions and offers two ways in:
+
+- ``unsupported_reason``: can it run a layer of this shape, dtype, device and page size? (The
+  selector asks before it chooses; a backend that cannot run a configuration says why, it never
+  runs it wrongly.)
+- ``prepare_attend``: once per step shape (not per layer call), bind everything a layer's
+  attention needs except the query and the output, and return the call ``attend(query, output)``.
+  The eager op between CUDA-graph replays does nothing else per layer but look that call up and
+  make it: this is where a backend moves its shape logic, kernel choice and argument packing.
+- ``varlen_attention``: the generic, unprepared path behind the public flash-attn-shaped entry
+  points; correctness over speed.
+
+This module imports nothing of the package, so every backend can depend on it alone.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from ..kv_cache import AttentionSpec, KVCache
-    from ..metadata import AttentionMetadata, PersistentBuffers
+#: ``attend(query, output)``: a layer's attention with everything else bound.
+AttendCall = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class StepShape(NamedTuple):
+    """What a prepared call may depend on besides the layer: the step's (padded) shape. A CUDA
+    graph captured for one ``StepShape`` replays for every step of that shape, so nothing here
+    may be a sequence length."""
+
+    num_tokens: int
+    num_seqs: int
+    block_size: int
+    #: The longest query of the step (1 for uniform decode); FlashAttention picks kernels by it.
+    max_query_len: int
+    #: Every sequence has one query token (padding included): the decode kernels apply.
+    uniform_decode: bool
+
+
+class StepTensors(NamedTuple):
+    """The step's metadata on the device: views of persistent buffers, so their addresses are
+    the same in every step of a shape (what a captured kernel reads)."""
+
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]  (cu_seqlens_q)
+    seq_lens: torch.Tensor  # int32 [num_seqs]  K length (seqused_k)
+    block_table: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = padding
+
+
+class PersistentBuffers:
+    """Device buffers allocated once at a fixed shape and kept for the metadata builder's lifetime:
+    the step's metadata (each step writes a prefix) and what prepared calls need besides (split-KV
+    partials). A CUDA graph captured with one step reads the next step's values at the same address.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None:
+            buf = self._buffers[name] = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
+        elif tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+            raise RuntimeError(f"persistent buffer {name!r} requested as {tuple(shape)}/{dtype}, "
+                               f"exists as {tuple(buf.shape)}/{buf.dtype}")
+        return buf
+
+    def fill(self, name: str, host: torch.Tensor, max_shape) -> torch.Tensor:
+        """Copy ``host`` into the leading corner of buffer ``name`` and return that view."""
+        buf = self.get(name, max_shape, host.dtype)
+        view = buf[tuple(slice(0, n) for n in host.shape)]
+        view.copy_(host, non_blocking=True)
+        return view
 
 
 class AttentionBackend:
+    """One family of attention kernels. Instances are shared (one per device type)."""
+
+    name: ClassVar[str] = "base"
+    #: True when prepared calls never sync the host and launch grids fixed by the ``StepShape``:
+    #: they may then be captured inside a CUDA graph (the full-graph decode mode).
+    capturable: ClassVar[bool] = False
+
     def __init__(self, device_type: str = "cpu"):
         self.device_type = device_type
 
-    name: ClassVar[str] = "base"
-    #: True when ``forward`` never syncs the host and launches a grid fixed by ``num_tokens``,
-    #: so it may be captured inside a CUDA graph (full-graph decode).
-    cuda_graph_capturable: ClassVar[bool] = False
-
-    def unsupported_reason(
-        self, spec: "AttentionSpec", dtype: torch.dtype, device: torch.device, block_size: int
-    ) -> str | None:
-        """None if this backend runs the configuration, else a one-line reason (logged on fallback)."""
+    def unsupported_reason(self, spec: Any, dtype: torch.dtype, device: torch.device,
+                           block_size: int) -> str | None:
+        """None if this backend runs the configuration, else a one-line reason (logged on
+        fallback). ``block_size`` is the KV page size (for contiguous K/V: 0)."""
         return None
 
-    def capturable_for(self, cache: "KVCache", metadata: "AttentionMetadata") -> bool:
-        """Whether this step's attention for ``cache``'s layer may be captured in a CUDA graph,
-        judged on the backend that actually runs it (after fallback)."""
-        from .registry import resolve
-
-        return resolve(self, cache).cuda_graph_capturable
-
-    def plan(self, metadata: "AttentionMetadata", buffers: "PersistentBuffers") -> Any:
-        """Once per step: everything that depends only on the step's shapes."""
-        return None
-
-    def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def prepare_attend(self, shape: StepShape, tensors: StepTensors, spec: Any, dtype: torch.dtype,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor, buffers: PersistentBuffers) -> AttendCall:
+        """``attend(query, output)`` for one layer in steps of ``shape``: query and output are
+        contiguous (num_tokens, num_heads, head_dim), the caches already hold this step's K/V."""
         raise NotImplementedError
 
-    def varlen_attention(
-        self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-        window_left: int, softcap: float,
-    ) -> None:
+    def varlen_attention(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                         window_left: int, softcap: float) -> None:
         raise NotImplementedError
-
-    def write_layer_kv(self, key, value, cache: "KVCache", metadata: "AttentionMetadata") -> None:
-        """Store this step's K/V of one layer. Must be capturable (no host sync): the compile
-        backend moves it into the CUDA-graph piece before the attention op (passes/kv_write.py)."""
-        self.write_kv_cache(key, value, cache.key_cache, cache.value_cache, metadata.slot_mapping)
-
-    def attend(self, query, output, cache: "KVCache", metadata: "AttentionMetadata") -> None:
-        """Attention of one layer over the paged cache (which already holds this step's K/V)."""
-        spec = cache.spec
-        self.varlen_attention(
-            query, cache.key_cache, cache.value_cache, output, metadata.query_start_loc, None,
-            metadata.seq_lens, metadata.block_table, metadata.max_query_len, metadata.max_seq_len,
-            spec.scale, spec.causal, spec.sliding_window, spec.softcap,
-        )
-
-    def forward(self, query, key, value, output, cache: "KVCache", metadata: "AttentionMetadata") -> None:
-        """One layer of one step: store this step's K/V, then attend over the paged cache."""
-        self.write_layer_kv(key, value, cache, metadata)
-        self.attend(query, output, cache, metadata)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

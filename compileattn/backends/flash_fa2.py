@@ -11,8 +11,8 @@ window_size_right, softcap, return_softmax, generator``.
 Constraints that shape the backend:
 - paged K/V needs ``block_size % 256 == 0`` (``TORCH_CHECK`` in ``mha_varlen_fwd``); smaller blocks
   fall back to the next backend;
-- ``cu_seqlens_k`` is required even with ``block_table`` + ``seqused_k`` (only its shape matters
-  then), so the step plan computes it once into a persistent buffer;
+- ``cu_seqlens_k`` is required even with ``block_table`` + ``seqused_k``, but only its shape
+  matters then, so a prepared call passes a zero buffer of that shape;
 - the split-KV count is chosen on the host from ``max_seqlen_k`` and baked into a captured graph,
   and each split covers ``max_seqlen_k / num_splits`` keys: passing the true per-step maximum would
   silently drop keys when a graph is replayed with longer sequences, so the bound passed is the
@@ -25,6 +25,8 @@ Not exercised on the project's H200 (which carries FlashAttention-4 only).
 from __future__ import annotations
 
 import torch
+
+from .base import AttentionBackend
 
 _MIN_VERSION = (2, 6)
 
@@ -44,13 +46,21 @@ def load():
     return flash_attn_2_cuda, ver
 
 
-class FA2Impl:
-    name = "FlashAttention-2"
+class FA2Backend(AttentionBackend):
+    """``flash`` on FlashAttention-2 (where FlashAttention-4 is not installed or the GPU is older
+    than SM90)."""
 
-    def __init__(self):
+    name = "flash"
+    label = "FlashAttention-2"
+    #: Fixed grids for a fixed step shape; ``max_seqlen_k`` is the block table's capacity (above).
+    capturable = True
+
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__(device_type)
         self.ext, self.version = load()
 
     def unsupported_reason(self, spec, dtype: torch.dtype, device: torch.device, block_size: int) -> str | None:
+        device = torch.device(device)
         if device.type != "cuda":
             return f"FlashAttention-2 needs a CUDA device, got {device.type}"
         if dtype not in (torch.float16, torch.bfloat16):
@@ -64,6 +74,18 @@ class FA2Impl:
             return f"FlashAttention-2 needs head_dim <= 256 divisible by 8, got {spec.head_dim}"
         return None
 
+    def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers):
+        cu_k = buffers.get(f"fa2.cu_seqlens_k.{shape.num_seqs}", (shape.num_seqs + 1,), torch.int32)
+        max_k = tensors.block_table.shape[1] * shape.block_size
+        args = (tensors.query_start_loc, cu_k, tensors.seq_lens, tensors.block_table, shape.max_query_len, max_k,
+                spec.scale, spec.causal, spec.sliding_window, spec.softcap)
+        fwd = self.fwd
+
+        def attend(q, out):
+            fwd(q, key_cache, value_cache, out, *args)
+
+        return attend
+
     def fwd(self, q, k, v, out, cu_q, cu_k, used_k, table, max_q, max_k, scale, causal, window_left,
             softcap) -> None:
         res = self.ext.varlen_fwd(q, k, v, out, cu_q, cu_k, used_k, None, table, None, max_q, max_k, 0.0,
@@ -72,11 +94,10 @@ class FA2Impl:
         if res.data_ptr() != out.data_ptr():  # the GQA-decode head swap wrote into a copy
             out.copy_(res.reshape(out.shape))
 
-    def varlen(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-               max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
+    def varlen_attention(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
+                         max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
         if cu_seqlens_k is None:  # paged: FA2 wants cu_seqlens_k for its shape only
             cu_seqlens_k = torch.zeros_like(cu_seqlens_q)
-            torch.cumsum(seqused_k, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
         if block_table is not None:
             max_seqlen_k = max(max_seqlen_k, block_table.shape[1] * k.shape[1])
         self.fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,

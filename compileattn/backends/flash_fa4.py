@@ -26,16 +26,17 @@ The compiled-call convention (4.0.0b36):
   tensors and ``max_seqlen_q`` (a runtime Int32 that sizes the grid). ``ARG_LAYOUTS`` spells
   this out per arch.
 
-How the kernel and its arguments are obtained: the first call per kernel key runs FA4's own entry
-once with the compile cache wrapped (``_Recorder``), which records the compiled function and the
-exact argument tuple FA4 built. That tuple is checked against ``ARG_LAYOUTS`` (every tensor must be
+How the kernel and its arguments are obtained: the first time a kernel key is prepared, FA4's own
+entry runs once (on a zero query, into a scratch output, over the real caches and metadata) with
+the compile cache wrapped (``_Recorder``), which records the compiled function and the exact
+argument tuple FA4 built. That tuple is checked against ``ARG_LAYOUTS`` (every tensor must be
 this call's q/k/v/out or one of the step's metadata tensors; every other slot must hold a constant
 or ``None``). From then on a step binds the layout's metadata slots to its own persistent-buffer
-views and each layer calls ``fn(q, k_cache, v_cache, out, *tail)``. A tuple that does not match
+views and each layer's prepared call is ``fn(q, k_cache, v_cache, out, *tail)``. A tuple that does not match
 (another FA4 version; more than 256 sequences, where FA4 passes per-call scheduler tensors derived
 from ``cu_seqlens_q``) sends that key to the public entry, logged once: slower, never wrong.
 
-What the kernel key must contain (``FA4Impl.kernel_key``): FA4's compile key depends on host values
+What the kernel key must contain (``FA4Backend.kernel_key``): FA4's compile key depends on host values
 of the step only through ``max_seqlen_q`` (SM100 ``q_stage``; the static-persistent scheduler that
 assumes one M block) and ``batch_size > 256`` (the scheduler hint). ``num_splits`` is pinned to 1,
 so ``max_seqlen_k`` only bounds the grid and FA4 takes it from ``page_table.shape[1] * page_size``.
@@ -45,9 +46,12 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from typing import Any, NamedTuple
 
 import torch
+
+from .base import AttentionBackend
 
 logger = logging.getLogger("compileattn")
 
@@ -79,17 +83,6 @@ def load():
         raise ImportError(f"flash_attn.cute (FlashAttention-4) is not importable: "
                           f"{type(exc).__name__}: {exc}") from exc
     return interface
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError, version as dist_version  # noqa: PLC0415
-
-    for dist in ("flash-attn-4", "fa4"):
-        try:
-            return dist_version(dist)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
 
 
 class _Recorder:
@@ -155,12 +148,18 @@ class Template(NamedTuple):
     slots: tuple  # (index into tail, role) for the step's tensors
 
 
-class FA4Impl:
-    """FlashAttention-4 behind ``FlashBackend``: everything that knows FA4's Python internals."""
+class FA4Backend(AttentionBackend):
+    """``flash`` on FlashAttention-4: everything that knows FA4's Python internals."""
 
-    name = "FlashAttention-4"
+    name = "flash"
+    label = "FlashAttention-4"
+    #: The direct call launches a fixed grid for a fixed step shape and never reads device memory
+    #: on the host. Its first preparation per kernel key runs FA4's entry (which JIT-compiles):
+    #: the selector prepares calls outside any capture.
+    capturable = True
 
-    def __init__(self):
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__(device_type)
         self.fa = load()
         fwd = getattr(self.fa, "_flash_attn_fwd", None)
         params = set(inspect.signature(fwd).parameters) if fwd is not None else set()
@@ -170,6 +169,9 @@ class FA4Impl:
         self.fwd = fwd if fwd is not None and not missing and hasattr(fwd, "compile_cache") else None
         self.fwd_missing = missing
         self._arch: dict[int, int] = {}
+        #: kernel key -> Template, or None where the direct call is unavailable (public entry).
+        self._templates: dict[tuple, Template | None] = {}
+        self._warned: set[str] = set()
 
     # -- support -------------------------------------------------------------------------------
 
@@ -182,6 +184,7 @@ class FA4Impl:
         return arch
 
     def unsupported_reason(self, spec, dtype: torch.dtype, device: torch.device, block_size: int) -> str | None:
+        device = torch.device(device)
         if device.type != "cuda":
             return f"FlashAttention-4 needs a CUDA device, got {device.type}"
         if dtype not in (torch.float16, torch.bfloat16):
@@ -196,12 +199,78 @@ class FA4Impl:
             return f"FlashAttention-4 needs head_dim in [8, 256] divisible by 8, got {d}"
         if family in (10, 11) and not (d <= 128 or d == 256):
             return f"FlashAttention-4 on SM{arch} supports head_dim <= 128 or 256, got {d}"
+        if family == 9 and block_size:
+            return self._sm90_paged_loader_reason(spec, block_size)
         return None
 
-    # -- calls ---------------------------------------------------------------------------------
+    def _sm90_paged_loader_reason(self, spec, block_size: int) -> str | None:
+        """FA4's SM90 paged-KV loader (``paged_kv.PagedKVManager.load_KV``, used when the page size is
+        not the kernel's K/V tile height ``tile_n``) copies rows in waves of
+        ``128 // (gcd(ceil16(d), 64) // 8)`` and checks each row against the sequence length only,
+        never against ``tile_n`` (4.0.0b36 ``paged_kv.py`` l.225-236). Where the wave does not divide
+        ``tile_n``, the last wave writes past the tile into the other pipeline stage and ``sQ``/``sP``:
+        silently wrong output (head dim 96 non-causal: tile 144, wave 32, errors of 0.3-2.2), or an
+        illegal address. The tile comes from FA4's own choice (``_tile_size_fwd_sm90``)."""
+        d = spec.head_dim
+        window = spec.sliding_window if spec.sliding_window >= 0 else None
+        try:
+            causal, local, _, _ = self.fa._resolve_causal_local_window(spec.causal, window, None)
+            tile_n = self.fa._tile_size_fwd_sm90(d, d, causal, local).n_block_size
+        except (AttributeError, TypeError, ValueError) as exc:
+            return (f"cannot tell which K/V tile this FlashAttention-4 uses on SM90 ({exc}); its paged loader is "
+                    f"wrong for tiles its row waves do not divide, so paged KV is refused")
+        if block_size == tile_n:
+            return None  # the page is the tile: TMA loads, not the row-wave loader
+        if d % 16:
+            return f"FlashAttention-4 on SM90 asserts for paged KV with head_dim={d} (not a multiple of 16)"
+        wave = 128 // (math.gcd(d, 64) // 8)
+        if tile_n % wave:
+            return (f"FlashAttention-4 on SM90 computes wrong results for paged KV with head_dim={d}, "
+                    f"causal={spec.causal}, sliding_window={spec.sliding_window}: its page loader copies "
+                    f"{wave}-row waves past the {tile_n}-row K/V tile")
+        return None
 
-    def kernel_key(self, spec, dtype, block_size: int, max_q: int, num_seqs: int) -> tuple:
-        return (spec, dtype, block_size, max_q, num_seqs > BIG_BATCH)
+    # -- prepared calls ------------------------------------------------------------------------
+
+    def kernel_key(self, spec, dtype, shape) -> tuple:
+        return (spec, dtype, shape.block_size, shape.max_query_len, shape.num_seqs > BIG_BATCH)
+
+    def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers):
+        step = {"cu_q": tensors.query_start_loc, "used_k": tensors.seq_lens, "table": tensors.block_table}
+        key = self.kernel_key(spec, dtype, shape)
+        if key not in self._templates:
+            self._templates[key] = self._learn(shape, step, spec, dtype, key_cache, value_cache)
+        tpl = self._templates[key]
+        if tpl is None:
+            public = self.fwd_public
+            args = (step["cu_q"], step["used_k"], step["table"], shape.max_query_len, spec.scale, spec.causal,
+                    spec.sliding_window, spec.softcap)
+
+            def attend_public(q, out):
+                public(q, key_cache, value_cache, out, *args)
+            return attend_public
+        fn, tail = tpl.fn, self.bind(tpl, step)
+
+        def attend(q, out):
+            fn(q, key_cache, value_cache, out, *tail)
+
+        return attend
+
+    def _learn(self, shape, step, spec, dtype, key_cache, value_cache) -> Template | None:
+        """Run FA4's entry once on a zero query, recording the kernel it launches; the template,
+        or None (logged once) where the direct call is unavailable."""
+        q = torch.zeros(shape.num_tokens, spec.num_heads, spec.head_dim, dtype=dtype, device=key_cache.device)
+        out = torch.empty_like(q)
+        tpl, why = self.learn(q, key_cache, value_cache, out, step["cu_q"], step["used_k"], step["table"],
+                              shape.max_query_len, spec.scale, spec.causal, spec.sliding_window, spec.softcap,
+                              key_cache.device)
+        if why is not None:
+            msg = (f"FlashAttention-4 direct call unavailable for {spec} (max_query_len={shape.max_query_len}, "
+                   f"{shape.num_seqs} sequences): {why}; using its Python entry for this configuration")
+            if msg not in self._warned:
+                self._warned.add(msg)
+                logger.warning(msg)
+        return tpl
 
     def fwd_public(self, q, k, v, out, cu_q, used_k, table, max_q, scale, causal, window_left, softcap):
         """FA4's entry with ``out`` given (no autograd Function, no output copy); the slow, always
@@ -251,8 +320,10 @@ class FA4Impl:
             tail[i] = step_tensors[role]
         return tuple(tail)
 
-    def varlen(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-               max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
+    # -- public op -----------------------------------------------------------------------------
+
+    def varlen_attention(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
+                         max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
         """The public op through FA4's public ``flash_attn_varlen_func`` (correctness over speed)."""
         paged = block_table is not None
         res = self.fa.flash_attn_varlen_func(

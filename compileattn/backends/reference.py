@@ -5,6 +5,8 @@ causal masking is aligned to the bottom-right corner (query i of a sequence with
 k_len keys sits at absolute position k_len - q_len + i), so a chunked prefill over a cached prefix
 is right; ``window_left`` lets a query see that many earlier positions besides its own; logits are
 scaled, then soft-capped (softcap * tanh(s / softcap)); a query that sees no key outputs zeros.
+Rows of ``out`` past ``cu_seqlens_q[-1]`` belong to no sequence and are not written (as in
+FlashAttention; the public entry points refuse such inputs).
 Loops over sequences on the host (it reads cu_seqlens), so it is neither fast nor capturable.
 """
 from __future__ import annotations
@@ -46,20 +48,17 @@ def gather_paged(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torc
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
-    cuda_graph_capturable = False
+    capturable = False
 
-    def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        if key.device.type == "cuda":
-            # Boolean-mask indexing syncs the host; on CUDA the write may sit inside a captured
-            # piece (passes/kv_write.py), so use the sync-free gather/scatter form.
-            from .flash import write_kv_any
+    def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers):
+        t = tensors
+        args = (t.query_start_loc, None, t.seq_lens, t.block_table, shape.max_query_len, 0, spec.scale,
+                spec.causal, spec.sliding_window, spec.softcap)
 
-            write_kv_any(key, value, key_cache, value_cache, slot_mapping)
-            return
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid]
-        key_cache.view(-1, *key_cache.shape[2:])[slots] = key[: slot_mapping.shape[0]][valid]
-        value_cache.view(-1, *value_cache.shape[2:])[slots] = value[: slot_mapping.shape[0]][valid]
+        def attend(query, output):
+            self.varlen_attention(query, key_cache, value_cache, output, *args)
+
+        return attend
 
     def varlen_attention(
         self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
@@ -81,6 +80,3 @@ class ReferenceBackend(AttentionBackend):
                 k_i, v_i = k[cu_k[i]: end], v[cu_k[i]: end]
             o = attend_one_sequence(q_i, k_i, v_i, softmax_scale, causal, window_left, softcap)
             out[cu_q[i]: cu_q[i + 1]] = o.to(out.dtype)
-        # Rows past the last sequence (padding beyond cu_seqlens_q[-1]) belong to nobody.
-        if cu_q[-1] < out.shape[0]:
-            out[cu_q[-1]:] = 0

@@ -1,32 +1,32 @@
 """``TritonBackend``: own Triton kernels for the KV write, paged decode and varlen attention.
 
-Per step, ``plan`` picks the path: the decode kernel (GQA-packed, split-KV) when every sequence
-has one query token (``is_uniform_decode``, which includes padding sequences), the unified
-varlen kernel otherwise. A mixed batch runs entirely through the unified kernel rather than
-decode kernel + unified kernel on the two halves: splitting would make a grid depend on
-``num_decodes``, which is not fixed per capture size, and the unified kernel already reads each
-KV tile once per KV head for a decode row (its cost there is only idle tensor-core rows).
+Per step shape, ``prepare_attend`` picks the kernel: the decode kernel (GQA-packed, split-KV)
+when every sequence has one query token (``uniform_decode``, which includes padding sequences),
+the unified varlen kernel otherwise. A mixed batch runs entirely through the unified kernel
+rather than decode kernel + unified kernel on the two halves: splitting would make a grid depend
+on the number of decodes, which is not fixed per capture size, and the unified kernel already
+reads each KV tile once per KV head for a decode row (its cost there is only idle tensor-core
+rows). Every grid is a function of the step shape and the layer shape, and no prepared call reads
+a device tensor on the host: the calls can be captured in a CUDA graph and replayed with new
+lengths and block tables in the persistent metadata buffers.
 
-What depends on the layer (head counts, head dim, dtype, window, softcap) is bound on the first
-``forward`` of each layer shape in a step (``_LayerRun``) and reused by every other layer of
-that shape, so ``forward`` is a dict lookup plus two or three kernel launches. Nothing in
-``forward`` reads a device tensor on the host, and every grid is a function of
-``metadata.num_tokens``/``num_seqs`` and the layer shape: the whole thing can be captured in a
-CUDA graph and replayed with new lengths and block tables in the persistent metadata buffers.
+Launch configurations are memoised per (layer shape, dtype, step shape), so a step shape seen
+before costs one dict lookup per layer kind plus binding each layer's caches.
 """
 from __future__ import annotations
 
-import logging
+import functools
 
 import torch
 
 from ...kv_cache import SUPPORTED_HEAD_DIMS
 from ..base import AttentionBackend
+from ..kv_write import write_kv_padded
 from . import _mode
 from .config import Tuning, decode_config, num_splits, sm_count, unified_config
-from .launch import DecodeLaunch, Softmax, UnifiedLaunch, kv_write_launcher, write_kv
+from .launch import DecodeLaunch, KVWriteLaunch, Softmax, UnifiedLaunch
 
-logger = logging.getLogger("compileattn")
+_MEMO_SIZE = 512
 
 
 def _last_dim_contiguous(*tensors) -> bool:
@@ -35,7 +35,7 @@ def _last_dim_contiguous(*tensors) -> bool:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    cuda_graph_capturable = True
+    capturable = True
 
     def __init__(self, device_type: str = "cpu"):
         super().__init__(device_type)
@@ -43,6 +43,7 @@ class TritonBackend(AttentionBackend):
             _mode.sync_interpreter_mode()
         #: Heuristic overrides (tests force split counts and tile sizes; benchmarks sweep them).
         self.tuning = Tuning()
+        self._launches: dict[tuple, object] = {}
 
     # -- support ----------------------------------------------------------------------------
 
@@ -62,45 +63,51 @@ class TritonBackend(AttentionBackend):
             return f"no Triton target for device type {device.type!r}"
         if spec.head_dim not in SUPPORTED_HEAD_DIMS:
             return f"head_dim {spec.head_dim} not in {SUPPORTED_HEAD_DIMS}"
-        if block_size < 1:
-            return f"block_size {block_size} < 1"
         return None
 
-    def _sm_count(self, device: torch.device) -> int:
-        return sm_count(device.type, device.index if device.type == "cuda" else None)
+    # -- prepared calls (per step shape) ----------------------------------------------------
 
-    # -- per step ---------------------------------------------------------------------------
+    def _memo(self, key, make):
+        launch = self._launches.get(key)
+        if launch is None:
+            if len(self._launches) >= _MEMO_SIZE:
+                self._launches.clear()
+            launch = self._launches[key] = make()
+        return launch
 
-    def plan(self, metadata, buffers) -> "_StepPlan":
-        if metadata.device.type == "cpu":
-            _mode.sync_interpreter_mode()
-        return _StepPlan(self, metadata, buffers)
+    def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers):
+        if shape.uniform_decode:
+            launch = self._memo(("decode", spec, dtype, shape.num_seqs, shape.block_size, key_cache.device,
+                                 self.tuning),
+                                lambda: self._decode_launch(shape.num_seqs, spec.num_heads, spec.num_kv_heads,
+                                                            spec.head_dim, shape.block_size, dtype, _softmax(spec),
+                                                            key_cache.device, _persistent_scratch(buffers)))
+        else:
+            launch = self._memo(("unified", spec, dtype, shape.num_tokens, shape.num_seqs, shape.block_size,
+                                 key_cache.device,
+                                 self.tuning),
+                                lambda: UnifiedLaunch(unified_config(spec.group_size, spec.head_dim, dtype, self.tuning),
+                                                      shape.num_tokens, shape.num_seqs, spec.num_heads,
+                                                      spec.num_kv_heads, spec.head_dim, shape.block_size, dtype,
+                                                      _softmax(spec), spec.causal, paged=True, has_seq_lens=True))
+        return launch.bind(key_cache, value_cache, tensors.query_start_loc, tensors.seq_lens, tensors.block_table,
+                           spec.num_heads, spec.head_dim)
 
-    def _plan(self, metadata) -> "_StepPlan":
-        plan = metadata.plans.get(self)
-        return plan if plan is not None else metadata.plan_for(self)
-
-    def forward(self, query, key, value, output, cache, metadata) -> None:
-        self._plan(metadata).forward(query, key, value, output, cache)
-
-    def write_layer_kv(self, key, value, cache, metadata) -> None:
-        run = self._plan(metadata).layer(cache.spec, cache.key_cache.dtype)
-        run.write_kv(key, value, cache.key_cache, cache.value_cache)
-
-    def attend(self, query, output, cache, metadata) -> None:
-        run = self._plan(metadata).layer(cache.spec, cache.key_cache.dtype)
-        run.attention(query, output, cache.key_cache, cache.value_cache)
+    def prepare_write(self, shape, tensors, spec, key_cache, value_cache):
+        """``write(key, value)`` for one layer: the KV-write kernel with the step's slot mapping."""
+        launch = self._memo(("write", shape.num_tokens, spec.num_kv_heads, spec.head_dim, shape.block_size),
+                            lambda: KVWriteLaunch(shape.num_tokens, spec.num_kv_heads, spec.head_dim,
+                                                  shape.block_size))
+        return launch.bind(key_cache, value_cache, tensors.slot_mapping)
 
     # -- public primitives (functional API; not the per-layer hot path) ----------------------
 
     def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        if not _last_dim_contiguous(key, value, key_cache, value_cache):
-            from ..reference import ReferenceBackend
-
-            ReferenceBackend().write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        if not _last_dim_contiguous(key, value, key_cache, value_cache):  # the kernel assumes a unit-stride head dim
+            write_kv_padded(key, value, key_cache, value_cache, slot_mapping)
             return
-        launcher = kv_write_launcher(slot_mapping.shape[0], key.shape[1], key.shape[2], key_cache.shape[1])
-        write_kv(launcher, key, value, key_cache, value_cache, slot_mapping)
+        KVWriteLaunch(slot_mapping.shape[0], key.shape[1], key.shape[2], key_cache.shape[1])(
+            key, value, key_cache, value_cache, slot_mapping)
 
     def varlen_attention(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                          max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
@@ -114,31 +121,33 @@ class TritonBackend(AttentionBackend):
             out.copy_(tmp)
             return
         num_seqs = cu_seqlens_q.shape[0] - 1
+        if num_seqs <= 0 or max_seqlen_q <= 0:
+            return
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k.shape[-2]
         paged = block_table is not None
         sm = Softmax(float(softmax_scale), float(softcap), int(window_left))
-        if num_seqs > 0 and max_seqlen_q > 0:
-            if paged and max_seqlen_q == 1:
-                launch = self._decode_launch(num_seqs, num_heads, kv_heads, head_dim, k.shape[1], q.dtype, sm,
-                                             q.device, _fresh_scratch(q.device))
-                launch(q, k, v, out, cu_seqlens_q, seqused_k, block_table)
-            else:
-                cfg = unified_config(num_heads // kv_heads, head_dim, q.dtype, self.tuning)
-                launch = UnifiedLaunch(cfg, num_tokens, num_seqs, num_heads, kv_heads, head_dim,
-                                       k.shape[1] if paged else 1, q.dtype, sm, bool(causal), paged,
-                                       seqused_k is not None)
-                launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
-        # Rows past the last sequence belong to nobody and are zero (the reference's contract);
-        # done on the device so the call stays free of host syncs.
-        if num_tokens:
-            tail = torch.arange(num_tokens, device=q.device) >= cu_seqlens_q[-1]
-            out.masked_fill_(tail.view(-1, 1, 1), 0)
+        if paged and max_seqlen_q == 1:
+            launch = self._decode_launch(num_seqs, num_heads, kv_heads, head_dim, k.shape[1], q.dtype, sm,
+                                         q.device, _fresh_scratch(q.device))
+            launch(q, k, v, out, cu_seqlens_q, seqused_k, block_table)
+        else:
+            cfg = unified_config(num_heads // kv_heads, head_dim, q.dtype, self.tuning)
+            launch = UnifiedLaunch(cfg, num_tokens, num_seqs, num_heads, kv_heads, head_dim,
+                                   k.shape[1] if paged else 1, q.dtype, sm, bool(causal), paged,
+                                   seqused_k is not None)
+            launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
 
-    def _decode_launch(self, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, device, scratch):
+    def _decode_launch(self, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, device, buffers):
         cfg = decode_config(num_heads // kv_heads, head_dim, dtype, block_size, self.tuning)
-        splits = num_splits(num_seqs, kv_heads, self._sm_count(device), self.tuning)
-        return DecodeLaunch(cfg, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, splits, scratch)
+        index = device.index if device.type == "cuda" else None
+        splits = num_splits(num_seqs, kv_heads, sm_count(device.type, index), self.tuning)
+        return DecodeLaunch(cfg, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, splits, buffers)
+
+
+@functools.lru_cache(maxsize=256)
+def _softmax(spec) -> Softmax:
+    return Softmax(spec.scale, spec.softcap, spec.sliding_window)
 
 
 def _fresh_scratch(device):
@@ -149,91 +158,9 @@ def _fresh_scratch(device):
 
 
 def _persistent_scratch(buffers):
-    """Split-KV partials in the step's persistent buffers: a captured graph keeps their address.
-    Named by size, so every capture size gets its own and none is ever reallocated."""
+    """Split-KV partials that keep their address for the builder's lifetime (a captured graph
+    reads them). Named by size, so every capture size gets its own and none is reallocated."""
     def scratch(rows: int, d_pad: int):
         return (buffers.get(f"triton.o_part.{rows}x{d_pad}", (rows, d_pad), torch.float32),
                 buffers.get(f"triton.lse_part.{rows}", (rows,), torch.float32))
     return scratch
-
-
-class _StepPlan:
-    """One step's decisions; layer-shape-specific launchers are bound on first use."""
-
-    __slots__ = ("backend", "decode", "num_seqs", "num_tokens", "block_size", "device", "slot_mapping",
-                 "cu_q", "seq_lens", "block_table", "buffers", "_layers")
-
-    def __init__(self, backend: TritonBackend, md, buffers):
-        self.backend = backend
-        self.decode = md.is_uniform_decode
-        self.num_seqs = md.num_seqs
-        self.num_tokens = md.num_tokens
-        self.block_size = md.block_size
-        self.device = md.device
-        self.slot_mapping = md.slot_mapping
-        self.cu_q = md.query_start_loc
-        self.seq_lens = md.seq_lens
-        self.block_table = md.block_table
-        self.buffers = buffers
-        self._layers: dict[int, _LayerRun] = {}
-
-    @property
-    def path(self) -> str:
-        return "decode" if self.decode else "unified"
-
-    def layer(self, spec, dtype) -> "_LayerRun":
-        run = self._layers.get(id(spec))
-        if run is None or run.spec is not spec or run.dtype is not dtype:
-            run = self._layers[id(spec)] = _LayerRun(self, spec, dtype)
-        return run
-
-    def forward(self, query, key, value, output, cache) -> None:
-        self.layer(cache.spec, cache.key_cache.dtype)(query, key, value, output, cache.key_cache,
-                                                      cache.value_cache)
-
-
-class _LayerRun:
-    """KV write + attention launchers bound for one layer shape in one step."""
-
-    __slots__ = ("spec", "dtype", "write", "attend", "plan", "decode")
-
-    def __init__(self, plan: _StepPlan, spec, dtype):
-        self.spec = spec
-        self.dtype = dtype
-        self.plan = plan
-        self.decode = plan.decode
-        backend = plan.backend
-        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        sm = Softmax(spec.scale, spec.softcap, spec.sliding_window)
-        self.write = kv_write_launcher(plan.num_tokens, kvh, d, plan.block_size)
-        if plan.decode:
-            self.attend = backend._decode_launch(plan.num_seqs, h, kvh, d, plan.block_size, dtype, sm, plan.device,
-                                                 _persistent_scratch(plan.buffers))
-        else:
-            cfg = unified_config(h // kvh, d, dtype, backend.tuning)
-            self.attend = UnifiedLaunch(cfg, plan.num_tokens, plan.num_seqs, h, kvh, d, plan.block_size, dtype, sm,
-                                        spec.causal, paged=True, has_seq_lens=True)
-        if plan.decode:
-            logger.debug("triton decode: %d seqs x %d kv heads x %d splits", plan.num_seqs, kvh, self.attend.splits)
-
-    def __call__(self, q, k, v, out, key_cache, value_cache) -> None:
-        self.write_kv(k, v, key_cache, value_cache)
-        self.attention(q, out, key_cache, value_cache)
-
-    def write_kv(self, k, v, key_cache, value_cache) -> None:
-        if k.stride(2) != 1 or v.stride(2) != 1:
-            k, v = k.contiguous(), v.contiguous()
-        write_kv(self.write, k, v, key_cache, value_cache, self.plan.slot_mapping)
-
-    def attention(self, q, out, key_cache, value_cache) -> None:
-        if q.stride(2) != 1 or out.stride(2) != 1:
-            tmp = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            self.attention(q.contiguous(), tmp, key_cache, value_cache)
-            out.copy_(tmp)
-            return
-        plan = self.plan
-        if self.decode:
-            self.attend(q, key_cache, value_cache, out, plan.cu_q, plan.seq_lens, plan.block_table)
-        else:
-            self.attend(q, key_cache, value_cache, out, plan.cu_q, None, plan.seq_lens, plan.block_table)
-

@@ -1,4 +1,5 @@
-"""The CUDA-graph runtime: capture per size into one shared pool, replay, check addresses.
+"""CUDA graphs: capture per size into one shared pool, replay, check addresses. Nothing else: which
+mode a step runs in is decided by the dispatcher (``dispatch.py``).
 
 Graph replay reads its inputs from the addresses they had at capture. Nothing is copied in: the
 pieces' inputs are the model's persistent input buffers, its parameters and the previous piece's
@@ -18,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .counters import counters
+from ..counters import counters
 
 logger = logging.getLogger("compileattn")
 
@@ -95,10 +96,65 @@ class GraphPool:
         return total
 
 
-class GraphCache:
-    """Per-size graphs of one callable: a piece (piecewise mode) or the whole forward (full mode)."""
+class SimulatedGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` where there is no GPU: a replay re-runs the captured
+    callable on the captured arguments and copies the results into the tensors the capture
+    returned, so a replay hands back the same tensor objects with fresh values, as a real graph does.
+    """
 
-    def __init__(self, name: str, fn: Callable[..., Any], pool: GraphPool, check_addresses: bool = True):
+    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], outputs):
+        self.fn, self.args, self.outputs = fn, list(args), outputs
+
+    def replay(self) -> None:
+        fresh = self.fn(*self.args)
+        outs = self.outputs if isinstance(self.outputs, (tuple, list)) else (self.outputs,)
+        fresh = fresh if isinstance(fresh, (tuple, list)) else (fresh,)
+        for o, f in zip(outs, fresh):
+            if isinstance(o, torch.Tensor):
+                o.copy_(f)
+
+
+class SimulatedGraphPool:
+    """A ``GraphPool`` of ``SimulatedGraph``s: the dispatcher's per-step logic (modes, capture and
+    replay counts, padding, address checks) runs on the CPU, in CI (``compileattn.testing
+    .simulated_cuda_graphs``). What it cannot show (kernels really captured, memory really
+    shared) is tested on the GPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.capture_seconds = 0.0
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[Any], name: str, size: int) -> CapturedGraph:
+        outputs = fn(*args)
+        counters.cudagraph_captures += 1
+        return CapturedGraph(SimulatedGraph(fn, args, outputs), outputs, _tensor_layout(args), name, size)
+
+    def pool_bytes(self) -> int:
+        return 0
+
+
+_simulated = False
+
+
+def simulate(on: bool) -> None:
+    """Use ``SimulatedGraphPool`` instead of real CUDA graphs for runtimes created from now on."""
+    global _simulated
+    _simulated = on
+
+
+def simulating() -> bool:
+    return _simulated
+
+
+def make_pool(device: torch.device):
+    return SimulatedGraphPool(device) if _simulated else GraphPool(device)
+
+
+class CUDAGraphWrapper:
+    """Per-size graphs of one callable: a piece (piecewise mode) or the whole forward (full mode).
+    It captures, checks and replays; it never decides whether a step should use graphs."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], pool, check_addresses: bool = True):
         self.name = name
         self.fn = fn
         self.pool = pool
@@ -106,7 +162,7 @@ class GraphCache:
         self.graphs: dict[int, CapturedGraph] = {}
 
     def run(self, size: int, args: Sequence[Any], fn: Callable[..., Any] | None = None):
-        """Replay the graph of ``size``; capture it first, from ``fn`` (default: this cache's)."""
+        """Replay the graph of ``size``; capture it first, from ``fn`` (default: this wrapper's)."""
         entry = self.graphs.get(size)
         if entry is None:
             entry = self.graphs[size] = self.pool.capture(fn or self.fn, args, self.name, size)

@@ -55,7 +55,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .config import CompileConfig
+from .. import _torch_compat
+from ..config import CompileConfig
 
 log = logging.getLogger("compileattn")
 
@@ -405,7 +406,7 @@ def _mark_dynamic(values: Mapping[str, Any], dims: Mapping[str, tuple[int, ...]]
                     f"Make the first call (the compile) with size >= 2; later calls may use any size."
                 )
             norm.append(d)
-        torch._dynamo.mark_dynamic(t, norm)
+        _torch_compat.mark_dynamic(t, norm)
         resolved[name] = tuple(sorted(set(norm)))
     return resolved
 
@@ -487,7 +488,7 @@ class _Site:
         with debug.dump_context(owner._config):
             # Registered inside depyf's context so it runs after depyf's hook and sees the code
             # Dynamo will actually keep (depyf swaps in a recompiled, debuggable copy).
-            handle = torch._dynamo.convert_frame.register_bytecode_hook(bytecode_hook)
+            handle = _torch_compat.register_bytecode_hook(bytecode_hook)
             try:
                 compiled = torch.compile(fn_copy, fullgraph=True, dynamic=False, backend=timed_backend)
                 out = compiled(*full_args, **kwargs)
@@ -525,9 +526,8 @@ def _function_with_code(fn: Callable, code: types.CodeType) -> types.FunctionTyp
 def _pin_cache_entry_code(code: types.CodeType) -> list:
     """Hold the code objects of Dynamo's cache entries for ``code``: Dynamo deletes the globals they
     use when they are collected, which would strand ours if another hook replaced them after ours."""
-    get = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     try:
-        return [entry.code for entry in get(code)] if get is not None else []
+        return _torch_compat.cache_entry_codes(code)
     except Exception:  # noqa: BLE001 (a debug API; pinning is belt and braces)
         return []
 
@@ -538,9 +538,7 @@ def _resolve_backend(backend: Callable | str | None, config: CompileConfig) -> C
 
         return functools.partial(compileattn_backend, options={"config": config})
     if isinstance(backend, str):  # "eager", "aot_eager", "inductor": handy for bisecting a problem
-        from torch._dynamo.backends.registry import lookup_backend
-
-        return lookup_backend(backend)
+        return _torch_compat.lookup_backend(backend)
     return backend
 
 

@@ -1,6 +1,7 @@
 """The compile cache: compiled pieces saved to disk and loaded by a later process.
 
-The key covers everything that changes the compiled result: the CompileConfig hash, the Dynamo
+The key covers everything that changes the compiled result: the CompileConfig hash (its
+compile-affecting fields only: kernel choice and CUDA-graph settings are run-time), the Dynamo
 graph's code (which changes with the model), the contents of every source file the graph was
 traced from (found through the nodes' stack traces), the torch version and the environment
 variables that steer Inductor or compileattn. Dynamo still traces in the second process (its
@@ -19,7 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from .config import CompileConfig
+from .. import _torch_compat
+from ..config import CompileConfig
 
 logger = logging.getLogger("compileattn")
 
@@ -65,10 +67,8 @@ class CompileCache:
         path = self._path(index, piece, size)
         if not path.exists():
             return None
-        from torch._inductor import CompiledArtifact
-
         try:
-            return CompiledArtifact.load(path=str(path), format="binary")
+            return _torch_compat.load_compiled_artifact(str(path))
         except Exception as exc:  # a corrupt or incompatible entry is a miss, not a crash
             logger.warning("compile cache entry %s unusable (%s); recompiling", path, exc)
             return None

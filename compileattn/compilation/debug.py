@@ -29,6 +29,8 @@ import threading
 import warnings
 from typing import Any, Iterator
 
+from .. import _torch_compat
+
 log = logging.getLogger("compileattn")
 
 INSTALL_HINT = "pip install 'compileattn[debug]' (or: pip install 'depyf>=0.18')"
@@ -63,11 +65,6 @@ def _dump_dir_of(config_or_dir: Any) -> str | None:
     if not isinstance(dump_dir, (str, os.PathLike)):
         raise TypeError(f"debug_dump_dir must be a path (str or os.PathLike) or None, got {type(dump_dir).__name__}")
     return os.path.abspath(os.fspath(dump_dir))
-
-
-def active_dump_dir() -> str | None:
-    """The directory of the ``dump_context`` now open, if any."""
-    return _active_dir
 
 
 @contextlib.contextmanager
@@ -200,9 +197,8 @@ def _ensure_hook() -> None:
     global _hook_handle
     with _hook_lock:
         if _hook_handle is None:
-            import torch._dynamo.convert_frame
 
-            _hook_handle = torch._dynamo.convert_frame.register_bytecode_hook(_transformed_code_hook)
+            _hook_handle = _torch_compat.register_bytecode_hook(_transformed_code_hook)
 
 
 def _transformed_code_hook(code, new_code):

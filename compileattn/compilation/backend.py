@@ -1,0 +1,29 @@
+"""The ``compileattn`` torch.compile backend (entry point ``torch_dynamo_backends``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def compileattn_backend(gm, example_inputs, options: dict[str, Any] | None = None):
+    """torch.compile(model, backend="compileattn", options={...}); see CompileConfig for options.
+
+    Returns the dispatcher's bound ``__call__`` (depyf's dump reads the compiled callable's
+    ``__code__``); the dispatcher itself is ``result.__self__`` (``testing.RecordingBackend``
+    collects them).
+    """
+    from .. import ops  # noqa: F401  (registers the ops when torch loads us by entry point)
+    from ..config import CompileConfig
+    from .dispatch import StepDispatcher
+    from .piecewise import split_and_compile
+
+    config = CompileConfig.from_options(options)
+    compiled = split_and_compile(gm, example_inputs, config)
+    device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    dispatcher = StepDispatcher(compiled, config, device)
+    if config.debug_dump_dir:
+        from .debug import expect_transformed_code
+
+        expect_transformed_code(config)
+    return dispatcher.__call__

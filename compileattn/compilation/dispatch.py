@@ -1,0 +1,190 @@
+"""The per-step dispatcher: runs a compiled split graph, choosing each step's execution mode.
+
+Per step, from the forward context's metadata (vLLM's division of labour: the dispatcher picks the
+mode, ``cudagraph.CUDAGraphWrapper`` only captures, checks and replays):
+
+- **full**: the step is a uniform decode, its token count is a capture size and every layer's
+  prepared call is capturable (``CallTable.capturable``): one CUDA graph of the whole forward.
+- **piecewise**: the token count is a capture size: each piece replays its own CUDA graph and the
+  attention calls run eagerly between them.
+- **none**: anything larger, or graphs off: the compiled pieces run as they are.
+
+Static-shape compiles (``CompileConfig.compile_sizes``) replace the dynamic-shape piece for steps
+of exactly that size, in every mode.
+
+Checks, once per step (not per layer): the graph inputs' token count equals the metadata's, and
+(once per set of KV caches) every attention layer the graph calls has a cache of its dtype and
+head shape. The compiled forward is inference-only: it runs under ``torch.no_grad()``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import context
+from ..config import CompileConfig
+from ..counters import counters
+from . import cudagraph
+from .piecewise import CompiledSplit
+
+logger = logging.getLogger("compileattn")
+
+
+class StepDispatcher:
+    def __init__(self, compiled: CompiledSplit, config: CompileConfig, device: torch.device):
+        self.split_gm = compiled.split_gm
+        self.config = config
+        self.device = device
+        self.token_count = compiled.token_count
+        self.layers = compiled.layers
+        self.static_tokens = next((s.static_tokens for s in compiled.layers.values() if s.static_tokens), None)
+        graph_device = "cuda" if cudagraph.simulating() else device.type
+        self.mode = config.resolved_cudagraph_mode(graph_device)
+        if self.mode != "none" and graph_device != "cuda":
+            raise ValueError(f"cudagraph_mode={config.cudagraph_mode!r} needs CUDA, the graph is on {device}")
+        self.capture_sizes = frozenset(config.capture_sizes)
+        self.pool = None
+        self.static = compiled.static
+        #: the step's token count while the split graph runs, when pieces need it (graphs or static)
+        self.current_size: int | None = None
+        self.graphs_on = False
+        self._full: cudagraph.CUDAGraphWrapper | None = None
+        self._checked_caches = None
+        #: (selector, kv_caches) the CUDA graphs were captured with: a captured graph reads that
+        #: builder's metadata buffers and those caches by address.
+        self._graph_owner: tuple | None = None
+        self._warned_grad = False
+        self.pieces = compiled.pieces
+        self._piece_graphs: list[cudagraph.CUDAGraphWrapper] = []
+        for piece in compiled.pieces:
+            delattr(self.split_gm, piece.name)  # plain attributes, not submodules: no Module.__call__
+            if piece.is_splitting_op:
+                setattr(self.split_gm, piece.name, compiled.splitting_calls[piece.name])
+            else:
+                setattr(self.split_gm, piece.name, self._piece_runner(piece.name, compiled.dynamic[piece.name],
+                                                                      self.static.get(piece.name, {})))
+        self._forward = self.split_gm.forward
+
+    # -- wiring ------------------------------------------------------------------------------
+
+    def _graph_wrapper(self, name: str, fn: Callable[..., Any]) -> cudagraph.CUDAGraphWrapper:
+        if self.pool is None:
+            self.pool = cudagraph.make_pool(self.device)
+        return cudagraph.CUDAGraphWrapper(name, fn, self.pool, self.config.check_input_addresses)
+
+    def _piece_runner(self, name: str, fn: Callable[..., Any], static: dict[int, Any]) -> Callable[..., Any]:
+        if self.mode == "none" and not static:
+            return fn
+        graphs = self._graph_wrapper(name, fn) if self.mode != "none" else None
+        if graphs is not None:
+            self._piece_graphs.append(graphs)
+
+        def run(*args):
+            size = self.current_size
+            if size is None:
+                return fn(*args)
+            if self.graphs_on:
+                return graphs.run(size, args, static.get(size, fn))
+            return static.get(size, fn)(*args)
+
+        return run
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def _check_step(self, ctx: context.ForwardContext, args: Sequence[Any]) -> None:
+        md = ctx.metadata
+        tokens = self.token_count(args) if self.token_count is not None else self.static_tokens
+        if tokens is not None and tokens != md.num_tokens:
+            raise ValueError(f"the compiled model was called with {tokens} tokens, but the step's metadata has "
+                             f"num_tokens={md.num_tokens} ({md.num_actual_tokens} real + padding); pass inputs "
+                             f"of the metadata's (padded) token count")
+        caches = ctx.kv_caches
+        if caches is self._checked_caches:
+            return
+        for layer, sig in self.layers.items():
+            cache = caches.get(layer)
+            if cache is None:
+                raise context.missing_layer_error(layer)
+            if cache.dtype != sig.dtype:
+                raise TypeError(f"layer {layer!r}: the model's attention runs in {sig.dtype} but its KV cache is "
+                                f"{cache.dtype}; allocate caches in the model's dtype")
+            spec = cache.spec
+            if (spec.num_heads, spec.head_dim) != (sig.num_heads, sig.head_dim):
+                raise ValueError(f"layer {layer!r}: the model passes {sig.num_heads} query heads of {sig.head_dim}, "
+                                 f"its KV cache's AttentionSpec has {spec.num_heads} of {spec.head_dim}")
+        self._checked_caches = caches
+
+    def __call__(self, *args):
+        ctx = context._current
+        if ctx is not None:
+            self._check_step(ctx, args)
+            # The step's (padded) token count is the metadata's: the graph inputs can hold more than
+            # one symbolic size, and a graph with no symbolic token dim (Dynamo specialises 1-token
+            # steps) still gets graphs for its one size.
+            size = ctx.metadata.num_tokens
+        else:
+            size = self.token_count(args) if self.token_count is not None else None
+        if torch.is_grad_enabled():
+            if not self._warned_grad:
+                self._warned_grad = True
+                logger.info("the compileattn backend is inference-only: the compiled forward runs under "
+                            "torch.no_grad() and its outputs have no autograd history")
+            with torch.no_grad():
+                return self._step(ctx, size, args)
+        return self._step(ctx, size, args)
+
+    def _step(self, ctx, size, args):
+        if self.mode == "none" and not self.static:
+            counters.eager_steps += 1
+            return self._forward(*args)
+        graphs = self.mode != "none" and size in self.capture_sizes
+        if graphs:
+            self._check_graph_owner(ctx)
+            counters.cudagraph_replays += 1
+            if (self.mode == "full_and_piecewise" and ctx is not None and ctx.metadata.is_uniform_decode
+                    and ctx.table.capturable):
+                return self._run_full(size, args)
+        else:
+            counters.eager_steps += 1
+        self.current_size, self.graphs_on = size, graphs
+        try:
+            return self._forward(*args)
+        finally:
+            self.current_size, self.graphs_on = None, False
+
+    def _check_graph_owner(self, ctx) -> None:
+        owner = (ctx.metadata.selector, ctx.kv_caches) if ctx is not None else (None, None)
+        if self._graph_owner is None:
+            self._graph_owner = owner
+        elif owner[0] is not self._graph_owner[0] or owner[1] is not self._graph_owner[1]:
+            raise cudagraph.CudaGraphAddressError(
+                "this compiled model's CUDA graphs were captured with another metadata builder or another "
+                "kv_caches mapping; a replay would read the old buffers and caches. Use one builder and one "
+                "set of caches per compiled model (or compile one per engine)")
+
+    def _run_full(self, size: int, args):
+        if self._full is None:
+            self._full = self._graph_wrapper("full graph", self._forward)
+        self.current_size = size  # inside the full graph, pieces run their (static) compiled code
+        try:
+            return self._full.run(size, args)
+        finally:
+            self.current_size = None
+
+    # -- what tests and benchmarks read ---------------------------------------------------------
+
+    def full_graph_count(self) -> int:
+        """CUDA graphs captured of the whole forward (one per size)."""
+        return len(self._full.graphs) if self._full is not None else 0
+
+    def piece_graph_count(self) -> int:
+        """CUDA graphs captured for pieces, over all sizes."""
+        return sum(len(g.graphs) for g in self._piece_graphs)
+
+    def graph_pool_bytes(self) -> int:
+        return self.pool.pool_bytes() if self.pool is not None else 0
+
+    def capture_seconds(self) -> float:
+        return self.pool.capture_seconds if self.pool is not None else 0.0
