@@ -13,6 +13,7 @@ import logging
 import random
 import types
 
+import fa4_sm90
 import pytest
 import torch
 from hypothesis import given, settings
@@ -74,28 +75,11 @@ def test_match_layout_accepts_fa4_call_and_names_mismatch():
     assert "arguments" in flash_fa4.match_layout(tuple(args[:-1]), layout, t)
 
 
-def _fa4_sm90_tile_n(head_dim, head_dim_v, causal, local):
-    """FlashAttention-4 4.0.0b36's SM90 K/V tile height (``interface._tile_size_fwd_sm90``)."""
-    if head_dim <= 64:
-        n = 128
-    elif head_dim <= 96:
-        n = 128 if causal or local else 144
-    elif head_dim <= 128:
-        n = 128
-    elif head_dim <= 192:
-        n = 96 if local else 112
-    else:
-        n = 64 if local else 80
-    return types.SimpleNamespace(n_block_size=n)
-
-
 def _faked_fa4(arch: int) -> flash_fa4.FA4Backend:
     """An FA4Backend over a stand-in of FA4's tile choice, on a GPU of ``arch`` (no FA4, no GPU)."""
     backend = flash_fa4.FA4Backend.__new__(flash_fa4.FA4Backend)
     backend.device_type = "cuda"
-    backend.fa = types.SimpleNamespace(
-        _resolve_causal_local_window=lambda causal, left, right: (causal, left is not None, left, right),
-        _tile_size_fwd_sm90=_fa4_sm90_tile_n)
+    backend.fa = fa4_sm90.faked_interface()
     backend._arch = {0: arch}
     return backend
 
@@ -117,6 +101,7 @@ def test_fa4_refuses_exactly_the_sm90_paged_loader_overruns(head_dim, causal, wi
     spec = AttentionSpec(8, 2, head_dim, sliding_window=window, causal=causal)
     reason = backend.unsupported_reason(spec, torch.bfloat16, torch.device("cuda", 0), block_size)
     assert (reason is not None) == refused, reason
+    assert refused == fa4_sm90.paged_loader_overruns(head_dim, causal, window, block_size)
     if refused:
         assert "wrong results for paged KV" in reason
 

@@ -212,6 +212,8 @@ class FA4Backend(AttentionBackend):
         silently wrong output (head dim 96 non-causal: tile 144, wave 32, errors of 0.3-2.2), or an
         illegal address. The tile comes from FA4's own choice (``_tile_size_fwd_sm90``)."""
         d = spec.head_dim
+        if d % 16:
+            return f"FlashAttention-4 on SM90 asserts for paged KV with head_dim={d} (not a multiple of 16)"
         window = spec.sliding_window if spec.sliding_window >= 0 else None
         try:
             causal, local, _, _ = self.fa._resolve_causal_local_window(spec.causal, window, None)
@@ -221,8 +223,6 @@ class FA4Backend(AttentionBackend):
                     f"wrong for tiles its row waves do not divide, so paged KV is refused")
         if block_size == tile_n:
             return None  # the page is the tile: TMA loads, not the row-wave loader
-        if d % 16:
-            return f"FlashAttention-4 on SM90 asserts for paged KV with head_dim={d} (not a multiple of 16)"
         wave = 128 // (math.gcd(d, 64) // 8)
         if tile_n % wave:
             return (f"FlashAttention-4 on SM90 computes wrong results for paged KV with head_dim={d}, "

@@ -4,7 +4,8 @@ Semantics are FlashAttention's (``flash_attn_varlen_func`` / ``flash_attn_with_k
 causal masking is aligned to the bottom-right corner (query i of a sequence with q_len queries and
 k_len keys sits at absolute position k_len - q_len + i), so a chunked prefill over a cached prefix
 is right; ``window_left`` lets a query see that many earlier positions besides its own; logits are
-scaled, then soft-capped (softcap * tanh(s / softcap)); a query that sees no key outputs zeros.
+scaled, then soft-capped (softcap * tanh(s / softcap)); a query that sees no key outputs zeros, and
+a NaN or Inf in q, k or v reaches the rows that see it, as in SDPA (never turned into zeros).
 Rows of ``out`` past ``cu_seqlens_q[-1]`` belong to no sequence and are not written (as in
 FlashAttention; the public entry points refuse such inputs).
 Loops over sequences on the host (it reads cu_seqlens), so it is neither fast nor capturable.
@@ -35,8 +36,11 @@ def attend_one_sequence(q, k, v, scale: float, causal: bool, window_left: int, s
     if window_left >= 0:
         visible &= kpos >= qpos - window_left
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see nothing -> 0
-    return torch.matmul(probs, vf).transpose(0, 1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf)
+    # Only a query that sees no key is zero (its softmax is 0/0). Zeroing NaN rows wholesale would
+    # hide a NaN or Inf in q, k or v; SDPA and FlashAttention return it in the rows that see it.
+    sees_nothing = ~visible.any(dim=-1)
+    return out.masked_fill(sees_nothing.view(1, lq, 1), 0.0).transpose(0, 1)
 
 
 def gather_paged(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile import attend_range, key_ranges
+from .tile import attend_range, finish_rows, key_ranges
 
 
 @triton.jit
@@ -70,10 +70,11 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, cu_q, seq_
                                  HEAD_DIM, D_PAD, PAGE, BLOCK_N, True, False, HAS_WINDOW, HAS_SOFTCAP,
                                  PRECISION, NUM_STAGES, TAIL_STAGES, INTERPRET)
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = finish_rows(acc, l_i)
     if SPLIT:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        # A split that saw no key weighs nothing; a NaN sum (a NaN score) gives a NaN lse, which
+        # makes every weight of the combine, and so the row, NaN.
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         part = ((seq * num_heads + heads) * num_splits + split).to(tl.int64)
         tl.store(lse_part + part, lse, mask=offs_m < GROUP)
         tl.store(o_part + part[:, None] * D_PAD + offs_d[None, :], o, mask=(offs_m < GROUP)[:, None])
@@ -101,7 +102,7 @@ def combine_kernel(out_ptr, o_part, lse_part, cu_q, stride_ot, stride_oh, num_sp
         w = tl.exp2(lse - m)
         o = tl.load(o_part + (base + offs_s)[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
         total = tl.sum(w, 0)
-        total = tl.where(total > 0.0, total, 1.0)
+        total = tl.where(total == 0.0, 1.0, total)  # NaN stays NaN
         res = tl.sum(o * w[:, None], 0) / total
         tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
                  res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

@@ -127,6 +127,18 @@ def attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first, lo, 
 
 
 @triton.jit
+def finish_rows(acc, l_i):
+    """Normalised rows of the online softmax: ``acc / l``, and zero where ``l == 0``.
+
+    ``l == 0`` means the row saw no key: its output is zero even when a masked-off value in a
+    loaded tile is NaN or Inf (``p = 0`` times it would be NaN). A NaN ``l`` (a NaN score) is not
+    zero, so the row stays NaN: non-finite inputs reach the rows that see them, as in SDPA.
+    """
+    seen_nothing = l_i == 0.0
+    return tl.where(seen_nothing[:, None], 0.0, acc / tl.where(seen_nothing, 1.0, l_i)[:, None])
+
+
+@triton.jit
 def key_ranges(kv_len, min_qpos, max_qpos, window, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr):
     """(k_lo, k_hi, body_lo, body_hi) for query rows at positions [min_qpos, max_qpos].

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile import attend_range, key_ranges
+from .tile import attend_range, finish_rows, key_ranges
 
 
 @triton.jit
@@ -87,8 +87,7 @@ def unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q, cu_k, seq_lens, block_tab
                                  cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW,
                                  HAS_SOFTCAP, PRECISION, NUM_STAGES, 1, INTERPRET)
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = finish_rows(acc, l_i)
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
