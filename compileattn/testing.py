@@ -7,6 +7,7 @@ caches afterwards.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any, Callable, Mapping, Sequence
 
@@ -95,3 +96,65 @@ class RecordingBackend:
         compiled = compileattn_backend(gm, example_inputs, options=self.options)
         self.built.append(compiled.__self__)  # the backend returns the runtime's bound __call__
         return compiled
+
+
+class _SimulatedGraph:
+    """Stands in for a captured CUDA graph on the CPU: a replay re-runs the callable and copies the
+    results into the outputs returned at capture, so a replay hands back the same tensor objects
+    with fresh values, as a real graph does."""
+
+    def __init__(self, fn, args, outputs):
+        self.fn, self.args, self.outputs = fn, list(args), outputs
+
+    def replay(self):
+        fresh = self.fn(*self.args)
+        outs = self.outputs if isinstance(self.outputs, (tuple, list)) else (self.outputs,)
+        fresh = fresh if isinstance(fresh, (tuple, list)) else (fresh,)
+        for o, f in zip(outs, fresh):
+            if isinstance(o, torch.Tensor):
+                o.copy_(f)
+
+
+class _SimulatedPool:
+    def __init__(self, device):
+        self.capture_seconds = 0.0
+
+    def capture(self, fn, args, name, size):
+        from . import cudagraph
+        from .counters import counters
+
+        outputs = fn(*args)
+        counters.cudagraph_captures += 1
+        return cudagraph.CapturedGraph(_SimulatedGraph(fn, args, outputs), outputs, cudagraph._tensor_layout(args),
+                                       name, size)
+
+    def pool_bytes(self):
+        return 0
+
+
+def simulated_graph_pool(device) -> _SimulatedPool:
+    """A graph pool whose captures and replays run the callable (``GraphPool``'s interface)."""
+    return _SimulatedPool(device)
+
+
+@contextlib.contextmanager
+def simulated_cuda_graphs():
+    """CUDA graphs on a CPU model, inside the block: the piecewise runtime believes it is on CUDA
+    and its graph pool simulates capture and replay. What this cannot show (kernels really
+    captured, memory really shared) is for the GPU tests; what it shows is the runtime's choice of
+    mode per step, its replay and capture counting, and padding."""
+    import types
+
+    from . import cudagraph, piecewise
+
+    real_pool, real_init = cudagraph.GraphPool, piecewise.PiecewiseRuntime.__init__
+
+    def init(self, split_gm, pieces, compiled, config, device, *rest, **kw):
+        real_init(self, split_gm, pieces, compiled, config, types.SimpleNamespace(type="cuda"), *rest, **kw)
+        self.device = device
+
+    cudagraph.GraphPool, piecewise.PiecewiseRuntime.__init__ = _SimulatedPool, init
+    try:
+        yield
+    finally:
+        cudagraph.GraphPool, piecewise.PiecewiseRuntime.__init__ = real_pool, real_init
