@@ -32,9 +32,10 @@ Why the set-up below, for CUDA graphs that contain NCCL collectives (sources at 
    [R1], so the TP group is the only NCCL communicator a process uses.
 4. **Host-side agreement never uses NCCL.** ProcessGroupNCCL does not hand captured work to its
    watchdog [R3], but versions with the wait of [R4] hold ``capture_begin`` until every eager
-   NCCL work the watchdog still tracks has completed: an eager NCCL broadcast that one rank
-   issues while its peer is already capturing (or replaying) waits for that peer for ever. gloo
-   on ``cpu_group`` cannot block a capture.
+   NCCL work the watchdog still tracks has completed. A rank that issued an eager NCCL call its
+   peer has not matched yet (a schedule broadcast, say, while the peer is busy capturing) cannot
+   begin its next capture, and if the peer then waits on the host for it, both wait for ever.
+   gloo on ``cpu_group`` cannot block a capture.
 5. **Capture mode "thread_local"** (``cudagraph.GraphPool``): in the default "global" mode an
    unsafe CUDA call from *another* thread, such as the NCCL watchdog polling an eager work's
    event, invalidates the capture [R5]; Inductor's own CUDA-graph trees capture with
@@ -43,7 +44,9 @@ Why the set-up below, for CUDA graphs that contain NCCL collectives (sources at 
    class-level ``default_capture_stream``); ProcessGroupNCCL forks its NCCL stream off the
    capturing stream and joins it back at the wait, so the collective is a node of the graph,
    and replays run on the caller's stream. vLLM captures every graph on one stream too
-   (``GroupCoordinator.graph_capture``) [R7].
+   (``GroupCoordinator.graph_capture``) [R7]; its later move of the warm-up runs onto the capture
+   stream is for NCCL window registration (``ncclMemAlloc`` buffers are per stream), which
+   ProcessGroupNCCL's plain collectives here do not use.
 7. **Environment.** ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (the default in recent torch; set
    here for older builds): ``recordStream`` on captured tensors is what kept
    ``torch.distributed`` collectives out of CUDA graphs before [R8]. ``TORCH_NCCL_BLOCKING_WAIT``
@@ -58,9 +61,8 @@ pytorch/pytorch#103503 (no workEnqueue while capturing); [R4] pytorch/pytorch#10
 the "Waiting for pending NCCL work to finish before starting graph capture" wait in
 ``CUDAGraph::capture_begin``; [R5] pytorch/pytorch#105182, and ``torch/_inductor/
 cudagraph_trees.py``; [R6] ROCm/rccl#2022 (lazy communicator init inside a capture fails;
-``device_id`` fixes it); [R7] vllm ``vllm/distributed/parallel_state.py`` ``graph_capture`` and
-vllm-project/vllm#29207 (warm-up and capture on one stream); [R8] vllm-project/vllm#2152;
-[R9] pytorch/pytorch#115388.
+``device_id`` fixes it); [R7] vllm ``vllm/distributed/parallel_state.py`` ``graph_capture``, and
+vllm-project/vllm#29207; [R8] vllm-project/vllm#2152; [R9] pytorch/pytorch#115388.
 """
 from __future__ import annotations
 
