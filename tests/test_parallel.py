@@ -237,7 +237,6 @@ def test_inductor_pieces_keep_the_all_reduce(tmp_path):
 
 
 def test_hf_llama_sharded_by_its_plan_with_replicated_kv(tmp_path):
-    pytest.importorskip("transformers", reason="transformers is in the test extra")
     results = run_check(2, ["--model", "hf-llama", "--modes", "eager", "--kv-heads", "1"], tmp_path)
     for r in results:
         m = r["modes"]["eager"]
