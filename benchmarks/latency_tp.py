@@ -76,6 +76,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-timeout-s", type=float, default=None,
                    help="exit with tracebacks in the rank log after this long (set it below the caller's timeout)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="merge result files of several runs (e.g. one with --columns reduce-overhead) into one report")
+    p.add_argument("-o", "--output", default=None, help="output prefix for --merge (default: --out)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU over gloo with simulated CUDA graphs: checks this script's plumbing")
     args = p.parse_args(argv)
@@ -266,6 +269,27 @@ def merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 # Report (CPU-only: tested in tests/test_benchmarks_cpu.py)
 
 
+def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several runs: per (bench, column, batch) the first ok row, else the first
+    row; checks and stats of every run; the environment and config of the first."""
+    if not payloads:
+        raise ValueError("nothing to merge")
+    for i, pl in enumerate(payloads):
+        if pl.get("benchmark") != "latency_tp":
+            raise ValueError(f"input {i} is not a latency_tp result (benchmark={pl.get('benchmark')!r})")
+    chosen: dict[tuple, dict[str, Any]] = {}
+    for pl in payloads:
+        for r in pl["rows"]:
+            key = (r["bench"], r["column"], r["batch"])
+            if key not in chosen or (chosen[key]["status"] != "ok" and r["status"] == "ok"):
+                chosen[key] = r
+    merged = {**payloads[0], "rows": list(chosen.values()),
+              "checks": [c for pl in payloads for c in pl.get("checks", [])],
+              "stats": [st for pl in payloads for st in pl.get("stats", [])],
+              "layers": {k: v for pl in payloads for k, v in pl.get("layers", {}).items()}}
+    return merged
+
+
 def _p50(rows, key, column, batch):
     for r in rows:
         if r["bench"] == key and r["column"] == column and r["batch"] == batch and r["status"] == "ok":
@@ -374,6 +398,10 @@ def write_outputs(payload: dict[str, Any], prefix: str, no_plot: bool, log) -> s
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        merged = merge_payloads([common.read_json(p) for p in args.merge])
+        print(write_outputs(merged, args.output or args.out, args.no_plot, print), flush=True)
+        return 0
     if not args.cpu_smoke:
         missing = common.cuda_missing_message("latency_tp.py")
         if missing:

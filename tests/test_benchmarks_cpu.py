@@ -451,3 +451,21 @@ def test_latency_tp_merge_ranks_keeps_rank0_numbers_and_any_failure():
 def test_latency_tp_quick_args():
     a = ltp.parse_args(["--quick"])
     assert a.batches == [1, 8] and a.benches == ["llama8b-tp1", "llama8b-tp2"] and "reduce-overhead" not in a.columns
+
+
+def test_latency_tp_merge_takes_measured_rows_over_skipped(tmp_path):
+    first = {"benchmark": "latency_tp", "config": {}, "checks": [], "stats": [], "layers": {"llama8b-tp1": 32},
+             "rows": [_tp_row("llama8b-tp1", "ca-full", 1, 5000.0),
+                      _tp_row("llama8b-tp1", "reduce-overhead", 1, None, status="skipped")]}
+    second = {"benchmark": "latency_tp", "config": {}, "checks": [], "stats": [],
+              "rows": [_tp_row("llama8b-tp1", "reduce-overhead", 1, 5200.0)]}
+    merged = ltp.merge_payloads([first, second])
+    by = {(r["bench"], r["column"]): r for r in merged["rows"]}
+    assert by[("llama8b-tp1", "reduce-overhead")]["p50_us"] == 5200.0 and len(merged["rows"]) == 2
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    common.write_json(pa, first)
+    common.write_json(pb, second)
+    assert ltp.main(["--merge", str(pa), str(pb), "-o", str(tmp_path / "m"), "--no-plot"]) == 0
+    assert "5200 / 5200 / 5200" in (tmp_path / "m.md").read_text()
+    with pytest.raises(ValueError, match="not a latency_tp result"):
+        ltp.merge_payloads([{"benchmark": "latency", "rows": []}])
