@@ -252,7 +252,8 @@ def build_model(name: str, *, max_position: int, layers: int | None, device: str
 class Bench:
     """One model's model, caches, metadata builder and persistent input buffers."""
 
-    def __init__(self, name: str, cells: Sequence[Cell], args, log: common.Log):
+    def __init__(self, name: str, cells: Sequence[Cell], args, log: common.Log, model=None):
+        """``model``: a model built elsewhere (latency_tp.py's sharded ones); default ``build_model``."""
         import torch
 
         import compileattn as ca
@@ -263,7 +264,8 @@ class Bench:
         self.cells = list(cells)
         max_pos = max(c.context + max(1, c.prefill) for c in cells) + 8
         t = time.monotonic()
-        self.model = build_model(name, max_position=max_pos, layers=args.llama_layers if name == "llama" else None)
+        self.model = model if model is not None else build_model(
+            name, max_position=max_pos, layers=args.llama_layers if name == "llama" else None)
         self.dtype = next(self.model.parameters()).dtype
         self.pad_config = ca.CompileConfig(max_capture_size=max(256, max(c.tokens for c in cells)))
         self.max_tokens = max(self.pad_config.padded_num_tokens(c.tokens) for c in cells)
@@ -486,8 +488,10 @@ class CompileattnGroup(Group):
         if mode == "full_and_piecewise":
             _require_capturable(bench, "compileattn full-decode graphs")
         sizes = tuple(int(x) for x in bench.args.compile_sizes.split(",") if x.strip())
+        # piece_compiler: latency_tp.py's CPU smoke run compiles pieces eagerly (seconds, not minutes)
         self.config = ca.CompileConfig(cudagraph_mode=mode, attention_backend=bench.args.backend,
-                                       max_capture_size=bench.pad_config.max_capture_size, compile_sizes=sizes)
+                                       max_capture_size=bench.pad_config.max_capture_size, compile_sizes=sizes,
+                                       piece_compiler=getattr(bench.args, "piece_compiler", "inductor"))
         self.runtimes = RecordingBackend(config=self.config)
         self.fn = ca.compile(make_forward(bench.model), dynamic_arg_dims={"input_ids": 0, "positions": 0},
                              config=self.config, backend=self.runtimes)

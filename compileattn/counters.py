@@ -23,6 +23,11 @@ class Counters:
     cache_hits: int = 0
     #: Pieces looked up in the compile cache and not found.
     cache_misses: int = 0
+    #: Collectives (torch's functional collectives, e.g. tensor-parallel all-reduces) inside compiled
+    #: pieces, so inside their CUDA graphs.
+    collectives_in_pieces: int = 0
+    #: Collectives that ended up in a splitting op's submodule (run eagerly between graphs).
+    collectives_at_splits: int = 0
     #: CUDA graphs captured (one per piece per size in piecewise mode, one per size in full mode).
     cudagraph_captures: int = 0
     #: Forward steps served by replaying CUDA graphs (piecewise or full).

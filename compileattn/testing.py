@@ -99,16 +99,23 @@ class RecordingBackend:
 
 
 @contextlib.contextmanager
-def simulated_cuda_graphs() -> Iterator[None]:
+def simulated_cuda_graphs(reference_capturable: bool = True) -> Iterator[None]:
     """Compiled models made inside the block get CUDA-graph modes on the CPU, with graphs that
     re-run their callable on replay (``compilation.cudagraph.SimulatedGraphPool``): the dispatcher's
     per-step logic (modes, capture and replay counts, padding, 1-token graphs, address checks)
-    runs in CI. Compile and run inside the block."""
+    runs in CI. Compile and run inside the block.
+
+    ``reference_capturable``: the reference backend (the CPU's) counts as capturable inside the
+    block, so full-graph decode steps happen too. A simulated graph re-runs it, so its host reads
+    are harmless; a real graph could not hold it."""
+    from .backends.reference import ReferenceBackend
     from .compilation import cudagraph
 
-    previous = cudagraph.simulating()
+    previous = cudagraph.simulating(), ReferenceBackend.capturable
     cudagraph.simulate(True)
+    ReferenceBackend.capturable = reference_capturable
     try:
         yield
     finally:
-        cudagraph.simulate(previous)
+        cudagraph.simulate(previous[0])
+        ReferenceBackend.capturable = previous[1]

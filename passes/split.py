@@ -25,6 +25,13 @@ def is_splitting_node(node: torch.fx.Node, splitting_ops: Sequence[str]) -> bool
     return any(name in splitting_ops for name in names)
 
 
+def is_collective(node: torch.fx.Node) -> bool:
+    """A functional collective (``_c10d_functional::all_reduce`` etc.), not counting its wait."""
+    return node.op == "call_function" and any(
+        name.startswith("_c10d_functional::") and not name.startswith("_c10d_functional::wait_tensor")
+        for name in op_names(node.target))
+
+
 @dataclasses.dataclass
 class Piece:
     """One submodule of the split graph: a compiled piece, or a lone splitting op run eagerly."""
@@ -33,6 +40,9 @@ class Piece:
     index: int
     is_splitting_op: bool
     module: torch.fx.GraphModule
+
+    def collectives(self) -> int:
+        return sum(is_collective(n) for n in self.module.graph.nodes)
 
 
 def split_graph(

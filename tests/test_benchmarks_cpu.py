@@ -24,6 +24,7 @@ sys.path.insert(0, str(BENCH))
 import common  # noqa: E402
 import decode_attention as dec  # noqa: E402
 import latency as lat  # noqa: E402
+import latency_tp as ltp  # noqa: E402
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 
@@ -405,3 +406,59 @@ def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
                "stats": res["stats"], "probes": []}
     md = lat.render_markdown(payload)
     assert "OPT-125m shape" in md and "n/a" in md
+
+
+# -- latency_tp.py ---------------------------------------------------------------------------------------
+
+
+def _tp_row(bench, column, batch, p50, status="ok", **extra):
+    return {"bench": bench, "tp": 1 if bench.endswith("tp1") else 2, "model": bench.split("-")[0], "kind": "decode",
+            "batch": batch, "context": 1024, "prefill": 0, "tokens": batch, "padded_tokens": batch, "column": column,
+            "status": status, "reason": "" if status == "ok" else "why", "p50_us": p50, "p90_us": p50, "p99_us": p50,
+            **extra}
+
+
+def test_latency_tp_report_ratios_goal_and_failures():
+    rows = [_tp_row("llama8b-tp1", "ca-full", 1, 5000.0), _tp_row("llama8b-tp2", "ca-full", 1, 2800.0, rank1_p50_us=2790.0),
+            _tp_row("llama8b-tp1", "ca-piecewise", 1, 5000.0), _tp_row("llama8b-tp2", "ca-piecewise", 1, 3500.0),
+            _tp_row("llama70b-tp2", "ca-full", 1, None, status="skipped")]
+    payload = {"rows": rows, "config": {"backend": "auto", "context": 1024}, "layers": {"llama8b-tp1": 32},
+               "checks": [{"check": "8B eager TP=2 vs TP=1", "batch": 1, "rel_err": 0.02, "tolerance": 0.1, "ok": True}]}
+    md = ltp.render_markdown(payload)
+    lines = ltp.goal_lines(rows)
+    assert "- ca-full: TP=2 2800 µs / TP=1 5000 µs = 0.56× at batch 1 — MET (goal ≤ 0.6×)." in lines
+    assert "- ca-piecewise: TP=2 3500 µs / TP=1 5000 µs = 0.70× at batch 1 — NOT MET (goal ≤ 0.6×)." in lines
+    assert any(ln.startswith("- reduce-overhead: not checked") for ln in lines)
+    assert "(rank 1 p50 2790)" in md and "| 1 | 0.70 | 0.56 | — |" in md and "llama70b-tp2 ca-full — skipped" in md
+    assert "32 layers, TP=1" in md and "0.02" in md
+
+
+def test_latency_tp_merge_ranks_keeps_rank0_numbers_and_any_failure():
+    ok0, ok1 = _tp_row("x-tp2", "ca-full", 1, 100.0), _tp_row("x-tp2", "ca-full", 1, 90.0)
+    merged = ltp.merge_ranks([ok0, ok1])
+    assert merged["p50_us"] == 100.0 and merged["rank1_p50_us"] == 90.0 and merged["status"] == "ok"
+    bad = ltp.merge_ranks([ok0, _tp_row("x-tp2", "ca-full", 1, None, status="FAILED")])
+    assert bad["status"] == "FAILED" and bad["reason"] == "rank 1: why"
+
+
+def test_latency_tp_quick_args():
+    a = ltp.parse_args(["--quick"])
+    assert a.batches == [1, 8] and a.benches == ["llama8b-tp1", "llama8b-tp2"] and "reduce-overhead" not in a.columns
+
+
+def test_latency_tp_merge_takes_measured_rows_over_skipped(tmp_path):
+    first = {"benchmark": "latency_tp", "config": {}, "checks": [], "stats": [], "layers": {"llama8b-tp1": 32},
+             "rows": [_tp_row("llama8b-tp1", "ca-full", 1, 5000.0),
+                      _tp_row("llama8b-tp1", "reduce-overhead", 1, None, status="skipped")]}
+    second = {"benchmark": "latency_tp", "config": {}, "checks": [], "stats": [],
+              "rows": [_tp_row("llama8b-tp1", "reduce-overhead", 1, 5200.0)]}
+    merged = ltp.merge_payloads([first, second])
+    by = {(r["bench"], r["column"]): r for r in merged["rows"]}
+    assert by[("llama8b-tp1", "reduce-overhead")]["p50_us"] == 5200.0 and len(merged["rows"]) == 2
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    common.write_json(pa, first)
+    common.write_json(pb, second)
+    assert ltp.main(["--merge", str(pa), str(pb), "-o", str(tmp_path / "m"), "--no-plot"]) == 0
+    assert "5200 / 5200 / 5200" in (tmp_path / "m.md").read_text()
+    with pytest.raises(ValueError, match="not a latency_tp result"):
+        ltp.merge_payloads([{"benchmark": "latency", "rows": []}])

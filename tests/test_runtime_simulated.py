@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import compileattn as ca
-from compileattn.backends.reference import ReferenceBackend
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.testing import RecordingBackend, assert_matches_eager, random_step, simulated_cuda_graphs
 
@@ -22,10 +21,9 @@ SIZES = [1, 2, 4, 8, 16, 24, 32]
 
 
 @pytest.fixture
-def simulated_graphs(monkeypatch):
+def simulated_graphs():
     """CUDA-graph modes on a CPU model, with the reference backend standing in for a capturable
     one (a simulated graph re-runs it, so its host reads are harmless)."""
-    monkeypatch.setattr(ReferenceBackend, "capturable", True)
     with simulated_cuda_graphs():
         yield
 

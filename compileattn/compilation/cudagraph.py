@@ -76,7 +76,10 @@ class GraphPool:
         fn(*args)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.handle):
+        # "thread_local": in the default "global" mode an unsafe CUDA call from any other thread
+        # (the NCCL watchdog polling an eager collective's event, under tensor parallelism)
+        # invalidates this capture; Inductor's CUDA-graph trees capture this way for that reason.
+        with torch.cuda.graph(graph, pool=self.handle, capture_error_mode="thread_local"):
             outputs = fn(*args)
         graph.replay()
         elapsed = time.perf_counter() - start

@@ -194,6 +194,8 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
         gm = hoist_shape_logic(gm, config.splitting_ops)
     split_gm, pieces = split_graph(gm, config.splitting_ops)
     counters.pieces += sum(not p.is_splitting_op for p in pieces)
+    counters.collectives_in_pieces += sum(p.collectives() for p in pieces if not p.is_splitting_op)
+    counters.collectives_at_splits += sum(p.collectives() for p in pieces if p.is_splitting_op)
     if config.debug_dump_dir:
         from .debug import dump_graph
 

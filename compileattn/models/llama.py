@@ -65,6 +65,13 @@ class LlamaConfig:
                    head_dim=128, intermediate_size=14336, rope_theta=500000.0, max_position=8192)
         return dataclasses.replace(base, **overrides)
 
+    @classmethod
+    def llama3_70b(cls, **overrides) -> "LlamaConfig":
+        """Llama-3-70B's shapes: GQA 64/8, hidden 8192, FFN 28672 (80 layers: pass num_layers to fit)."""
+        base = cls(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                   head_dim=128, intermediate_size=28672, rope_theta=500000.0, max_position=8192)
+        return dataclasses.replace(base, **overrides)
+
 
 def init_random_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
     """Deterministic random weights: N(0, std) for every Linear/Embedding parameter (biases too, so
@@ -135,16 +142,27 @@ class LlamaAttention(nn.Module):
         k = apply_rope(k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin).reshape(n, self.kv_size)
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
+    def tp_head_layout(self) -> tuple[int, int, int, dict[str, str]]:
+        """For tensor parallelism (``compileattn.parallel.shard``): heads, KV heads, head dim, and
+        what each projection holds (the fused qkv is sharded per part, never as one block)."""
+        return self.num_heads, self.num_kv_heads, self.head_dim, {"qkv_proj": "qkv", "o_proj": "o"}
+
+    def shard_heads(self, shard) -> None:
+        """Hold one rank's heads (``parallel.HeadShard``), once the projections are sharded."""
+        self.num_heads, self.num_kv_heads = shard.local_heads, shard.local_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.attn.spec = shard.spec(self.attn.spec)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        # chunk, not split(intermediate_size): under tensor parallelism the halves are 1/tp as wide.
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -172,6 +190,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Random-weight Llama. ``forward`` -> hidden states; ``compute_logits`` is separate so a driver
     can gather the rows it samples from first (and so it stays out of the compiled graph)."""
+
+    #: Tensor-parallel plan (``compileattn.parallel.shard_model``), as Hugging Face writes one.
+    tp_plan = {"model.layers.*.self_attn.qkv_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+               "model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"}
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0):

@@ -68,6 +68,15 @@ class OPTAttention(nn.Module):
         # split() gives strided column views; the attention op gets dense (tokens, heads*head_dim).
         return self.out_proj(self.attn(q.contiguous(), k.contiguous(), v.contiguous()))
 
+    def tp_head_layout(self) -> tuple[int, int, int, dict[str, str]]:
+        """For tensor parallelism (``compileattn.parallel.shard``): see ``LlamaAttention``."""
+        spec = self.attn.spec
+        return spec.num_heads, spec.num_kv_heads, spec.head_dim, {"qkv_proj": "qkv", "out_proj": "o"}
+
+    def shard_heads(self, shard) -> None:
+        self.attn.spec = shard.spec(self.attn.spec)
+        self.hidden_size = self.attn.spec.num_heads * self.attn.spec.head_dim
+
 
 class OPTDecoderLayer(nn.Module):
     def __init__(self, config: OPTConfig, index: int):
@@ -96,6 +105,9 @@ class OPTModel(nn.Module):
 class OPTForCausalLM(nn.Module):
     """Random-weight OPT with the same driver interface as ``LlamaForCausalLM``; the LM head is tied
     to the token embedding, as in every released OPT."""
+
+    tp_plan = {"model.layers.*.self_attn.qkv_proj": "colwise", "model.layers.*.self_attn.out_proj": "rowwise",
+               "model.layers.*.fc1": "colwise", "model.layers.*.fc2": "rowwise"}
 
     def __init__(self, config: OPTConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0):

@@ -1,0 +1,21 @@
+"""Tensor parallelism over ``torch.distributed``: the TP group, sharding plans, the all-reduce
+kept inside compiled pieces, and a driver whose rank 0 decides every step.
+
+Launch: ``torchrun --nproc-per-node N -m compileattn.parallel.check ...`` (or your script), then
+in each process::
+
+    tp = init_tp()                                   # NCCL on GPUs, gloo on CPUs; warmed up
+    model = shard_model(LlamaForCausalLM(cfg, device=tp.device))   # this rank's heads and columns
+    caches = allocate_kv_caches(model.attention_specs(), ...)      # this rank's KV heads
+
+``group.py`` explains what CUDA-graph capture of NCCL collectives needs and where each point is
+met.
+"""
+from .comm import all_reduce
+from .driver import StepPlan, TPEngine
+from .group import TPGroup, get_tp, init_tp, shutdown_tp
+from .layers import HeadShard, RowParallelLinear
+from .shard import shard_model
+
+__all__ = ["HeadShard", "RowParallelLinear", "StepPlan", "TPEngine", "TPGroup", "all_reduce", "get_tp",
+           "init_tp", "shard_model", "shutdown_tp"]

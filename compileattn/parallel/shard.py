@@ -1,0 +1,195 @@
+"""Shard a model in place for tensor parallelism, following a plan of module-path patterns.
+
+A plan maps module paths to styles, as Hugging Face's ``config.base_model_tp_plan`` does:
+``{"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise", ...}``
+(``*`` stands for one path component). Styles:
+
+- ``colwise``: keep this rank's output rows. For a projection of an attention module the rows are
+  heads: a query projection keeps the rank's query heads, a key/value projection its KV heads
+  (``layers.HeadShard``: replicated when there are fewer KV heads than ranks), and a fused
+  ``qkv`` projection keeps the rank's slice of q, of k and of v, never a slice of the
+  concatenation. Any other linear keeps an even 1/tp of its rows.
+- ``packed_colwise``: a fused ``gate|up`` projection: each half sharded evenly.
+- ``rowwise``: keep the matching input columns; becomes a ``RowParallelLinear`` (all-reduce,
+  then bias).
+- ``replicated``, ``replicated_with_grad_allreduce``: left whole (inference has no gradients).
+
+Any other style (vocab-parallel embeddings, MoE experts, sequence parallelism) is refused with
+a ``ValueError`` rather than run wrongly. Embeddings and the LM head stay replicated.
+
+Attention modules are recognised two ways: compileattn's own (``tp_head_layout()`` /
+``shard_heads()``, see ``models/llama.py``), or Hugging Face's (``q_proj``/``k_proj``/``v_proj``/
+``o_proj`` linears, ``head_dim``, and head counts in ``config``); after sharding, each learns its
+local head counts so its forward and ``attention_specs()`` describe this rank's heads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from .group import TPGroup, get_tp
+from .layers import HeadShard, even_rows, head_rows, row_parallel, shard_columns_out
+
+STYLES = ("colwise", "packed_colwise", "rowwise", "replicated", "replicated_with_grad_allreduce")
+_NOOP_STYLES = ("replicated", "replicated_with_grad_allreduce")
+_HF_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
+
+
+@dataclasses.dataclass
+class _Attention:
+    """An attention module whose projections are being sharded."""
+
+    path: str
+    module: nn.Module
+    heads: HeadShard
+    head_dim: int
+    #: child name -> role: "q", "k", "v", "qkv" (fused) or "o"
+    roles: dict[str, str]
+    sharded: set[str] = dataclasses.field(default_factory=set)
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
+
+
+def _attention_modules(root: nn.Module, rank: int, tp: int) -> dict[str, _Attention]:
+    found = {}
+    for path, module in root.named_modules():
+        if hasattr(module, "tp_head_layout") and hasattr(module, "shard_heads"):
+            num_heads, num_kv_heads, head_dim, roles = module.tp_head_layout()
+        elif all(isinstance(getattr(module, n, None), nn.Linear) for n in _HF_ROLES) and hasattr(module, "head_dim"):
+            config = getattr(module, "config", None)
+            num_heads = getattr(config, "num_attention_heads", None)
+            num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+            if num_heads is None:
+                continue
+            head_dim, roles = module.head_dim, dict(_HF_ROLES)
+        else:
+            continue
+        found[path] = _Attention(path, module, HeadShard(num_heads, num_kv_heads, rank, tp), head_dim, roles)
+    return found
+
+
+def _rows(role: str | None, linear: nn.Linear, attn: _Attention | None, rank: int, tp: int) -> torch.Tensor:
+    """Output rows a rank keeps of a column-parallel ``linear`` with ``role`` in ``attn``."""
+    if attn is None or role is None:
+        return even_rows(linear.out_features, rank, tp)
+    h, d = attn.heads, attn.head_dim
+    q, kv = h.num_heads * d, h.num_kv_heads * d
+    expected = {"q": q, "k": kv, "v": kv, "qkv": q + 2 * kv}.get(role)
+    if expected is None:
+        raise ValueError(f"{attn.path}: a {role!r} projection cannot be column-parallel")
+    if linear.out_features != expected:
+        raise ValueError(f"{attn.path}: its {role} projection has {linear.out_features} outputs, expected {expected} "
+                         f"({h.num_heads} query / {h.num_kv_heads} KV heads of {d})")
+    if role == "q":
+        return head_rows(h.q_heads, d)
+    if role in ("k", "v"):
+        return head_rows(h.kv_heads, d)
+    return torch.cat([head_rows(h.q_heads, d), head_rows(h.kv_heads, d, q), head_rows(h.kv_heads, d, q + kv)])
+
+
+def _columns(role: str | None, linear: nn.Linear, attn: _Attention | None, rank: int, tp: int) -> torch.Tensor:
+    """Input columns a rank keeps of a row-parallel ``linear``."""
+    if attn is None or role is None:
+        return even_rows(linear.in_features, rank, tp)
+    if role != "o":
+        raise ValueError(f"{attn.path}: a {role!r} projection cannot be row-parallel")
+    h, d = attn.heads, attn.head_dim
+    if linear.in_features != h.num_heads * d:
+        raise ValueError(f"{attn.path}: its output projection takes {linear.in_features} inputs, expected "
+                         f"{h.num_heads * d}")
+    return head_rows(h.q_heads, d)
+
+
+def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPGroup | None = None) -> nn.Module:
+    """Shard ``model`` in place for this rank of ``tp`` (default: ``get_tp()``) and return it.
+
+    ``plan`` defaults to the model's own: ``model.config.base_model_tp_plan`` (Hugging Face, paths
+    from ``model.base_model``) or ``model.tp_plan`` (compileattn's models, paths from the model's
+    root). A one-rank group leaves the model as it is.
+    """
+    tp = tp or get_tp()
+    root = model
+    if plan is None:
+        # Hugging Face first: its models also have a ``tp_plan``, which adds vocab-parallel
+        # embedding and LM head styles; the base model's plan keeps those replicated.
+        plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+        if plan:
+            root = getattr(model, "base_model", model)
+        else:
+            plan = getattr(model, "tp_plan", None)
+        if not plan:
+            raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (neither .tp_plan nor "
+                             f"config.base_model_tp_plan); pass plan=")
+    bad = sorted({style for style in plan.values() if style not in STYLES})
+    if bad:
+        raise ValueError(f"unsupported tensor-parallel style(s) {bad} in the plan; supported: {list(STYLES)}")
+    if getattr(model, "tp_shard", None) is not None:
+        raise ValueError(f"the model is already sharded ({model.tp_shard})")
+    if tp.world_size == 1:
+        return model
+    attentions = _attention_modules(root, tp.rank, tp.world_size)
+    owner = {f"{path}.{child}" if path else child: (attn, role)
+             for path, attn in attentions.items() for child, role in attn.roles.items()}
+    patterns = [(_pattern(p), p, style) for p, style in plan.items()]
+    matched = {p: 0 for p in plan}
+    for name, module in list(root.named_modules()):
+        hits = [(p, style) for rx, p, style in patterns if rx.fullmatch(name)]
+        if not hits:
+            continue
+        if len(hits) > 1:
+            raise ValueError(f"{name} matches several plan entries: {[p for p, _ in hits]}")
+        pattern, style = hits[0]
+        matched[pattern] += 1
+        if style in _NOOP_STYLES:
+            continue
+        if type(module) is not nn.Linear:
+            raise TypeError(f"{name} ({type(module).__name__}) is planned {style!r}; only nn.Linear can be sharded")
+        attn, role = owner.get(name, (None, None))
+        if style == "colwise":
+            shard_columns_out(module, _rows(role, module, attn, tp.rank, tp.world_size))
+        elif style == "packed_colwise":
+            half = module.out_features // 2
+            if role is not None or module.out_features % 2:
+                raise ValueError(f"{name}: packed_colwise needs a fused projection of two equal halves (gate|up)")
+            shard_columns_out(module, torch.cat([even_rows(half, tp.rank, tp.world_size),
+                                                 even_rows(half, tp.rank, tp.world_size, half)]))
+        else:  # rowwise
+            parent, _, child = name.rpartition(".")
+            replacement = row_parallel(module, _columns(role, module, attn, tp.rank, tp.world_size), tp.group_name)
+            setattr(root.get_submodule(parent) if parent else root, child, replacement)
+        if attn is not None:
+            attn.sharded.add(name.rpartition(".")[2])
+    missing = [p for p, n in matched.items() if n == 0 and plan[p] not in _NOOP_STYLES]
+    if missing:
+        raise ValueError(f"plan entries matched no module: {missing}")
+    for attn in attentions.values():
+        if not attn.sharded:
+            continue
+        if attn.sharded != set(attn.roles):
+            raise ValueError(f"{attn.path}: the plan shards {sorted(attn.sharded)} but not "
+                             f"{sorted(set(attn.roles) - attn.sharded)}; an attention's projections shard together")
+        _localize(attn)
+    model.tp_shard = (tp.rank, tp.world_size)
+    return model
+
+
+def _localize(attn: _Attention) -> None:
+    """Tell an attention module that it now holds this rank's heads only."""
+    h = attn.heads
+    if hasattr(attn.module, "shard_heads"):
+        attn.module.shard_heads(h)
+        return
+    # Hugging Face: forward infers head counts from the projections' widths (view(..., -1, head_dim));
+    # what it keeps as attributes must follow.
+    if hasattr(attn.module, "num_key_value_groups"):
+        attn.module.num_key_value_groups = h.local_heads // h.local_kv_heads
+    for name, value in (("num_heads", h.local_heads), ("num_attention_heads", h.local_heads),
+                        ("num_key_value_heads", h.local_kv_heads)):
+        if isinstance(getattr(attn.module, name, None), int):
+            setattr(attn.module, name, value)

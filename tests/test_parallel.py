@@ -1,0 +1,291 @@
+"""Tensor parallelism: which heads each rank keeps, plans and sharding, and TP=N against TP=1 in
+real processes (torchrun, gloo on the CPU; NCCL with real CUDA graphs on two GPUs).
+
+The multi-process tests start ``compileattn.parallel.check`` (or the smoke / benchmark scripts)
+under torchrun with a timeout, so a hang fails the test instead of blocking CI; the check itself
+compares every step with TP=1 and asserts the compile counters, and these tests assert the key
+numbers again from its per-rank JSON.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
+from compileattn.models.opt import OPTConfig, OPTForCausalLM
+from compileattn.parallel import HeadShard, RowParallelLinear, TPGroup, init_tp, shard_model
+from compileattn.parallel.group import NCCL_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_tp(rank: int, world: int) -> TPGroup:
+    """A group for sharding alone (no collective runs): only its name is read."""
+    return TPGroup(rank, world, torch.device("cpu"), group=types.SimpleNamespace(group_name="fake"))
+
+
+# -- heads --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads,kv,tp", [(32, 8, 2), (32, 8, 8), (64, 8, 4), (4, 2, 4), (8, 1, 2), (8, 2, 8),
+                                         (12, 12, 4), (16, 4, 16)])
+def test_each_rank_keeps_the_kv_heads_its_query_heads_use(heads, kv, tp):
+    group = heads // kv
+    seen_q = []
+    for rank in range(tp):
+        s = HeadShard(heads, kv, rank, tp)
+        assert len(s.q_heads) == s.local_heads == heads // tp
+        assert len(s.kv_heads) == s.local_kv_heads == max(kv // tp, 1)
+        # every query head of this rank attends with a KV head this rank keeps, at the same local
+        # group position as in the unsharded layer (local GQA maps local q i to local kv i // g)
+        local_group = s.local_heads // s.local_kv_heads
+        for i, q in enumerate(s.q_heads):
+            assert q // group in s.kv_heads
+            assert s.kv_heads[i // local_group] == q // group
+        seen_q += list(s.q_heads)
+    assert seen_q == list(range(heads))
+
+
+@pytest.mark.parametrize("heads,kv,tp,match", [(6, 2, 4, "num_heads"), (12, 6, 4, "num_kv_heads"),
+                                               (12, 4, 6, "multiple of num_kv_heads"), (8, 3, 2, "divisible")])
+def test_head_layouts_that_cannot_be_sharded_are_refused(heads, kv, tp, match):
+    with pytest.raises(ValueError, match=match):
+        HeadShard(heads, kv, 0, tp)
+
+
+def test_rank_outside_the_group_is_refused():
+    with pytest.raises(ValueError, match="outside"):
+        HeadShard(8, 2, 2, 2)
+
+
+# -- sharding -----------------------------------------------------------------------------------------
+
+
+def test_llama_shards_each_part_of_its_fused_projections():
+    full = LlamaForCausalLM(LlamaConfig.tiny(num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=64,
+                                             intermediate_size=96), seed=0)
+    d, inter = 32, 96
+    w_qkv = full.model.layers[0].self_attn.qkv_proj.weight
+    w_o = full.model.layers[0].self_attn.o_proj.weight
+    w_gu = full.model.layers[0].mlp.gate_up_proj.weight
+    for rank in range(2):
+        m = shard_model(copy.deepcopy(full), tp=fake_tp(rank, 2))
+        attn = m.model.layers[0].self_attn
+        q, k, v = w_qkv[:128], w_qkv[128:192], w_qkv[192:]
+        expected = torch.cat([q[rank * 2 * d:(rank + 1) * 2 * d], k[rank * d:(rank + 1) * d], v[rank * d:(rank + 1) * d]])
+        torch.testing.assert_close(attn.qkv_proj.weight, expected, rtol=0, atol=0)
+        assert isinstance(attn.o_proj, RowParallelLinear) and attn.o_proj.group_name == "fake"
+        torch.testing.assert_close(attn.o_proj.weight, w_o[:, rank * 2 * d:(rank + 1) * 2 * d], rtol=0, atol=0)
+        gate, up = w_gu[:inter], w_gu[inter:]
+        half = inter // 2
+        torch.testing.assert_close(m.model.layers[0].mlp.gate_up_proj.weight,
+                                   torch.cat([gate[rank * half:(rank + 1) * half], up[rank * half:(rank + 1) * half]]),
+                                   rtol=0, atol=0)
+        assert (attn.num_heads, attn.num_kv_heads, attn.q_size, attn.kv_size) == (2, 1, 64, 32)
+        specs = m.attention_specs()
+        assert {(s.num_heads, s.num_kv_heads, s.head_dim) for s in specs.values()} == {(2, 1, 32)}
+        assert specs["model.layers.0.self_attn.attn"].scale == full.attention_specs()["model.layers.0.self_attn.attn"].scale
+        # embeddings and the LM head stay whole
+        assert m.model.embed_tokens.weight.shape == full.model.embed_tokens.weight.shape
+
+
+def test_replicated_kv_head_follows_the_query_heads():
+    full = LlamaForCausalLM(LlamaConfig.tiny(num_heads=4, num_kv_heads=2), seed=0)
+    w = full.model.layers[1].self_attn.qkv_proj.weight
+    k = w[128:192]
+    for rank, kv_head in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        m = shard_model(copy.deepcopy(full), tp=fake_tp(rank, 4))
+        got = m.model.layers[1].self_attn.qkv_proj.weight
+        torch.testing.assert_close(got[32:64], k[kv_head * 32:(kv_head + 1) * 32], rtol=0, atol=0)
+
+
+def test_opt_row_parallel_bias_is_added_once_after_the_sum():
+    full = OPTForCausalLM(OPTConfig.tiny(), seed=0)
+    m = shard_model(copy.deepcopy(full), tp=fake_tp(1, 2))
+    layer = m.model.layers[0]
+    assert isinstance(layer.fc2, RowParallelLinear) and isinstance(layer.self_attn.out_proj, RowParallelLinear)
+    torch.testing.assert_close(layer.fc2.bias, full.model.layers[0].fc2.bias, rtol=0, atol=0)  # whole, not split
+    assert layer.fc1.bias.shape == (full.config.ffn_dim // 2,)
+    assert layer.self_attn.hidden_size == 32 and layer.self_attn.attn.spec.num_heads == 1
+
+
+def test_plan_problems_are_refused_with_the_reason():
+    model = LlamaForCausalLM(LlamaConfig.tiny(), seed=0)
+    with pytest.raises(ValueError, match="embedding_rowwise"):
+        shard_model(copy.deepcopy(model), plan={**model.tp_plan, "model.embed_tokens": "embedding_rowwise"},
+                    tp=fake_tp(0, 2))
+    with pytest.raises(ValueError, match="matched no module"):
+        shard_model(copy.deepcopy(model), plan={**model.tp_plan, "model.layers.*.nope": "colwise"}, tp=fake_tp(0, 2))
+    with pytest.raises(TypeError, match="only nn.Linear"):
+        shard_model(copy.deepcopy(model), plan={"model.norm": "colwise"}, tp=fake_tp(0, 2))
+    partial = {k: v for k, v in model.tp_plan.items() if "o_proj" not in k}
+    with pytest.raises(ValueError, match="shard together"):
+        shard_model(copy.deepcopy(model), plan=partial, tp=fake_tp(0, 2))
+    twice = shard_model(copy.deepcopy(model), tp=fake_tp(0, 2))
+    with pytest.raises(ValueError, match="already sharded"):
+        shard_model(twice, tp=fake_tp(0, 2))
+    with pytest.raises(ValueError, match="no tensor-parallel plan"):
+        shard_model(nn.Sequential(nn.Linear(4, 4)), tp=fake_tp(0, 2))
+
+
+def test_one_rank_leaves_the_model_alone():
+    model = LlamaForCausalLM(LlamaConfig.tiny(), seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert shard_model(model, tp=TPGroup(0, 1, torch.device("cpu"))) is model
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(isinstance(m, RowParallelLinear) for m in model.modules())
+
+
+def test_init_tp_refuses_what_it_cannot_serve(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="tp_size=4 but WORLD_SIZE=2"):
+        init_tp(4, device="cpu")
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with pytest.raises(ValueError, match="TORCH_NCCL_BLOCKING_WAIT"):
+        init_tp(device="cpu")
+
+
+# -- processes ----------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, argv: list[str], log_dir: Path, timeout: float = 240.0) -> tuple[int, str]:
+    """Run ``argv`` (a ``-m module ...`` or script) under torchrun; kill the whole process group on
+    timeout, so a hang fails the test with the ranks' output instead of blocking CI."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(_free_port()), *argv, "--log-dir", str(log_dir)]
+    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(argv)} did not finish in {timeout:.0f} s (a hang?); output:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def run_check(nproc: int, args: list[str], tmp_path: Path, timeout: float = 240.0) -> list[dict]:
+    """The check's verdict per rank; fails the test with the output if any rank failed."""
+    rc, out = torchrun(nproc, ["-m", "compileattn.parallel.check", "--timeout-s", "120", *args], tmp_path, timeout)
+    results = []
+    for rank in range(nproc):
+        lines = [ln for ln in (tmp_path / f"rank{rank}.log").read_text().splitlines() if "TPCHECK " in ln]
+        assert lines, f"rank {rank} reported nothing; output:\n{out[-4000:]}"
+        results.append(json.loads(lines[-1].split("TPCHECK ", 1)[1]))
+    bad = [p for r in results for p in [r.get("error")] + [q for m in r.get("modes", {}).values() for q in m["problems"]]
+           if p]
+    assert rc == 0 and not bad, f"problems: {bad}; output:\n{out[-4000:]}"
+    return results
+
+
+def test_llama_tp2_equals_tp1_eager_compiled_and_with_graphs(tmp_path):
+    results = run_check(2, ["--model", "llama", "--modes", "eager,compiled,piecewise,full_and_piecewise,engine"],
+                        tmp_path)
+    for r in results:
+        assert r["local_heads"] == [[2, 1]]
+        modes = r["modes"]
+        for mode in ("eager", "compiled", "piecewise", "full_and_piecewise"):
+            assert modes[mode]["rel_err_vs_tp1_eager"] <= 1e-5
+            assert modes[mode]["cross_rank_max_abs"] == 0.0  # the all-reduce gives every rank the same sum
+        for mode in ("compiled", "piecewise", "full_and_piecewise"):
+            c = modes[mode]["counters"]
+            # 2 layers x (o_proj, down_proj): every all-reduce inside a piece, none at a split
+            assert (c["collectives_in_pieces"], c["collectives_at_splits"], c["dynamo_graphs"]) == (4, 0, 1)
+        for mode in ("piecewise", "full_and_piecewise"):
+            c = modes[mode]["counters"]
+            assert c["cudagraph_captures"] > 0 and c["cudagraph_replays"] >= 6 and c["eager_steps"] == 1
+        assert modes["full_and_piecewise"]["counters"]["full_graphs"] > 0
+        assert modes["engine"]["steps"] >= 4
+    engines = [{k: r["modes"]["engine"][k] for k in ("steps", "padded_sizes")} for r in results]
+    assert engines[0] == engines[1]
+
+
+def test_opt_tp2_equals_tp1_with_aot_eager_pieces(tmp_path):
+    results = run_check(2, ["--model", "opt", "--modes", "eager,piecewise", "--piece-compiler", "aot_eager"], tmp_path)
+    for r in results:
+        assert r["local_heads"] == [[2, 2]]  # MHA, 4 heads
+        assert r["modes"]["piecewise"]["counters"]["collectives_in_pieces"] == 4
+
+
+@pytest.mark.slow
+def test_inductor_pieces_keep_the_all_reduce(tmp_path):
+    results = run_check(2, ["--model", "llama", "--layers", "1", "--modes", "piecewise", "--piece-compiler",
+                            "inductor"], tmp_path, timeout=400)
+    for r in results:
+        c = r["modes"]["piecewise"]["counters"]
+        assert (c["collectives_in_pieces"], c["collectives_at_splits"], c["backend_compiles"]) == (2, 0, 2)
+        assert r["modes"]["piecewise"]["rel_err_vs_tp1_eager"] <= 1e-5
+
+
+def test_hf_llama_sharded_by_its_plan_with_replicated_kv(tmp_path):
+    results = run_check(2, ["--model", "hf-llama", "--modes", "eager", "--kv-heads", "1"], tmp_path)
+    for r in results:
+        m = r["modes"]["eager"]
+        # 4 query heads, 1 KV head: each rank keeps 2 query heads and the (replicated) KV head
+        assert (m["local_q_rows"], m["local_kv_rows"], m["num_key_value_groups"]) == (64, 32, 2)
+        assert m["rel_err_vs_tp1_eager"] <= 1e-5
+
+
+def test_llama_tp4_equals_tp1_with_replicated_kv_heads(tmp_path):
+    results = run_check(4, ["--model", "llama", "--modes", "eager,piecewise"], tmp_path, timeout=300)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    for r in results:
+        assert r["local_heads"] == [[1, 1]]  # 4 query heads, 2 KV heads, 4 ranks
+        assert r["modes"]["piecewise"]["counters"]["collectives_in_pieces"] == 4
+        assert r["modes"]["piecewise"]["rel_err_vs_tp1_eager"] <= 1e-5
+
+
+def test_gpu_smoke_script_runs_on_cpu(tmp_path):
+    rc, out = torchrun(2, ["-m", "compileattn.parallel.smoke", "--device", "cpu", "--rounds", "2"], tmp_path, 120)
+    assert rc == 0, out[-4000:]
+    for rank in range(2):
+        assert "smoke: PASSED" in (tmp_path / f"rank{rank}.log").read_text()
+
+
+def test_latency_tp_benchmark_plumbing_on_cpu(tmp_path):
+    """The benchmark's rank coordination (rank 0's budget decisions, TP=1 on rank 0 alone, rows
+    merged over ranks, the TP=2-vs-TP=1 check) on tiny shapes with simulated graphs."""
+    rc, out = torchrun(2, ["benchmarks/latency_tp.py", "--cpu-smoke", "--benches", "llama8b-tp1,llama8b-tp2",
+                           "--batches", "2", "--steps", "2", "--warmup", "1", "--no-plot", "--out",
+                           str(tmp_path / "ltp")], tmp_path, 240)
+    assert rc == 0, out[-4000:]
+    payload = json.loads((tmp_path / "ltp.json").read_text())
+    by = {(r["bench"], r["column"]): r for r in payload["rows"]}
+    assert set(by) == {(b, c) for b in ("llama8b-tp1", "llama8b-tp2") for c in ("ca-piecewise", "ca-full")}
+    assert all(r["status"] == "ok" for r in by.values()), [r["reason"] for r in by.values()]
+    assert by[("llama8b-tp2", "ca-full")]["rank1_p50_us"] > 0 and "rank1_p50_us" not in by[("llama8b-tp1", "ca-full")]
+    assert [c["ok"] for c in payload["checks"]] == [True]
+    assert "TP=2 ÷ TP=1" in (tmp_path / "ltp.md").read_text()
+
+
+@pytest.mark.cuda
+def test_tp2_equals_tp1_bf16_with_real_cuda_graphs(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (run on nvidia-h200-x2: .ci/gpu-tp)")
+    results = run_check(2, ["--device", "cuda", "--dtype", "bfloat16", "--graphs", "real", "--piece-compiler",
+                            "inductor", "--modes", "eager,piecewise,full_and_piecewise,engine", "--heads", "8",
+                            "--kv-heads", "2", "--head-dim", "128", "--hidden", "512"], tmp_path, timeout=400)
+    for r in results:
+        for mode in ("piecewise", "full_and_piecewise"):
+            c = r["modes"][mode]["counters"]
+            assert c["collectives_in_pieces"] == 4 and c["cudagraph_replays"] > 0
+        assert r["modes"]["full_and_piecewise"]["counters"]["full_graphs"] > 0
