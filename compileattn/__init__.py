@@ -18,9 +18,7 @@ _logging.getLogger("compileattn").addHandler(_logging.NullHandler())
 def _register_backend_name() -> None:
     """Also register "compileattn" with Dynamo on import. The entry point covers installed copies;
     this covers a checkout used through PYTHONPATH (as on machines with no package index)."""
-    from torch._dynamo import register_backend
-
-    from ._torch_compat import registered_backends
+    from ._torch_compat import register_backend, registered_backends
 
     if "compileattn" not in registered_backends():
         def compileattn(gm, example_inputs, options=None):

@@ -9,22 +9,32 @@ by name, rather than deep inside a compile.
 from __future__ import annotations
 
 import importlib
+import io
 from typing import Any, Callable
 
 import torch
 
-#: Checked on: 2.11 (the GPU machine's 2.11.0+cu130), 2.12 (source of the release branch), 2.13
+#: Checked on: 2.11 (the GPU machine's 2.11.0+cu130), 2.12 (2.12.0+cu130 wheel, run on the CPU), 2.13
 #: (the CPU machines' 2.13.0+cpu). "dotted.path": what compileattn uses it for.
 PRIVATE_APIS = {
     "torch._dynamo.backends.registry._BACKENDS": "is the backend name registered yet (a PYTHONPATH checkout "
                                                  "has no entry point)",
-    "torch._dynamo.convert_frame.register_bytecode_hook": "the decorator reads the code Dynamo generated",
-    "torch._dynamo.eval_frame._debug_get_cache_entry_list": "the decorator keeps Dynamo's code objects alive",
+    "torch._dynamo.register_backend": "registering the name on import (the entry point covers installed copies)",
+    "torch._dynamo.convert_frame.register_bytecode_hook": "debug dumps of Dynamo's code under torch.compile",
+    "torch._dynamo.config": "enable_aot_compile: torch.compile(...).aot_compile exists only with it on (off by "
+                            "default in 2.11)",
+    "torch._dynamo.aot_compile.AOTCompiledFunction": "what aot_compile returns: .fn (Dynamo's code as a function), "
+                                                     "serialize(), source_info()",
+    "torch._dynamo.aot_compile_types.SerializableCallable": "base of what the backend returns, so aot_compile "
+                                                            "can save it",
+    "torch.fx._graph_pickler.GraphPickler": "saving the split graph in the warm-start artifact",
+    "torch.fx._graph_pickler.Options": "GraphPickler options (custom ops allowed)",
+    "torch._inductor.standalone_compile.AOTCompiledArtifact": "a compiled piece as bytes (aot=True) and back",
+    "torch._inductor.compile_fx": "imported ahead of a warm start (the first artifact load pays Inductor's import)",
     "torch._dynamo.backends.debugging.aot_eager": "piece_compiler='aot_eager'",
     "torch._dynamo.mark_dynamic": "marking the token dim of a step's inputs dynamic (documented, but private)",
     "torch._dynamo.lookup_backend": "@compileattn.compile(backend='inductor') and the like",
     "torch._inductor.standalone_compile": "compiling one piece with Inductor outside Dynamo",
-    "torch._inductor.CompiledArtifact": "saving and loading compiled pieces (the compile cache)",
     "torch._guards.detect_fake_mode": "the fake mode of the graph's example inputs",
     "torch._subclasses.fake_tensor.unset_fake_temporarily": "compiling a piece for static shapes",
     "torch._subclasses.fake_tensor.FakeTensorMode": "fake inputs with every size fixed",
@@ -41,7 +51,7 @@ def resolve(dotted: str) -> Any:
     if obj is not None:
         return obj
     parts = dotted.split(".")
-    for i in range(len(parts) - 1, 0, -1):
+    for i in [*range(len(parts) - 1, 0, -1), len(parts)]:  # the whole path last: a module
         try:
             obj = importlib.import_module(".".join(parts[:i]))
             for attr in parts[i:]:
@@ -61,17 +71,93 @@ def registered_backends() -> dict:
     return resolve("torch._dynamo.backends.registry._BACKENDS")
 
 
+def register_backend(fn: Callable, name: str) -> None:
+    resolve("torch._dynamo.register_backend")(fn, name=name)
+
+
 def register_bytecode_hook(hook: Callable):
     return resolve("torch._dynamo.convert_frame.register_bytecode_hook")(hook)
 
 
-def cache_entry_codes(code) -> list:
-    """Code objects of Dynamo's cache entries for ``code`` ([] if this torch cannot say)."""
+class AotUnsupported(RuntimeError):
+    """This torch cannot trace a function ahead of time (``torch.compile(...).aot_compile``)."""
+
+
+def aot_compile(fn, args: tuple, kwargs: dict, backend):
+    """Dynamo's trace of ``fn(*args, **kwargs)`` handed to ``backend``, with every guard dropped
+    (the caller checks arguments itself), returned as an ``AOTCompiledFunction``: nothing is
+    installed on ``fn``'s code object and ``fn`` is not run. ``aot_compile`` exists on the wrapper
+    only if ``enable_aot_compile`` is on when ``torch.compile`` wraps (2.11's default is off)."""
+    with resolve("torch._dynamo.config").patch(enable_aot_compile=True):
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend,
+                                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+    if not hasattr(compiled, "aot_compile"):
+        raise AotUnsupported(f"torch {torch.__version__}'s torch.compile has no aot_compile")
+    aot_fn = compiled.aot_compile((args, kwargs))
+    if not isinstance(aot_fn, resolve("torch._dynamo.aot_compile.AOTCompiledFunction")):
+        raise AotUnsupported(f"torch {torch.__version__}'s aot_compile returned {type(aot_fn).__name__}")
+    return aot_fn
+
+
+def aot_function(aot_fn):
+    """Dynamo's transformed code of an ``AOTCompiledFunction`` as a plain function (no guards)."""
+    return aot_fn.fn
+
+
+def aot_serialize(aot_fn) -> bytes:
+    return type(aot_fn).serialize(aot_fn).serialized_data
+
+
+def aot_load(data: bytes, f_globals: dict):
+    return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
+
+
+def aot_traced_sources(aot_fn) -> list[tuple[str, str]]:
+    """(module name, the module's whole source at save time) of every code object Dynamo traced."""
+    return sorted({(s.module, s.content) for s in aot_fn.source_info().inlined_sources})
+
+
+def serializable_callable_base() -> type:
+    """The class a backend's result must subclass for ``aot_compile`` (``object`` if this torch
+    has none; then aot_compile is unavailable anyway)."""
     try:
-        get = resolve("torch._dynamo.eval_frame._debug_get_cache_entry_list")
+        return resolve("torch._dynamo.aot_compile_types.SerializableCallable")
     except ImportError:
-        return []
-    return [entry.code for entry in get(code)]
+        return object
+
+
+def graph_pickle(gm) -> bytes:
+    options = resolve("torch.fx._graph_pickler.Options")(ops_filter=None)  # custom ops allowed
+    return resolve("torch.fx._graph_pickler.GraphPickler").dumps(gm, options)
+
+
+def graph_unpickle(data: bytes):
+    gm = resolve("torch.fx._graph_pickler.GraphPickler").loads(data, static_fake_mode())
+    gm.recompile()
+    return gm
+
+
+def artifact_bytes(artifact) -> bytes:
+    """A piece compiled with ``standalone_compile(..., aot=True)`` as bytes."""
+    return artifact.serialize()
+
+
+def artifact_from_bytes(data: bytes):
+    return resolve("torch._inductor.standalone_compile.AOTCompiledArtifact").deserialize(data)
+
+
+def artifact_callable(artifact):
+    """The innermost callable of a compiled piece: the artifact's ``__call__`` adds two Python
+    frames per call (AOTCompiledArtifact -> BundledAOTAutogradSerializableCallable -> the
+    compiled function), paid per piece per step."""
+    inner = getattr(artifact, "inner_fn", None)
+    fn = getattr(inner, "compiled_fn", None) if inner is not None else None
+    return fn if callable(fn) else artifact
+
+
+def import_inductor() -> None:
+    """Import what the first compiled-artifact load needs (seconds, once per process)."""
+    resolve("torch._inductor.compile_fx")
 
 
 def mark_dynamic(tensor, dims) -> None:
@@ -88,13 +174,11 @@ def aot_eager(gm, example_inputs):
 
 def standalone_compile(gm, example_inputs, dynamic_shapes: str, options: dict):
     """Inductor on one FX graph: ``dynamic_shapes`` is "from_tracing_context" (the shapes Dynamo
-    traced, symbols included) or "from_example_inputs" (every size as given)."""
+    traced, symbols included) or "from_example_inputs" (every size as given). ``aot=True``: a
+    self-contained artifact with a bytes form (``artifact_bytes``), which the default
+    (``CacheCompiledArtifact``, file only, loads through the on-disk Inductor cache) lacks."""
     return resolve("torch._inductor.standalone_compile")(gm, example_inputs, dynamic_shapes=dynamic_shapes,
-                                                         options=options)
-
-
-def load_compiled_artifact(path: str):
-    return resolve("torch._inductor.CompiledArtifact").load(path=path, format="binary")
+                                                         options=options, aot=True)
 
 
 def detect_fake_mode(example_inputs):

@@ -32,6 +32,12 @@ class ForwardContext:
 
 
 _current: ForwardContext | None = None
+
+#: Identical pieces of different layers share compiled code (compilation/piece_signature.py), so the
+#: KV-write layer names inside a piece are per-piece slots; the dispatcher sets this {slot: layer
+#: name} map before it runs a piece, and ``write_layer_kv`` resolves slots through it.
+PIECE_LAYER_PREFIX = "compileattn:piece_layer:"
+piece_layer_names: Mapping[str, str] = {}
 #: (selector, kv_caches) pairs whose caches were checked against the builder's geometry.
 _checked: dict[int, tuple[object, Mapping[str, KVCache]]] = {}
 

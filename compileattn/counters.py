@@ -19,6 +19,9 @@ class Counters:
     pieces: int = 0
     #: Pieces compiled by the piece compiler (Inductor etc.), not counting cache loads.
     backend_compiles: int = 0
+    #: Piece compiles (dynamic or static) that took the code of an identical earlier piece of the
+    #: same graph instead (compilation/piece_signature.py).
+    piece_reuses: int = 0
     #: Pieces loaded from the compile cache instead of compiled.
     cache_hits: int = 0
     #: Pieces looked up in the compile cache and not found.

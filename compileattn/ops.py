@@ -102,6 +102,8 @@ def attention_impl(query, key, value, output, layer_name):
 
 def write_layer_kv_impl(key, value, layer_name):
     """Runs inside a compiled piece (captured in its CUDA graph): the prepared write."""
+    if layer_name.startswith(context.PIECE_LAYER_PREFIX):  # a shared piece's slot: this piece's layer
+        layer_name = context.piece_layer_names.get(layer_name, layer_name)
     try:
         write = _context().write[layer_name]
     except KeyError:

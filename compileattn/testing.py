@@ -94,7 +94,7 @@ class RecordingBackend:
         from .compilation.backend import compileattn_backend
 
         compiled = compileattn_backend(gm, example_inputs, options=self.options)
-        self.built.append(compiled.__self__)  # the backend returns the dispatcher's bound __call__
+        self.built.append(getattr(compiled, "__self__", compiled))  # a bound __call__ when dumping
         return compiled
 
 

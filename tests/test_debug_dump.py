@@ -58,14 +58,19 @@ def test_dump_dir_holds_decompiled_transformed_forward(tmp_path):
     assert any(f.startswith("full_code_for_forward") for f in files), files
     assert dynamo_patch_state() == before
 
-    # Dispatch now runs depyf's recompiled copy of the transformed code; it must keep working,
-    # also after a Dynamo reset (which drops Dynamo's own reference to that code).
-    torch._dynamo.reset()
-    gc.collect()
+    # A dump compiles through Dynamo's frame evaluation (depyf sees the code only there), with
+    # every guard skipped: other sizes run the same code. A Dynamo reset drops that code; the next
+    # call must raise rather than trace again without the dynamic dims (which would serve every
+    # later size with code specialised to one).
     with torch.no_grad():
         for n in (1, 3, 12):
             x = torch.randn(n, 8)
             torch.testing.assert_close(model(x), eager(x))
+    assert model.forward.compile_stats["path"] == "frame"
+    torch._dynamo.reset()
+    gc.collect()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="fail_on_recompile"):
+        model(torch.randn(4, 8))
 
 
 def test_later_compiles_are_not_dumped_and_still_work(tmp_path):

@@ -115,7 +115,8 @@ def test_backend_by_name():
     for n in (4, 2, 7):
         x = torch.randn(n)
         torch.testing.assert_close(f(x), x.cos() + 1)
-    assert f._site.code is not None  # compiled, dispatching to Dynamo's code
+    assert f.compile_stats["path"] == "cold"  # traced ahead of time, dispatching to Dynamo's code
+    assert f._site.fast is not f.__wrapped__
 
 
 def test_method_decorated_in_class_body_compiles_per_instance():
@@ -309,6 +310,33 @@ def test_dispatch_overhead_is_microseconds():
 
     overhead = statistics.median(per_call(f) - per_call(fast) for _ in range(7))
     assert overhead < 30e-6, f"dispatch overhead {overhead * 1e6:.1f} µs"
+
+
+def test_frame_path_when_aot_compile_is_unavailable(monkeypatch, caplog):
+    """A torch without aot_compile (or a trace it rejects): torch.compile's frame evaluation with every
+    guard skipped, the same argument checks, logged once at INFO with the reason; a Dynamo reset
+    then raises instead of tracing again without the dynamic dims."""
+    from compileattn import _torch_compat
+
+    def unavailable(*args, **kwargs):
+        raise _torch_compat.AotUnsupported("no aot_compile in this test")
+
+    monkeypatch.setattr(_torch_compat, "aot_compile", unavailable)
+    backend = CountingBackend()
+    model, eager = compiled_toy(backend, dynamic_arg_dims={"x": 0, "positions": 0})
+    with caplog.at_level(logging.INFO, logger="compileattn"), torch.no_grad():
+        for n in (4, 1, 9):
+            x, pos = toy_inputs(n)
+            torch.testing.assert_close(model(x, pos), eager(x, pos))
+        with pytest.raises(RecompileError, match=r"'x' dtype changed"):
+            model(*toy_inputs(3, dtype=torch.float64))
+    assert backend.graphs == 1 and model.forward.compile_stats["path"] == "frame"
+    reasons = [r.getMessage() for r in caplog.records if "frame evaluation" in r.getMessage()]
+    assert len(reasons) == 1 and "no aot_compile in this test" in reasons[0]
+    torch.compiler.reset()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="fail_on_recompile"):
+        model(*toy_inputs(5))
+    assert backend.graphs == 1
 
 
 # -- switches, errors, logging -----------------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_runtime_finds_the_token_dimension():
 
     def backend(gm, example_inputs):
         compiled = compileattn_backend(gm, example_inputs, options={"piece_compiler": "eager"})
-        runtime = compiled.__self__
+        runtime = compiled  # the StepDispatcher
         assert runtime.token_count is not None
 
         def call(*args):
@@ -181,7 +181,7 @@ def test_static_compile_sizes_serve_their_token_count():
 
     def backend(gm, example_inputs):
         compiled = compileattn_backend(gm, example_inputs, options={"compile_sizes": (8,)})
-        runtimes.append(compiled.__self__)
+        runtimes.append(compiled)
         return compiled
 
     compiled = torch.compile(model, backend=backend, fullgraph=True)
@@ -202,3 +202,20 @@ def test_static_compile_sizes_serve_their_token_count():
     (runtime,) = runtimes
     assert set(runtime.static) == {p.name for p in runtime.pieces if not p.is_splitting_op}
     assert len(calls) == layers + 1  # the last 8-token step ran every piece's static code
+
+
+def test_identical_pieces_compile_once_and_each_writes_its_own_layer():
+    """The middle pieces of a deep model are one computation on other weights: compiled once,
+    shared. Each still writes its own layer's KV cache (assert_matches_eager compares every cache)."""
+    model = LlamaForCausalLM(LlamaConfig.tiny(num_layers=6), seed=3)
+    caches, builder = _setup(model)
+    compiled = torch.compile(model, backend="compileattn", fullgraph=True)
+    rng = random.Random(4)
+    # 7 pieces: the first, four identical middle ones, the last middle one (it hands no rotary tables
+    # on), the last
+    with ca.counters.expect(dynamo_graphs=1, pieces=7, backend_compiles=4, piece_reuses=3):
+        for _ in range(4):
+            seqs = random_step(rng, num_seqs=rng.randint(1, 5), block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                               max_query_len=7, max_context_len=25)
+            assert_matches_eager(model, compiled, builder, caches, seqs, _inputs(model.config.vocab_size),
+                                 pad_to=sum(s.query_len for s in seqs) + 1)

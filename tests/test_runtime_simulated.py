@@ -86,3 +86,29 @@ def test_every_step_at_a_capture_size_replays_including_one_token_steps(simulate
     full = sum(rt.full_graph_count() for rt in backend.built)
     assert (full > 0) == (mode == "full_and_piecewise")
     assert ca.counters.cudagraph_captures > captures and repeats > 0
+
+
+def test_shared_piece_code_is_captured_per_layer(simulated_graphs):
+    """Identical pieces share compiled code (piece_signature.py); each piece's graphs are captured
+    with its own layers' KV writes, in piecewise and full-graph steps (the caches are compared)."""
+    model = LlamaForCausalLM(LlamaConfig.tiny(num_layers=5, head_dim=64), seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=16)
+    ids_buf, pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long), torch.zeros(MAX_TOKENS, dtype=torch.long)
+
+    def make_inputs(n):
+        ids_buf[:n].random_(0, model.config.vocab_size)
+        pos_buf[:n].random_(0, 200)
+        return ids_buf[:n], pos_buf[:n]
+
+    cfg = ca.CompileConfig(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=SIZES, piece_compiler="eager")
+    compiled = torch.compile(model, backend=RecordingBackend(config=cfg), fullgraph=True)
+    rng = random.Random(2)
+    with ca.counters.expect(dynamo_graphs=1, pieces=6, backend_compiles=4, piece_reuses=2, cudagraph_replays=6):
+        for i in range(6):
+            seqs = random_step(rng, num_seqs=rng.randint(2, 5), block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                               max_query_len=4, max_context_len=60, decode_fraction=1.0 if i % 2 else 0.3)
+            n = sum(s.query_len for s in seqs)
+            assert_matches_eager(model, compiled, builder, caches, seqs, _mark(make_inputs),
+                                 pad_to=cfg.padded_num_tokens(n))

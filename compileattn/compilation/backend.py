@@ -9,9 +9,9 @@ import torch
 def compileattn_backend(gm, example_inputs, options: dict[str, Any] | None = None):
     """torch.compile(model, backend="compileattn", options={...}); see CompileConfig for options.
 
-    Returns the dispatcher's bound ``__call__`` (depyf's dump reads the compiled callable's
-    ``__code__``); the dispatcher itself is ``result.__self__`` (``testing.RecordingBackend``
-    collects them).
+    Returns the ``StepDispatcher`` (a ``SerializableCallable``, so ``aot_compile`` can save it);
+    with ``debug_dump_dir`` set, its bound ``__call__`` instead, because depyf's dump reads the
+    compiled callable's ``__code__`` (the dispatcher is then ``result.__self__``).
     """
     from .. import ops  # noqa: F401  (registers the ops when torch loads us by entry point)
     from ..config import CompileConfig
@@ -26,4 +26,5 @@ def compileattn_backend(gm, example_inputs, options: dict[str, Any] | None = Non
         from .debug import expect_transformed_code
 
         expect_transformed_code(config)
-    return dispatcher.__call__
+        return dispatcher.__call__
+    return dispatcher

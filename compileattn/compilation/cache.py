@@ -1,12 +1,19 @@
-"""The compile cache: compiled pieces saved to disk and loaded by a later process.
+"""The compile caches on disk: where they may live, and the per-piece cache of the backend.
 
-The key covers everything that changes the compiled result: the CompileConfig hash (its
-compile-affecting fields only: kernel choice and CUDA-graph settings are run-time), the Dynamo
-graph's code (which changes with the model), the contents of every source file the graph was
-traced from (found through the nodes' stack traces), the torch version and the environment
-variables that steer Inductor or compileattn. Dynamo still traces in the second process (its
-bytecode transform is not cached); what is skipped is the piece compile, which dominates.
-Pieces are Inductor ``standalone_compile`` artifacts, so only ``piece_compiler="inductor"`` caches.
+Two caches share ``CompileConfig.cache_dir``:
+
+- per piece (``CompileCache``, this module): ``torch.compile(model, backend="compileattn")`` still
+  runs Dynamo in every process, and loads each distinct piece instead of compiling it. The key
+  covers the CompileConfig hash (its compile-affecting fields only: kernel choice and CUDA-graph
+  settings are run-time), the Dynamo graph's code, the contents of every source file the graph was
+  traced from (found through the nodes' stack traces), the torch version and the environment
+  variables that steer Inductor or compileattn; a file per distinct piece and size, named by
+  its signature (``piece_signature.py``).
+- the whole compiled function (``warm_start.py``): ``@compileattn.compile`` loads Dynamo's code and
+  every piece from one file and runs no Dynamo at all.
+
+Loading either runs code (both are pickles), so the directory must be writable by its owner only:
+``secure_dir`` refuses anything else.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,8 +33,46 @@ from ..config import CompileConfig
 
 logger = logging.getLogger("compileattn")
 
-_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE", "COMPILEATTN_", "TRITON_INTERPRET")
+ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE", "COMPILEATTN_", "TRITON_INTERPRET")
 _FILE_RE = re.compile(r'File "([^"]+)", line \d+')
+
+
+def secure_dir(path: str | os.PathLike) -> Path:
+    """``path`` as a directory only this user can write, created (mode 0700) if missing.
+
+    Raises PermissionError for a directory owned by another user or writable by group or others:
+    a cache entry is a pickle, so whoever can write one runs code in every process that loads it.
+    """
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"compile cache_dir {str(path)!r} is not a directory")
+    getuid = getattr(os, "getuid", None)
+    if getuid is not None and st.st_uid != getuid():
+        raise PermissionError(
+            f"compile cache_dir {str(path)!r} is owned by uid {st.st_uid}, not by this user (uid {getuid()}): "
+            f"loading a compile cache runs code, so compileattn only uses a cache directory you own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"compile cache_dir {str(path)!r} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+            f"loading a compile cache runs code, so anyone who can write there could run code in your process; "
+            f"chmod 700 {str(path)!r} or choose another cache_dir")
+    return path
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """A concurrent reader sees the old file or the new one, never half a file."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def environment_key() -> list[str]:
+    """The environment variables that steer Inductor or compileattn, as ``NAME=value`` lines."""
+    return [f"{name}={os.environ[name]}" for name in sorted(os.environ) if name.startswith(ENV_PREFIXES)]
 
 
 def traced_source_files(gm: torch.fx.GraphModule) -> list[str]:
@@ -42,9 +88,8 @@ def cache_key(config: CompileConfig, gm: torch.fx.GraphModule) -> str:
     h.update(config.hash().encode())
     h.update(torch.__version__.encode())
     h.update(gm.code.encode())
-    for name in sorted(os.environ):
-        if name.startswith(_ENV_PREFIXES):
-            h.update(f"{name}={os.environ[name]}".encode())
+    for line in environment_key():
+        h.update(line.encode())
     for path in traced_source_files(gm):
         h.update(path.encode())
         h.update(Path(path).read_bytes())
@@ -52,30 +97,26 @@ def cache_key(config: CompileConfig, gm: torch.fx.GraphModule) -> str:
 
 
 class CompileCache:
-    """One directory per key; one artifact per piece, named by index and the piece's code hash."""
+    """One directory per key; one artifact per distinct piece and size, named by its signature."""
 
     def __init__(self, root: str | os.PathLike, key: str):
-        self.dir = Path(root) / key
+        self.dir = secure_dir(root) / key
         self.key = key
 
-    def _path(self, index: int, piece: torch.fx.GraphModule, size: int | None) -> Path:
-        digest = hashlib.sha256(piece.code.encode()).hexdigest()[:12]
+    def _path(self, signature: str, size: int | None) -> Path:
         shape = "dynamic" if size is None else f"static{size}"
-        return self.dir / f"piece_{index}_{shape}_{digest}.bin"
+        return self.dir / f"piece_{signature}_{shape}.bin"
 
-    def load(self, index: int, piece: torch.fx.GraphModule, size: int | None = None) -> Callable[..., Any] | None:
-        path = self._path(index, piece, size)
+    def load(self, signature: str, size: int | None = None) -> Callable[..., Any] | None:
+        path = self._path(signature, size)
         if not path.exists():
             return None
         try:
-            return _torch_compat.load_compiled_artifact(str(path))
+            return _torch_compat.artifact_from_bytes(path.read_bytes())
         except Exception as exc:  # a corrupt or incompatible entry is a miss, not a crash
             logger.warning("compile cache entry %s unusable (%s); recompiling", path, exc)
             return None
 
-    def save(self, index: int, piece: torch.fx.GraphModule, artifact: Any, size: int | None = None) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self._path(index, piece, size)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        artifact.save(path=str(tmp), format="binary")
-        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+    def save(self, signature: str, artifact: Any, size: int | None = None) -> None:
+        secure_dir(self.dir)
+        write_atomic(self._path(signature, size), _torch_compat.artifact_bytes(artifact))

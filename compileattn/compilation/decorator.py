@@ -1,29 +1,30 @@
-"""``@compileattn.compile``: compile a forward once, then call Dynamo's output without its guards.
+"""``@compileattn.compile``: compile a forward once, then call Dynamo's code without its guards.
 
 A ``torch.compile``'d function evaluates Dynamo's guards on every call: for a model forward, one
 check per parameter and module attribute the trace read, every step. In an LLM serving loop the
 only things that change between steps are the arguments, so this decorator checks exactly those
-itself (dtype, device, ndim, static sizes, non-tensor values) and jumps straight into the code
-Dynamo generated. A change that would have made Dynamo recompile raises ``RecompileError``
-instead: recompiling mid-serving costs seconds and, with CUDA graphs, memory, so it must be loud.
+itself (``argcheck.py``: dtype, device, ndim, static sizes, non-tensor values, grad mode) and jumps
+straight into the code Dynamo generated. A change that would have made Dynamo recompile raises
+``RecompileError`` naming the argument instead: recompiling mid-serving costs seconds and, with
+CUDA graphs, memory, so it must be loud.
 
-How the dispatch works (the idea of vLLM's ``TorchCompileWrapperWithCustomDispatcher``):
+The first call of a site (the function, or one module instance's forward) gets its code one of
+three ways:
 
-1. First call: mark the dynamic dims, then ``torch.compile(fullgraph=True, dynamic=False)`` a copy
-   of the function whose code object is a fresh copy (``code.replace()``) of the original's. The
-   copy gives this compile its own Dynamo cache entry (no other instance's guards can match it and
-   skip the compile) and lets the bytecode hook recognise its frame by identity, with no stack
-   walking into Dynamo's internals; the user's function is never modified.
-2. A bytecode hook (``torch._dynamo.convert_frame.register_bytecode_hook``) records the code
-   object Dynamo produced for that copy: it calls ``__compiled_fn_*`` (the backend's output) with
-   the tensors it reads from the arguments.
-3. Later calls run a function built from that code with the original function's globals (Dynamo
-   installed ``__compiled_fn_*`` and ``__import_*`` there), defaults and closure. Dynamo keeps the
-   arguments, cell and free variables of the original, so the calling convention is unchanged.
-
-Dynamo deletes those globals when the code object it ran is garbage-collected, so the dispatcher
-holds that code object (the hook is registered last, inside depyf's, so it sees the final one)
-and survives ``torch._dynamo.reset()``.
+1. **warm start** (``warm_start.py``): with ``config.cache_dir`` and the default backend, a file a
+   previous process saved under this call's key: no Dynamo, no compile.
+2. **ahead-of-time trace**: ``torch.compile(fn, fullgraph=True, dynamic=False, options=
+   {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}).aot_compile((args, kwargs))`` (the
+   module instance is the first argument of the unbound forward). Dynamo traces once, installs
+   nothing on ``fn``'s code and returns its transformed code as a plain function, which later
+   calls run directly; with a cache dir it is saved for the next process.
+3. **frame path**, when (2) is unavailable: a debug dump (depyf sees Dynamo's code only through
+   frame evaluation), a torch without ``aot_compile``, or a trace ``aot_compile`` rejects (e.g.
+   code without a source file). ``torch.compile`` of a copy of ``fn`` (its own code object, so its
+   own Dynamo cache entry, which no other instance's call can hit) with every guard skipped,
+   called under ``torch.compiler.set_stance("fail_on_recompile")``: no guard can fail, and if
+   Dynamo's cache is reset a call raises instead of silently tracing again. Costs more per call
+   than (1)/(2) (torch.compile's frame-evaluation machinery); logged at INFO with the reason.
 
 Limits, because guards are skipped: everything that is not an argument is frozen at the first
 call: Python globals and non-parameter module attributes the forward reads; shapes, dtypes and
@@ -35,13 +36,12 @@ call (Dynamo specializes sizes 0 and 1; a size-1 first call is refused rather th
 static); later calls may use any size, including 1.
 
 Cost, measured on this repo's 2-core CPU box with a backend whose compiled function does nothing
-(so only dispatch is timed): checking two tensor arguments 2-7 µs; a decorated module call
-~25-40 µs, of which ~10 µs is ``nn.Module.__call__``; the same module under a guarded
-``torch.compile`` 77-135 µs.
+(so only dispatch is timed; ``benchmarks/dispatch_overhead.py``): checking two tensor arguments
+2-7 µs; a decorated module call ~25-40 µs, of which ~10 µs is ``nn.Module.__call__``; the same
+module under a guarded ``torch.compile`` 77-135 µs.
 """
 from __future__ import annotations
 
-import enum
 import functools
 import inspect
 import logging
@@ -57,6 +57,8 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
+from . import warm_start
+from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
 
 log = logging.getLogger("compileattn")
 
@@ -65,280 +67,7 @@ DISABLE_ENV = "COMPILEATTN_DISABLE"
 
 _is_compiling = torch.compiler.is_compiling
 
-
-class RecompileError(RuntimeError):
-    """A call differs from the first one in a way that would have made Dynamo recompile.
-
-    ``@compileattn.compile`` skips Dynamo's guards, so it cannot recompile; the message names the
-    argument and what changed.
-    """
-
-
-# ----------------------------------------------------------------------------------------------
-# What a call looked like: one spec per argument, compared on every later call.
-
-
-class _TensorSpec:
-    __slots__ = ("dtype", "device", "ndim", "shape", "static", "dynamic", "requires_grad", "contiguous")
-
-    def __init__(self, t: torch.Tensor, dynamic: tuple[int, ...] = ()):
-        self.dtype = t.dtype
-        self.device = t.device
-        self.ndim = t.dim()
-        self.shape = tuple(t.shape)
-        self.dynamic = dynamic
-        self.static = tuple((i, s) for i, s in enumerate(self.shape) if i not in dynamic)
-        self.requires_grad = t.requires_grad
-        self.contiguous = t.is_contiguous()
-
-    def matches(self, v: Any) -> bool:
-        # Ordered cheapest-first; ~1-2 µs per tensor on a slow CPU, device being the dearest.
-        if (
-            not isinstance(v, torch.Tensor)
-            or v.dtype is not self.dtype
-            or v.dim() != self.ndim
-            or v.requires_grad is not self.requires_grad
-            or v.device != self.device
-        ):
-            return False
-        if self.static:
-            shape = v.shape
-            for i, s in self.static:
-                if shape[i] != s:
-                    return False
-        return self.contiguous is False or v.is_contiguous()
-
-    def explain(self, v: Any) -> str:
-        if not isinstance(v, torch.Tensor):
-            return f"was a Tensor on the first call, now {type(v).__name__}"
-        if v.dtype is not self.dtype:
-            return f"dtype changed from {self.dtype} to {v.dtype}"
-        if v.device != self.device:
-            return f"device changed from {self.device} to {v.device}"
-        if v.dim() != self.ndim:
-            return f"ndim changed from {self.ndim} to {v.dim()} (shape {self.shape} -> {tuple(v.shape)})"
-        for i, s in self.static:
-            if v.shape[i] != s:
-                return (f"size of static dim {i} changed from {s} to {v.shape[i]} (shape {self.shape} -> "
-                        f"{tuple(v.shape)}; dynamic dims: {list(self.dynamic)})")
-        if v.requires_grad is not self.requires_grad:
-            return f"requires_grad changed from {self.requires_grad} to {v.requires_grad}"
-        return "was contiguous on the first call, now is not"
-
-    def describe(self) -> str:
-        return f"Tensor{self.shape} {self.dtype} on {self.device}"
-
-
-_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-                torch.memory_format, enum.Enum)
-
-
-class _ValueSpec:
-    """Scalars and the like: Dynamo specializes on the value (``dynamic=False``), so must we."""
-
-    __slots__ = ("type", "value")
-
-    def __init__(self, v: Any):
-        self.type = type(v)
-        self.value = v
-
-    def matches(self, v: Any) -> bool:
-        return type(v) is self.type and (v is self.value or v == self.value)
-
-    def explain(self, v: Any) -> str:
-        if type(v) is not self.type:
-            return f"type changed from {self.type.__name__} to {type(v).__name__} (value {v!r})"
-        return f"value changed from {self.value!r} to {v!r}"
-
-    def describe(self) -> str:
-        return repr(self.value)
-
-
-class _TypeSpec:
-    """Opaque objects: Dynamo guards on whatever attributes the trace read, which we cannot know."""
-
-    __slots__ = ("type",)
-
-    def __init__(self, v: Any):
-        self.type = type(v)
-
-    def matches(self, v: Any) -> bool:
-        return type(v) is self.type
-
-    def explain(self, v: Any) -> str:
-        return f"type changed from {self.type.__qualname__} to {type(v).__qualname__}"
-
-    def describe(self) -> str:
-        return f"<{self.type.__qualname__}>"
-
-
-class _SeqSpec:
-    __slots__ = ("type", "items")
-
-    def __init__(self, v: Any, items: list):
-        self.type = type(v)
-        self.items = items
-
-    def matches(self, v: Any) -> bool:
-        if type(v) is not self.type or len(v) != len(self.items):
-            return False
-        for spec, item in zip(self.items, v):
-            if not spec.matches(item):
-                return False
-        return True
-
-    def explain(self, v: Any) -> str:
-        if type(v) is not self.type:
-            return f"type changed from {self.type.__name__} to {type(v).__name__}"
-        if len(v) != len(self.items):
-            return f"length changed from {len(self.items)} to {len(v)}"
-        i = next(i for i, (spec, item) in enumerate(zip(self.items, v)) if not spec.matches(item))
-        return f"item [{i}]: {self.items[i].explain(v[i])}"
-
-    def describe(self) -> str:
-        return f"{self.type.__name__} of {len(self.items)}"
-
-
-class _DictSpec:
-    __slots__ = ("type", "items")
-
-    def __init__(self, v: Mapping, items: dict):
-        self.type = type(v)
-        self.items = items
-
-    def matches(self, v: Any) -> bool:
-        if type(v) is not self.type or len(v) != len(self.items):
-            return False
-        for key, spec in self.items.items():
-            if key not in v or not spec.matches(v[key]):
-                return False
-        return True
-
-    def explain(self, v: Any) -> str:
-        if type(v) is not self.type:
-            return f"type changed from {self.type.__name__} to {type(v).__name__}"
-        if set(v) != set(self.items):
-            return f"keys changed from {sorted(map(repr, self.items))} to {sorted(map(repr, v))}"
-        key = next(k for k, spec in self.items.items() if not spec.matches(v[k]))
-        return f"item [{key!r}]: {self.items[key].explain(v[key])}"
-
-    def describe(self) -> str:
-        return f"{self.type.__name__} of {len(self.items)}"
-
-
-def _spec_of(v: Any, dynamic: tuple[int, ...] = ()):
-    if isinstance(v, torch.Tensor):
-        return _TensorSpec(v, dynamic)
-    if isinstance(v, _VALUE_TYPES):
-        return _ValueSpec(v)
-    if type(v) in (tuple, list, torch.Size) or (isinstance(v, tuple) and hasattr(v, "_fields")):
-        return _SeqSpec(v, [_spec_of(x) for x in v])
-    if type(v) is dict:
-        return _DictSpec(v, {k: _spec_of(x) for k, x in v.items()})
-    return _TypeSpec(v)
-
-
-_SELF = object()  # stands for the bound instance when binding a method's signature
-
-
-class _ArgChecker:
-    """Compares each call's arguments with the first call's, by parameter name.
-
-    Mapping positions and keywords to names needs ``Signature.bind`` (~10 µs), so it is done once
-    per call *layout* (number of positional args + keyword names, in order) and cached as a flat
-    list of (position or keyword, name, spec); a call then costs a dict lookup and one ``matches``
-    per argument. Parameters a layout leaves at their default are compared with the first call
-    once, when the layout is first seen.
-    """
-
-    def __init__(self, sig: inspect.Signature, bound_self: bool, specs: dict[str, Any], grad_enabled: bool):
-        self._sig = sig
-        self._bound_self = bound_self
-        self._specs = specs
-        self._grad_enabled = grad_enabled
-        self._plans: dict[Any, list[tuple[int | str, str, Any]]] = {}
-
-    def check(self, args: tuple, kwargs: dict) -> None:
-        key = (len(args), *kwargs) if kwargs else len(args)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._plan(args, kwargs)
-        for src, name, spec in plan:
-            v = args[src] if src.__class__ is int else kwargs[src]
-            if not spec.matches(v):
-                raise _recompile_error(name, spec.explain(v))
-        if torch.is_grad_enabled() is not self._grad_enabled:
-            raise _recompile_error(
-                None, f"grad mode (torch.is_grad_enabled()) changed from {self._grad_enabled} to "
-                f"{not self._grad_enabled}; use the same torch.no_grad()/inference_mode() as the first call")
-
-    def _plan(self, args: tuple, kwargs: dict) -> list:
-        names = _argument_names(self._sig, self._bound_self, args, kwargs)
-        plan = [(src, name, self._specs[name]) for src, name in names if name in self._specs]
-        unexpected = [name for _, name in names if name not in self._specs]
-        if unexpected:
-            raise _recompile_error(unexpected[0], "was not passed on the first call")
-        passed = {name for _, name in names}
-        for name, spec in self._specs.items():
-            if name in passed:
-                continue
-            param = self._sig.parameters.get(name)
-            if param is None or param.default is inspect.Parameter.empty:
-                raise _recompile_error(name, "was passed on the first call, now missing")
-            if not spec.matches(param.default):
-                raise _recompile_error(name, f"now left at its default ({spec.explain(param.default)})")
-        return plan
-
-
-def _argument_names(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict):
-    """(position or keyword, name) of every argument actually passed; raises the usual TypeError
-    for a call the signature rejects. ``*args`` items are named ``args[i]``, ``**kw`` items
-    ``kw['key']``."""
-    bound = sig.bind(_SELF, *args, **kwargs) if bound_self else sig.bind(*args, **kwargs)
-    names: list[tuple[int | str, str]] = []
-    pos = -1 if bound_self else 0  # index into ``args`` of the next positional parameter
-    for name, value in bound.arguments.items():
-        kind = sig.parameters[name].kind
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            names += [(pos + i, f"{name}[{i}]") for i in range(len(value))]
-            pos += len(value)
-        elif kind is inspect.Parameter.VAR_KEYWORD:
-            names += [(k, f"{name}[{k!r}]") for k in value]
-        elif name in kwargs:
-            names.append((name, name))
-        else:
-            if pos >= 0:
-                names.append((pos, name))
-            pos += 1
-    return names
-
-
-def _all_arguments(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """name -> value of every parameter (defaults applied; ``*args``/``**kw`` items flattened)."""
-    bound = sig.bind(_SELF, *args, **kwargs) if bound_self else sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    out: dict[str, Any] = {}
-    for i, (name, value) in enumerate(bound.arguments.items()):
-        kind = sig.parameters[name].kind
-        if bound_self and i == 0:
-            continue
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            out.update({f"{name}[{j}]": v for j, v in enumerate(value)})
-        elif kind is inspect.Parameter.VAR_KEYWORD:
-            out.update({f"{name}[{k!r}]": v for k, v in value.items()})
-        else:
-            out[name] = value
-    return out
-
-
-def _recompile_error(name: str | None, what: str) -> RecompileError:
-    subject = f"argument {name!r} " if name is not None else ""
-    return RecompileError(
-        f"compileattn.compile: {subject}{what}. This would make Dynamo recompile, but "
-        f"@compileattn.compile dispatches without Dynamo's guards and does not recompile: call it as on "
-        f"the first call, list the varying dim in dynamic_arg_dims, or compile a separate instance for "
-        f"this variant."
-    )
+__all__ = ["CompiledFunction", "RecompileError", "compile"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,19 +144,72 @@ def _mark_dynamic(values: Mapping[str, Any], dims: Mapping[str, tuple[int, ...]]
 # One compile site: the function itself, or one instance's bound method.
 
 
+class _UnsavedCallable(_torch_compat.serializable_callable_base()):
+    """A backend result that is not a ``SerializableCallable`` (a test's or a debugging backend's
+    function), wrapped so ``aot_compile`` accepts it; it cannot be saved."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn):
+        raise TypeError(f"the backend returned {type(fn.fn).__name__}, which cannot be saved")
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data):
+        raise TypeError("nothing of this kind is ever saved")
+
+
+class _TimedBackend:
+    """The backend, timed, remembering what it returned (the compileattn backend's dispatchers)."""
+
+    def __init__(self, backend: Callable, wrap: bool):
+        self.backend = backend
+        self.wrap = wrap  # for aot_compile: make every result a SerializableCallable
+        self.seconds = 0.0
+        self.results: list = []
+        self.failed = False
+
+    def __call__(self, gm, example_inputs):
+        start = time.perf_counter()
+        try:
+            out = self.backend(gm, example_inputs)
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            self.seconds += time.perf_counter() - start
+        self.results.append(out)
+        if self.wrap and not isinstance(out, _torch_compat.serializable_callable_base()):
+            return _UnsavedCallable(out)
+        return out
+
+    def dispatchers(self) -> list:
+        from .dispatch import StepDispatcher
+
+        found = [getattr(r, "__self__", r) for r in self.results]
+        return [d for d in found if isinstance(d, StepDispatcher)]
+
+    def static_seconds(self) -> float:
+        return sum(d.compiled.static_seconds for d in self.dispatchers())
+
+
 class _Site:
     """Compiled state for one function or one module instance. ``fast`` is None until compiled."""
 
-    __slots__ = ("owner", "bound", "fast", "checker", "code", "pins", "stats")
+    __slots__ = ("owner", "bound", "fast", "checker", "stats", "runtimes", "bound_call")
 
     def __init__(self, owner: "CompiledFunction", bound: bool):
         self.owner = owner
         self.bound = bound  # calls carry the instance as first argument, excluded from the checks
         self.fast: Callable | None = None
-        self.checker: _ArgChecker | None = None
-        self.code: types.CodeType | None = None  # the transformed code; holds Dynamo's globals alive
-        self.pins: list = []
-        self.stats: dict[str, float] = {}  # seconds of the compile: total, Dynamo, backend
+        self.checker: ArgChecker | None = None
+        self.stats: dict[str, Any] = {}
+        self.runtimes: list = []  # the compileattn backend's StepDispatchers, compiled or loaded
+        self.bound_call: BoundCompiledFunction | None = None
 
     def call(self, full_args: tuple, args: tuple, kwargs: dict):
         fast = self.fast
@@ -442,7 +224,7 @@ class _Site:
 
     def _compile(self, full_args: tuple, args: tuple, kwargs: dict):
         owner = self.owner
-        fn = owner._fn
+        fn, config = owner._fn, owner._config
         what = f"{type(full_args[0]).__qualname__}.{fn.__name__}" if self.bound else fn.__qualname__
         if owner._disabled():
             log.info("compileattn: compile of %s disabled (%s=1 or config.disable); running eagerly",
@@ -450,70 +232,113 @@ class _Site:
             self.fast = fn
             return fn(*full_args, **kwargs)
 
-        values = _all_arguments(owner._sig, self.bound, args, kwargs)
+        values = all_arguments(owner._sig, self.bound, args, kwargs)
         dynamic = _mark_dynamic(values, owner._dynamic_arg_dims)
-        specs = {name: _spec_of(v, dynamic.get(name, ())) for name, v in values.items()}
-        checker = _ArgChecker(owner._sig, self.bound, specs, torch.is_grad_enabled())
+        checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
+                                                      for name, v in values.items()}, torch.is_grad_enabled())
+        start = time.perf_counter()
+        path = None
+        if owner._backend is not None and config.cache_dir is not None:
+            log.info("compileattn: %s uses backend %r: no warm start (only the default backend's compile is "
+                     "saved, the cache key cannot describe another)", what, owner._backend)
+        elif config.cache_dir is not None:
+            instance = full_args[:1] if self.bound else ()
+            key = warm_start.key_of(fn, config, dynamic, checker.key(), (*instance, *values.values()))
+            path = warm_start.path_of(config, key)
+            loaded = warm_start.load(path, fn, config, what)
+            if loaded is not None:
+                self.runtimes = loaded.dispatchers
+                stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait}
+                return self._first_call(what, loaded.function, checker, stats, start, full_args, kwargs)
 
-        code_copy = fn.__code__.replace()
-        fn_copy = _function_with_code(fn, code_copy)
-        timings = {"backend": 0.0, "hook": None}
-        backend = _resolve_backend(owner._backend, owner._config)
-
-        dumping = owner._config.debug_dump_dir is not None
-
-        def timed_backend(gm, example_inputs):
-            t = time.perf_counter()
+        backend = _resolve_backend(owner._backend, config)
+        reason = None
+        if config.debug_dump_dir is not None:
+            reason = "debug_dump_dir is set (depyf sees Dynamo's code only through frame evaluation)"
+        elif _torch_compat.serializable_callable_base() is object:
+            reason = f"torch {torch.__version__} has no SerializableCallable"
+        if reason is None:
+            timed = _TimedBackend(backend, wrap=True)
+            import_wait = warm_start.wait_for_inductor()
             try:
-                compiled_fn = backend(gm, example_inputs)
-            finally:
-                timings["backend"] += time.perf_counter() - t
-            if dumping and not hasattr(compiled_fn, "__code__") and hasattr(compiled_fn, "__call__"):
-                # depyf's full_code_for_* summary decompiles every __compiled_fn_* and fails on a
-                # callable object (such as the piecewise runtime); its bound __call__ forwards
-                # __code__ and calls the same thing.
-                compiled_fn = compiled_fn.__call__
-            return compiled_fn
+                aot_fn = _torch_compat.aot_compile(fn, full_args, kwargs, timed)
+            except Exception as exc:
+                if timed.failed:
+                    raise  # the backend itself failed: the frame path would only fail again
+                reason = f"aot_compile failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            else:
+                stats = self._compile_stats(timed, path="cold")
+                stats["import_wait_s"] = import_wait
+                if path is not None and timed.dispatchers():
+                    saved = warm_start.save(path, aot_fn, what)
+                    if saved is not None:
+                        stats["save_s"] = saved
+                self.runtimes = timed.dispatchers()
+                return self._first_call(what, _torch_compat.aot_function(aot_fn), checker, stats, start, full_args,
+                                        kwargs)
+        log.info("compileattn: compiling %s through torch.compile's frame evaluation: %s", what, reason)
+        return self._compile_frame(fn, backend, checker, start, what, full_args, kwargs)
 
-        captured: list[types.CodeType] = []
+    @staticmethod
+    def _compile_stats(timed: _TimedBackend, path: str) -> dict[str, Any]:
+        stats = {"path": path, "backend_s": timed.seconds}
+        if timed.dispatchers():
+            stats["static_s"] = timed.static_seconds()
+        return stats
 
-        def bytecode_hook(old_code, new_code):
-            if old_code is code_copy:
-                captured.append(new_code)
-                timings["hook"] = time.perf_counter()
+    @staticmethod
+    def _total(stats: dict[str, Any], start: float) -> None:
+        """``total_s`` since ``start``; on a compile, ``dynamo_s`` is what the backend and saving
+        did not take (Dynamo's trace, plus the cache-key work)."""
+        stats["total_s"] = time.perf_counter() - start
+        if "backend_s" in stats:
+            stats["dynamo_s"] = (stats["total_s"] - stats["backend_s"] - stats.get("save_s", 0.0)
+                                 - stats.get("import_wait_s", 0.0))
 
+    def _first_call(self, what: str, fast: Callable, checker: ArgChecker, stats: dict[str, Any], start: float,
+                    full_args: tuple, kwargs: dict):
+        """Install ``fast`` and run the first call through it (timed: it includes the first-call
+        work of the compiled code, e.g. CUDA-graph capture)."""
+        self._total(stats, start)
+        self.checker, self.stats, self.fast = checker, stats, fast
+        _log_ready(what, stats)
+        t = time.perf_counter()
+        out = fast(*full_args, **kwargs)
+        stats["first_call_s"] = time.perf_counter() - t
+        return out
+
+    def _compile_frame(self, fn: Callable, backend: Callable, checker: ArgChecker, start: float, what: str,
+                       full_args: tuple, kwargs: dict):
         from . import debug
 
-        start = time.perf_counter()
-        with debug.dump_context(owner._config):
-            # Registered inside depyf's context so it runs after depyf's hook and sees the code
-            # Dynamo will actually keep (depyf swaps in a recompiled, debuggable copy).
-            handle = _torch_compat.register_bytecode_hook(bytecode_hook)
-            try:
-                compiled = torch.compile(fn_copy, fullgraph=True, dynamic=False, backend=timed_backend)
-                out = compiled(*full_args, **kwargs)
-            finally:
-                handle.remove()
-
-        if not captured:
-            # Dynamo did not compile the frame (disabled globally, e.g. TORCHDYNAMO_DISABLE=1):
-            # fall back to the guarded callable, which is then plain eager.
-            log.warning("compileattn: Dynamo produced no code for %s; running it through torch.compile's "
-                        "guarded path", what)
-            self.fast = compiled
-            return out
-        self.code = captured[-1]
-        self.pins = _pin_cache_entry_code(code_copy)
+        timed = _TimedBackend(backend, wrap=False)
+        compiled = torch.compile(_function_with_code(fn, fn.__code__.replace()), fullgraph=True, dynamic=False,
+                                 backend=timed, options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+        with debug.dump_context(self.owner._config):
+            out = compiled(*full_args, **kwargs)
+        if not timed.results:
+            # Dynamo did not compile the frame (disabled globally, e.g. TORCHDYNAMO_DISABLE=1).
+            log.warning("compileattn: Dynamo produced no code for %s; it runs eagerly", what)
+        # The frame path runs the first call inside the compile: it is part of dynamo_s here.
+        self.stats = self._compile_stats(timed, path="frame")
+        self._total(self.stats, start)
+        _log_ready(what, self.stats)
+        self.runtimes = timed.dispatchers()
         self.checker = checker
-        self.fast = _function_with_code(fn, self.code)
-        total = timings["hook"] - start
-        self.stats = {"total_s": total, "dynamo_s": total - timings["backend"], "backend_s": timings["backend"]}
-        log.info(
-            "compileattn: compiled %s in %.2f s (Dynamo %.2f s, backend %.2f s); dynamic dims %s; later "
-            "calls skip Dynamo's guards", what, total, total - timings["backend"],
-            timings["backend"], dynamic or "none",
-        )
+        self.fast = torch.compiler.set_stance("fail_on_recompile")(compiled)
         return out
+
+
+def _log_ready(what: str, stats: dict[str, Any]) -> None:
+    if stats["path"] == "warm":
+        log.info("compileattn: loaded %s in %.2f s (warm start, no Dynamo); later calls skip Dynamo's guards",
+                 what, stats["load_s"])
+        return
+    extra = "".join(f", {name} {stats[key]:.2f} s" for key, name in (("static_s", "of which static-shape pieces"),
+                                                                       ("save_s", "saving")) if key in stats)
+    log.info("compileattn: compiled %s in %.2f s (Dynamo %.2f s, backend %.2f s%s%s); later "
+             "calls skip Dynamo's guards", what, stats["total_s"], stats["dynamo_s"], stats["backend_s"], extra,
+             ", frame path: Dynamo's time includes the first run" if stats["path"] == "frame" else "")
 
 
 def _function_with_code(fn: Callable, code: types.CodeType) -> types.FunctionType:
@@ -521,15 +346,6 @@ def _function_with_code(fn: Callable, code: types.CodeType) -> types.FunctionTyp
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__
     return new
-
-
-def _pin_cache_entry_code(code: types.CodeType) -> list:
-    """Hold the code objects of Dynamo's cache entries for ``code``: Dynamo deletes the globals they
-    use when they are collected, which would strand ours if another hook replaced them after ours."""
-    try:
-        return _torch_compat.cache_entry_codes(code)
-    except Exception:  # noqa: BLE001 (a debug API; pinning is belt and braces)
-        return []
 
 
 def _resolve_backend(backend: Callable | str | None, config: CompileConfig) -> Callable:
@@ -549,9 +365,9 @@ def _resolve_backend(backend: Callable | str | None, config: CompileConfig) -> C
 class CompiledFunction:
     """What ``@compileattn.compile`` returns for a function (and installs as a class's ``forward``).
 
-    A descriptor: looked up on an instance it dispatches per instance (each module instance gets its
-    own compile, since the trace bakes in that instance's attributes); called directly it has one
-    compile for the function.
+    A descriptor: looked up on an instance it gives that instance's ``BoundCompiledFunction``
+    (each module instance gets its own compile, since the trace bakes in that instance's
+    attributes); called directly it has one compile for the function.
     """
 
     def __init__(self, fn: Callable, dynamic_arg_dims: Mapping[str, Any] | None, config: CompileConfig | None,
@@ -574,15 +390,29 @@ class CompiledFunction:
         self._lock = threading.RLock()
         self._site = _Site(self, bound=False)
         self._sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._last: tuple[weakref.ref, _Site] | None = None
+        self._last: BoundCompiledFunction | None = None
+        if self._config.cache_dir is not None and backend is None and not self._disabled():
+            warm_start.preload_inductor()
 
     @property
-    def compile_stats(self) -> dict[str, float]:
-        """Seconds the compile took (``total_s``, ``dynamo_s``: tracing and bytecode, ``backend_s``:
-        compileattn's passes, piece compiles or cache loads); empty before the first call. For a
-        method, the most recently called instance's."""
-        site = self._last[1] if self._last is not None else self._site
+    def compile_stats(self) -> dict[str, Any]:
+        """Where the first call's time went, in seconds; empty before it. ``path``: "warm" (loaded
+        from the cache: ``load_s``), "cold" (``dynamo_s`` tracing, ``backend_s`` compileattn's passes
+        and piece compiles, of which ``static_s`` the static-shape ones; ``save_s`` writing the warm
+        start file) or "frame" (the frame path; its ``dynamo_s`` includes the first run);
+        ``import_wait_s``: waiting for the background import of Inductor (warm: part of ``load_s``);
+        ``total_s`` everything before the first run, ``first_call_s`` the first run itself (with
+        any CUDA-graph capture). For a method, the most recently called instance's (``instance.forward.compile_stats``
+        gives a given instance's)."""
+        site = self._last._site if self._last is not None else self._site
         return dict(site.stats)
+
+    @property
+    def runtimes(self) -> list:
+        """The ``StepDispatcher``s the compileattn backend built or loaded for the most recently called
+        site (graphs, pool, capture time: what tests and benchmarks read)."""
+        site = self._last._site if self._last is not None else self._site
+        return list(site.runtimes)
 
     def _disabled(self) -> bool:
         return os.environ.get(DISABLE_ENV, "0") not in ("", "0") or bool(getattr(self._config, "disable", False))
@@ -595,28 +425,71 @@ class CompiledFunction:
     def __get__(self, obj, objtype=None):
         if obj is None:
             return self
-        return types.MethodType(self._call_bound, obj)
-
-    def _call_bound(self, obj, *args, **kwargs):
-        if _is_compiling():
-            return self._fn(obj, *args, **kwargs)
+        if _is_compiling():  # traced by an outer torch.compile: let it inline the original
+            return types.MethodType(self._fn, obj)
         last = self._last
-        if last is not None and last[0]() is obj:
-            site = last[1]
-        else:
-            site = self._site_for(obj)
-        return site.call((obj, *args), args, kwargs)
+        if last is not None and last._ref() is obj:
+            return last
+        return self._bound_for(obj)
 
-    def _site_for(self, obj) -> _Site:
+    def _bound_for(self, obj) -> "BoundCompiledFunction":
         with self._lock:
             site = self._sites.get(obj)
             if site is None:
                 site = self._sites[obj] = _Site(self, bound=True)
-            self._last = (weakref.ref(obj), site)
-            return site
+                site.bound_call = BoundCompiledFunction(site, obj)
+            self._last = site.bound_call
+            return site.bound_call
 
     def __repr__(self) -> str:
         return f"<compileattn.compile of {self._fn.__qualname__}>"
+
+
+class BoundCompiledFunction:
+    """``instance.forward`` of a compiled class: calls that instance's compile, and reports it
+    (``compile_stats``, ``runtimes``). Holds the instance weakly (its site lives as long as it)."""
+
+    __slots__ = ("_site", "_ref", "__weakref__")
+
+    def __init__(self, site: _Site, obj: Any):
+        self._site = site
+        self._ref = weakref.ref(obj)
+
+    def __call__(self, *args, **kwargs):
+        obj = self._ref()
+        if obj is None:
+            raise ReferenceError(f"{self._site.owner!r}: the instance this forward was bound to no longer exists")
+        if _is_compiling():
+            return self._site.owner._fn(obj, *args, **kwargs)
+        return self._site.call((obj, *args), args, kwargs)
+
+    @property
+    def compile_stats(self) -> dict[str, Any]:
+        """This instance's compile stats (see ``CompiledFunction.compile_stats``)."""
+        return dict(self._site.stats)
+
+    @property
+    def runtimes(self) -> list:
+        return list(self._site.runtimes)
+
+    @property
+    def __self__(self) -> Any:
+        return self._ref()
+
+    @property
+    def __func__(self) -> CompiledFunction:
+        return self._site.owner
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        params = list(self._site.owner._sig.parameters.values())[1:]
+        return self._site.owner._sig.replace(parameters=params)
+
+    def __getattr__(self, name: str) -> Any:  # __name__, __doc__, __wrapped__, ... of the function
+        return getattr(self._site.owner, name)
+
+    def __repr__(self) -> str:
+        return f"<bound compileattn.compile of {self._site.owner._fn.__qualname__} of {self._ref()!r}>"
 
 
 def compile(cls_or_fn: Any = None, *, dynamic_arg_dims: Mapping[str, int | list[int]] | None = None,
@@ -626,7 +499,8 @@ def compile(cls_or_fn: Any = None, *, dynamic_arg_dims: Mapping[str, int | list[
     ``@compileattn.compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})`` on an ``nn.Module``
     class compiles each instance's ``forward`` on its first call; on a function (or a method in a
     class body) it compiles that. ``dynamic_arg_dims=None`` makes dim 0 of every argument annotated
-    ``torch.Tensor`` dynamic. ``backend`` defaults to the compileattn backend with ``config``.
+    ``torch.Tensor`` dynamic. ``backend`` defaults to the compileattn backend with ``config``; with
+    ``config.cache_dir`` set, a later process loads the compile instead (warm start, no Dynamo).
     Later calls that would have made Dynamo recompile raise ``RecompileError``.
     ``COMPILEATTN_DISABLE=1`` (or a config with ``disable=True``) runs eagerly.
     """
@@ -641,8 +515,8 @@ def compile(cls_or_fn: Any = None, *, dynamic_arg_dims: Mapping[str, int | list[
             target.forward = CompiledFunction(forward, dynamic_arg_dims, config, backend, method=True)
             return target
         if isinstance(target, types.MethodType):
-            return types.MethodType(CompiledFunction(target.__func__, dynamic_arg_dims, config, backend,
-                                                     method=True)._call_bound, target.__self__)
+            return CompiledFunction(target.__func__, dynamic_arg_dims, config, backend,
+                                    method=True).__get__(target.__self__)
         return CompiledFunction(target, dynamic_arg_dims, config, backend)
 
     if cls_or_fn is None:

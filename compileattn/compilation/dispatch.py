@@ -10,7 +10,11 @@ mode, ``cudagraph.CUDAGraphWrapper`` only captures, checks and replays):
 - **none**: anything larger, or graphs off: the compiled pieces run as they are.
 
 Static-shape compiles (``CompileConfig.compile_sizes``) replace the dynamic-shape piece for steps
-of exactly that size, in every mode.
+of exactly that size, in every mode. Identical pieces share compiled code; before running one, the
+dispatcher publishes which layers its KV-write slots stand for (``piece_signature.py``).
+
+The dispatcher is what the backend returns to Dynamo, and a ``SerializableCallable``:
+``torch.compile(...).aot_compile`` saves it (``artifact.py``) and a warm start loads it.
 
 Checks, once per step (not per layer): the graph inputs' token count equals the metadata's, and
 (once per set of KV caches) every attention layer the graph calls has a cache of its dtype and
@@ -23,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import context
+from .. import _torch_compat, context
 from ..config import CompileConfig
 from ..counters import counters
 from . import cudagraph
@@ -32,12 +36,13 @@ from .piecewise import CompiledSplit
 logger = logging.getLogger("compileattn")
 
 
-class StepDispatcher:
+class StepDispatcher(_torch_compat.serializable_callable_base()):
     def __init__(self, compiled: CompiledSplit, config: CompileConfig, device: torch.device):
+        self.compiled = compiled
         self.split_gm = compiled.split_gm
         self.config = config
         self.device = device
-        self.token_count = compiled.token_count
+        self.token_count = compiled.token_count()
         self.layers = compiled.layers
         self.static_tokens = next((s.static_tokens for s in compiled.layers.values() if s.static_tokens), None)
         graph_device = "cuda" if cudagraph.simulating() else device.type
@@ -46,7 +51,7 @@ class StepDispatcher:
             raise ValueError(f"cudagraph_mode={config.cudagraph_mode!r} needs CUDA, the graph is on {device}")
         self.capture_sizes = frozenset(config.capture_sizes)
         self.pool = None
-        self.static = compiled.static
+        self.static = {name: compiled.static(name) for name in compiled.signatures if compiled.static_sizes}
         #: the step's token count while the split graph runs, when pieces need it (graphs or static)
         self.current_size: int | None = None
         self.graphs_on = False
@@ -61,11 +66,26 @@ class StepDispatcher:
         for piece in compiled.pieces:
             delattr(self.split_gm, piece.name)  # plain attributes, not submodules: no Module.__call__
             if piece.is_splitting_op:
-                setattr(self.split_gm, piece.name, compiled.splitting_calls[piece.name])
+                setattr(self.split_gm, piece.name, compiled.splitting[piece.name].make(piece.module))
             else:
-                setattr(self.split_gm, piece.name, self._piece_runner(piece.name, compiled.dynamic[piece.name],
-                                                                      self.static.get(piece.name, {})))
+                setattr(self.split_gm, piece.name, self._piece_runner(piece.name, compiled.dynamic(piece.name),
+                                                                      self.static.get(piece.name, {}),
+                                                                      compiled.layer_slots.get(piece.name) or None))
         self._forward = self.split_gm.forward
+
+    # -- saving (torch.compile(...).aot_compile calls these) -----------------------------------
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: "StepDispatcher") -> bytes:
+        from . import artifact
+
+        return artifact.dumps(fn)
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> "StepDispatcher":
+        from . import artifact
+
+        return artifact.loads(data)
 
     # -- wiring ------------------------------------------------------------------------------
 
@@ -74,14 +94,26 @@ class StepDispatcher:
             self.pool = cudagraph.make_pool(self.device)
         return cudagraph.CUDAGraphWrapper(name, fn, self.pool, self.config.check_input_addresses)
 
-    def _piece_runner(self, name: str, fn: Callable[..., Any], static: dict[int, Any]) -> Callable[..., Any]:
+    def _piece_runner(self, name: str, fn: Callable[..., Any], static: dict[int, Any],
+                      slots: dict[str, str] | None) -> Callable[..., Any]:
+        """The callable the split graph calls for a piece. ``slots``: the layers its KV writes
+        stand for, published before the piece runs (and so also when it is captured)."""
         if self.mode == "none" and not static:
-            return fn
+            if slots is None:
+                return fn
+
+            def run_as_layer(*args):
+                context.piece_layer_names = slots
+                return fn(*args)
+
+            return run_as_layer
         graphs = self._graph_wrapper(name, fn) if self.mode != "none" else None
         if graphs is not None:
             self._piece_graphs.append(graphs)
+        names = slots if slots is not None else {}
 
         def run(*args):
+            context.piece_layer_names = names
             size = self.current_size
             if size is None:
                 return fn(*args)

@@ -1,15 +1,18 @@
-"""Piecewise compilation: split the Dynamo graph at attention and compile each piece once.
+"""Piecewise compilation: split the Dynamo graph at attention and compile each distinct piece once.
 
-``compile_piecewise`` is what the ``compileattn`` torch.compile backend returns for a Dynamo graph:
+``split_and_compile`` is what the ``compileattn`` torch.compile backend does with a Dynamo graph:
 
 1. clean-up, KV-write capture and hoist passes, then the split at the splitting ops
    (``compileattn.passes``);
-2. each piece is compiled once for the dynamic token dimension (Inductor's ``standalone_compile``
-   with the shapes of Dynamo's tracing context, or eager/aot_eager for debugging), and for each of
-   ``config.compile_sizes`` with static shapes, or loaded from the compile cache;
+2. the layer names of each piece's KV writes become per-piece slots, and each *distinct* piece
+   (``piece_signature.py``: a transformer's middle layers are one piece on other weights) is
+   compiled once for the dynamic token dimension (Inductor's ``standalone_compile`` with the shapes
+   of Dynamo's tracing context, or eager/aot_eager for debugging), and for each of
+   ``config.resolved_compile_sizes`` with static shapes, or loaded from the compile cache;
 3. each splitting op becomes a direct call (``ops.attend_caller``): the forward-context lookup and
    the layer's prepared kernel call, skipping the dispatcher;
-4. the result goes to a ``StepDispatcher`` (``dispatch.py``), which runs it step by step.
+4. the result (``CompiledSplit``) goes to a ``StepDispatcher`` (``dispatch.py``), which runs it step
+   by step and can be saved whole (``artifact.py``).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from ..counters import counters
 from ..passes import capture_kv_write, cleanup, hoist_shape_logic, split_graph
 from ..passes.split import Piece, is_splitting_node
 from .cache import CompileCache, cache_key
+from .piece_signature import parametrize_layer_names, piece_signature
 
 logger = logging.getLogger("compileattn")
 
@@ -47,48 +51,99 @@ class LayerSignature:
     static_tokens: int | None
 
 
+@dataclasses.dataclass(frozen=True)
+class SplittingCall:
+    """How a splitting-op submodule is run: ``kind`` "attend" / "attention" is a direct call of the
+    layer's prepared kernels with the operands at ``operands`` (``ops.attend_caller``), "module"
+    the submodule's own forward (any other splitting op)."""
+
+    kind: str
+    layer: str | None = None
+    operands: tuple[int, ...] = ()
+    dense: bool = True
+
+    def make(self, module: torch.fx.GraphModule | None) -> Callable[..., Any]:
+        if self.kind == "attend":
+            return ops.attend_caller(self.layer, *self.operands, dense=self.dense)
+        if self.kind == "attention":
+            return ops.attention_caller(self.layer, *self.operands, dense=self.dense)
+        return module.forward
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceCode:
+    """One compiled distinct piece. ``kind``: "inductor" (``artifact`` is an Inductor AOT artifact),
+    "eager" (the piece's GraphModule), "aot_eager" (a callable that cannot be saved)."""
+
+    kind: str
+    artifact: Any
+
+    def callable(self) -> Callable[..., Any]:
+        if self.kind == "inductor":
+            return _torch_compat.artifact_callable(self.artifact)
+        if self.kind == "eager":
+            return self.artifact.forward
+        return self.artifact
+
+
 @dataclasses.dataclass
 class CompiledSplit:
-    """The split graph with its pieces compiled: what the dispatcher runs."""
+    """The split graph with its pieces compiled: what the dispatcher runs, and what a warm start
+    saves (``artifact.py``; every field but ``split_gm``'s submodules and ``pieces`` is plain data
+    or a ``PieceCode``)."""
 
     split_gm: torch.fx.GraphModule
     pieces: list[Piece]
-    #: piece name -> compiled callable for the dynamic token count
-    dynamic: dict[str, Callable[..., Any]]
-    #: piece name -> {token count: callable compiled for exactly that count}
-    static: dict[str, dict[int, Callable[..., Any]]]
-    #: splitting-op piece name -> its direct call
-    splitting_calls: dict[str, Callable[..., Any]]
+    #: (signature, static size or None) -> the compiled code, shared by identical pieces
+    code: dict[tuple[str, int | None], PieceCode]
+    #: compiled piece name -> its signature (its code is ``code[(signature, None)]`` and
+    #: ``code[(signature, size)]`` for each of ``static_sizes``)
+    signatures: dict[str, str]
+    static_sizes: tuple[int, ...]
+    #: compiled piece name -> {slot: layer name} of its KV writes (piece_signature.py)
+    layer_slots: dict[str, dict[str, str]]
+    #: splitting-op piece name -> how it is called
+    splitting: dict[str, SplittingCall]
     #: layer name -> what the graph passes its attention
     layers: dict[str, LayerSignature]
-    #: how to read a step's token count from the graph inputs (None: no symbolic token dim)
-    token_count: Callable[[Sequence[Any]], int] | None
+    #: index of the graph input whose dim 0 is the step's token count (None: no symbolic token dim)
+    token_index: int | None
+    #: seconds the static-shape compiles (or loads) took
+    static_seconds: float = 0.0
+
+    def dynamic(self, name: str) -> Callable[..., Any]:
+        return self.code[(self.signatures[name], None)].callable()
+
+    def static(self, name: str) -> dict[int, Callable[..., Any]]:
+        sig = self.signatures[name]
+        return {size: self.code[(sig, size)].callable() for size in self.static_sizes if (sig, size) in self.code}
+
+    def token_count(self) -> Callable[[Sequence[Any]], int] | None:
+        i = self.token_index
+        return (lambda args: args[i].shape[0]) if i is not None else None
 
 
 def _meta(node) -> Any:
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
 
 
-def _splitting_call(piece: Piece) -> tuple[Callable[..., Any], str | None, LayerSignature | None]:
-    """A plain callable for a splitting-op submodule (the context lookup and the prepared call),
-    the layer name it serves and what it is fed; the submodule's own forward for other ops."""
+def _splitting_call(piece: Piece) -> tuple[SplittingCall, LayerSignature | None]:
+    """How to call a splitting-op submodule, and what its layer is fed."""
     nodes = [n for n in piece.module.graph.nodes if n.op == "call_function"]
     position = {p: i for i, p in enumerate(n for n in piece.module.graph.nodes if n.op == "placeholder")}
     if len(nodes) != 1 or nodes[0].kwargs:
-        return piece.module.forward, None, None
+        return SplittingCall("module"), None
     node = nodes[0]
     if is_splitting_node(node, _ATTEND):
         query, output, _, name = node.args
-        operands = (query, output)
-        make = ops.attend_caller
+        operands, kind = (query, output), "attend"
     elif is_splitting_node(node, _UNIFIED):
         query, key, value, output, name = node.args
-        operands = (query, key, value, output)
-        make = ops.attention_caller
+        operands, kind = (query, key, value, output), "attention"
     else:
-        return piece.module.forward, None, None
+        return SplittingCall("module"), None
     if not isinstance(name, str) or not all(isinstance(a, torch.fx.Node) and a in position for a in operands):
-        return piece.module.forward, None, None
+        return SplittingCall("module"), None
     q, out = _meta(query), _meta(output)
     dense = all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in (q, out))
     signature = None
@@ -96,20 +151,21 @@ def _splitting_call(piece: Piece) -> tuple[Callable[..., Any], str | None, Layer
         tokens = q.shape[0]
         signature = LayerSignature(q.dtype, int(q.shape[1]), int(q.shape[2]),
                                    None if isinstance(tokens, torch.SymInt) else int(tokens))
-    return make(name, *(position[a] for a in operands), dense=dense), name, signature
+    return SplittingCall(kind, name, tuple(position[a] for a in operands), dense), signature
 
 
-def _compile_piece(piece: Piece, args: list[Any], config: CompileConfig, static: bool = False) -> Any:
+def _compile_piece(piece: Piece, args: list[Any], config: CompileConfig, static: bool = False) -> PieceCode:
     """Compile one piece for the dynamic token dim, or (``static``) for the shapes of ``args``."""
     if static:
         with _torch_compat.unset_fake_temporarily():
-            return _torch_compat.standalone_compile(piece.module, args, "from_example_inputs",
-                                                    dict(config.inductor_options))
+            return PieceCode("inductor", _torch_compat.standalone_compile(
+                piece.module, args, "from_example_inputs", dict(config.inductor_options)))
     if config.piece_compiler == "eager":
-        return piece.module.forward
+        return PieceCode("eager", piece.module)
     if config.piece_compiler == "aot_eager":
-        return _torch_compat.aot_eager(piece.module, args)
-    return _torch_compat.standalone_compile(piece.module, args, "from_tracing_context", dict(config.inductor_options))
+        return PieceCode("aot_eager", _torch_compat.aot_eager(piece.module, args))
+    return PieceCode("inductor", _torch_compat.standalone_compile(
+        piece.module, args, "from_tracing_context", dict(config.inductor_options)))
 
 
 def _token_input(fake_args: Sequence[Any]) -> int | None:
@@ -141,46 +197,58 @@ def _static_example_args(args: Sequence[Any], token_symbol, size: int) -> list[A
 
 
 class _PieceCompiler(torch.fx.Interpreter):
-    """Runs the split graph on fake inputs so each piece is compiled with its own input shapes."""
+    """Runs the split graph on fake inputs so each piece is compiled with its own input shapes;
+    a piece identical to an earlier one takes that one's code."""
 
     def __init__(self, split_gm, pieces: list[Piece], config: CompileConfig, cache: CompileCache | None,
-                 token_symbol=None):
+                 token_symbol, static_sizes: tuple[int, ...]):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
         self.config = config
         self.cache = cache
         self.token_symbol = token_symbol
-        self.compiled: dict[str, Any] = {}
-        self.static: dict[str, dict[int, Any]] = {}
+        self.static_sizes = static_sizes
+        self.code: dict[tuple[str, int | None], PieceCode] = {}
+        self.signatures: dict[str, str] = {}
+        self.static_seconds = 0.0
 
     def call_module(self, target, args, kwargs):
         result = super().call_module(target, args, kwargs)
         piece = self.pieces.get(target)
         if piece is not None and not piece.is_splitting_op:
-            self.compiled[target] = self._compile(piece, list(args), None)
-            if self.config.compile_sizes and self.config.piece_compiler == "inductor" and self.token_symbol is not None:
-                self.static[target] = {
-                    size: self._compile(piece, _static_example_args(args, self.token_symbol, size), size)
-                    for size in self.config.compile_sizes}
+            args = list(args)
+            signature = self.signatures[target] = piece_signature(piece.module, args, piece.index)
+            self._once(piece, signature, None, lambda: args)
+            for size in self.static_sizes:
+                self._once(piece, signature, size, lambda size=size: _static_example_args(args, self.token_symbol, size))
         return result
 
-    def _compile(self, piece: Piece, args: list[Any], size: int | None):
+    def _once(self, piece: Piece, signature: str, size: int | None, make_args: Callable[[], list[Any]]) -> None:
+        if (signature, size) in self.code:
+            counters.piece_reuses += 1
+            return
+        start = time.perf_counter()
+        self.code[(signature, size)] = self._compile(piece, signature, make_args(), size)
+        if size is not None:
+            self.static_seconds += time.perf_counter() - start
+
+    def _compile(self, piece: Piece, signature: str, args: list[Any], size: int | None) -> PieceCode:
         use_cache = self.cache is not None and self.config.piece_compiler == "inductor"
         shape = "dynamic shapes" if size is None else f"{size} tokens"
         if use_cache:
-            loaded = self.cache.load(piece.index, piece.module, size)
+            loaded = self.cache.load(signature, size)
             if loaded is not None:
                 counters.cache_hits += 1
                 logger.info("loaded %s (%s) from the compile cache %s", piece.name, shape, self.cache.dir)
-                return loaded
+                return PieceCode("inductor", loaded)
             counters.cache_misses += 1
         start = time.perf_counter()
         compiled = _compile_piece(piece, args, self.config, static=size is not None)
         counters.backend_compiles += 1
-        logger.info("compiled %s (%s) with %s in %.2f s", piece.name, shape, self.config.piece_compiler,
-                    time.perf_counter() - start)
+        logger.info("compiled %s (%s) with %s in %.2f s", piece.name, shape,
+                    "inductor" if size is not None else self.config.piece_compiler, time.perf_counter() - start)
         if use_cache:
-            self.cache.save(piece.index, piece.module, compiled, size)
+            self.cache.save(signature, compiled.artifact, size)
         return compiled
 
 
@@ -193,6 +261,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     if config.hoist_shape_logic:
         gm = hoist_shape_logic(gm, config.splitting_ops)
     split_gm, pieces = split_graph(gm, config.splitting_ops)
+    layer_slots = {p.name: parametrize_layer_names(p.module) for p in pieces if not p.is_splitting_op}
     counters.pieces += sum(not p.is_splitting_op for p in pieces)
     counters.collectives_in_pieces += sum(p.collectives() for p in pieces if not p.is_splitting_op)
     counters.collectives_at_splits += sum(p.collectives() for p in pieces if p.is_splitting_op)
@@ -211,18 +280,24 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in example_inputs]
     token_index = _token_input(fake_args)
     token_symbol = _torch_compat.symbol_of(fake_args[token_index].shape[0]) if token_index is not None else None
-    compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol)
+    device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    static_sizes = config.resolved_compile_sizes(device.type) if token_symbol is not None else ()
+    if static_sizes and config.piece_compiler != "inductor":
+        logger.info("compile_sizes %s ignored: static compiles need piece_compiler='inductor', not %r",
+                    list(static_sizes), config.piece_compiler)
+        static_sizes = ()
+    compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol, static_sizes)
     with fake_mode:
         compiler.run(*fake_args)
 
-    splitting_calls, layers = {}, {}
+    splitting, layers = {}, {}
     for piece in pieces:
         if piece.is_splitting_op:
-            call, layer, signature = _splitting_call(piece)
-            splitting_calls[piece.name] = call
-            if layer is not None and signature is not None:
-                layers[layer] = signature
-    logger.info("%d pieces (%d splitting ops) ready in %.2f s", len(compiler.compiled),
-                sum(p.is_splitting_op for p in pieces), time.perf_counter() - start)
-    return CompiledSplit(split_gm, pieces, compiler.compiled, compiler.static, splitting_calls, layers,
-                         (lambda args, _i=token_index: args[_i].shape[0]) if token_index is not None else None)
+            splitting[piece.name], signature = _splitting_call(piece)
+            if signature is not None:
+                layers[splitting[piece.name].layer] = signature
+    distinct = sum(size is None for _, size in compiler.code)
+    logger.info("%d pieces (%d distinct, %d splitting ops, static sizes %s) ready in %.2f s", len(compiler.signatures),
+                distinct, len(splitting), list(static_sizes) or "none", time.perf_counter() - start)
+    return CompiledSplit(split_gm, pieces, compiler.code, compiler.signatures, static_sizes, layer_slots, splitting,
+                         layers, token_index, compiler.static_seconds)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
+from .. import _torch_compat
 from ..context import set_forward_context
 from ..kv_cache import allocate_kv_caches
 from ..metadata import AttentionMetadata, AttentionMetadataBuilder, SequenceStep
@@ -254,8 +255,8 @@ class Engine:
             ids[n:].zero_()
             pos[n:].zero_()
         if self.mark_dynamic:
-            torch._dynamo.mark_dynamic(ids, 0)
-            torch._dynamo.mark_dynamic(pos, 0)
+            _torch_compat.mark_dynamic(ids, 0)
+            _torch_compat.mark_dynamic(pos, 0)
         self.last_metadata = md
         with torch.no_grad(), set_forward_context(md, self.kv_caches):
             hidden = self.forward(ids, pos)

@@ -1,0 +1,317 @@
+"""What a call of a ``@compileattn.compile`` function looked like, and whether a later call matches.
+
+The compiled code runs with every Dynamo guard dropped (``warm_start``/``decorator``), so this is
+the only check between a call and code traced for the first call: dtype, device, ndim, static
+sizes, requires_grad and contiguity of tensors, values of scalars, strings, dtypes and devices,
+types of other objects, containers item by item, and grad mode. torch's own guard filters cannot
+replace it: ``keep_tensor_guards_unsafe`` checks tensors but not scalar values or grad mode, and
+its failure is a ``RuntimeError`` naming ``L['x']`` from inside the guard manager; a change must
+instead raise ``RecompileError`` naming the argument, before any kernel runs (with no check at all,
+an int32 token-id input ran the code compiled for int64 and aborted the process on the CPU).
+
+``key()`` of each spec is stable text for the warm-start cache key: a second process whose first
+call differs in any checked way must not load code compiled for the first.
+"""
+from __future__ import annotations
+
+import enum
+import inspect
+from typing import Any, Mapping
+
+import torch
+
+
+class RecompileError(RuntimeError):
+    """A call differs from the first one in a way that would have made Dynamo recompile.
+
+    ``@compileattn.compile`` skips Dynamo's guards, so it cannot recompile; the message names the
+    argument and what changed.
+    """
+
+
+# ----------------------------------------------------------------------------------------------
+# What a call looked like: one spec per argument, compared on every later call.
+
+
+class _TensorSpec:
+    __slots__ = ("dtype", "device", "ndim", "shape", "static", "dynamic", "requires_grad", "contiguous")
+
+    def __init__(self, t: torch.Tensor, dynamic: tuple[int, ...] = ()):
+        self.dtype = t.dtype
+        self.device = t.device
+        self.ndim = t.dim()
+        self.shape = tuple(t.shape)
+        self.dynamic = dynamic
+        self.static = tuple((i, s) for i, s in enumerate(self.shape) if i not in dynamic)
+        self.requires_grad = t.requires_grad
+        self.contiguous = t.is_contiguous()
+
+    def matches(self, v: Any) -> bool:
+        # Ordered cheapest-first; ~1-2 µs per tensor on a slow CPU, device being the dearest.
+        if (
+            not isinstance(v, torch.Tensor)
+            or v.dtype is not self.dtype
+            or v.dim() != self.ndim
+            or v.requires_grad is not self.requires_grad
+            or v.device != self.device
+        ):
+            return False
+        if self.static:
+            shape = v.shape
+            for i, s in self.static:
+                if shape[i] != s:
+                    return False
+        return self.contiguous is False or v.is_contiguous()
+
+    def explain(self, v: Any) -> str:
+        if not isinstance(v, torch.Tensor):
+            return f"was a Tensor on the first call, now {type(v).__name__}"
+        if v.dtype is not self.dtype:
+            return f"dtype changed from {self.dtype} to {v.dtype}"
+        if v.device != self.device:
+            return f"device changed from {self.device} to {v.device}"
+        if v.dim() != self.ndim:
+            return f"ndim changed from {self.ndim} to {v.dim()} (shape {self.shape} -> {tuple(v.shape)})"
+        for i, s in self.static:
+            if v.shape[i] != s:
+                return (f"size of static dim {i} changed from {s} to {v.shape[i]} (shape {self.shape} -> "
+                        f"{tuple(v.shape)}; dynamic dims: {list(self.dynamic)})")
+        if v.requires_grad is not self.requires_grad:
+            return f"requires_grad changed from {self.requires_grad} to {v.requires_grad}"
+        return "was contiguous on the first call, now is not"
+
+    def describe(self) -> str:
+        return f"Tensor{self.shape} {self.dtype} on {self.device}"
+
+    def key(self) -> str:
+        return (f"T({self.dtype},{self.device},{self.ndim},{self.static},{self.dynamic},{self.requires_grad},"
+                f"{self.contiguous})")
+
+
+_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+                torch.memory_format, enum.Enum)
+
+
+class _ValueSpec:
+    """Scalars and the like: Dynamo specializes on the value (``dynamic=False``), so must we."""
+
+    __slots__ = ("type", "value")
+
+    def __init__(self, v: Any):
+        self.type = type(v)
+        self.value = v
+
+    def matches(self, v: Any) -> bool:
+        return type(v) is self.type and (v is self.value or v == self.value)
+
+    def explain(self, v: Any) -> str:
+        if type(v) is not self.type:
+            return f"type changed from {self.type.__name__} to {type(v).__name__} (value {v!r})"
+        return f"value changed from {self.value!r} to {v!r}"
+
+    def describe(self) -> str:
+        return repr(self.value)
+
+    def key(self) -> str:
+        return f"V({self.type.__module__}.{self.type.__qualname__},{self.value!r})"
+
+
+class _TypeSpec:
+    """Opaque objects: Dynamo guards on whatever attributes the trace read, which we cannot know."""
+
+    __slots__ = ("type",)
+
+    def __init__(self, v: Any):
+        self.type = type(v)
+
+    def matches(self, v: Any) -> bool:
+        return type(v) is self.type
+
+    def explain(self, v: Any) -> str:
+        return f"type changed from {self.type.__qualname__} to {type(v).__qualname__}"
+
+    def describe(self) -> str:
+        return f"<{self.type.__qualname__}>"
+
+    def key(self) -> str:
+        return f"O({self.type.__module__}.{self.type.__qualname__})"
+
+
+class _SeqSpec:
+    __slots__ = ("type", "items")
+
+    def __init__(self, v: Any, items: list):
+        self.type = type(v)
+        self.items = items
+
+    def matches(self, v: Any) -> bool:
+        if type(v) is not self.type or len(v) != len(self.items):
+            return False
+        for spec, item in zip(self.items, v):
+            if not spec.matches(item):
+                return False
+        return True
+
+    def explain(self, v: Any) -> str:
+        if type(v) is not self.type:
+            return f"type changed from {self.type.__name__} to {type(v).__name__}"
+        if len(v) != len(self.items):
+            return f"length changed from {len(self.items)} to {len(v)}"
+        i = next(i for i, (spec, item) in enumerate(zip(self.items, v)) if not spec.matches(item))
+        return f"item [{i}]: {self.items[i].explain(v[i])}"
+
+    def describe(self) -> str:
+        return f"{self.type.__name__} of {len(self.items)}"
+
+    def key(self) -> str:
+        return f"{self.type.__qualname__}[{','.join(spec.key() for spec in self.items)}]"
+
+
+class _DictSpec:
+    __slots__ = ("type", "items")
+
+    def __init__(self, v: Mapping, items: dict):
+        self.type = type(v)
+        self.items = items
+
+    def matches(self, v: Any) -> bool:
+        if type(v) is not self.type or len(v) != len(self.items):
+            return False
+        for key, spec in self.items.items():
+            if key not in v or not spec.matches(v[key]):
+                return False
+        return True
+
+    def explain(self, v: Any) -> str:
+        if type(v) is not self.type:
+            return f"type changed from {self.type.__name__} to {type(v).__name__}"
+        if set(v) != set(self.items):
+            return f"keys changed from {sorted(map(repr, self.items))} to {sorted(map(repr, v))}"
+        key = next(k for k, spec in self.items.items() if not spec.matches(v[k]))
+        return f"item [{key!r}]: {self.items[key].explain(v[key])}"
+
+    def describe(self) -> str:
+        return f"{self.type.__name__} of {len(self.items)}"
+
+    def key(self) -> str:
+        return f"dict{{{','.join(f'{k!r}:{spec.key()}' for k, spec in self.items.items())}}}"
+
+
+def spec_of(v: Any, dynamic: tuple[int, ...] = ()):
+    if isinstance(v, torch.Tensor):
+        return _TensorSpec(v, dynamic)
+    if isinstance(v, _VALUE_TYPES):
+        return _ValueSpec(v)
+    if type(v) in (tuple, list, torch.Size) or (isinstance(v, tuple) and hasattr(v, "_fields")):
+        return _SeqSpec(v, [spec_of(x) for x in v])
+    if type(v) is dict:
+        return _DictSpec(v, {k: spec_of(x) for k, x in v.items()})
+    return _TypeSpec(v)
+
+
+_SELF = object()  # stands for the bound instance when binding a method's signature
+
+
+class ArgChecker:
+    """Compares each call's arguments with the first call's, by parameter name.
+
+    Mapping positions and keywords to names needs ``Signature.bind`` (~10 µs), so it is done once
+    per call *layout* (number of positional args + keyword names, in order) and cached as a flat
+    list of (position or keyword, name, spec); a call then costs a dict lookup and one ``matches``
+    per argument. Parameters a layout leaves at their default are compared with the first call
+    once, when the layout is first seen.
+    """
+
+    def __init__(self, sig: inspect.Signature, bound_self: bool, specs: dict[str, Any], grad_enabled: bool):
+        self._sig = sig
+        self._bound_self = bound_self
+        self._specs = specs
+        self._grad_enabled = grad_enabled
+        self._plans: dict[Any, list[tuple[int | str, str, Any]]] = {}
+
+    def key(self) -> str:
+        """Stable text of what the first call looked like (part of the warm-start cache key)."""
+        specs = ";".join(f"{name}={spec.key()}" for name, spec in self._specs.items())
+        return f"{specs};grad={self._grad_enabled}"
+
+    def check(self, args: tuple, kwargs: dict) -> None:
+        key = (len(args), *kwargs) if kwargs else len(args)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(args, kwargs)
+        for src, name, spec in plan:
+            v = args[src] if src.__class__ is int else kwargs[src]
+            if not spec.matches(v):
+                raise recompile_error(name, spec.explain(v))
+        if torch.is_grad_enabled() is not self._grad_enabled:
+            raise recompile_error(
+                None, f"grad mode (torch.is_grad_enabled()) changed from {self._grad_enabled} to "
+                f"{not self._grad_enabled}; use the same torch.no_grad()/inference_mode() as the first call")
+
+    def _plan(self, args: tuple, kwargs: dict) -> list:
+        names = _argument_names(self._sig, self._bound_self, args, kwargs)
+        plan = [(src, name, self._specs[name]) for src, name in names if name in self._specs]
+        unexpected = [name for _, name in names if name not in self._specs]
+        if unexpected:
+            raise recompile_error(unexpected[0], "was not passed on the first call")
+        passed = {name for _, name in names}
+        for name, spec in self._specs.items():
+            if name in passed:
+                continue
+            param = self._sig.parameters.get(name)
+            if param is None or param.default is inspect.Parameter.empty:
+                raise recompile_error(name, "was passed on the first call, now missing")
+            if not spec.matches(param.default):
+                raise recompile_error(name, f"now left at its default ({spec.explain(param.default)})")
+        return plan
+
+
+def _argument_names(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict):
+    """(position or keyword, name) of every argument actually passed; raises the usual TypeError
+    for a call the signature rejects. ``*args`` items are named ``args[i]``, ``**kw`` items
+    ``kw['key']``."""
+    bound = sig.bind(_SELF, *args, **kwargs) if bound_self else sig.bind(*args, **kwargs)
+    names: list[tuple[int | str, str]] = []
+    pos = -1 if bound_self else 0  # index into ``args`` of the next positional parameter
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            names += [(pos + i, f"{name}[{i}]") for i in range(len(value))]
+            pos += len(value)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            names += [(k, f"{name}[{k!r}]") for k in value]
+        elif name in kwargs:
+            names.append((name, name))
+        else:
+            if pos >= 0:
+                names.append((pos, name))
+            pos += 1
+    return names
+
+
+def all_arguments(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """name -> value of every parameter (defaults applied; ``*args``/``**kw`` items flattened)."""
+    bound = sig.bind(_SELF, *args, **kwargs) if bound_self else sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    out: dict[str, Any] = {}
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        kind = sig.parameters[name].kind
+        if bound_self and i == 0:
+            continue
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            out.update({f"{name}[{j}]": v for j, v in enumerate(value)})
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            out.update({f"{name}[{k!r}]": v for k, v in value.items()})
+        else:
+            out[name] = value
+    return out
+
+
+def recompile_error(name: str | None, what: str) -> RecompileError:
+    subject = f"argument {name!r} " if name is not None else ""
+    return RecompileError(
+        f"compileattn.compile: {subject}{what}. This would make Dynamo recompile, but "
+        f"@compileattn.compile dispatches without Dynamo's guards and does not recompile: call it as on "
+        f"the first call, list the varying dim in dynamic_arg_dims, or compile a separate instance for "
+        f"this variant."
+    )

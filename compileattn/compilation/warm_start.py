@@ -1,0 +1,219 @@
+"""Warm start of ``@compileattn.compile``: Dynamo's code and every compiled piece from one file.
+
+A cold compile is ``torch.compile(fn, fullgraph=True, dynamic=False, options={"guard_filter_fn":
+skip_all_guards_unsafe}).aot_compile((args, kwargs))``: one Dynamo trace that installs nothing on
+``fn`` and hands back its transformed code as a plain function (``AOTCompiledFunction.fn``), which
+the decorator calls directly behind its own argument check. Its bytes (torch pickles Dynamo's code,
+and the backend's ``StepDispatcher`` saves the split graph and each distinct piece, ``artifact.py``)
+go to ``<cache_dir>/warm_start/<key>.bin``. A later process with the same key loads that file
+(``torch.compiler.load_compiled_function``) and runs no Dynamo, no graph passes and no compile.
+
+The key is computed *before* anything is traced, from what decides the compiled code:
+``key_of`` lists it (config, versions, compileattn's own source, the function, the first call's
+arguments, the model's structure, environment). What the key cannot know in advance is which
+source files Dynamo reads: the file stores every traced module's source, and a loaded entry whose
+sources differ from the current files is not used (``_sources_unchanged``, as vLLM does).
+
+Limits (as for any compile that skips guards): Python globals and non-parameter state the forward
+reads are frozen at the first call *of the process that wrote the file*; the fingerprint catches
+plain attributes of the model's modules (ints, floats, strings, dataclass configs, tensor shapes),
+not values computed at run time elsewhere.
+
+Only the default backend is saved (``backend=None``: compileattn's, with the decorator's config):
+the key cannot describe another backend. Anything that fails here (an unpicklable global, a
+closure holding a module, a file from another GPU or torch) falls back to compiling, logged once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import importlib
+import inspect
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .. import _torch_compat
+from ..config import CompileConfig
+from .cache import environment_key, secure_dir, write_atomic
+
+log = logging.getLogger("compileattn")
+
+#: Bumped when what is saved changes meaning.
+FORMAT = 1
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+
+
+def _plain(value: Any) -> str | None:
+    """Stable text for a module attribute the trace may bake in, None for one that says nothing."""
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
+        return repr(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"Tensor({tuple(value.shape)},{value.dtype},{value.device})"
+    return None
+
+
+def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
+    """The model's structure as text: every submodule's class, plain attributes, hooks, and the
+    name, shape, dtype and device of every parameter and buffer (values are read at each call,
+    shapes and attributes are baked into the trace)."""
+    for name, mod in module.named_modules(remove_duplicate=False):
+        yield f"{name}:{type(mod).__module__}.{type(mod).__qualname__}"
+        for attr, value in sorted(vars(mod).items()):
+            text = None if attr.startswith("_") else _plain(value)
+            if text is not None:
+                yield f" {attr}={text}"
+        hooks = [len(getattr(mod, h, ())) for h in ("_forward_hooks", "_forward_pre_hooks")]
+        if any(hooks):
+            yield f" hooks={hooks}"
+        for kind, tensors in (("p", mod.named_parameters(recurse=False)), ("b", mod.named_buffers(recurse=False))):
+            for pname, t in tensors:
+                yield f" {kind} {pname} {tuple(t.shape)} {t.dtype} {t.device} {t.requires_grad}"
+
+
+_package_digest: str | None = None
+
+
+def _compileattn_source() -> str:
+    """Digest of compileattn's own sources: its passes and piece compiler shape the saved code
+    without being traced by Dynamo."""
+    global _package_digest
+    if _package_digest is None:
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256()
+        files = sorted(Path(d, f) for d, _, names in os.walk(root, followlinks=True)  # compileattn/passes is a link
+                       for f in names if f.endswith(".py"))
+        for path in files:
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+        _package_digest = h.hexdigest()
+    return _package_digest
+
+
+def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, values: Iterable[Any]) -> str:
+    """The cache key of a compile: everything that decides Dynamo's code and the pieces that is
+    known before tracing. ``arguments``: the argument checker's text of the first call;
+    ``values``: the call's argument values (modules among them are fingerprinted)."""
+    code = fn.__code__
+    parts = [
+        f"format={FORMAT}", f"torch={torch.__version__}", f"python={sys.version}",
+        f"compileattn={_compileattn_source()}",
+        f"fn={fn.__module__}.{fn.__qualname__}@{code.co_filename}:{code.co_firstlineno}",
+        f"config={config.hash()}",
+        f"dynamic={sorted(dynamic.items())}", f"arguments={arguments}", *environment_key(),
+    ]
+    for v in values:
+        if isinstance(v, torch.nn.Module):
+            parts.extend(module_fingerprint(v))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def path_of(config: CompileConfig, key: str) -> Path:
+    return secure_dir(secure_dir(config.cache_dir) / "warm_start") / f"{key}.bin"
+
+
+def _sources_unchanged(aot_fn) -> str | None:
+    """None if every module Dynamo traced has the source it had at save time, else the first
+    module that changed."""
+    for module_name, content in _torch_compat.aot_traced_sources(aot_fn):
+        try:
+            module = sys.modules.get(module_name) or importlib.import_module(module_name)
+            current = inspect.getsource(module)
+        except Exception:  # noqa: BLE001 (a module that is gone or has no source file: not the same)
+            return module_name
+        if current != content:
+            return module_name
+    return None
+
+
+@dataclasses.dataclass
+class Loaded:
+    function: Callable[..., Any]
+    dispatchers: list
+    #: seconds of the whole load, and of it waiting for Inductor's import
+    seconds: float
+    import_wait: float
+
+
+def load(path: Path, fn: Callable, config: CompileConfig, what: str) -> Loaded | None:
+    """The saved compile at ``path``, or None (missing, unusable or stale: logged) to compile."""
+    from . import artifact
+
+    if not path.exists():
+        return None
+    start = time.perf_counter()
+    import_wait = wait_for_inductor()
+    try:
+        with artifact.loading(config) as dispatchers:
+            aot_fn = _torch_compat.aot_load(path.read_bytes(), fn.__globals__)
+    except Exception as exc:  # noqa: BLE001 (another torch/GPU, a corrupt file: compile instead)
+        log.warning("compileattn: warm-start cache %s unusable for %s (%s: %s); compiling", path, what,
+                    type(exc).__name__, exc)
+        return None
+    changed = _sources_unchanged(aot_fn)
+    if changed is not None:
+        log.info("compileattn: source of %s changed since %s was saved; compiling %s", changed, path, what)
+        return None
+    return Loaded(_torch_compat.aot_function(aot_fn), dispatchers, time.perf_counter() - start, import_wait)
+
+
+def save(path: Path, aot_fn, what: str) -> float | None:
+    """Write the compile to ``path``; seconds taken, or None when it cannot be saved (logged)."""
+    start = time.perf_counter()
+    try:
+        data = _torch_compat.aot_serialize(aot_fn)
+    except Exception as exc:  # noqa: BLE001 (closure holding a module, unpicklable global, aot_eager pieces)
+        log.info("compileattn: %s compiled but cannot be saved for a warm start (%s: %s)", what,
+                 type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    write_atomic(path, data)
+    log.info("compileattn: saved %s for a warm start to %s (%.1f MB)", what, path, len(data) / 2**20)
+    return time.perf_counter() - start
+
+
+# -- Inductor's import, ahead of time ------------------------------------------------------------
+
+_preload: threading.Thread | None = None
+_preload_lock = threading.Lock()
+
+
+def preload_inductor() -> None:
+    """Start importing Inductor in a background thread (once per process). The first compiled
+    piece a process loads pays Inductor's import: ~2.7 s of the ~3 s warm start measured on the
+    H200 (torch 2.11), so a program that decorates its model before building it and loading
+    weights can overlap the two. ``wait_for_inductor`` joins before any compile or load, so
+    Dynamo and Inductor are never imported from two threads at once."""
+    global _preload
+    with _preload_lock:
+        if _preload is None and "torch._inductor.compile_fx" not in sys.modules:
+            _preload = threading.Thread(target=_import_quietly, name="compileattn-import-inductor", daemon=True)
+            _preload.start()
+
+
+def _import_quietly() -> None:
+    try:
+        _torch_compat.import_inductor()
+    except Exception as exc:  # noqa: BLE001 (the real import, later, raises it where it matters)
+        log.debug("compileattn: background import of Inductor failed: %s", exc)
+
+
+def wait_for_inductor() -> float:
+    """Join the background import if one runs; the seconds waited (what it did not hide)."""
+    thread = _preload
+    if thread is None or not thread.is_alive():
+        return 0.0
+    start = time.perf_counter()
+    thread.join()
+    return time.perf_counter() - start

@@ -1,0 +1,88 @@
+"""When two pieces may share compiled code: equal computations on equal inputs, and nothing the
+canonical text could confuse (compilation/piece_signature.py)."""
+import operator
+
+import torch
+import torch.fx
+
+from compileattn.compilation.piece_signature import canonical_code, parametrize_layer_names, piece_signature
+
+
+def _trace(fn):
+    return torch.fx.symbolic_trace(fn)
+
+
+def test_same_computation_with_other_names_shares():
+    def a(weight_layer_1, x):
+        return torch.relu(x @ weight_layer_1) + 1
+
+    def b(weight_layer_7, h):
+        return torch.relu(h @ weight_layer_7) + 1
+
+    args = [torch.randn(4, 4), torch.randn(2, 4)]
+    assert piece_signature(_trace(a), args, 0) == piece_signature(_trace(b), args, 1)
+
+
+def test_different_computation_shape_or_dtype_does_not_share():
+    def a(w, x):
+        return torch.relu(x @ w) + 1
+
+    def c(w, x):
+        return torch.relu(x @ w) + 2
+
+    args = [torch.randn(4, 4), torch.randn(2, 4)]
+    base = piece_signature(_trace(a), args, 0)
+    assert piece_signature(_trace(c), args, 1) != base
+    assert piece_signature(_trace(a), [torch.randn(4, 4), torch.randn(3, 4)], 1) != base
+    assert piece_signature(_trace(a), [a_.half() for a_ in args], 1) != base
+
+
+def test_lambdas_closures_and_state_never_share():
+    def make(k):
+        def scale(x):
+            return x * k
+        return scale
+
+    graphs = []
+    for k in (2.0, 3.0):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        g.output(g.call_function(make(k), (x,)))
+        graphs.append(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert canonical_code(graphs[0]) is None  # a closure: its name does not say what it computes
+    args = [torch.randn(3)]
+    assert piece_signature(graphs[0], args, 0) != piece_signature(graphs[1], args, 1)
+
+    class WithState(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("c", torch.randn(3))
+
+        def forward(self, x):
+            return x + self.c
+
+    assert canonical_code(_trace(WithState())) is None
+
+
+def test_tensor_constants_and_operator_targets():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(operator.add, (x, torch.ones(3))))
+    assert canonical_code(torch.fx.GraphModule(torch.nn.Module(), g)) is None
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(operator.add, (x, 1)))
+    assert "_operator.add" in canonical_code(torch.fx.GraphModule(torch.nn.Module(), g))
+
+
+def test_kv_write_layer_names_become_slots():
+    import compileattn  # noqa: F401  (defines the ops)
+
+    g = torch.fx.Graph()
+    k, v = g.placeholder("k"), g.placeholder("v")
+    w1 = g.call_function(torch.ops.compileattn.write_layer_kv.default, (k, v, "model.layers.3.attn"))
+    g.output(w1)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    names = parametrize_layer_names(gm)
+    assert names == {"compileattn:piece_layer:0": "model.layers.3.attn"}
+    assert "model.layers.3" not in gm.code and "compileattn:piece_layer:0" in gm.code

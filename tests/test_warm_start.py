@@ -1,0 +1,273 @@
+"""Warm start of @compileattn.compile: a second process loads Dynamo's code and the pieces from
+``cache_dir`` and runs no Dynamo; a changed source, compile setting or model structure misses; a
+run-time setting hits; the loaded code keeps the argument check; the cache dir must be private.
+
+The processes compile pieces with ``piece_compiler="eager"`` (its pieces are saved as graphs),
+which keeps them to seconds on the CPU; Inductor pieces are saved by the same code path and
+covered by the GPU test at the end and by ``benchmarks/coldwarm.py``.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import compileattn as ca
+from compileattn.kv_cache import AttentionSpec
+from compileattn.models.attention import Attention
+from compileattn.testing import assert_matches_eager, random_step
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODEL_SOURCE = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from compileattn.kv_cache import AttentionSpec
+    from compileattn.models.attention import Attention
+
+    H, KVH, D, HIDDEN = 2, 1, 32, 32
+
+
+    class Tiny(nn.Module):
+        def __init__(self, layers=3):
+            super().__init__()
+            self.embed = nn.Embedding(100, HIDDEN)
+            self.qkv = nn.ModuleList(nn.Linear(HIDDEN, (H + 2 * KVH) * D) for _ in range(layers))
+            self.attn = nn.ModuleList(Attention(AttentionSpec(H, KVH, D), f"layers.{i}") for i in range(layers))
+            self.out = nn.ModuleList(nn.Linear(H * D, HIDDEN) for _ in range(layers))
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            x = self.embed(input_ids)
+            for qkv, attn, out in zip(self.qkv, self.attn, self.out):
+                q, k, v = qkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
+                x = x + out(attn(q, k, v)) * 1.0
+            return x
+""")
+
+SCRIPT = textwrap.dedent("""
+    import json, random, sys
+    import torch
+    import compileattn as ca
+    from compileattn.compilation.argcheck import RecompileError
+    from compileattn.testing import assert_matches_eager, random_step
+    import warm_model
+
+    hooks = []
+    torch._dynamo.convert_frame.register_bytecode_hook(lambda old, new: hooks.append(old.co_name))
+    config = ca.CompileConfig(cache_dir=sys.argv[1], piece_compiler="eager", **json.loads(sys.argv[2]))
+    Compiled = ca.compile(type("CompiledTiny", (warm_model.Tiny,), {}), dynamic_arg_dims={"input_ids": 0},
+                          config=config)
+    torch.manual_seed(0)
+    model = Compiled()
+    eager = warm_model.Tiny()
+    eager.load_state_dict(model.state_dict())
+    caches = ca.allocate_kv_caches({f"layers.{i}": a.spec for i, a in enumerate(model.attn)}, 64, 4,
+                                   dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=4, num_blocks=64, max_num_tokens=64, max_blocks_per_seq=16)
+    buf = torch.zeros(64, dtype=torch.long)
+
+    def make_inputs(n):
+        buf[:n].random_(0, 100)
+        return (buf[:n],)
+
+    rng = random.Random(0)
+    with torch.no_grad():
+        for num_seqs in (3, 1, 5):  # the first call compiles or loads; then other sizes, a 1-token step
+            seqs = random_step(rng, num_seqs=num_seqs, block_size=4, num_blocks=64, max_query_len=1 if num_seqs == 1 else 5)
+            assert_matches_eager(eager, model, builder, caches, seqs, make_inputs)
+        md = builder.build([ca.SequenceStep(2, 0, [0])])
+        try:
+            with ca.set_forward_context(md, caches):
+                model(buf[:2].to(torch.int32))
+            refused = None
+        except RecompileError as e:
+            refused = str(e)
+    print(json.dumps({"counters": ca.counters.snapshot(), "dynamo_frames": dict(torch._dynamo.utils.counters["frames"]),
+                      "hooks": hooks, "stats": model.forward.compile_stats, "refused": refused}))
+""")
+
+
+def _process(tmp_path: Path, **options) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "src"), str(ROOT),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "cache"), json.dumps(options)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _write_model(tmp_path: Path, source: str) -> None:
+    (tmp_path / "src").mkdir(exist_ok=True)
+    (tmp_path / "src" / "warm_model.py").write_text(source)
+
+
+def test_second_process_loads_without_dynamo_and_a_changed_source_misses(tmp_path):
+    _write_model(tmp_path, MODEL_SOURCE)
+    cold = _process(tmp_path)
+    assert cold["stats"]["path"] == "cold" and cold["counters"]["dynamo_graphs"] == 1
+    assert cold["counters"]["pieces"] == 4 and cold["counters"]["backend_compiles"] < 4  # identical middle pieces
+    assert "refused" in cold and "'input_ids' dtype changed from torch.int64 to torch.int32" in cold["refused"]
+
+    warm = _process(tmp_path)
+    assert warm["stats"]["path"] == "warm", warm["stats"]
+    assert warm["counters"]["dynamo_graphs"] == 0 and warm["counters"]["backend_compiles"] == 0
+    assert warm["dynamo_frames"].get("total", 0) == 0, warm["dynamo_frames"]  # Dynamo never saw a frame
+    assert warm["hooks"] == []  # no bytecode hook call: nothing was transformed
+    assert warm["refused"] is not None and "'input_ids' dtype changed" in warm["refused"]
+    assert warm["stats"]["load_s"] > 0 and warm["stats"]["first_call_s"] > 0
+
+    _write_model(tmp_path, MODEL_SOURCE.replace("* 1.0", "* 2.0"))  # same structure, other computation
+    changed = _process(tmp_path)
+    assert changed["stats"]["path"] == "cold" and changed["counters"]["dynamo_graphs"] == 1  # and it matched eager
+
+
+# -- in one process: what the key decides ------------------------------------------------------------
+
+H, KVH, D, HIDDEN = 2, 1, 32, 32
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = 2, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale  # a plain attribute the trace bakes in
+        self.qkv = nn.ModuleList(nn.Linear(HIDDEN, (H + 2 * KVH) * D) for _ in range(layers))
+        self.attn = nn.ModuleList(Attention(AttentionSpec(H, KVH, D), f"l{i}") for i in range(layers))
+        self.out = nn.ModuleList(nn.Linear(H * D, HIDDEN) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for qkv, attn, out in zip(self.qkv, self.attn, self.out):
+            q, k, v = qkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
+            x = x + out(attn(q, k, v)) * self.scale
+        return x
+
+
+def _run_stack(cache_dir, layers: int = 2, scale: float = 1.0, **options) -> dict:
+    """A fresh decoration (as in a new process: no compiled site to reuse) and one checked step."""
+    config = ca.CompileConfig(cache_dir=str(cache_dir), piece_compiler="eager", **options)
+    cls = ca.compile(type("CompiledStack", (Stack,), {}), dynamic_arg_dims={"x": 0}, config=config)
+    torch.manual_seed(0)
+    model = cls(layers, scale)
+    eager = Stack(layers, scale)
+    eager.load_state_dict(model.state_dict())
+    caches = ca.allocate_kv_caches({f"l{i}": AttentionSpec(H, KVH, D) for i in range(layers)}, 64, 4,
+                                   dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=4, num_blocks=64, max_num_tokens=32, max_blocks_per_seq=16)
+    seqs = random_step(random.Random(1), num_seqs=3, block_size=4, num_blocks=64, max_query_len=4)
+    before = ca.counters.dynamo_graphs
+    with torch.no_grad():
+        assert_matches_eager(eager, model, builder, caches, seqs, lambda n: (torch.randn(n, HIDDEN),))
+    return {**model.forward.compile_stats, "dynamo_graphs": ca.counters.dynamo_graphs - before}
+
+
+def test_key_misses_on_compile_settings_and_structure_and_hits_on_run_time_settings(tmp_path):
+    assert _run_stack(tmp_path)["path"] == "cold"
+    hit = _run_stack(tmp_path)
+    assert (hit["path"], hit["dynamo_graphs"]) == ("warm", 0)
+    runtime_only = _run_stack(tmp_path, max_capture_size=128, attention_backend="reference", cudagraph_mode="none",
+                              check_input_addresses=False)
+    assert runtime_only["path"] == "warm", "a run-time setting missed the warm-start cache"
+    assert _run_stack(tmp_path, hoist_shape_logic=False)["path"] == "cold"  # compiled differently
+    assert _run_stack(tmp_path, layers=3)["path"] == "cold"  # other parameters
+    assert _run_stack(tmp_path, scale=2.0)["path"] == "cold"  # same parameters, another baked-in attribute
+    assert len(list((tmp_path / "warm_start").iterdir())) == 4
+
+
+def test_backend_other_than_compileattn_is_not_saved(tmp_path):
+    @ca.compile(dynamic_arg_dims={"x": 0}, backend="eager", config=ca.CompileConfig(cache_dir=str(tmp_path)))
+    def f(x):
+        return x * 2
+
+    torch.testing.assert_close(f(torch.ones(3)), torch.full((3,), 2.0))
+    assert f.compile_stats["path"] == "cold"
+    assert not (tmp_path / "warm_start").exists() or not any((tmp_path / "warm_start").iterdir())
+
+
+def test_instance_forward_reports_its_own_compile_stats(tmp_path):
+    cls = ca.compile(type("StatsStack", (Stack,), {}), dynamic_arg_dims={"x": 0},
+                     config=ca.CompileConfig(piece_compiler="eager"))
+    a, b = cls(), cls()
+    caches = ca.allocate_kv_caches({f"l{i}": AttentionSpec(H, KVH, D) for i in range(2)}, 32, 4, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=4, num_blocks=32, max_num_tokens=32, max_blocks_per_seq=8)
+    md = builder.build([ca.SequenceStep(3, 0, [0])])
+    assert a.forward.compile_stats == {}
+    with torch.no_grad(), ca.set_forward_context(md, caches):
+        a(torch.randn(3, HIDDEN))
+        assert a.forward.compile_stats["path"] == "cold" and b.forward.compile_stats == {}
+        b(torch.randn(3, HIDDEN))
+    assert b.forward.compile_stats["total_s"] > 0 and b.forward.runtimes
+    assert a.forward.__self__ is a and list(inspect.signature(type(a).forward).parameters) == ["self", "x"]
+    assert list(inspect.signature(a.forward).parameters) == ["x"]
+
+
+# -- the cache directory ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o757])
+def test_group_or_world_writable_cache_dir_is_refused(tmp_path, mode):
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    cache.chmod(mode)
+    with pytest.raises(PermissionError, match=r"writable by group or others .* runs code"):
+        _run_stack(cache)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
+def test_cache_dir_owned_by_another_user_is_refused(tmp_path):
+    cache = tmp_path / "theirs"
+    cache.mkdir(mode=0o700)
+    os.chown(cache, 4242, 4242)
+    with pytest.raises(PermissionError, match=r"owned by uid 4242"):
+        _run_stack(cache)
+
+
+def test_missing_cache_dir_is_created_private(tmp_path):
+    _run_stack(tmp_path / "new" / "cache")
+    for d in (tmp_path / "new" / "cache", tmp_path / "new" / "cache" / "warm_start"):
+        assert d.stat().st_mode & 0o777 == 0o700
+
+
+# -- on the GPU: Inductor pieces, static compile sizes, CUDA graphs ------------------------------------
+
+@pytest.mark.cuda
+def test_cuda_warm_start_with_inductor_pieces(tmp_path):
+    script = textwrap.dedent("""
+        import json, sys, torch
+        import compileattn as ca
+        from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
+        cfg = ca.CompileConfig(cache_dir=sys.argv[1], cudagraph_mode="piecewise", attention_backend="triton")
+        Compiled = ca.compile(type("CompiledLlama", (LlamaForCausalLM,), {}),
+                              dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=cfg)
+        model = Compiled(LlamaConfig.tiny(num_layers=4), dtype=torch.float16, device="cuda", seed=0)
+        eager = LlamaForCausalLM(LlamaConfig.tiny(num_layers=4), dtype=torch.float16, device="cuda", seed=0)
+        caches = ca.allocate_kv_caches(model.attention_specs(), 32, 16, dtype=torch.float16, device="cuda")
+        b = ca.AttentionMetadataBuilder(block_size=16, num_blocks=32, max_num_tokens=8, max_blocks_per_seq=2,
+                                        device="cuda", backend="triton")
+        md = b.build([ca.SequenceStep(1, 16, [2 * i, 2 * i + 1]) for i in range(8)])
+        ids = torch.arange(8, device="cuda"); pos = torch.full((8,), 16, device="cuda")
+        with ca.set_forward_context(md, caches), torch.no_grad():
+            out = model(ids, pos).clone()
+            ref = eager(ids, pos)
+        print(json.dumps({"stats": model.forward.compile_stats, "counters": ca.counters.snapshot(),
+                          "err": ((out - ref).norm() / ref.norm()).item()}))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["stats"]["path"] == "cold" and cold["counters"]["piece_reuses"] > 0
+    assert cold["stats"]["static_s"] > 0  # compile_sizes="auto": static pieces for the decode sizes
+    assert warm["stats"]["path"] == "warm" and warm["counters"]["dynamo_graphs"] == 0
+    assert warm["counters"]["backend_compiles"] == 0
+    assert cold["err"] < 5e-2 and warm["err"] < 5e-2
