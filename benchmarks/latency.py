@@ -30,8 +30,9 @@ disagrees is reported FAILED, not timed.
 
 Also measured: compile time of each compiled column (its first call), capture time and graph-pool
 memory of the compileattn runtimes and the hand-captured graphs, and compileattn's cold and warm
-start in fresh subprocesses after a model's columns (cold: empty compileattn, Inductor and Triton
-cache dirs; warm: a second process on the same dirs; ``--cold-warm-only`` runs just these).
+start in fresh subprocesses after a model's columns (``coldwarm.py``'s cold and warm phases: cold:
+empty compileattn, Inductor and Triton cache dirs; warm: a second process on the same dirs, which
+loads the compile without Dynamo; ``--cold-warm-only`` runs just these).
 
 Under ``--budget-s`` the column groups run in priority order (eager and its full graph, compileattn
 piecewise, compileattn full-decode, reduce-overhead, Inductor and its full graph), then the
@@ -44,11 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -131,9 +128,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed-decodes", type=int, default=8, help="decodes in the mixed step (at the first context)")
     p.add_argument("--mixed-prefill", type=int, default=248, help="prefill tokens in the mixed step")
     p.add_argument("--backend", default="triton", help="attention backend of every column (default triton)")
-    p.add_argument("--compile-sizes", default="",
-                   help="comma-separated token counts the compileattn columns also compile with static "
-                        "shapes (CompileConfig.compile_sizes), e.g. the padded decode sizes")
+    p.add_argument("--compile-sizes", default="auto",
+                   help="token counts the compileattn columns also compile with static shapes "
+                        "(CompileConfig.compile_sizes): 'auto' (the default: the decode capture sizes up to 8), "
+                        "'' for none, or a comma-separated list")
     p.add_argument("--llama-layers", type=int, default=None, help="override the Llama shape's 32 layers")
     p.add_argument("--no-cold-warm", action="store_true", help="skip the cold/warm compile subprocesses")
     p.add_argument("--cold-warm-only", action="store_true", help="only the cold/warm compile subprocesses")
@@ -150,7 +148,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                    help="merge result files of several runs into one report (no GPU needed)")
     p.add_argument("-o", "--output", default=None, help="output prefix for --merge (default: --out)")
-    p.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     preset = QUICK if args.quick else DEFAULTS
     for key, value in preset.items():
@@ -487,7 +484,8 @@ class CompileattnGroup(Group):
         mode = {"ca-piecewise": "piecewise", "ca-full": "full_and_piecewise"}[column]
         if mode == "full_and_piecewise":
             _require_capturable(bench, "compileattn full-decode graphs")
-        sizes = tuple(int(x) for x in bench.args.compile_sizes.split(",") if x.strip())
+        text = bench.args.compile_sizes.strip()
+        sizes = "auto" if text == "auto" else tuple(int(x) for x in text.split(",") if x.strip())
         # piece_compiler: latency_tp.py's CPU smoke run compiles pieces eagerly (seconds, not minutes)
         self.config = ca.CompileConfig(cudagraph_mode=mode, attention_backend=bench.args.backend,
                                        max_capture_size=bench.pad_config.max_capture_size, compile_sizes=sizes,
@@ -722,82 +720,13 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
 # Cold / warm compile in subprocesses
 
 
-def probe_main(spec: dict[str, Any]) -> int:
-    """The body of one cold/warm subprocess: build the model, compile with compileattn (piecewise
-    CUDA graphs, cache in ``spec['cache_dir']``), run one 8-token decode step; print JSON."""
-    t0 = time.perf_counter()
-    import torch
-
-    import compileattn as ca
-    from compileattn.testing import RecordingBackend
-
-    t_import = time.perf_counter() - t0
-    model = build_model(spec["model"], max_position=64, layers=spec.get("layers"))
-    caches = ca.allocate_kv_caches(model.attention_specs(), 32, BLOCK_SIZE, dtype=next(model.parameters()).dtype,
-                                   device=DEVICE)
-    builder = ca.AttentionMetadataBuilder(block_size=BLOCK_SIZE, num_blocks=32, max_num_tokens=8,
-                                          max_blocks_per_seq=2, device=DEVICE, backend=spec["backend"])
-    md = builder.build([ca.SequenceStep(1, 16, [2 * i, 2 * i + 1]) for i in range(8)])
-    ids = torch.zeros(8, dtype=torch.long, device=DEVICE)
-    pos = torch.full((8,), 16, dtype=torch.long, device=DEVICE)
-    config = ca.CompileConfig(cudagraph_mode="piecewise" if DEVICE == "cuda" else "none",
-                              attention_backend=spec["backend"], cache_dir=spec["cache_dir"])
-    runtimes = RecordingBackend(config=config)
-    fn = ca.compile(make_forward(model), dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config,
-                    backend=runtimes)
-    _sync()
-    t_ready = time.perf_counter() - t0
-    with ca.set_forward_context(md, caches), torch.no_grad():
-        t = time.perf_counter()
-        fn(ids, pos)
-        _sync()
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        fn(ids, pos)
-        _sync()
-        second = time.perf_counter() - t
-    rt = runtimes.built[-1] if runtimes.built else None
-    capture = rt.pool.capture_seconds if rt is not None and rt.pool is not None else 0.0
-    stats = fn.compile_stats
-    result = {"import_s": t_import, "ready_s": t_ready, "first_call_s": first, "capture_s": capture,
-              "dynamo_s": stats.get("dynamo_s"), "backend_s": stats.get("backend_s"),
-              "compile_s": first - capture, "second_call_s": second, "counters": ca.counters.snapshot()}
-    print("PROBE_RESULT " + json.dumps(result), flush=True)
-    return 0
-
-
 def run_probes(name: str, args, budget: common.Budget, log: common.Log) -> list[dict[str, Any]]:
-    out = []
-    root = Path(tempfile.mkdtemp(prefix=f"compileattn_coldwarm_{name}_"))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(common.ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
-    env["TRITON_CACHE_DIR"] = str(root / "triton")
-    spec = {"model": name, "backend": args.backend, "cache_dir": str(root / "compileattn"),
-            "layers": args.llama_layers if name == "llama" else None}
-    for phase in ("cold", "warm"):
-        rec = {"run": 0, "model": name, "phase": phase, "status": None, "reason": ""}
-        out.append(rec)
-        left = budget.left()
-        if left < 30:
-            rec.update(status="skipped", reason=budget.reason())
-            continue
-        t = time.monotonic()
-        try:
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_probe", json.dumps(spec)],
-                                  capture_output=True, text=True, env=env, timeout=min(420.0, left))
-            rec["process_s"] = round(time.monotonic() - t, 2)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE_RESULT ")]
-            if proc.returncode != 0 or not lines:
-                rec.update(status="error", reason=f"exit {proc.returncode}: " + (proc.stderr or proc.stdout)[-600:])
-            else:
-                rec.update(status="ok", **json.loads(lines[-1][len("PROBE_RESULT "):]))
-        except subprocess.TimeoutExpired:
-            rec.update(status="error", reason="timed out", process_s=round(time.monotonic() - t, 2))
-        log(f"{name} {phase} start: " + (f"first call {rec['first_call_s']:.2f} s (capture {rec['capture_s']:.2f} s), "
-                                        f"process {rec['process_s']:.1f} s, counters {rec['counters']}"
-                                        if rec["status"] == "ok" else f"{rec['status']}: {rec['reason']}"))
-    return out
+    """compileattn's cold and warm start for this model: ``coldwarm.py``'s phases (fresh processes)."""
+    import coldwarm
+
+    dirs: dict = {}
+    spec = argparse.Namespace(device=DEVICE, backend=args.backend, llama_layers=args.llama_layers)
+    return [{"run": 0, **coldwarm.run_phase(name, phase, dirs, spec, budget, log)} for phase in ("cold", "warm")]
 
 
 def run_benchmark(args, log: common.Log, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -1050,13 +979,13 @@ def render_markdown(payload: dict[str, Any]) -> str:
                        "caches; warm: the same cache dirs again):")
             out.append("")
             out.append(common.markdown_table(
-                ["phase", "first call s", "of which Dynamo s", "of which backend s", "of which capture s",
-                 "process s", "pieces compiled", "cache hits"],
+                ["phase", "first call s", "of which Dynamo s", "of which backend s", "of which load s",
+                 "of which capture s", "process s", "pieces compiled", "path"],
                 [[p["phase"], common.fmt_num(p.get("first_call_s"), 2), common.fmt_num(p.get("dynamo_s"), 2),
-                  common.fmt_num(p.get("backend_s"), 2), common.fmt_num(p.get("capture_s"), 2),
-                  common.fmt_num(p.get("process_s"), 1),
+                  common.fmt_num(p.get("backend_s"), 2), common.fmt_num(p.get("load_s"), 2),
+                  common.fmt_num(p.get("capture_s"), 2), common.fmt_num(p.get("process_s"), 1),
                   (p.get("counters") or {}).get("backend_compiles", "—") if p["status"] == "ok" else p["status"],
-                  (p.get("counters") or {}).get("cache_hits", "—") if p["status"] == "ok" else p.get("reason", "")[:80]]
+                  p.get("path", "—") if p["status"] == "ok" else p.get("reason", "")[:80]]
                  for p in pr]))
             out.append("")
         ref = ISSUE_REFERENCE.get(model)
@@ -1118,9 +1047,6 @@ def write_outputs(payload: dict[str, Any], prefix: str, no_plot: bool, log: Call
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args._probe:
-        common.ensure_repo_on_path()
-        return probe_main(json.loads(args._probe))
     log = common.Log()
     if args.merge:
         merged = merge_payloads([common.read_json(p) for p in args.merge])

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import coldwarm  # noqa: E402
 import common  # noqa: E402
 import decode_attention as dec  # noqa: E402
 import latency as lat  # noqa: E402
@@ -406,6 +407,35 @@ def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
                "stats": res["stats"], "probes": []}
     md = lat.render_markdown(payload)
     assert "OPT-125m shape" in md and "n/a" in md
+
+
+# -- coldwarm.py ------------------------------------------------------------------------------------------
+
+
+def test_coldwarm_plumbing_on_the_cpu(tmp_path):
+    """The GPU command's code path end to end on tiny CPU configs: fresh processes per phase, the
+    warm one loads (no Dynamo, no compile), every row checked against eager, the report's goals."""
+    out = tmp_path / "cw"
+    assert coldwarm.main(["--device", "cpu", "--models", "opt", "--out", str(out)]) == 0
+    rows = {r["phase"]: r for r in common.read_json(str(out) + ".json")["rows"]}
+    assert {p: r["status"] for p, r in rows.items()} == {"cold": "ok", "warm": "ok", "cold, dynamic only": "ok"}
+    assert rows["cold"]["path"] == "cold" and rows["cold"]["counters"]["dynamo_graphs"] == 1
+    assert rows["warm"]["path"] == "warm" and rows["warm"]["counters"]["dynamo_graphs"] == 0
+    assert rows["warm"]["counters"]["backend_compiles"] == 0 and rows["warm"]["load_s"] > 0
+    md = (tmp_path / "cw.md").read_text()
+    assert "CPU plumbing run" in md and "warm start ≤ 2 s" in md
+
+
+def test_coldwarm_report_marks_failures_and_skips():
+    rows = [{"model": "llama", "phase": "cold", "status": "FAILED", "reason": "differs from eager"},
+            {"model": "llama", "phase": "warm", "status": "ok", "path": "warm", "first_call_s": 2.5, "load_s": 0.3,
+             "import_s": 3.0, "build_s": 1.0, "process_s": 9.0, "rel_err": 0.01, "dtype": "bfloat16",
+             "counters": {"backend_compiles": 0, "piece_reuses": 0}},
+            {"model": "opt", "phase": "cold", "status": "skipped", "reason": "budget"}]
+    lines = coldwarm.goal_lines(rows)
+    assert "- Llama-3-8B shape, cold start ≤ 15 s: not measured (FAILED)" in lines
+    assert "- Llama-3-8B shape, warm start ≤ 2 s: 2.50 s — NOT MET" in lines
+    assert "| FAILED | differs from eager" in coldwarm.render({"rows": rows})
 
 
 # -- latency_tp.py ---------------------------------------------------------------------------------------

@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""Cold and warm start of ``@compileattn.compile``, where each second goes (issue 12).
+
+Per model (an OPT-125m-shaped decoder in fp16, a Llama-3-8B-shaped one in bf16, random weights),
+each phase is a fresh process that imports compileattn, decorates the model class (which starts
+Inductor's import in the background when a cache dir is set), builds the model, and makes one
+8-token decode step with piecewise CUDA graphs; its output is checked against the same weights
+run eagerly. Phases:
+
+- ``cold``: empty compileattn, Inductor and Triton cache dirs; the default config, so
+  ``compile_sizes="auto"`` compiles the distinct pieces also for the small decode sizes;
+- ``warm``: a second process on the same dirs: loads Dynamo's code and the pieces, no Dynamo;
+- ``cold, dynamic only``: empty dirs again with ``compile_sizes=()``, to put the static compiles'
+  cost beside the cold start (the difference of the two cold rows).
+
+The table gives the first call (``first call s``: what the goals measure, compile or load plus
+the first run) and its parts from ``compile_stats``: Dynamo, backend (of which static-shape
+pieces), saving, loading, waiting for the background Inductor import, the first run itself (of
+which CUDA-graph capture), and outside the first call the process's import and model build.
+Goals: warm start <= 2 s (Llama-8B shape), cold <= 10 s (OPT-125m) and <= 15 s (Llama-8B).
+
+    PYTHONPATH=. python benchmarks/coldwarm.py --out $OUT/coldwarm     # ~2-3 min on an H200
+
+Under ``--budget-s`` (default 170) phases run in priority order (OPT cold, OPT warm, Llama cold,
+Llama warm, then the dynamic-only cold rows, Llama first); what is past the budget is reported as
+skipped.
+On a machine without CUDA it prints why and exits 0 (``--device cpu`` runs the plumbing on a tiny
+config, for tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+_HERE = Path(__file__).resolve().parent
+for _p in (str(_HERE), str(_HERE.parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import common  # noqa: E402
+
+MODELS = {"opt": "OPT-125m shape", "llama": "Llama-3-8B shape"}
+#: (model, phase) in priority order under the budget.
+PHASES = [("opt", "cold"), ("opt", "warm"), ("llama", "cold"), ("llama", "warm"),
+          ("llama", "cold, dynamic only"), ("opt", "cold, dynamic only")]
+GOALS = {("opt", "cold"): 10.0, ("llama", "cold"): 15.0, ("llama", "warm"): 2.0, ("opt", "warm"): 2.0}
+#: Norm-relative difference to eager allowed (latency.py's TOLERANCE: fused kernels round differently).
+TOLERANCE = {"float16": 5e-2, "bfloat16": 1e-1, "float32": 1e-3}
+PHASE_RESERVE_S = 25.0
+TOKENS, BLOCK = 8, 16
+DEFAULT_OUT = common.RESULTS_DIR / "coldwarm"
+#: compile_stats keys shown, in order, with their column titles.
+BREAKDOWN = [("dynamo_s", "Dynamo"), ("backend_s", "backend"), ("static_s", "of which static"),
+             ("save_s", "save"), ("load_s", "load"), ("import_wait_s", "Inductor import wait"),
+             ("run_s", "first run"), ("capture_s", "of which capture")]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="opt,llama", type=common.argparse_type(
+        lambda s: common.parse_name_list(s, list(MODELS))))
+    p.add_argument("--llama-layers", type=int, default=None, help="override the Llama shape's 32 layers")
+    p.add_argument("--backend", default="triton", help="attention backend (default triton: capturable)")
+    p.add_argument("--budget-s", type=float, default=170.0)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="output prefix (PREFIX.json, PREFIX.md)")
+    p.add_argument("--merge", nargs="+", default=None, help="combine result JSONs into one report (no GPU)")
+    p.add_argument("-o", "--output", default=None, help="output prefix for --merge")
+    p.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------
+# One phase: the body of a fresh process
+
+
+def _model_class_and_config(name: str, device: str, layers: int | None):
+    import torch
+
+    if name == "opt":
+        from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+        cfg = OPTConfig.opt_125m() if device == "cuda" else OPTConfig.tiny()
+        return OPTForCausalLM, cfg, torch.float16 if device == "cuda" else torch.float32
+    from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
+
+    over = {"num_layers": layers} if layers is not None else {}
+    cfg = LlamaConfig.llama3_8b(**over) if device == "cuda" else LlamaConfig.tiny(**over)
+    return LlamaForCausalLM, cfg, torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def probe(spec: dict[str, Any]) -> dict[str, Any]:
+    """Import, decorate, build, one step; what it cost. Runs in a fresh process."""
+    t0 = time.perf_counter()
+    import torch
+
+    import compileattn as ca
+
+    import_s = time.perf_counter() - t0
+    device = spec["device"]
+    cls, model_cfg, dtype = _model_class_and_config(spec["model"], device, spec.get("layers"))
+    config = ca.CompileConfig(cache_dir=spec["cache_dir"], attention_backend=spec["backend"],
+                              cudagraph_mode="piecewise" if device == "cuda" else "none",
+                              **({"compile_sizes": ()} if spec["dynamic_only"] else {}),
+                              **({} if device == "cuda" else {"piece_compiler": "eager"}))
+    compiled_cls = ca.compile(type(f"Compiled{cls.__name__}", (cls,), {}),
+                              dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
+    t = time.perf_counter()
+    model = compiled_cls(model_cfg, dtype=dtype, device=device, seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), 2 * TOKENS, BLOCK, dtype=dtype, device=device)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=2 * TOKENS, max_num_tokens=TOKENS,
+                                          max_blocks_per_seq=2, device=device, backend=spec["backend"])
+    md = builder.build([ca.SequenceStep(1, BLOCK, [2 * i, 2 * i + 1]) for i in range(TOKENS)])
+    ids = torch.zeros(TOKENS, dtype=torch.long, device=device)
+    pos = torch.full((TOKENS,), BLOCK, dtype=torch.long, device=device)
+    common.synchronize()
+    build_s = time.perf_counter() - t
+    with ca.set_forward_context(md, caches), torch.no_grad():
+        t = time.perf_counter()
+        out = model(ids, pos).float()
+        common.synchronize()
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        model(ids, pos)
+        common.synchronize()
+        second = time.perf_counter() - t
+        ref = cls.forward(model, ids, pos).float()  # the same weights, eagerly
+    stats = model.forward.compile_stats
+    runtimes = model.forward.runtimes
+    return {"import_s": import_s, "build_s": build_s, "first_call_s": first, "second_call_s": second,
+            "path": stats.get("path"), **{k: v for k, v in stats.items() if k.endswith("_s") and k != "first_call_s"},
+            "run_s": stats.get("first_call_s"),
+            "capture_s": sum(rt.capture_seconds() for rt in runtimes),
+            "rel_err": common.rel_error(out, ref), "dtype": str(dtype).replace("torch.", ""),
+            "counters": ca.counters.snapshot(), "torch": torch.__version__}
+
+
+def run_phase(model: str, phase: str, dirs: dict[str, Path], args, budget: common.Budget, log) -> dict[str, Any]:
+    rec: dict[str, Any] = {"model": model, "phase": phase, "status": None, "reason": ""}
+    left = budget.left()
+    if left < PHASE_RESERVE_S:
+        rec.update(status="skipped", reason=budget.reason())
+        log(f"{model} {phase}: skipped")
+        return rec
+    root = dirs.setdefault((model, phase.startswith("cold, dynamic")),
+                           Path(tempfile.mkdtemp(prefix=f"compileattn_coldwarm_{model}_")))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"), TRITON_CACHE_DIR=str(root / "triton"))
+    env["PYTHONPATH"] = os.pathsep.join([str(common.ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    spec = {"model": model, "device": args.device, "backend": args.backend, "cache_dir": str(root / "compileattn"),
+            "layers": args.llama_layers if model == "llama" else None, "dynamic_only": phase.startswith("cold, dynamic")}
+    t = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_probe", json.dumps(spec)],
+                              capture_output=True, text=True, env=env, timeout=min(420.0, left))
+        rec["process_s"] = round(time.monotonic() - t, 2)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE_RESULT ")]
+        if proc.returncode != 0 or not lines:
+            rec.update(status="error", reason=f"exit {proc.returncode}: " + (proc.stderr or proc.stdout)[-800:])
+        else:
+            rec.update(status="ok", **json.loads(lines[-1][len("PROBE_RESULT "):]))
+            tol = TOLERANCE.get(rec["dtype"], 1e-3)
+            if not rec["rel_err"] <= tol:
+                rec.update(status="FAILED", reason=f"differs from eager: rel. error {rec['rel_err']:.3g} > {tol}")
+    except subprocess.TimeoutExpired:
+        rec.update(status="error", reason="timed out", process_s=round(time.monotonic() - t, 2))
+    if rec["status"] == "ok":
+        log(f"{model} {phase}: first call {rec['first_call_s']:.2f} s ({rec['path']}), process {rec['process_s']:.1f} s; "
+            + ", ".join(f"{title} {rec[key]:.2f}" for key, title in BREAKDOWN if rec.get(key) is not None))
+    else:
+        log(f"{model} {phase}: {rec['status']}: {rec['reason']}")
+    return rec
+
+
+def run_benchmark(args, log) -> dict[str, Any]:
+    budget = common.Budget(args.budget_s)
+    dirs: dict = {}
+    env = common.environment()
+    log(f"GPU {env.get('gpu')}; versions {env.get('versions')}")
+    rows = [run_phase(m, phase, dirs, args, budget, log) for m, phase in PHASES if m in args.models]
+    return {"benchmark": "coldwarm", "config": {"models": args.models, "backend": args.backend, "device": args.device,
+                                               "llama_layers": args.llama_layers, "tokens": TOKENS},
+            "runs": [{"env": env, "budget_s": args.budget_s, "elapsed_s": round(log.elapsed(), 1)}], "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------
+# Report (CPU-only code)
+
+
+def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    out = []
+    for r in rows:
+        goal = GOALS.get((r["model"], r["phase"]))
+        if goal is None:
+            continue
+        label = f"{MODELS[r['model']]}, {r['phase']} start ≤ {goal:g} s"
+        if r["status"] != "ok":
+            out.append(f"- {label}: not measured ({r['status']})")
+        else:
+            out.append(f"- {label}: {r['first_call_s']:.2f} s — {'MET' if r['first_call_s'] <= goal else 'NOT MET'}")
+    for model in MODELS:
+        cold = {r["phase"]: r for r in rows if r["model"] == model and r["status"] == "ok"}
+        if "cold" in cold and "cold, dynamic only" in cold:
+            out.append(f"- {MODELS[model]}: static compiles (compile_sizes='auto') add "
+                       f"{cold['cold']['first_call_s'] - cold['cold, dynamic only']['first_call_s']:.2f} s to the cold "
+                       f"start ({cold['cold'].get('static_s', 0):.2f} s of compiling)")
+    return out
+
+
+def render(payload: dict[str, Any]) -> str:
+    rows = payload["rows"]
+    lines = ["# compileattn cold and warm start", ""]
+    if payload.get("runs"):
+        lines += [common.environment_markdown(payload["runs"][0]["env"]), ""]
+    lines += ["Seconds, one fresh process per row (cold: empty compileattn, Inductor and Triton caches; warm: "
+              "the same dirs again). `first call` = compile or load + the first run; its parts are "
+              "`compile_stats`. 8-token decode step, piecewise CUDA graphs.", ""]
+    if payload.get("config", {}).get("device") == "cpu":
+        lines += ["**CPU plumbing run** (`--device cpu`): tiny fp32 configs, eager pieces; no number here is a "
+                  "measurement of the shapes named.", ""]
+    headers = ["model", "dtype", "phase", "path", "first call", *(title for _, title in BREAKDOWN), "import", "build",
+               "process", "pieces compiled", "reused", "rel. err"]
+    table = []
+    for r in rows:
+        if r["status"] != "ok":
+            table.append([MODELS[r["model"]], "", r["phase"], r["status"], r["reason"][:100]] + [""] * (len(headers) - 5))
+            continue
+        c = r.get("counters", {})
+        table.append([MODELS[r["model"]], r["dtype"], r["phase"], r["path"], common.fmt_num(r["first_call_s"], 2),
+                      *(common.fmt_num(r.get(k), 2) if r.get(k) is not None else "—" for k, _ in BREAKDOWN),
+                      common.fmt_num(r["import_s"], 2), common.fmt_num(r["build_s"], 2),
+                      common.fmt_num(r.get("process_s"), 1), c.get("backend_compiles", "—"),
+                      c.get("piece_reuses", "—"), f"{r['rel_err']:.2g}"])
+    lines += [common.markdown_table(headers, table), "", "## Goals (issue 12)", "", *(goal_lines(rows) or ["- nothing measured"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args._probe:
+        common.ensure_repo_on_path()
+        print("PROBE_RESULT " + json.dumps(probe(json.loads(args._probe))), flush=True)
+        return 0
+    log = common.Log()
+    if args.merge:
+        payloads = [common.read_json(p) for p in args.merge]
+        merged = {**payloads[0], "runs": [r for p in payloads for r in p["runs"]],
+                  "rows": [r for p in payloads for r in p["rows"]]}
+        prefix = args.output or args.out
+        md = render(merged)
+        common.write_json(prefix + ".json", merged)
+        common.write_text(prefix + ".md", md)
+        print(md, flush=True)
+        return 0
+    if args.device == "cuda":
+        missing = common.cuda_missing_message("coldwarm.py")
+        if missing:
+            print(missing, flush=True)
+            return 0
+    payload = run_benchmark(args, log)
+    md = render(payload)
+    common.write_json(args.out + ".json", payload)
+    common.write_text(args.out + ".md", md)
+    log(f"wrote {args.out}.json and {args.out}.md")
+    print(md, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
