@@ -179,6 +179,10 @@ class StepDispatcher:
         """CUDA graphs captured of the whole forward (one per size)."""
         return len(self._full.graphs) if self._full is not None else 0
 
+    def piece_graphs(self) -> list[cudagraph.CUDAGraphWrapper]:
+        """The CUDA-graph wrapper of every compiled piece (empty with graphs off)."""
+        return list(self._piece_graphs)
+
     def piece_graph_count(self) -> int:
         """CUDA graphs captured for pieces, over all sizes."""
         return sum(len(g.graphs) for g in self._piece_graphs)
