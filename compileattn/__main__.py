@@ -119,7 +119,7 @@ def run_mixed(engine, prompts, steps, timer_device, new_tokens):
 def main(argv=None) -> int:
     args = parse_args(argv)
     import compileattn
-    from .models.engine import Engine
+    from .engine import Engine
     from .models.llama import LlamaForCausalLM
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

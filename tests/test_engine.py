@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compileattn import SequenceStep, counters
-from compileattn.models.engine import BlockAllocator, Engine, OutOfBlocksError
+from compileattn.engine import BlockAllocator, Engine, OutOfBlocksError
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.models.opt import OPTConfig, OPTForCausalLM
 
@@ -91,14 +91,18 @@ def test_chunked_prompt_is_scheduled_over_several_steps(llama):
     assert not engine.has_unfinished()
 
 
-def test_admission_waits_for_blocks_instead_of_failing_midway(llama):
-    # 12 blocks of 4 = 48 slots; each request needs ceil((20 + 7) / 4) = 7 blocks: one at a time.
-    engine = engine_for(llama, num_blocks=12)
-    outs = engine.generate(prompts_of([20, 20, 20]), 8, 64)
-    assert all(len(o) == 8 for o in outs)
-    assert max(h[1] + h[2] + h[0] for h in engine.history) == 1
+def test_preemption_under_block_pressure_gives_the_unpressured_tokens(llama):
+    # 12 blocks of 4 = 48 slots; each request grows to ceil((20 + 7) / 4) = 7 blocks: two are admitted,
+    # and when they outgrow the free list the newer one is preempted and later recomputed.
+    prompts = prompts_of([20, 20, 20, 9])
+    pressured = engine_for(llama, num_blocks=12)
+    outs = pressured.generate(prompts, 8, 64)
+    assert pressured.num_preemptions > 0
+    assert max(h[0] + h[1] + h[2] for h in pressured.history) >= 2  # not one request at a time
+    assert outs == engine_for(llama).generate(prompts, 8, 64)
+    assert pressured.allocator.num_free == 12
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request([1] * 40, 10)
+        pressured.add_request([1] * 40, 10)
 
 
 # -- generation ------------------------------------------------------------------------------------
@@ -265,13 +269,17 @@ def test_cuda_compiled_with_cudagraphs_matches_eager_on_mixed_steps(dtype):
     assert counters.cudagraph_replays > before["cudagraph_replays"]
 
 
-def test_engine_takes_backend_and_padding_from_the_compile_config():
+def test_engine_compiles_with_the_compile_config_and_takes_backend_and_padding_from_it(llama):
     import compileattn as ca
 
-    model = LlamaForCausalLM(LlamaConfig.tiny(), seed=0)
-    cfg = ca.CompileConfig(attention_backend="reference", cudagraph_capture_sizes=[4, 8, 16])
-    engine = Engine(model, num_blocks=32, max_num_tokens=32, max_num_seqs=4, config=cfg)
+    cfg = ca.CompileConfig(attention_backend="reference", cudagraph_capture_sizes=[4, 8, 16], piece_compiler="eager")
+    with counters.expect(dynamo_graphs=1):  # compiled at construction, on a warm-up step
+        engine = Engine(llama, num_blocks=32, max_num_tokens=32, max_num_seqs=4, compile_config=cfg)
     assert engine.builder.backend.name == "reference"
     assert engine.pad_fn(3) == 4 and engine.pad_fn(9) == 16 and engine.pad_fn(17) == 17
+    prompts = prompts_of([5, 1, 12])
+    with counters.expect(dynamo_graphs=0):  # 1-token steps included: no recompile
+        assert engine.generate(prompts, 4, 8) == engine_for(llama).generate(prompts, 4, 8)
     with pytest.raises(ValueError, match="attention_backend"):
-        Engine(model, num_blocks=32, max_num_tokens=32, max_num_seqs=4, config=cfg, attention_backend="triton")
+        Engine(llama, num_blocks=32, max_num_tokens=32, max_num_seqs=4, compile_config=cfg,
+               attention_backend="triton")

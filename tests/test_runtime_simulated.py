@@ -8,59 +8,16 @@ runtime's choice of mode per step, its replay/capture counting, padding, and gra
 with no symbolic token dim (Dynamo's 1-token specialisation), whose absence the H200 caught first.
 """
 import random
-import types
 
 import pytest
 import torch
 
 import compileattn as ca
-import compileattn.cudagraph as cudagraph
-import compileattn.piecewise as piecewise
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.testing import RecordingBackend, assert_matches_eager, random_step
 
 BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 512, 64
 SIZES = [1, 2, 4, 8, 16, 24, 32]
-
-
-class SimulatedGraph:
-    def __init__(self, fn, args, outputs):
-        self.fn, self.args, self.outputs = fn, list(args), outputs
-
-    def replay(self):
-        fresh = self.fn(*self.args)
-        outs = self.outputs if isinstance(self.outputs, (tuple, list)) else (self.outputs,)
-        fresh = fresh if isinstance(fresh, (tuple, list)) else (fresh,)
-        for o, f in zip(outs, fresh):
-            if isinstance(o, torch.Tensor):
-                o.copy_(f)
-
-
-class SimulatedPool:
-    def __init__(self, device):
-        self.capture_seconds = 0.0
-
-    def capture(self, fn, args, name, size):
-        outputs = fn(*args)
-        ca.counters.cudagraph_captures += 1
-        return cudagraph.CapturedGraph(SimulatedGraph(fn, args, outputs), outputs, cudagraph._tensor_layout(args),
-                                       name, size)
-
-    def pool_bytes(self):
-        return 0
-
-
-@pytest.fixture
-def simulated_graphs(monkeypatch):
-    """CUDA graphs on a CPU model: the runtime believes it is on CUDA, the pool simulates graphs."""
-    monkeypatch.setattr(cudagraph, "GraphPool", SimulatedPool)
-    real_init = piecewise.PiecewiseRuntime.__init__
-
-    def init(self, split_gm, pieces, compiled, config, device, *rest, **kw):
-        real_init(self, split_gm, pieces, compiled, config, types.SimpleNamespace(type="cuda"), *rest, **kw)
-        self.device = device
-
-    monkeypatch.setattr(piecewise.PiecewiseRuntime, "__init__", init)
 
 
 def _setup():
