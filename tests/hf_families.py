@@ -90,3 +90,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs)
     return out.sequences[0, len(prompt):].tolist(), torch.stack([x[0].float() for x in out.logits])
+
+
+def byte_level_tokenizer():
+    """A 256-token byte-level tokenizer made offline: every string round-trips."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)

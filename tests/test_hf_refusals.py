@@ -8,7 +8,7 @@ import compileattn as ca
 from compileattn.engine import Engine
 from compileattn.hf.attention import BINDING_ATTR, AttentionMismatchError, LayerBinding
 from compileattn.hf.model import HFCausalLM, UnsupportedModelError
-from hf_families import VOCAB, hf_greedy, load_reference, prompts, save_family
+from hf_families import VOCAB, byte_level_tokenizer, hf_greedy, load_reference, prompts, save_family
 
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1)
@@ -64,17 +64,6 @@ def test_pickled_weights_need_allow_pickle_and_nothing_is_downloaded(tmp_path):
         load_reference(save_family("llama", tmp_path / "safe")), prompts()[0], 4)[0]
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         ca.LLM("meta-llama/Llama-3-8B", compile_config=None)
-
-
-def byte_level_tokenizer():
-    """A 256-token byte-level tokenizer made offline: every string round-trips."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return T.PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 def test_string_prompts_use_the_directory_tokenizer(tmp_path):

@@ -92,9 +92,10 @@ class LLM:
         max_model_len: longest sequence (prompt + output); default: the model's, capped by the cache.
         kv_cache_memory, num_blocks: cache size as bytes or as a block count (at most one);
             default: measured on CUDA (``gpu_memory_utilization`` of the device), 1 GiB at most on the CPU.
-        compile_config: ``"auto"`` (compile on CUDA with ``CompileConfig()``, eager elsewhere), a
-            ``CompileConfig``, or None (eager).
-        attention_backend: for eager runs; compiled runs take ``compile_config.attention_backend``.
+        compile_config: ``"auto"`` (compile on CUDA with the default ``CompileConfig``, eager
+            elsewhere), a ``CompileConfig``, or None (eager).
+        attention_backend: the attention kernels (``"auto"``, ``"flash"``, ``"triton"``,
+            ``"reference"``); a ``CompileConfig`` passed in names its own.
         allow_pickle: also load pickled ``*.bin`` weights (they can run code).
     """
 
@@ -109,7 +110,8 @@ class LLM:
         self.model, self.tokenizer, hf_model = self._load(model, tokenizer, dtype, device, allow_pickle)
         param = next(self.model.parameters())
         device, dtype = param.device, param.dtype
-        compile_config = self._compile_config(compile_config, device, max_num_seqs, max_num_batched_tokens)
+        compile_config = self._compile_config(compile_config, device, attention_backend, max_num_seqs,
+                                              max_num_batched_tokens)
         if compile_config is not None:
             attention_backend = compile_config.attention_backend
         self._check_backends(attention_backend, dtype, device, block_size)
@@ -167,14 +169,15 @@ class LLM:
         return model, tokenizer, None
 
     @staticmethod
-    def _compile_config(compile_config, device: torch.device, max_num_seqs: int,
+    def _compile_config(compile_config, device: torch.device, attention_backend: str, max_num_seqs: int,
                         max_num_batched_tokens: int) -> CompileConfig | None:
         if compile_config == "auto":
             if device.type != "cuda":
                 return None
             # Decode steps of up to max_num_seqs tokens replay full graphs; mixed steps up to 256
             # tokens replay piecewise ones.
-            return CompileConfig(max_capture_size=min(max(256, max_num_seqs), max_num_batched_tokens))
+            return CompileConfig(attention_backend=attention_backend,
+                                 max_capture_size=min(max(256, max_num_seqs), max_num_batched_tokens))
         if compile_config is not None and not isinstance(compile_config, CompileConfig):
             raise TypeError(f"compile_config must be a CompileConfig, 'auto' or None, got {compile_config!r}")
         return compile_config
