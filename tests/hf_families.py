@@ -21,33 +21,37 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
                initializer_range=0.2, tie_word_embeddings=False)
 
 
-def _config(family: str):
+def _config(family: str, **overrides):
     import transformers as T
 
     c = dict(_COMMON)
     if family == "llama":
-        return T.LlamaConfig(head_dim=32, **c)
-    if family == "qwen2":  # head dim 64 / 2 = 32; window on the second layer only
-        c.update(num_attention_heads=2, num_key_value_heads=1)
-        return T.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **c)
-    if family == "qwen3":
-        return T.Qwen3Config(head_dim=32, **c)
-    if family == "mistral":
-        return T.MistralConfig(head_dim=32, sliding_window=WINDOW, **c)
-    if family == "gemma2":  # alternating windows, attention softcap, final logit softcap
-        return T.Gemma2Config(head_dim=32, sliding_window=WINDOW, attn_logit_softcapping=1.0,
-                              final_logit_softcapping=5.0, query_pre_attn_scalar=32, **c)
-    if family == "gemma3":
-        return T.Gemma3TextConfig(head_dim=32, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
-                                  final_logit_softcapping=5.0, query_pre_attn_scalar=32, **c)
-    if family == "phi3":  # fused qkv; head dim 64 / 2 = 32
-        c.update(num_attention_heads=2, num_key_value_heads=1, pad_token_id=0)
-        return T.Phi3Config(**c)
-    if family == "opt":  # pre-scales q and passes scaling=1.0; learned positions; MHA
-        return T.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=2,
-                           word_embed_proj_dim=64, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-                           init_std=0.2, tie_word_embeddings=False)
-    raise ValueError(family)
+        cls, c = T.LlamaConfig, dict(c, head_dim=32)
+    elif family == "qwen2":  # head dim 64 / 2 = 32; window on the second layer only
+        cls, c = T.Qwen2Config, dict(c, num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                                     sliding_window=WINDOW, max_window_layers=1)
+    elif family == "qwen3":
+        cls, c = T.Qwen3Config, dict(c, head_dim=32)
+    elif family == "mistral":
+        cls, c = T.MistralConfig, dict(c, head_dim=32, sliding_window=WINDOW)
+    elif family == "gemma2":  # alternating windows, attention softcap, final logit softcap
+        cls, c = T.Gemma2Config, dict(c, head_dim=32, sliding_window=WINDOW, attn_logit_softcapping=1.0,
+                                      final_logit_softcapping=5.0, query_pre_attn_scalar=32)
+    elif family == "gemma3":
+        cls, c = T.Gemma3TextConfig, dict(c, head_dim=32, sliding_window=WINDOW, final_logit_softcapping=5.0,
+                                          layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32)
+    elif family == "phi3":  # fused qkv; head dim 64 / 2 = 32
+        cls, c = T.Phi3Config, dict(c, num_attention_heads=2, num_key_value_heads=1, pad_token_id=0)
+    elif family == "opt":  # pre-scales q and passes scaling=1.0; learned positions; MHA
+        cls, c = T.OPTConfig, dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                   num_attention_heads=2, word_embed_proj_dim=64, eos_token_id=None, bos_token_id=None,
+                                   pad_token_id=None, init_std=0.2, tie_word_embeddings=False)
+    else:
+        raise ValueError(family)
+    c.update(overrides)
+    if "layer_types" in c and "num_hidden_layers" in overrides:  # keep the alternation at any depth
+        c["layer_types"] = [c["layer_types"][i % 2] for i in range(c["num_hidden_layers"])]
+    return cls(**c)
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "opt")
@@ -60,9 +64,7 @@ def save_family(family: str, directory: Path, seed: int = 0, **overrides) -> Pat
     """Random weights of ``family`` saved with ``save_pretrained`` (config.json + safetensors)."""
     from transformers import AutoModelForCausalLM
 
-    config = _config(family)
-    for k, v in overrides.items():
-        setattr(config, k, v)
+    config = _config(family, **overrides)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory

@@ -94,11 +94,13 @@ def test_compiled_greedy_equals_hf_generate(family, piece_compiler, mode, checkp
     config = ca.CompileConfig(piece_compiler=piece_compiler, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8, 16])
     with ca.counters.expect(dynamo_graphs=1):  # compiled once, at construction
         llm = ca.LLM(str(directory), compile_config=config, **ENGINE)
-    replays = ca.counters.cudagraph_replays
+    captures, replays = ca.counters.cudagraph_captures, ca.counters.cudagraph_replays
+    count_full_graph_steps["full"] = 0
     with ca.counters.expect(dynamo_graphs=0):  # every step size, 1-token steps included, without recompiling
         outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [tokens for tokens, _ in expected]
     assert ca.counters.cudagraph_replays - replays == len(llm.engine.history)  # every step at a capture size
+    assert ca.counters.cudagraph_captures == captures  # all captured at construction
     assert (count_full_graph_steps["full"] > 0) == (mode == "full_and_piecewise")
 
 

@@ -57,9 +57,10 @@ class Engine:
     per-step token budget, blocks allocated as sequences grow, preemption by recompute when they
     run out, EOS/stop handling, and sampling on the model's device.
 
-    ``model``: see ``model_runner``. ``compile_config``: compile the forward with compileattn (at
-    construction) and pad steps to its capture sizes; ``forward``: run this callable instead of
-    ``model.forward`` (``compile_config`` then only names the attention backend and the padding).
+    ``model``: see ``model_runner``. ``compile_config``: compile the forward with compileattn and
+    capture its CUDA graphs (at construction), and pad steps to its capture sizes; ``forward``: run
+    this callable instead of ``model.forward`` (``compile_config`` then only names the attention
+    backend and the padding).
     """
 
     def __init__(
@@ -117,6 +118,10 @@ class Engine:
                                   max_model_len=max_model_len, dtype=self.dtype, device=self.device,
                                   attention_backend=attention_backend, compile_config=compile_config,
                                   forward=forward, pad_fn=pad_fn, mark_dynamic=mark_dynamic)
+        if (forward is None and compile_config is not None
+                and compile_config.resolved_cudagraph_mode(self.device.type) != "none"):
+            # Captured now, so no served step pays for a capture.
+            self.runner.capture_cuda_graphs(compile_config.capture_sizes, max_num_seqs)
         #: Draws of sampled (temperature > 0) rows; ``generate(seed=...)`` reseeds it.
         self.generator = torch.Generator(device=self.device)
         self._requests: dict[int, Request] = {}

@@ -14,7 +14,8 @@ Two properties the compiled paths depend on:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Sequence
+import time
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -29,6 +30,15 @@ logger = logging.getLogger("compileattn")
 
 #: The compiled forward's dynamic dims: the token dim of both inputs.
 DYNAMIC_ARG_DIMS = {"input_ids": 0, "positions": 0}
+
+
+class PreparedStep(NamedTuple):
+    """A step ready to run: its metadata and the views of the persistent inputs it reads."""
+
+    metadata: AttentionMetadata
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    num_tokens: int
 
 
 class ModelRunner:
@@ -93,13 +103,10 @@ class ModelRunner:
         self.execute([SequenceStep(2, 0, [0])], [0, 0], [0, 1])
         logger.info("compiled the model's forward on a %d-token warm-up step", self.last_metadata.num_tokens)
 
-    def execute(self, seqs: Sequence[SequenceStep], input_ids, positions) -> torch.Tensor:
-        """Run the forward on one step; returns hidden (num_tokens, hidden) of the real tokens.
-
-        ``input_ids``/``positions`` are the step's real tokens (lists or 1-D tensors); padding to
-        ``pad_fn(num_tokens)`` happens here. The result is valid only until the next step (a
-        CUDA-graph runtime returns a view of its static output buffer).
-        """
+    def prepare(self, seqs: Sequence[SequenceStep], input_ids, positions) -> PreparedStep:
+        """Host side of a step: metadata (and the backend's plan), inputs copied into the persistent
+        buffers, padded to ``pad_fn(num_tokens)``. ``input_ids``/``positions`` are the real tokens
+        (lists or 1-D tensors)."""
         n = sum(s[0] for s in seqs)
         padded = self.pad_fn(n)
         if not isinstance(padded, int) or padded < n:
@@ -118,10 +125,36 @@ class ModelRunner:
         if self.mark_dynamic:
             torch._dynamo.mark_dynamic(ids, 0)
             torch._dynamo.mark_dynamic(pos, 0)
-        self.last_metadata = md
-        with torch.no_grad(), set_forward_context(md, self.kv_caches):
-            hidden = self.forward(ids, pos)
-        return hidden[:n]
+        return PreparedStep(md, ids, pos, n)
+
+    def run(self, step: PreparedStep) -> torch.Tensor:
+        """Device side of a step: the forward in the step's context; hidden (num_tokens, hidden) of
+        the real tokens, valid only until the next step (a CUDA-graph runtime returns a view of
+        its static output buffer)."""
+        self.last_metadata = step.metadata
+        with torch.no_grad(), set_forward_context(step.metadata, self.kv_caches):
+            hidden = self.forward(step.input_ids, step.positions)
+        return hidden[: step.num_tokens]
+
+    def execute(self, seqs: Sequence[SequenceStep], input_ids, positions) -> torch.Tensor:
+        """``run(prepare(...))``: one step, host and device side."""
+        return self.run(self.prepare(seqs, input_ids, positions))
+
+    def capture_cuda_graphs(self, sizes: Sequence[int], max_num_seqs: int) -> None:
+        """Capture every graph a served step can replay, before serving: for each size, a uniform
+        decode step (the full graph, up to ``max_num_seqs`` sequences) and a mixed step (the
+        piecewise graphs). Dummy steps of sequences at position 0 in block 0: captured kernels'
+        grids depend only on the token and sequence counts, and block 0 is read by a real
+        sequence only where that sequence has written it."""
+        start = time.perf_counter()
+        two = [0] * -(-2 // self.builder.block_size)
+        for size in sorted((s for s in sizes if s <= self.builder.max_num_tokens), reverse=True):
+            if size <= max_num_seqs:
+                self.execute([SequenceStep(1, 0, [0])] * size, [0] * size, [0] * size)
+            if size >= 2:
+                self.execute([SequenceStep(2, 0, two)] + [SequenceStep(1, 0, [0])] * (size - 2), [0] * size,
+                             [0, 1] + [0] * (size - 2))
+        logger.info("captured CUDA graphs for %d step sizes in %.1f s", len(sizes), time.perf_counter() - start)
 
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """fp32 logits of ``rows`` of ``hidden`` (all rows when ``rows`` covers them in order)."""
