@@ -203,7 +203,8 @@ class StepRecorder:
 
     def _record(self, max_tokens=None):
         step = self._schedule(max_tokens)
-        self.steps.append(step)
+        if step is not None:
+            self.steps.append(step)
         return step
 
     def close(self) -> None:

@@ -3,10 +3,6 @@ import types
 import pytest
 import torch
 
-import compileattn as ca
-import compileattn.cudagraph as cudagraph
-import compileattn.piecewise as piecewise
-
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -28,6 +24,8 @@ def _reset_dynamo():
 
 # Simulated CUDA graphs (see tests/test_runtime_simulated.py's docstring): used there and by the engine's
 # compiled-path tests (tests/test_hf_models.py), which run full-decode and piecewise modes on the CPU.
+# compileattn is imported inside, not here: it imports triton, and test_triton_backend's interpreter
+# tests need TRITON_INTERPRET set before that happens.
 class SimulatedGraph:
     def __init__(self, fn, args, outputs):
         self.fn, self.args, self.outputs = fn, list(args), outputs
@@ -46,6 +44,9 @@ class SimulatedPool:
         self.capture_seconds = 0.0
 
     def capture(self, fn, args, name, size):
+        import compileattn as ca
+        import compileattn.cudagraph as cudagraph
+
         outputs = fn(*args)
         ca.counters.cudagraph_captures += 1
         return cudagraph.CapturedGraph(SimulatedGraph(fn, args, outputs), outputs, cudagraph._tensor_layout(args),
@@ -58,6 +59,9 @@ class SimulatedPool:
 @pytest.fixture
 def simulated_graphs(monkeypatch):
     """CUDA graphs on a CPU model: the runtime believes it is on CUDA, the pool simulates graphs."""
+    import compileattn.cudagraph as cudagraph
+    import compileattn.piecewise as piecewise
+
     monkeypatch.setattr(cudagraph, "GraphPool", SimulatedPool)
     real_init = piecewise.PiecewiseRuntime.__init__
 

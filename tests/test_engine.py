@@ -128,6 +128,40 @@ def test_tokens_do_not_depend_on_batching_chunking_or_blocks(llama, lengths, bud
     assert got == ref
 
 
+def test_run_plans_each_step_while_the_previous_one_runs_and_matches_step_by_step(llama):
+    """``run`` schedules step N+1 before step N's tokens reach the host: decodes of a pending token
+    get it written into the inputs at launch; a request stopped by a token of step N has already
+    been planned into N+1, whose token for it is dropped."""
+    from compileattn.engine import SamplingParams
+
+    prompts = prompts_of([5, 33, 17, 1, 23])
+    greedy = engine_for(llama).generate(prompts, 6, 16)
+    stop = greedy[1][2]  # stops prompt 1 at its third token (and any other prompt that samples it)
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(stop,))
+
+    def outputs(drive):
+        engine = engine_for(llama)
+        ids = engine.add_requests([params] * len(prompts), prompts)
+        planned = []
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda budget=None: planned.append(schedule(budget)) or planned[-1]
+        drive(engine)
+        assert engine.allocator.num_free == 48 and not engine.has_unfinished()
+        reqs = [engine.pop_request(i) for i in ids]
+        return [r.output for r in reqs], [r.finish_reason for r in reqs], [p for p in planned if p is not None]
+
+    def step_by_step(engine):
+        while engine.has_unfinished():
+            engine.step(16)
+
+    stepped, reasons, _ = outputs(step_by_step)
+    ran, ran_reasons, planned = outputs(lambda engine: engine.run(max_tokens_per_step=16))
+    assert ran == stepped and ran_reasons == reasons
+    assert stepped[1] == greedy[1][:3] and reasons[1] == "stop"
+    assert all(o == g[: len(o)] for o, g in zip(stepped, greedy))
+    assert sum(len(p.pending_rows) for p in planned) > 0  # decodes planned before their token arrived
+
+
 def test_reused_blocks_with_stale_kv_do_not_leak(llama):
     engine = engine_for(llama, num_blocks=16)
     engine.generate(prompts_of([30], seed=5), 4, 64)  # fills blocks with another sequence's K/V

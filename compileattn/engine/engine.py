@@ -15,7 +15,7 @@ import torch
 
 from ..metadata import AttentionMetadata, SequenceStep
 from .block_allocator import BlockAllocator
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, PreparedStep
 from .request import Request, SamplingParams
 from .sampler import sample
 from .scheduler import ScheduledStep, Scheduler
@@ -50,6 +50,19 @@ class StepResult:
 
     def count(self, kind: str) -> int:
         return self.kinds.count(kind)
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step on the device: its plan, outputs and the sampled tokens (a host tensor being filled
+    until ``copied`` fires, or a list)."""
+
+    step: ScheduledStep
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+    tokens: torch.Tensor | list[int] | None
+    copied: "torch.cuda.Event | None"
+    num_padded: int
 
 
 class Engine:
@@ -126,6 +139,8 @@ class Engine:
         self.generator = torch.Generator(device=self.device)
         self._requests: dict[int, Request] = {}
         self._next_id = 0
+        #: Page-locked host buffer the sampled tokens are copied into (CUDA), made on first use.
+        self._pinned: torch.Tensor | None = None
         #: Per step: (decodes, prefills, chunked prefills, tokens, padded tokens).
         self.history: list[tuple[int, int, int, int, int]] = []
 
@@ -202,43 +217,105 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def schedule(self, max_tokens_per_step: int | None = None) -> ScheduledStep:
+    def schedule(self, max_tokens_per_step: int | None = None) -> ScheduledStep | None:
         return self.scheduler.schedule(max_tokens_per_step)
 
     # -- steps ------------------------------------------------------------------------------------
 
     def step(self, max_tokens_per_step: int | None = None, sampler: Sampler | None = None) -> StepResult:
-        """Schedule and run one step; sample a token for every sequence that computed all of its
-        known tokens (with its own ``SamplingParams``, on the device, unless a ``sampler`` is
-        given); free the blocks of sequences that finish."""
+        """Schedule and run one step, and wait for it: sample a token for every sequence that
+        computed all of its known tokens (with its own ``SamplingParams``, on the device, unless a
+        ``sampler`` is given); free the blocks of sequences that finish."""
         sched = self.scheduler.schedule(max_tokens_per_step)
-        hidden = self.runner.execute(sched.seqs, sched.input_ids, sched.positions)
-        logits = None
-        sampled: dict[int, int] = {}
-        if sched.sample_rows:
+        if sched is None:
+            raise RuntimeError("nothing can be scheduled although requests are pending (and no step is in flight)")
+        launched = self._launch(sched, self.runner.prepare(sched.seqs, sched.input_ids, sched.positions), sampler)
+        sampled, finished = self._complete(launched)
+        return StepResult([r.seq_id for r in sched.requests], sched.kinds, sched.num_tokens, launched.num_padded,
+                          launched.hidden, launched.logits, sampled, finished, sched.preempted)
+
+    def run(self, on_finished: Callable[[list[Request]], None] | None = None,
+            max_tokens_per_step: int | None = None) -> None:
+        """Step until every request has finished, planning and preparing each step (scheduling,
+        metadata, input copies) while the previous one runs on the device: the host waits for a
+        step's tokens only after the next step is ready to launch. ``on_finished`` gets the
+        requests that finish, as they do."""
+        launched: _Launched | None = None
+        while True:
+            sched = self.scheduler.schedule(max_tokens_per_step) if self.scheduler.has_unfinished() else None
+            prepared = self.runner.prepare(sched.seqs, sched.input_ids, sched.positions) if sched else None
+            if launched is not None:
+                _, finished = self._complete(launched)
+                if finished and on_finished is not None:
+                    on_finished(finished)
+            elif sched is None:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("nothing can be scheduled although requests are pending (and no step is in "
+                                       "flight)")
+                return
+            launched = self._launch(sched, prepared) if sched is not None else None
+
+    def _launch(self, sched: ScheduledStep, prepared: PreparedStep, sampler: Sampler | None = None) -> "_Launched":
+        """Put a planned step on the device: its pending tokens into the inputs, the forward, the
+        logits and the sampling (a caller's ``sampler`` runs on the host, so it waits for them);
+        the sampled tokens start their copy to the host."""
+        if sched.pending_rows:  # tokens that reached the host after the step was planned
+            for row, req in sched.pending_rows:
+                sched.input_ids[row] = req.token_ids[sched.positions[row]]
+            n = prepared.num_tokens
+            prepared.input_ids[:n].copy_(torch.as_tensor(sched.input_ids, dtype=torch.long), non_blocking=True)
+        hidden = self.runner.run(prepared)
+        logits = tokens = copied = None
+        reqs = sched.sample_requests
+        if reqs:
             logits = self.runner.compute_logits(hidden, sched.sample_rows)
-            reqs = sched.sample_requests
-            seq_ids = [r.seq_id for r in reqs]
             if sampler is not None:
-                tokens = [int(t) for t in sampler(logits, seq_ids)]
+                tokens = [int(t) for t in sampler(logits, [r.seq_id for r in reqs])]
             else:
-                tokens = sample(logits, [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
-                                self.generator).tolist()
-            sampled = dict(zip(seq_ids, tokens))
+                on_device = sample(logits, [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
+                                   self.generator)
+                tokens, copied = self._to_host(on_device)
         for req, seq in zip(sched.requests, sched.seqs):
             req.num_computed += seq.query_len
-        finished = []
+        for req in reqs:
+            req.num_pending += 1
+        padded = prepared.metadata.num_tokens
+        self.history.append((sched.kinds.count("decode"), sched.kinds.count("prefill"),
+                             sched.kinds.count("chunked_prefill"), sched.num_tokens, padded))
+        return _Launched(sched, hidden, logits, tokens, copied, padded)
+
+    def _to_host(self, tokens: torch.Tensor):
+        """(host tensor, event) for an asynchronous copy on CUDA; (list, None) elsewhere."""
+        if tokens.device.type != "cuda":
+            return tokens.tolist(), None
+        n = tokens.shape[0]
+        if self._pinned is None:
+            self._pinned = torch.empty(self.runner.builder.max_num_tokens, dtype=torch.long, pin_memory=True)
+        self._pinned[:n].copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return self._pinned[:n], copied
+
+    def _complete(self, launched: "_Launched") -> tuple[dict[int, int], list[Request]]:
+        """Wait for a launched step's tokens and give them to their requests; release the requests
+        that finish. A request that stopped while this step was planned gets no token from it."""
+        sched = launched.step
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        tokens = launched.tokens.tolist() if isinstance(launched.tokens, torch.Tensor) else launched.tokens
+        sampled: dict[int, int] = {}
+        finished: list[Request] = []
         now = time.perf_counter()
-        for req in sched.sample_requests:
-            req.append(sampled[req.seq_id], now)
+        for req, token in zip(sched.sample_requests, tokens or ()):
+            req.num_pending -= 1
+            if req.finished:
+                continue
+            req.append(token, now)
+            sampled[req.seq_id] = token
             if req.finished:
                 self.scheduler.finish(req)
                 finished.append(req)
-        padded = self.runner.last_metadata.num_tokens
-        self.history.append((sched.kinds.count("decode"), sched.kinds.count("prefill"),
-                             sched.kinds.count("chunked_prefill"), sched.num_tokens, padded))
-        return StepResult([r.seq_id for r in sched.requests], sched.kinds, sched.num_tokens, padded,
-                          hidden, logits, sampled, finished, sched.preempted)
+        return sampled, finished
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_tokens_per_step: int,
                  sampler: Sampler | None = None) -> list[list[int]]:
@@ -247,8 +324,11 @@ class Engine:
         if not isinstance(max_tokens_per_step, int) or max_tokens_per_step < 1:
             raise ValueError(f"max_tokens_per_step must be a positive int, got {max_tokens_per_step!r}")
         ids = self.add_requests([SamplingParams(max_new_tokens=max_new_tokens)] * len(prompts), prompts)
-        while any(not self._requests[i].finished for i in ids):
-            self.step(max_tokens_per_step, sampler)
+        if sampler is None:
+            self.run(max_tokens_per_step=max_tokens_per_step)
+        else:
+            while any(not self._requests[i].finished for i in ids):
+                self.step(max_tokens_per_step, sampler)
         return [self._requests.pop(i).output for i in ids]
 
     def add_requests(self, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]]) -> list[int]:

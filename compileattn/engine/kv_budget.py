@@ -6,7 +6,7 @@ rows) shows the activation peak; the cache gets ``gpu_memory_utilization`` of th
 minus what is in use (weights, CUDA context, other processes) and minus that peak. What it does not
 see (CUDA-graph pools, Inductor's workspaces) comes out of the remaining ``1 - utilization``.
 On the CPU there is nothing to measure against; the default is enough for ``max_num_seqs``
-sequences of ``max_model_len`` tokens, capped at ``CPU_DEFAULT_BYTES``.
+sequences of ``max_model_len`` tokens, capped at ``CPU_DEFAULT_BYTES`` (256 MiB).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..metadata import SequenceStep
 
 logger = logging.getLogger("compileattn")
 
-CPU_DEFAULT_BYTES = 1 << 30
+CPU_DEFAULT_BYTES = 256 << 20
 GiB = float(1 << 30)
 
 

@@ -91,7 +91,7 @@ class LLM:
         max_num_batched_tokens: tokens per step at most (prefill chunks and decodes together).
         max_model_len: longest sequence (prompt + output); default: the model's, capped by the cache.
         kv_cache_memory, num_blocks: cache size as bytes or as a block count (at most one);
-            default: measured on CUDA (``gpu_memory_utilization`` of the device), 1 GiB at most on the CPU.
+            default: measured on CUDA (``gpu_memory_utilization`` of the device), 256 MiB at most on the CPU.
         compile_config: ``"auto"`` (compile on CUDA with the default ``CompileConfig``, eager
             elsewhere), a ``CompileConfig``, or None (eager).
         attention_backend: the attention kernels (``"auto"``, ``"flash"``, ``"triton"``,
@@ -225,10 +225,7 @@ class LLM:
         ids = engine.add_requests(params, token_prompts)
         bar = _progress_bar(len(ids)) if use_tqdm and len(ids) > 1 else None
         try:
-            while engine.has_unfinished():
-                result = engine.step()
-                if bar is not None and result.finished:
-                    bar.update(len(result.finished))
+            engine.run(on_finished=None if bar is None else (lambda done: bar.update(len(done))))
         except BaseException:
             engine.reset()
             raise

@@ -53,6 +53,9 @@ class Request:
     params: SamplingParams
     stop_ids: frozenset[int]
     num_computed: int = 0
+    #: Tokens sampled by a launched step whose values have not reached the host yet (0 or 1):
+    #: the engine schedules the next step while the previous one runs on the device.
+    num_pending: int = 0
     blocks: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -89,14 +92,24 @@ class Request:
         return self.finish_reason is not None
 
     @property
+    def num_known(self) -> int:
+        """Prompt and output tokens, the pending one included."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def num_uncomputed(self) -> int:
         """Known tokens whose K/V are not in the cache: 1 for a decode, more for a prefill."""
-        return len(self.token_ids) - self.num_computed
+        return self.num_known - self.num_computed
 
     @property
     def is_decoding(self) -> bool:
         """Past its prompt, with one token to compute."""
         return self.num_computed >= self.num_prompt_tokens and self.num_uncomputed == 1
+
+    @property
+    def schedulable(self) -> bool:
+        """Not finished, and not waiting only for the token that will finish it by length."""
+        return self.finish_reason is None and self.num_output_tokens + self.num_pending < self.params.max_new_tokens
 
     def append(self, token: int, now: float) -> None:
         """Add a sampled token and decide whether the request is finished."""

@@ -9,6 +9,12 @@ preempted: its blocks are freed and it goes back to the front of the queue, to r
 known tokens (prompt and output so far) as a prefill when it is readmitted. Preempting the newest
 keeps the oldest requests moving, so the engine cannot livelock; the cost is recomputation, which
 is what vLLM's default preemption mode pays as well.
+
+The engine may schedule a step while the previous one still runs on the device: a request's
+token sampled there is then *pending* (counted, its value unknown; the engine writes it into the
+step's inputs before launching). A request whose pending token reaches ``max_new_tokens`` is not
+scheduled again; one that a pending token will stop (EOS, stop ids) cannot be known to stop, so it
+may run one step too many, whose result is dropped.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ class ScheduledStep:
     requests: list[Request]
     seqs: list[SequenceStep]
     kinds: list[str]  # "decode" | "prefill" | "chunked_prefill"
+    #: Token ids; a row in ``pending_rows`` holds 0 until the engine writes its pending token.
     input_ids: list[int]
     positions: list[int]
     #: Token rows whose logits are sampled: the last row of each sequence that has now computed all
@@ -38,6 +45,8 @@ class ScheduledStep:
     sample_requests: list[Request]
     #: Requests preempted while this step was planned.
     preempted: list[Request]
+    #: (row, request): decodes of a token still pending when the step was planned.
+    pending_rows: list[tuple[int, Request]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +63,8 @@ class Scheduler:
         #: fresh admission does not make the next step preempt it straight away.
         self.watermark = max(1, allocator.num_blocks // 100)
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
+        #: seq_id -> request, in admission order (a dict: O(1) removal, ordered iteration).
+        self.running: dict[int, Request] = {}
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -64,14 +74,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def reset(self) -> None:
-        for req in self.running:
+        for req in self.running.values():
             self.allocator.free(req.blocks)
             req.blocks = []
         self.running.clear()
         self.waiting.clear()
 
     def finish(self, req: Request) -> None:
-        self.running.remove(req)
+        """Release a finished request: out of the running set (or the queue), blocks freed. Blocks
+        a launched step still writes may be handed out again at once: the next steps' kernels run
+        after it on the same stream, and read only what they wrote."""
+        if self.running.pop(req.seq_id, None) is None and req in self.waiting:
+            self.waiting.remove(req)
         self.allocator.free(req.blocks)
         req.blocks = []
 
@@ -79,22 +93,27 @@ class Scheduler:
         return -(-(req.num_computed + q) // self.block_size) - len(req.blocks)
 
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        del self.running[req.seq_id]
         self.allocator.free(req.blocks)
         req.blocks = []
         req.num_computed = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        logger.debug("preempted request %d (%d known tokens) for lack of KV-cache blocks", req.seq_id,
-                     len(req.token_ids))
+        logger.debug("preempted request %d (%d known tokens) for lack of KV-cache blocks", req.seq_id, req.num_known)
 
     def _grow(self, req: Request, q: int, scheduled: set[int], preempted: list[Request]) -> bool:
-        """Allocate ``req``'s blocks for ``q`` more tokens, preempting the newest running requests not
-        scheduled in this step as needed; False if ``req`` itself had to be preempted."""
+        """Allocate ``req``'s blocks for ``q`` more tokens, preempting the newest schedulable running
+        requests not scheduled in this step as needed. False if ``req`` must wait: preempted itself,
+        or skipped while requests about to finish still hold blocks."""
         need = self._blocks_needed(req, q)
         while need > self.allocator.num_free:
-            victim = next((r for r in reversed(self.running) if r.seq_id not in scheduled and r is not req), req)
+            victim = next((r for sid, r in reversed(self.running.items())
+                           if sid not in scheduled and r is not req and r.schedulable), None)
+            if victim is None:
+                if any(not r.schedulable for r in self.running.values()):
+                    return False  # their blocks come back when their last tokens arrive
+                victim = req
             self._preempt(victim)
             preempted.append(victim)
             if victim is req:
@@ -103,8 +122,10 @@ class Scheduler:
             req.blocks.extend(self.allocator.allocate(need))
         return True
 
-    def schedule(self, max_tokens: int | None = None) -> ScheduledStep:
-        """Plan one step of at most ``max_tokens`` tokens (default: the engine's maximum)."""
+    def schedule(self, max_tokens: int | None = None) -> ScheduledStep | None:
+        """Plan one step of at most ``max_tokens`` tokens (default: the engine's maximum); None when
+        nothing can run now (every running request waits for a pending token that ends it, or for
+        blocks those requests still hold)."""
         if not self.has_unfinished():
             raise ValueError("no unfinished requests to schedule; add a request first")
         budget = self.max_num_tokens if max_tokens is None else min(max_tokens, self.max_num_tokens)
@@ -113,9 +134,8 @@ class Scheduler:
         plan: list[tuple[Request, int]] = []
         scheduled: set[int] = set()
         preempted: list[Request] = []
-        # Decodes first, then prefills; a request preempted meanwhile has left self.running.
-        candidates = [r for r in self.running if r.is_decoding] + [r for r in self.running if not r.is_decoding]
-        for req in candidates:
+        live = [r for r in self.running.values() if r.schedulable]
+        for req in [r for r in live if r.is_decoding] + [r for r in live if not r.is_decoding]:
             if budget == 0:
                 break
             if preempted and req in preempted:
@@ -127,21 +147,20 @@ class Scheduler:
                 budget -= q
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req in preempted:  # readmitting it now would undo the preemption that made room
+            if preempted and req in preempted:  # readmitting it now would undo the preemption
                 break
             q = min(req.num_uncomputed, budget)
             reserve = self.watermark if self.running else 0
             if self._blocks_needed(req, q) + reserve > self.allocator.num_free:
                 break
             self.waiting.popleft()
-            self.running.append(req)
+            self.running[req.seq_id] = req
             req.blocks.extend(self.allocator.allocate(self._blocks_needed(req, q)))
             plan.append((req, q))
             scheduled.add(req.seq_id)
             budget -= q
         if not plan:
-            raise RuntimeError("the scheduler planned an empty step with requests pending: a request does not fit "
-                               "the KV cache even alone (the engine's max_model_len check should prevent this)")
+            return None
         plan.sort(key=lambda rq: rq[1] != 1)  # stable: one-token sequences first, as the metadata wants
         return self._build(plan, preempted)
 
@@ -150,19 +169,24 @@ class Scheduler:
         row = 0
         for req, q in plan:
             ctx = req.num_computed
+            known = req.num_known
             if ctx >= req.num_prompt_tokens and q == 1:
                 kind = "decode"
-            elif ctx == 0 and q == len(req.token_ids):
+            elif ctx == 0 and q == known:
                 kind = "prefill"
             else:
                 kind = "chunked_prefill"
             step.requests.append(req)
             step.seqs.append(SequenceStep(q, ctx, tuple(req.blocks)))
             step.kinds.append(kind)
-            step.input_ids.extend(req.token_ids[ctx: ctx + q])
+            tokens = req.token_ids[ctx: ctx + q]
+            if len(tokens) < q:  # the pending token: only ever the one token of a decode
+                step.pending_rows.append((row, req))
+                tokens.append(0)
+            step.input_ids.extend(tokens)
             step.positions.extend(range(ctx, ctx + q))
             row += q
-            if ctx + q == len(req.token_ids):
+            if ctx + q == known:
                 step.sample_rows.append(row - 1)
                 step.sample_requests.append(req)
         return step
