@@ -5,8 +5,8 @@ Models (random weights, built from configs directly on the GPU in bf16; nothing 
 Llama-3-8B shape (GQA 32/8, head dim 128, vocab 128256) and an MHA 7B shape (Llama-2-7B: 32/32
 heads, vocab 32000), as transformers ``LlamaForCausalLM``. Workload: ``--num-prompts`` prompts
 (1000; 100 with ``--quick``) of random tokens, prompt and output lengths drawn uniformly from
-``--input-len``/``--output-len`` (128:512) with a fixed seed, every output generated to its full
-length (``ignore_eos``). The same prompts for every column.
+``--input-len``/``--output-len`` (128:512; ``--quick`` caps outputs at 256) with a fixed seed,
+every output generated to its full length (``ignore_eos``). The same prompts for every column.
 
 Columns:
 
@@ -16,12 +16,14 @@ Columns:
 - ``ca-eager``: the same engine, no compile;
 - ``hf-cb``: transformers' continuous batching (``continuous_batching_context_manager``, what
   ``generate_batch`` runs, with per-request ``max_new_tokens``), CUDA graphs on
-  (``use_cuda_graph=True``), attention flash-attn 2 when installed, else sdpa (``paged|sdpa``
-  on transformers < 5.23, which wants the prefix).
+  (``use_cuda_graph=True``), its own choice of paged attention (flash-attn 3 or 2 when installed,
+  else paged sdpa; the table names the one it ran).
 
-Each column reports output tokens/s and requests/s over one timed ``generate`` of the whole
-workload (after a warm-up; compile and CUDA-graph capture happen at construction and are reported
-separately), and p50/p99 time per output token (per request: decode time / (tokens - 1)).
+Each column reports output tokens/s and requests/s over one timed serving of the whole workload
+(compileattn: a ``generate`` after a warm-up, compile and CUDA-graph capture done at construction
+and reported separately; transformers: from the first request to the last result, its manager's
+setup and graph warm-up done before), and p50/p99 time per output token (per request: decode
+time / (tokens - 1)).
 
 Correctness before timing: each compileattn column is teacher-forced through ``--check-tokens``
 steps on ``--check-prompts`` prompts and its logits compared (norm-relative, bf16 tolerance 0.1 as
@@ -71,6 +73,10 @@ MODELS = {
 COLUMNS = ["ca-full", "hf-cb", "ca-piecewise", "ca-eager"]  # also the priority order under the budget
 CA_COLUMNS = {"ca-full": "full_and_piecewise", "ca-piecewise": "piecewise", "ca-eager": None}
 GOALS = {"speedup_vs_hf_cb": 8.0, "e2e_over_floor": 1.10}
+#: Budget seconds a column needs left to be started: guesses for the --quick workload on an H200
+#: (compile + capture for ca-full; manager setup, graph warm-up and ~1k tokens/s for hf-cb), to be
+#: replaced by the build/e2e seconds of the first H200 run.
+COLUMN_RESERVE_S = {"ca-full": 120.0, "hf-cb": 120.0, "ca-piecewise": 90.0, "ca-eager": 60.0}
 #: The issue's figures (H200, transformers 5.17 generate_batch, paged|sdpa, CUDA graphs requested,
 #: Llama-8B shape, 100 prompts of 128-512 tokens generating ~509 each): printed beside ours for
 #: scale only; not measurements of this run.
@@ -88,15 +94,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    default=list(COLUMNS), help=f"subset of {','.join(COLUMNS)}")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per column (default 1000, quick 100)")
     p.add_argument("--input-len", type=_range, default=(128, 512), help="LO:HI prompt tokens (default 128:512)")
-    p.add_argument("--output-len", type=_range, default=(128, 512), help="LO:HI output tokens (default 128:512)")
+    p.add_argument("--output-len", type=_range, default=None,
+                   help="LO:HI output tokens (default 128:512; --quick 128:256)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--kv-gib", type=float, default=40.0, help="KV cache of each compileattn LLM, GiB (default 40)")
+    p.add_argument("--kv-gib", type=float, default=80.0,
+                   help="KV cache of each compileattn LLM, GiB (default 80: the MHA shape's 256 sequences of ~640 "
+                        "tokens need ~82 GiB)")
     p.add_argument("--layers", type=int, default=None, help="override the shapes' 32 layers (debugging)")
     p.add_argument("--check-prompts", type=int, default=4)
     p.add_argument("--check-tokens", type=int, default=16)
     p.add_argument("--no-floor", action="store_true", help="skip the GPU-time floor replay")
-    p.add_argument("--quick", action="store_true", help="100 prompts per column")
+    p.add_argument("--quick", action="store_true",
+                   help="100 prompts per column, outputs of 128-256 tokens: both models in one 10-minute command")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="wall-clock budget; work past it is reported as skipped (0 = none)")
     p.add_argument("--seed", type=int, default=0)
@@ -108,6 +118,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_prompts is None:
         args.num_prompts = 100 if args.quick else 1000
+    if args.output_len is None:
+        args.output_len = (128, 256) if args.quick else (128, 512)
     for name in ("num_prompts", "max_num_seqs", "max_num_batched_tokens", "check_prompts", "check_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -319,35 +331,28 @@ def run_ca_column(model, column: str, workload, checks, args, budget, log, row) 
         release()
 
 
-def cb_attention() -> str:
-    """flash-attn 2 when installed, else sdpa; with the ``paged|`` prefix transformers wanted
-    before 5.23 (later versions page whatever the attention is, and warn about the prefix)."""
-    import transformers
-    from packaging.version import Version
-
-    try:
-        from transformers.utils import is_flash_attn_2_available
-
-        name = "flash_attention_2" if is_flash_attn_2_available() else "sdpa"
-    except ImportError:
-        name = "sdpa"
-    return name if Version(transformers.__version__) >= Version("5.23") else f"paged|{name}"
-
-
-def cb_generate(model, prompts, output_lens, attn: str):
-    """transformers' continuous batching on ``prompts``: (outputs in order, seconds)."""
+def cb_generate(model, prompts, output_lens):
+    """transformers' continuous batching on ``prompts`` as ``generate_batch`` runs it (workload hints
+    for its sizing, CUDA graphs pre-captured by its warm-up): (outputs in order, seconds from the
+    first request to the last result, the attention it ran). The model is handed over with sdpa;
+    the manager switches it to its best paged attention itself (flash-attn 3 or 2 when installed,
+    else paged sdpa)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    model.set_attn_implementation(attn)
+    model.set_attn_implementation("sdpa")
     gen = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(output_lens))
     # On CUDA its own sizing (the cache from free memory) and CUDA graphs; on the CPU (smoke runs)
     # a small fixed cache, since it cannot measure host memory.
     cb = (ContinuousBatchingConfig(use_cuda_graph=True) if DEVICE == "cuda" else
           ContinuousBatchingConfig(use_cuda_graph=False, block_size=16, num_blocks=64, max_batch_tokens=64))
-    start = time.perf_counter()
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(output_lens),
+                          num_requests=len(prompts))
     with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb, block=True,
-                                                   timeout=5) as manager:
+                                                   timeout=5, workload_hints=hints) as manager:
+        attention = model.config._attn_implementation
+        start = time.perf_counter()
         ids = [manager.add_request(list(p), max_new_tokens=n, record_timestamps=True)
                for p, n in zip(prompts, output_lens)]
         results: dict[str, Any] = {}
@@ -357,21 +362,20 @@ def cb_generate(model, prompts, output_lens, attn: str):
                 results[r.request_id] = r
             elif r is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching thread stopped")
-    elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
     outs = [results[i] for i in ids]
     failed = [o.error for o in outs if o.error is not None]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
-    return outs, elapsed
+    return outs, elapsed, attention
 
 
 def run_hf_cb(model, workload, checks, args, log, row) -> None:
     from compileattn.engine import throughput
 
-    check_prompts, _ = checks
-    attn = cb_attention()
-    row["attention"] = attn
     import torch
+
+    check_prompts, _ = checks
 
     expected = []
     model.set_attn_implementation("sdpa")
@@ -380,36 +384,42 @@ def run_hf_cb(model, workload, checks, args, log, row) -> None:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.check_tokens,
                              do_sample=False, pad_token_id=0)
         expected.append(out[0, len(p):].tolist())
-    got, _ = cb_generate(model, check_prompts, [args.check_tokens] * len(check_prompts), attn)
+    got, _, row["attention"] = cb_generate(model, check_prompts, [args.check_tokens] * len(check_prompts))
     same = sum(a == b for o, e in zip(got, expected) for a, b in zip(o.generated_tokens, e))
     row["check_token_agreement"] = same / sum(map(len, expected))
     if row["check_token_agreement"] < 0.5:
         row.update(status="FAILED", reason=f"greedy tokens agree with the model's generate() on "
                                            f"{row['check_token_agreement']:.0%} only")
         return
-    warm = throughput.random_workload(16, args.input_len, (4, 8), model.config.vocab_size, args.seed + 1)
-    cb_generate(model, warm.prompts, warm.output_lens, attn)
-    outs, elapsed = cb_generate(model, workload.prompts, workload.output_lens, attn)
+    outs, elapsed, _ = cb_generate(model, workload.prompts, workload.output_lens)
     out_tokens = sum(len(o.generated_tokens) for o in outs)
     tpots = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) * 1e3
              for o in outs if o.timestamps and len(o.timestamps) > 1]
     row.update(status="ok", num_requests=len(outs), input_tokens=workload.input_tokens, output_tokens=out_tokens,
                elapsed_s=elapsed, output_tokens_per_s=out_tokens / elapsed, requests_per_s=len(outs) / elapsed,
                tpot_p50_ms=throughput.percentile(tpots, 50), tpot_p99_ms=throughput.percentile(tpots, 99))
-    log(f"  hf-cb ({attn}): {out_tokens} output tokens in {elapsed:.2f} s, {out_tokens / elapsed:,.1f} tokens/s")
+    log(f"  hf-cb ({row['attention']}): {out_tokens} output tokens in {elapsed:.2f} s, {out_tokens / elapsed:,.1f} tokens/s")
 
 
 def release() -> None:
+    """Drop what a finished column compiled and captured (Dynamo's caches hold compiled code and,
+    through it, CUDA-graph pools) before the next one allocates its cache."""
     import torch
 
+    torch._dynamo.reset()
     gc.collect()
     if DEVICE == "cuda":
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 
 def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: list[dict[str, Any]]) -> None:
     from compileattn.engine import throughput
 
+    if budget.exceeded(reserve=min(COLUMN_RESERVE_S[c] for c in args.columns)):
+        rows.extend(dict(base_row(name, c), reason=budget.reason()) for c in args.columns)
+        log(f"{name}: {budget.reason()}")
+        return
     t = time.monotonic()
     model = build_model(name, args.layers)
     log(f"{name}: {MODELS[name]['label']} built on {DEVICE} in {time.monotonic() - t:.1f} s")
@@ -420,7 +430,7 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
     for column in args.columns:
         row = base_row(name, column)
         rows.append(row)
-        if budget.exceeded(reserve=30.0):
+        if budget.exceeded(reserve=COLUMN_RESERVE_S[column]):
             row["reason"] = budget.reason()
             log(f"  {column}: {row['reason']}")
             continue

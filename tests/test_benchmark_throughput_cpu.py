@@ -16,7 +16,8 @@ import throughput as tp  # noqa: E402
 def test_args_defaults_quick_and_bad_values():
     a = tp.parse_args([])
     assert (a.num_prompts, a.input_len, a.output_len, a.columns) == (1000, (128, 512), (128, 512), tp.COLUMNS)
-    assert tp.parse_args(["--quick"]).num_prompts == 100
+    q = tp.parse_args(["--quick"])
+    assert (q.num_prompts, q.output_len) == (100, (128, 256))
     for argv in (["--columns", "vllm"], ["--num-prompts", "0"], ["--input-len", "5:2"], ["--kv-gib", "0"]):
         with pytest.raises(SystemExit):
             tp.parse_args(argv)
@@ -53,7 +54,7 @@ def test_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
     assert by["hf-cb"]["output_tokens"] == by["ca-eager"]["output_tokens"]  # same workload, full lengths
     payload = {"benchmark": "throughput", "config": vars(args), "rows": rows}
     md = tp.render_markdown(payload)
-    assert "Goal check" in md and "ca-eager" in md and "sdpa" in by["hf-cb"]["attention"]
+    assert "Goal check" in md and "ca-eager" in md and "sdpa" in by["hf-cb"]["attention"]  # paged by transformers itself
     common.write_json(tmp_path / "a.json", payload)
     assert tp.main(["--merge", str(tmp_path / "a.json"), "-o", str(tmp_path / "m"), "--no-plot"]) == 0
     assert len(common.read_json(tmp_path / "m.json")["rows"]) == 2
@@ -62,6 +63,7 @@ def test_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
 def test_a_wrong_column_is_failed_not_timed(monkeypatch):
     """The logits check gates timing: an engine whose logits are off is reported FAILED."""
     rows = {"status": "skipped"}
+    monkeypatch.setattr(tp, "DEVICE", "cpu")
     monkeypatch.setattr(tp, "engine_logits", lambda llm, prompts, count: [torch.ones(count, 8) * 3] * len(prompts))
     monkeypatch.setattr(tp, "ca_llm", lambda *a, **k: object())
     checks = ([[1, 2]], [torch.ones(4, 8)])

@@ -118,3 +118,23 @@ def test_bf16_logits_and_tokens_match_the_models_own_code(family, compiled, tmp_
         "specs": {k: repr(v) for k, v in llm.model.attention_specs().items()}})
     assert max(errors) < TOLERANCE, errors
     assert not real, f"divergences that are not near-ties (prompt, step, hf, ours, margin): {real}"
+
+
+@pytest.mark.cuda
+def test_kv_cache_sized_from_device_memory(tmp_path, caplog):
+    """No cache size given: one profiling step measures the activation peak, and the cache takes
+    what ``gpu_memory_utilization`` leaves (logged with the blocks and the sequences that fit)."""
+    import logging
+
+    from compileattn.engine import kv_budget
+
+    directory = save_family("llama", tmp_path / "llama", **gpu_overrides("llama"))
+    with caplog.at_level(logging.INFO, logger="compileattn"):
+        llm = ca.LLM(str(directory), gpu_memory_utilization=0.5, max_num_batched_tokens=2048)
+    free, total = torch.cuda.mem_get_info()
+    cache_bytes = llm.engine.allocator.num_blocks * kv_budget.bytes_per_block(
+        llm.model.attention_specs(), 16, torch.bfloat16)
+    assert 0 < cache_bytes <= 0.5 * total
+    assert "KV-cache budget" in caplog.text and "fits" in caplog.text
+    out = llm.generate([[1, 2, 3], [4, 5]], 4, use_tqdm=False)
+    assert [len(o.token_ids) for o in out] == [4, 4]

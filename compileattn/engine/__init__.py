@@ -3,8 +3,9 @@
 One job per module: ``block_allocator`` (the free list), ``request`` (sampling parameters and a
 request's state), ``scheduler`` (which tokens run in a step; preemption), ``sampler`` (next tokens
 on the device), ``model_runner`` (inputs, metadata, forward context, compiled forward),
-``engine`` (the step loop), ``kv_budget`` (cache size from a memory budget), ``llm`` (the public
-``LLM``).
+``engine`` (the step loop, each step planned while the previous one runs), ``kv_budget`` (cache
+size from a memory budget), ``llm`` (the public ``LLM``), ``throughput`` (the offline throughput
+measurement the CLI and ``benchmarks/throughput.py`` share).
 """
 from .block_allocator import BlockAllocator, OutOfBlocksError
 from .engine import Engine, StepResult
