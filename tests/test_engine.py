@@ -162,6 +162,18 @@ def test_run_plans_each_step_while_the_previous_one_runs_and_matches_step_by_ste
     assert sum(len(p.pending_rows) for p in planned) > 0  # decodes planned before their token arrived
 
 
+def test_llm_serves_an_own_model_too(llama):
+    import compileattn as ca
+
+    prompts = prompts_of([5, 33, 17])
+    llm = ca.LLM(llama, compile_config=None, block_size=4, num_blocks=48, max_num_batched_tokens=16)
+    out = llm.generate(prompts, 6, use_tqdm=False)
+    assert [o.token_ids for o in out] == engine_for(llama).generate(prompts, 6, 16)
+    assert out[0].text is None and out[0].prompt_token_ids == prompts[0]
+    with pytest.raises(ValueError, match="dtype/device apply to transformers models"):
+        ca.LLM(llama, dtype="float16")
+
+
 def test_reused_blocks_with_stale_kv_do_not_leak(llama):
     engine = engine_for(llama, num_blocks=16)
     engine.generate(prompts_of([30], seed=5), 4, 64)  # fills blocks with another sequence's K/V
