@@ -85,7 +85,7 @@ DEFAULT_OUT = common.RESULTS_DIR / "throughput"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from compileattn.cli import _range
+    from compileattn.cli import length_range
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=common.argparse_type(lambda s: common.parse_name_list(s, list(MODELS))),
@@ -93,8 +93,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--columns", type=common.argparse_type(lambda s: common.parse_name_list(s, COLUMNS)),
                    default=list(COLUMNS), help=f"subset of {','.join(COLUMNS)}")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per column (default 1000, quick 100)")
-    p.add_argument("--input-len", type=_range, default=(128, 512), help="LO:HI prompt tokens (default 128:512)")
-    p.add_argument("--output-len", type=_range, default=None,
+    p.add_argument("--input-len", type=length_range, default=(128, 512), help="LO:HI prompt tokens (default 128:512)")
+    p.add_argument("--output-len", type=length_range, default=None,
                    help="LO:HI output tokens (default 128:512; --quick 128:256)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)

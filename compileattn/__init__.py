@@ -54,6 +54,7 @@ def __getattr__(name):
 
 __all__ = [
     "AttentionMetadata", "AttentionMetadataBuilder", "AttentionSpec", "CompileConfig", "KVCache", "LLM",
-    "RecompileError", "RequestOutput", "SamplingParams", "SequenceStep", "allocate_kv_caches", "compile", "compileattn_backend", "counters",
-    "flash_attn_varlen_func", "get_forward_context", "set_forward_context", "write_kv_cache",
+    "RecompileError", "RequestOutput", "SamplingParams", "SequenceStep", "allocate_kv_caches", "compile",
+    "compileattn_backend", "counters", "flash_attn_varlen_func", "get_forward_context", "set_forward_context",
+    "write_kv_cache",
 ]

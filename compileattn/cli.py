@@ -19,7 +19,7 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
-def _range(text: str) -> tuple[int, int]:
+def length_range(text: str) -> tuple[int, int]:
     parts = text.split(":")
     try:
         lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (None, None)
@@ -70,8 +70,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     thr = sub.add_parser("throughput", help="offline throughput on random prompts")
     _add_engine_args(thr)
     thr.add_argument("--num-prompts", type=int, default=200)
-    thr.add_argument("--input-len", type=_range, default=(128, 512), help="LO:HI prompt tokens (default 128:512)")
-    thr.add_argument("--output-len", type=_range, default=(128, 512), help="LO:HI output tokens (default 128:512)")
+    thr.add_argument("--input-len", type=length_range, default=(128, 512), help="LO:HI prompt tokens (default 128:512)")
+    thr.add_argument("--output-len", type=length_range, default=(128, 512), help="LO:HI output tokens (default 128:512)")
     thr.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.command == "generate" and not (args.prompt or args.prompt_ids):
