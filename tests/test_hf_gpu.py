@@ -11,8 +11,8 @@ graphs for decode, piecewise graphs for mixed steps, ``auto`` attention backend)
   divergence must be a genuine near-tie (the reference's margin between the two tokens within
   twice the largest logit difference of the two paths at that step).
 
-With ``COMPILEATTN_RECORD_DIR`` set, each case's numbers are written there as JSON (the GPU run's
-record). Run: ``python -m pytest -m cuda tests/test_hf_gpu.py``.
+With ``COMPILEATTN_RECORD_DIR`` set, each case's numbers are appended there to
+``hf_gpu_comparison.jsonl`` (the GPU run's record). Run: ``python -m pytest -m cuda tests/test_hf_gpu.py``.
 """
 import json
 import os
@@ -51,11 +51,14 @@ def rel_err(a: torch.Tensor, e: torch.Tensor) -> float:
     return ((a.float() - e.float()).norm() / e.float().norm()).item()
 
 
-def record(name: str, payload: dict) -> None:
+def record(payload: dict) -> None:
+    """One JSON line per case in COMPILEATTN_RECORD_DIR/hf_gpu_comparison.jsonl (one file: the
+    device returns few files)."""
     directory = os.environ.get("COMPILEATTN_RECORD_DIR")
     if directory:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        (Path(directory) / f"hf_gpu_{name}.json").write_text(json.dumps(payload, indent=1))
+        with open(Path(directory) / "hf_gpu_comparison.jsonl", "a") as f:
+            f.write(json.dumps(payload) + "\n")
 
 
 @pytest.mark.cuda
@@ -112,7 +115,7 @@ def test_bf16_logits_and_tokens_match_the_models_own_code(family, compiled, tmp_
             near_ties += 1
         else:
             real.append((k, j, e[j], a[j], margin))
-    record(f"{family}_{'compiled' if compiled else 'eager'}", {
+    record({
         "family": family, "compiled": compiled, "logits_rel_err": errors, "tokens_agreeing_before_divergence": same,
         "tokens": NEW_TOKENS * len(prompts), "near_tie_divergences": near_ties, "real_divergences": real,
         "specs": {k: repr(v) for k, v in llm.model.attention_specs().items()}})
