@@ -342,7 +342,7 @@ class _HandGraphs:
     def __init__(self, fn: Callable, name: str):
         import torch
 
-        from compileattn.cudagraph import GraphPool
+        from compileattn.compilation.cudagraph import GraphPool
 
         self.fn = fn
         self.name = name

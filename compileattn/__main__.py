@@ -142,9 +142,14 @@ def run_mixed(engine, prompts, steps, timer_device, new_tokens):
 
 
 def main(argv=None) -> int:
+    command = sys.argv[1:2] if argv is None else list(argv[:1])
+    if command in (["generate"], ["throughput"]):  # the LLM's subcommands (compileattn/cli.py)
+        from .cli import main as cli_main
+
+        return cli_main(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     import compileattn
-    from .models.engine import Engine
+    from .engine import Engine
     from .models.llama import LlamaForCausalLM
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

@@ -165,6 +165,7 @@ class StepDispatcher:
                 "set of caches per compiled model (or compile one per engine)")
 
     def _run_full(self, size: int, args):
+        counters.full_graph_steps += 1
         if self._full is None:
             self._full = self._graph_wrapper("full graph", self._forward)
         self.current_size = size  # inside the full graph, pieces run their (static) compiled code

@@ -124,10 +124,10 @@ def make_steps(vocab: int) -> list[tuple[list, list[int], list[int]]]:
 
 
 def engine_for(model, args, forward=None, config=None, cls=None, **kw):
-    from ..models.engine import Engine
+    from ..engine import Engine
 
     return (cls or Engine)(model, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
-                           max_num_seqs=8, forward=forward, config=config, attention_backend=args.backend,
+                           max_num_seqs=8, forward=forward, compile_config=config, attention_backend=args.backend,
                            mark_dynamic=False, **kw)
 
 
