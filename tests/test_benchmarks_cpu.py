@@ -24,6 +24,7 @@ sys.path.insert(0, str(BENCH))
 import common  # noqa: E402
 import decode_attention as dec  # noqa: E402
 import latency as lat  # noqa: E402
+import latency_report as rep  # noqa: E402
 import latency_tp as ltp  # noqa: E402
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
@@ -363,17 +364,17 @@ def test_latency_merge_ratios_and_goals(tmp_path):
     b = {"benchmark": "latency", "config": {}, "runs": [{"label": "llama"}], "stats": [], "probes": [],
          "rows": [_lat_row(0, "llama", "reduce-overhead", 1, 4800), _lat_row(0, "llama", "ca-piecewise", 1, 4900),
                   _lat_row(0, "llama", "graph-eager", 1, 5100, status="FAILED")]}
-    merged = lat.merge_payloads([a, b])
+    merged = rep.merge_payloads([a, b])
     assert [r["run"] for r in merged["rows"]][-1] == 1 and len(merged["runs"]) == 2
-    chosen = lat.select(merged["rows"])
-    rt = lat.ratios(chosen, ("opt", "decode", 1, 512, 0))
+    chosen = rep.select(merged["rows"])
+    rt = rep.ratios(chosen, ("opt", "decode", 1, 512, 0))
     assert rt["best_graph_us"] == 500 and rt["piecewise_vs_best_graph"] == pytest.approx(1.04)
     assert rt["full_vs_best_graph"] == pytest.approx(1.06)
-    lines = "\n".join(lat.goal_lines(merged))
+    lines = "\n".join(rep.goal_lines(merged))
     assert "OPT: compileattn piecewise ≤ 1.05× the best full graph: MET" in lines
     assert "full-decode ≤ 1.02× the best full graph: NOT MET" in lines
     assert "reduce-overhead: NOT MET" in lines and "warm start" in lines and "1.50 s — MET" in lines
-    md = lat.render_markdown(merged)
+    md = rep.render_markdown(merged)
     assert "520 / 572 / 624" in md and "**FAILED**" in md and "issue's figures" in md
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     common.write_json(pa, a)
@@ -404,8 +405,102 @@ def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
     assert "capturable" in by[("graph-eager", "decode", 3)]["reason"]
     payload = {"benchmark": "latency", "config": {}, "runs": [{"label": "cpu"}], "rows": res["rows"],
                "stats": res["stats"], "probes": []}
-    md = lat.render_markdown(payload)
+    md = rep.render_markdown(payload)
     assert "OPT-125m shape" in md and "n/a" in md
+
+
+# -- latency: the report module and the roofline --------------------------------------------------------
+
+
+def test_latency_measuring_and_reporting_are_split(tmp_path):
+    """latency.py measures; merging, goals, markdown and plots live in latency_report.py, which
+    imports neither torch nor latency.py (``--merge`` and these tests need no GPU)."""
+    for name in ("merge_payloads", "select", "ratios", "goal_lines", "render_markdown", "plot", "cell_text"):
+        assert hasattr(rep, name) and not hasattr(lat, name), name
+    text = (BENCH / "latency_report.py").read_text()
+    assert "import torch" not in text and "import latency\n" not in text
+    assert lat.COLUMNS is rep.COLUMNS and ltp.report is rep
+
+
+@pytest.mark.parametrize("name", ["latency", "latency_opt", "latency_llama"])
+def test_committed_latency_results_render_with_the_report(name):
+    """The committed tables are what the report renders from the committed JSON (those runs predate
+    the roofline: their floor is n/a and their cells carry no ratio)."""
+    payload = common.read_json(BENCH / "results" / f"{name}.json")
+    md = rep.render_markdown(payload)
+    committed = (BENCH / "results" / f"{name}.md").read_text()
+    rows = [ln for ln in committed.splitlines() if ln.startswith(("| decode |", "| mixed"))]
+    assert rows and all(ln in md.splitlines() for ln in rows)
+    assert all(ln.split(" | ")[4] == "n/a" for ln in rows)
+
+
+def _roofline_payload():
+    counts = {"weight_bytes": 170_000_000, "kv_bytes_per_token": 36_864, "layers": 12}
+    runs = [{"label": "new", "copy_bandwidth": {"GBps": 4000.0}, "models": {"opt": counts}},
+            {"label": "old run: no bandwidth recorded"}]
+    rows = [_lat_row(0, "opt", "ca-full", 8, 600.0), _lat_row(0, "opt", "graph-eager", 8, 500.0),
+            _lat_row(1, "opt", "eager", 64, 3000.0, context=4096)]
+    mixed = lat.base_row("opt", lat.Cell("mixed", 8, 512, 248), "ca-full", 256)
+    mixed.update(status="ok", p50_us=700.0, p90_us=710.0, p99_us=720.0)
+    rows.append(mixed)
+    return {"benchmark": "latency", "config": {}, "runs": runs, "rows": rows, "stats": [], "probes": []}, counts
+
+
+def test_roofline_bytes_floor_and_column():
+    payload, counts = _roofline_payload()
+    # decode: weights + batch x (context + new token) x K/V bytes per token
+    assert rep.step_bytes(counts, "decode", 8, 512, 0) == 170_000_000 + 8 * 513 * 36_864
+    # mixed: the prefill sequence attends its own tokens
+    assert rep.step_bytes(counts, "mixed", 8, 512, 248) == 170_000_000 + (8 * 513 + 248) * 36_864
+    floor = (170_000_000 + 8 * 513 * 36_864) / 4000e9 * 1e6
+    assert rep.floor_us(payload, payload["rows"][0]) == pytest.approx(floor)
+    assert rep.floor_us(payload, payload["rows"][2]) is None  # its run has no bandwidth
+    md = rep.render_markdown(payload)
+    row = next(ln for ln in md.splitlines() if ln.startswith("| decode | 8 | 512 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[4] == f"{floor:.0f}"
+    assert f"600 / 660 / 720 ({600 / floor:.1f}×)" in cells and f"500 / 550 / 600 ({500 / floor:.1f}×)" in cells
+    old = next(ln for ln in md.splitlines() if ln.startswith("| decode | 64 | 4096 |"))
+    assert old.split(" | ")[4] == "n/a" and "3000 / 3300 / 3600 |" in old
+    mixed = next(ln for ln in md.splitlines() if ln.startswith("| mixed"))
+    assert f"({700 / rep.floor_us(payload, payload['rows'][3]):.1f}×)" in mixed
+
+
+def test_step_byte_counts_of_a_model():
+    """Decoder-stack parameters without the gathered embedding tables; K/V bytes of one token over
+    every layer's cache."""
+    import compileattn as ca
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(OPTConfig.tiny(), dtype=torch.float16, device="cpu")
+    caches = ca.allocate_kv_caches(model.attention_specs(), 4, 16, dtype=torch.float16, device="cpu")
+    counts = lat.step_byte_counts(model, caches)
+    m = model.model
+    want = sum(p.numel() * 2 for p in m.layers.parameters()) + sum(p.numel() * 2 for p in m.final_layer_norm.parameters())
+    spec = next(iter(model.attention_specs().values()))
+    assert counts["weight_bytes"] == want and counts["layers"] == len(m.layers)
+    assert counts["kv_bytes_per_token"] == len(m.layers) * 2 * spec.num_kv_heads * spec.head_dim * 2
+
+
+def test_latency_baseline_comparison_marks_slower_rows(tmp_path):
+    payload, _ = _roofline_payload()
+    base = {"benchmark": "latency", "runs": [{"label": "committed", "env": {"time_utc": "then"}}],
+            "rows": [_lat_row(0, "opt", "ca-full", 8, 500.0), _lat_row(0, "opt", "graph-eager", 8, 505.0),
+                     _lat_row(0, "opt", "eager", 64, 1000.0, context=4096, status="FAILED")]}
+    lines = "\n".join(rep.baseline_lines(payload, base))
+    assert "2 rows measured in both" in lines and "1 row(s)" in lines
+    assert "| ca-full | 500 | 600 | 1.20 **slower** |" in lines and "| graph-eager | 505 | 500 | 0.99 |" in lines
+    pa, pb = tmp_path / "a.json", tmp_path / "base.json"
+    common.write_json(pa, payload)
+    common.write_json(pb, base)
+    assert lat.main(["--merge", str(pa), "--baseline", str(pb), "-o", str(tmp_path / "m"), "--no-plot"]) == 0
+    assert "## Against the baseline: committed (then)" in (tmp_path / "m.md").read_text()
+
+
+def test_latency_plot_draws_the_floor(tmp_path):
+    payload, _ = _roofline_payload()
+    assert common.try_plot(tmp_path / "p.png", rep.plot(payload)) is None
+    assert (tmp_path / "p.png").stat().st_size > 1000
 
 
 # -- latency_tp.py ---------------------------------------------------------------------------------------
