@@ -296,7 +296,7 @@ def build_variants(args, st: Setup, notes: dict[str, str]) -> tuple[list[Variant
 
     from compileattn import ops
     from compileattn.backends.flash_fa4 import FA4Backend
-    from compileattn.backends.kv_write import prepare_torch_write, write_kv_padded
+    from compileattn.backends.kv_write import StepWriteIndices, prepare_torch_write, write_kv_padded
     from compileattn.backends.selector import get_backend
     from compileattn.context import get_forward_context
     from compileattn.validation import check_kv_write_args, check_varlen_args
@@ -396,7 +396,9 @@ def build_variants(args, st: Setup, notes: dict[str, str]) -> tuple[list[Variant
     else:
         variants.append(Variant(KV_TRITON, lambda: write_triton(k, v), None,
                                 _kv_check(lambda: write_triton(k, v), st, slots)))
-    write_torch = prepare_torch_write(flash_md.tensors, kc, vc, capturable=True)
+    indices = StepWriteIndices(flash_md.num_tokens, flash_md.tensors, flash_md.selector.buffers)
+    indices.refresh()  # once per step (set_forward_context does it); the write is per layer
+    write_torch = prepare_torch_write(kc, vc, indices, flash_md.slot_mapping)
     variants.append(Variant(KV_TORCH, lambda: write_torch(k, v), None, _kv_check(lambda: write_torch(k, v), st, slots)))
 
     if fa4 is not None:

@@ -630,7 +630,7 @@ def test_op_overhead_variants_checked_counted_and_timed_on_cpu(op_cpu):
     row, chain = rows[opr.op_caller("reference")]
     assert chain[0] == "compileattn/ops.py:attend_caller.<locals>.call_attend" and row["py_frames"] == len(chain)
     assert rows[opr.EMPTY_ADD][0]["py_frames"] == 0  # a C call, and the benchmark's own lambda is not counted
-    assert rows[opr.KV_TORCH][1][0].endswith("prepare_torch_write.<locals>.write_layer")
+    assert rows[opr.KV_TORCH][1][0].endswith("prepare_torch_write.<locals>.write_indexed")
 
 
 @cpu_interpreter
