@@ -579,7 +579,8 @@ def test_op_overhead_merge_reads_a_cut_short_stdout(tmp_path):
 
 
 def test_op_overhead_reads_the_committed_pre_redesign_result(tmp_path):
-    payload = opr.read_result(BENCH / "results" / "op_overhead.json")
+    """The pre-redesign tree's own script wrote the S3-2 "before" run in its old layout."""
+    payload = opr.read_result(BENCH / "results" / "op_overhead_before.json")
     assert payload["runs"][0]["layout"] == "meta/results" and len(payload["rows"]) == 60
     assert common.try_plot(tmp_path / "p.png", opr.plot(opr.merge_payloads([payload, _new_op_payload()]))) is None
 
