@@ -31,7 +31,7 @@ import torch
 
 from ..kv_cache import AttentionSpec
 from .base import AttendCall, AttentionBackend, PersistentBuffers, StepShape, StepTensors
-from .kv_write import prepare_torch_write, write_kv_masked, write_kv_padded
+from .kv_write import StepWriteIndices, prepare_torch_write, write_kv_masked, write_kv_padded
 
 logger = logging.getLogger("compileattn")
 
@@ -195,6 +195,8 @@ class CallTable(NamedTuple):
     #: Every call may be captured in a CUDA graph (full-graph decode).
     capturable: bool
     kv_caches: Mapping[str, Any]
+    #: Run once per step before the forward (device-side index refreshes the prepared calls read).
+    per_step: tuple[Callable[[], None], ...] = ()
 
 
 class KernelSelector:
@@ -234,6 +236,7 @@ class KernelSelector:
     def _build(self, shape: StepShape, tensors: StepTensors, kv_caches) -> CallTable:
         attend, write, backends = {}, {}, {}
         capturable = True
+        indices = None  # the torch writer's per-step indices, shared by its layers
         for name, cache in kv_caches.items():
             spec, dtype = cache.spec, cache.dtype
             backend = self.backend_for(spec, dtype, shape.block_size, shape.uniform_decode)
@@ -244,7 +247,11 @@ class KernelSelector:
                 write[name] = get_backend("triton", self.device).prepare_write(shape, tensors, spec,
                                                                                cache.key_cache, cache.value_cache)
             else:
-                write[name] = prepare_torch_write(tensors, cache.key_cache, cache.value_cache,
-                                                  capturable=self.device.type == "cuda")
+                if self.device.type == "cuda" and indices is None:
+                    indices = StepWriteIndices(shape.num_tokens, tensors, self.buffers)
+                write[name] = prepare_torch_write(cache.key_cache, cache.value_cache,
+                                                  indices if self.device.type == "cuda" else None,
+                                                  tensors.slot_mapping)
             capturable = capturable and backend.capturable
-        return CallTable(attend, write, backends, capturable, kv_caches)
+        return CallTable(attend, write, backends, capturable, kv_caches,
+                         (indices.refresh,) if indices is not None else ())

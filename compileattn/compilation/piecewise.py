@@ -6,8 +6,9 @@
    (``compileattn.passes``);
 2. the layer names of each piece's KV writes become per-piece slots, and each *distinct* piece
    (``piece_signature.py``: a transformer's middle layers are one piece on other weights) is
-   compiled once for the dynamic token dimension (Inductor's ``standalone_compile`` with the shapes
-   of Dynamo's tracing context, or eager/aot_eager for debugging), and for each of
+   compiled once, for the input shapes Dynamo traced, with the dynamic token dimension (Inductor's
+   ``standalone_compile`` with the shapes of Dynamo's tracing context, or eager/aot_eager for
+   debugging), and for each of
    ``config.resolved_compile_sizes`` with static shapes, or loaded from the compile cache;
 3. each splitting op becomes a direct call (``ops.attend_caller``): the forward-context lookup and
    the layer's prepared kernel call, skipping the dispatcher;
@@ -196,9 +197,27 @@ def _static_example_args(args: Sequence[Any], token_symbol, size: int) -> list[A
     return out
 
 
+def _placeholder_values(piece: Piece) -> list[Any] | None:
+    """The piece's inputs as Dynamo traced them (fake tensors with the graph's symbolic sizes, or
+    SymInts), from the placeholders' ``example_value``; None if one lacks it (a graph that did not
+    come from Dynamo)."""
+    values = []
+    for node in piece.module.graph.nodes:
+        if node.op == "placeholder":
+            if "example_value" not in node.meta and "val" not in node.meta:
+                return None
+            values.append(_meta(node))
+    return values
+
+
 class _PieceCompiler(torch.fx.Interpreter):
-    """Runs the split graph on fake inputs so each piece is compiled with its own input shapes;
-    a piece identical to an earlier one takes that one's code."""
+    """Compiles each distinct piece once for its own input shapes; a piece identical to an earlier
+    one takes that one's code. The shapes come from Dynamo's trace (every placeholder's
+    ``example_value``); only a graph without them is run on fake inputs to find them. Running the
+    pieces is avoided where possible: on torch 2.11 a fake ``aten.size`` call inside an op's
+    decomposition (the ``@`` of RoPE's frequency product in transformers' models) turns the
+    symbolic token count into a guard on its traced value, and the compile then fails with a
+    ``ConstraintViolationError`` for the dynamic dim."""
 
     def __init__(self, split_gm, pieces: list[Piece], config: CompileConfig, cache: CompileCache | None,
                  token_symbol, static_sizes: tuple[int, ...]):
@@ -212,16 +231,28 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.signatures: dict[str, str] = {}
         self.static_seconds = 0.0
 
+    def compile_all(self, fake_mode, fake_args) -> None:
+        traced = {name: _placeholder_values(p) for name, p in self.pieces.items() if not p.is_splitting_op}
+        if all(v is not None for v in traced.values()):
+            with fake_mode:
+                for name, args in traced.items():
+                    self.compile_piece(self.pieces[name], args)
+            return
+        with fake_mode:
+            self.run(*fake_args)
+
     def call_module(self, target, args, kwargs):
         result = super().call_module(target, args, kwargs)
         piece = self.pieces.get(target)
         if piece is not None and not piece.is_splitting_op:
-            args = list(args)
-            signature = self.signatures[target] = piece_signature(piece.module, args, piece.index)
-            self._once(piece, signature, None, lambda: args)
-            for size in self.static_sizes:
-                self._once(piece, signature, size, lambda size=size: _static_example_args(args, self.token_symbol, size))
+            self.compile_piece(piece, list(args))
         return result
+
+    def compile_piece(self, piece: Piece, args: list[Any]) -> None:
+        signature = self.signatures[piece.name] = piece_signature(piece.module, args, piece.index)
+        self._once(piece, signature, None, lambda: args)
+        for size in self.static_sizes:
+            self._once(piece, signature, size, lambda size=size: _static_example_args(args, self.token_symbol, size))
 
     def _once(self, piece: Piece, signature: str, size: int | None, make_args: Callable[[], list[Any]]) -> None:
         if (signature, size) in self.code:
@@ -287,8 +318,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
                     list(static_sizes), config.piece_compiler)
         static_sizes = ()
     compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol, static_sizes)
-    with fake_mode:
-        compiler.run(*fake_args)
+    compiler.compile_all(fake_mode, fake_args)
 
     splitting, layers = {}, {}
     for piece in pieces:
