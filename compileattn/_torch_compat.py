@@ -32,6 +32,8 @@ PRIVATE_APIS = {
     "torch._inductor.standalone_compile.AOTCompiledArtifact": "a compiled piece as bytes (aot=True) and back",
     "torch._inductor.compile_fx": "imported ahead of a warm start (the first artifact load pays Inductor's import)",
     "torch._dynamo.backends.debugging.aot_eager": "piece_compiler='aot_eager'",
+    "torch._functorch.config": "force_autograd_cache/bundled_autograd_cache off around aot_eager pieces (2.11: "
+                               "aot_compile forces them on, and a non-Inductor piece then fails its cache entry)",
     "torch._dynamo.mark_dynamic": "marking the token dim of a step's inputs dynamic (documented, but private)",
     "torch._dynamo.lookup_backend": "@compileattn.compile(backend='inductor') and the like",
     "torch._inductor.standalone_compile": "compiling one piece with Inductor outside Dynamo",
@@ -170,7 +172,12 @@ def lookup_backend(name: str):
 
 
 def aot_eager(gm, example_inputs):
-    return resolve("torch._dynamo.backends.debugging.aot_eager")(gm, example_inputs)
+    """``aot_eager`` on one piece. ``aot_compile`` (the decorator's trace) turns AOTAutograd's
+    bundled cache on around the backend, and on torch 2.11 an AOTAutograd compile inside it then
+    builds a cache entry for aot_eager's plain-function output and fails ("expected OutputCode";
+    2.13 skips the entry). Such a piece is never saved, so the forced cache is switched off here."""
+    with resolve("torch._functorch.config").patch(force_autograd_cache=False, bundled_autograd_cache=False):
+        return resolve("torch._dynamo.backends.debugging.aot_eager")(gm, example_inputs)
 
 
 def standalone_compile(gm, example_inputs, dynamic_shapes: str, options: dict):

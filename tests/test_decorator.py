@@ -421,9 +421,12 @@ def test_outer_torch_compile_inlines_the_original():
 
 # -- with the real compileattn backend ---------------------------------------------------------------
 
-def test_default_backend_is_compileattn():
+@pytest.mark.parametrize("piece_compiler", ["eager", "aot_eager"])
+def test_default_backend_is_compileattn(piece_compiler):
+    """aot_eager: an AOTAutograd compile inside the decorator's aot_compile (torch 2.11 failed it
+    building a cache entry; ``_torch_compat.aot_eager``)."""
     cls = compileattn.compile(type("CompiledToy", (Toy,), {}), dynamic_arg_dims={"x": 0, "positions": 0},
-                              config=compileattn.CompileConfig(piece_compiler="eager"))
+                              config=compileattn.CompileConfig(piece_compiler=piece_compiler))
     model, eager = cls(), Toy()
     eager.load_state_dict(model.state_dict())
     with compileattn.counters.expect(dynamo_graphs=1, pieces=1), torch.no_grad():
