@@ -229,7 +229,7 @@ def render(payload: dict[str, Any]) -> str:
     table = []
     for r in rows:
         if r["status"] != "ok":
-            table.append([MODELS[r["model"]], "", r["phase"], r["status"], r["reason"][:100]] + [""] * (len(headers) - 5))
+            table.append([MODELS[r["model"]], "", r["phase"], common.status_text(r["status"]), r["reason"][:100]] + [""] * (len(headers) - 5))
             continue
         c = r.get("counters", {})
         table.append([MODELS[r["model"]], r["dtype"], r["phase"], r["path"], common.fmt_num(r["first_call_s"], 2),

@@ -438,7 +438,7 @@ def test_coldwarm_report_marks_failures_and_skips():
     lines = coldwarm.goal_lines(rows)
     assert "- Llama-3-8B shape, cold start ≤ 15 s: not measured (FAILED)" in lines
     assert "- Llama-3-8B shape, warm start ≤ 2 s: 2.50 s — NOT MET" in lines
-    assert "| FAILED | differs from eager" in coldwarm.render({"rows": rows})
+    assert "| **FAILED** | differs from eager" in coldwarm.render({"rows": rows})
 
 
 # -- latency: the report module and the roofline --------------------------------------------------------
