@@ -139,11 +139,6 @@ def call_schema(target):
     return target._schema if isinstance(target, resolve("torch._ops.OpOverload")) else None
 
 
-def dispatch_modes_active() -> bool:
-    """Whether any TorchDispatchMode (fake tensors, functionalization, debugging) is active."""
-    return resolve("torch._C._len_torch_dispatch_stack")() > 0
-
-
 def below_autograd_guard() -> type:
     """The guard class whose instances, used as context managers, dispatch below Autograd."""
     return resolve("torch._C._AutoDispatchBelowAutograd")
