@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
+from .. import _torch_compat
 from ..context import set_forward_context
 from ..kv_cache import allocate_kv_caches
 from ..metadata import AttentionMetadata, AttentionMetadataBuilder, SequenceStep
@@ -123,8 +124,8 @@ class ModelRunner:
             ids[n:].zero_()
             pos[n:].zero_()
         if self.mark_dynamic:
-            torch._dynamo.mark_dynamic(ids, 0)
-            torch._dynamo.mark_dynamic(pos, 0)
+            _torch_compat.mark_dynamic(ids, 0)
+            _torch_compat.mark_dynamic(pos, 0)
         return PreparedStep(md, ids, pos, n)
 
     def run(self, step: PreparedStep) -> torch.Tensor:

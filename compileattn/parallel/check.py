@@ -160,7 +160,7 @@ def run_mode(model, mode: str, args, steps) -> tuple[list[torch.Tensor], dict[st
     """Hidden states of every step (fp32 copies on the CPU) and what the run counted."""
     from compileattn import counters
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     before = counters.snapshot()
     info: dict[str, Any] = {}
     with graphs_context(args, mode):
@@ -298,7 +298,7 @@ def check_engine(tp, args, full, sharded) -> dict[str, Any]:
     expected = engine_for(full, args).generate(prompts, max_new_tokens=4, max_tokens_per_step=16,
                                                sampler=_recording_greedy(want_record))
     mode = "piecewise" if args.graphs == "real" or args.device == "cpu" else "eager"
-    torch._dynamo.reset()
+    torch.compiler.reset()
     problems: list[str] = []
     with graphs_context(args, mode):
         fn, rec, cfg = compiled_forward(sharded, mode, args)
