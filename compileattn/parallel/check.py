@@ -302,7 +302,7 @@ def check_engine(tp, args, full, sharded) -> dict[str, Any]:
     problems: list[str] = []
     with graphs_context(args, mode):
         fn, rec, cfg = compiled_forward(sharded, mode, args)
-        engine = engine_for(sharded, args, forward=fn, config=cfg, cls=TPEngine, tp=tp)
+        engine = engine_for(sharded, args, forward=fn, config=cfg, cls=TPEngine, tp=tp, record_steps=True)
         if tp.is_driver:
             got_record: list = []
             got = engine.generate(prompts, max_new_tokens=4, max_tokens_per_step=16,
