@@ -142,11 +142,11 @@ def run_mixed(engine, prompts, steps, timer_device, new_tokens):
 
 
 def main(argv=None) -> int:
-    command = sys.argv[1:2] if argv is None else list(argv[:1])
-    if command in (["generate"], ["throughput"]):  # the LLM's subcommands (compileattn/cli.py)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["generate"], ["throughput"]):  # the LLM's subcommands (compileattn/cli.py)
         from .cli import main as cli_main
 
-        return cli_main(sys.argv[1:] if argv is None else argv)
+        return cli_main(argv)
     args = parse_args(argv)
     import compileattn
     from .engine import Engine
