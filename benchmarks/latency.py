@@ -516,7 +516,7 @@ class CompileattnGroup(Group):
         if not self.runtimes.built:
             return {}
         rt = self.runtimes.built[-1]
-        return {"capture_s": rt.pool.capture_seconds if rt.pool is not None else 0.0,
+        return {"capture_s": rt.capture_seconds(),
                 "graph_pool_bytes": rt.graph_pool_bytes(), "runtimes": len(self.runtimes.built),
                 "full_graphs": rt.full_graph_count(), "piece_graphs": rt.piece_graph_count(), "mode": rt.mode}
 
