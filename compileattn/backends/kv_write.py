@@ -9,24 +9,42 @@ Slot -1 marks a padded token, which must write nothing. Two writers, for two con
   values* (``dst = slot of token j, src = j``): duplicate writes in one ``index_copy_`` then carry
   identical bytes and the result does not depend on their order. A step of only padding writes
   slot 0's current rows back onto it. It is the CUDA writer when Triton's kernel is unavailable.
+
+Into a float8_e4m3fn cache both store ``quantize(x, scale)`` (see kv_cache.py), given the
+(kv_heads,) float32 scales.
 """
 from __future__ import annotations
 
 import torch
 
+from ..kv_cache import FP8_E4M3_MAX, is_fp8
 from .base import StepTensors
 
 
-def write_kv_masked(key, value, key_cache, value_cache, slot_mapping) -> None:
+def quantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """(tokens, kv_heads, head_dim) rows as stored in a ``dtype`` cache: ``x / scale`` per KV head,
+    saturated to e4m3's finite range and rounded to nearest, when ``scale`` is given."""
+    if scale is None:
+        return x
+    scaled = x.float() / scale.view(1, -1, 1)
+    return scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp8 rows as their bytes: torch has no ``index_copy_`` for float8 (the copy is bitwise anyway)."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
+def write_kv_masked(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Scatter K/V rows to their slots, skipping slot -1 (host sync: not capturable)."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     n = slot_mapping.shape[0]
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[:n][valid]
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[:n][valid]
+    for new, cache, scale in ((key[:n], key_cache, k_scale), (value[:n], value_cache, v_scale)):
+        _bits(cache.view(-1, *cache.shape[2:]))[slots] = _bits(quantize(new[valid], scale, cache.dtype))
 
 
-def write_kv_padded(key, value, key_cache, value_cache, slot_mapping) -> None:
+def write_kv_padded(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Scatter K/V rows to their slots, skipping slot -1, without a host sync (capturable)."""
     n = slot_mapping.shape[0]
     if n == 0:
@@ -36,18 +54,21 @@ def write_kv_padded(key, value, key_cache, value_cache, slot_mapping) -> None:
     src = torch.where(valid, torch.arange(n, device=slot_mapping.device), first)
     dst = torch.where(valid, slot_mapping, slot_mapping.index_select(0, first)).clamp_(min=0)
     any_valid = valid.index_select(0, first).view(1, 1, 1)
-    for new, cache in ((key[:n], key_cache), (value[:n], value_cache)):
-        flat = cache.view(-1, *cache.shape[2:])
-        rows = torch.where(any_valid, new.index_select(0, src), flat.index_select(0, dst))
+    for new, cache, scale in ((key[:n], key_cache, k_scale), (value[:n], value_cache, v_scale)):
+        flat = _bits(cache.view(-1, *cache.shape[2:]))
+        rows = torch.where(any_valid, _bits(quantize(new.index_select(0, src), scale, cache.dtype)),
+                           flat.index_select(0, dst))
         flat.index_copy_(0, dst, rows)
 
 
-def prepare_torch_write(tensors: StepTensors, key_cache, value_cache, capturable: bool):
-    """``write(key, value)`` for one layer's caches with the step's slot mapping bound."""
+def prepare_torch_write(tensors: StepTensors, key_cache, value_cache, capturable: bool, kv_scales=None):
+    """``write(key, value)`` for one layer's caches with the step's slot mapping (and a quantized
+    cache's ``(k_scale, v_scale)``) bound."""
     write = write_kv_padded if capturable else write_kv_masked
     slots = tensors.slot_mapping
+    k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
 
     def write_layer(key, value):
-        write(key, value, key_cache, value_cache, slots)
+        write(key, value, key_cache, value_cache, slots, k_scale, v_scale)
 
     return write_layer
