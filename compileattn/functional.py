@@ -79,10 +79,11 @@ def flash_attn_with_kvcache(
     cache contiguous (batch_cache >= batch, seqlen_cache, kv_heads, head_dim) or paged
     (num_blocks, block_size, kv_heads, head_dim) with ``block_table`` (batch, blocks per sequence)
     int32; ``cache_seqlens`` (an int, or int32 (batch,); None: the whole cache, allowed only
-    without ``k``/``v``) the tokens each sequence has cached. ``k``/``v`` (batch, seqlen_new, kv_heads, head_dim), if given, are written
-    at positions ``cache_seqlens[b] .. + seqlen_new`` first; attention then sees
-    ``cache_seqlens + seqlen_new`` keys, causal aligned bottom-right (query i sits at position
-    ``cache_seqlens + seqlen_new - seqlen_q + i``). Returns ``out`` (q's shape).
+    without ``k``/``v``) the tokens each sequence has cached. ``k``/``v`` (batch, seqlen_new,
+    kv_heads, head_dim), if given, are written at positions ``cache_seqlens[b] .. + seqlen_new``
+    first; attention then sees ``cache_seqlens + seqlen_new`` keys, causal aligned bottom-right
+    (query i sits at position ``cache_seqlens + seqlen_new - seqlen_q + i``). Returns ``out``
+    (q's shape).
 
     A contiguous cache is served as a paged one whose page is a whole sequence (page size
     ``seqlen_cache``, sequence b in page b): one code path, and decode gets the split-KV decode

@@ -27,6 +27,7 @@ from compileattn import (
 from compileattn.backends.kv_write import write_kv_masked, write_kv_padded
 from compileattn.backends.reference import ReferenceBackend
 from compileattn.kv_cache import FP8_E4M3_MAX, FP8_REL_ERROR_BOUND
+from compileattn.models.attention import Attention
 
 FP8 = torch.float8_e4m3fn
 CUDA = torch.cuda.is_available()
@@ -441,3 +442,45 @@ def test_reference_backend_reads_scales_not_values():
     cache = KVCache(step.kc.clone(), step.vc.clone(), spec, k_scale=0.04, v_scale=0.02, query_dtype=torch.float32)
     b, _ = step.run(ReferenceBackend(), cache)
     assert not torch.allclose(a, b)
+
+
+def test_compiled_model_over_fp8_caches_equals_eager():
+    """A model compiled with the compileattn backend over an fp8 cache (and ALiBi): the KV write
+    the pass moves into the piece before attention quantizes as the eager op does, and the
+    runtime's per-step checks accept caches whose storage dtype is not the model's."""
+    spec = AttentionSpec(4, 2, 64, alibi_slopes=compileattn.alibi_slopes(4))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(256, (4 + 2 + 2) * 64)
+            self.attn = Attention(spec, layer_name="block.attn")
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).split([256, 128, 128], dim=-1)
+            return self.attn(q, k, v)
+
+    torch.manual_seed(0)
+    model = Block()
+    caches = allocate_kv_caches({"block.attn": spec}, 16, 16, torch.float32, kv_cache_dtype=FP8, k_scale=0.02,
+                                v_scale=0.01)
+    cache = caches["block.attn"]
+    bits(cache.key_cache).copy_(stored(torch.randn(16 * 16, 2, 64), 0.02).view(16, 16, 2, 64).view(torch.uint8))
+    bits(cache.value_cache).copy_(stored(torch.randn(16 * 16, 2, 64), 0.01).view(16, 16, 2, 64).view(torch.uint8))
+    builder = AttentionMetadataBuilder(block_size=16, num_blocks=16, max_num_tokens=16, max_blocks_per_seq=4,
+                                       backend="reference")
+    md = builder.build([SequenceStep(1, 20, [3, 9]), SequenceStep(6, 0, [4])], pad_to=8)
+    x = torch.randn(8, 256)
+    before = (cache.key_cache.clone(), cache.value_cache.clone())
+    with set_forward_context(md, caches):
+        want = model(x)
+    after_eager = (cache.key_cache.clone(), cache.value_cache.clone())
+    cache.key_cache.copy_(before[0])
+    cache.value_cache.copy_(before[1])
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "aot_eager"}, fullgraph=True)
+    with set_forward_context(md, caches), torch.no_grad():
+        got = compiled(x)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(bits(cache.key_cache), bits(after_eager[0]))
+    assert torch.equal(bits(cache.value_cache), bits(after_eager[1]))
+    assert not torch.equal(bits(after_eager[0]), bits(before[0]))  # the step did write
