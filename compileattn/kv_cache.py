@@ -16,8 +16,8 @@ Accuracy. Round-to-nearest e4m3 keeps 3 mantissa bits, so each stored element is
 ``2**-4 |x|`` of ``x`` when ``|x| / scale >= 2**-6`` (the normal range) and within ``2**-10 scale``
 below it. With a scale of ``amax / 448`` (``fp8_scale``) nothing saturates. Attention over the
 dequantized cache is then computed as precisely as over a bf16 cache; what remains is the
-quantization itself: with uniform rounding errors of up to half an ulp, about ``2**-4 / sqrt(3)``
-(3.6 %) of each value, RMS. On unit-Gaussian q/k/v with scales ``fp8_scale(amax)``
+quantization itself: with rounding errors spread evenly over half an ulp either way, at most
+``2**-4 / sqrt(3)`` (3.6 %) of each value, RMS. On unit-Gaussian q/k/v with scales ``fp8_scale(amax)``
 (``tests/test_fp8_kv.py``) the output's norm-relative distance to the same attention over the
 unquantized bf16 cache measured 0.026-0.040 for contexts of 1-4096 tokens; the tests hold it below
 ``FP8_REL_ERROR_BOUND`` (0.08, twice the worst measured). A bf16 cache's own rounding costs

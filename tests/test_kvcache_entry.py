@@ -57,6 +57,7 @@ def make_setup(*, batch=3, seqlen_q=1, heads=(8, 2), d=64, lens=(9, 20, 0), new=
     logical_k = [torch.randn(capacity, kvh, d, generator=g) for _ in range(batch)]
     logical_v = [torch.randn(capacity, kvh, d, generator=g) for _ in range(batch)]
     store_dtype = FP8 if fp8 else dtype
+    garbage_value = 400.0 if fp8 else 1e4  # large and finite in the cache's dtype (e4m3 tops out at 448)
 
     def store(x, scale):
         if scale is None:
@@ -66,7 +67,7 @@ def make_setup(*, batch=3, seqlen_q=1, heads=(8, 2), d=64, lens=(9, 20, 0), new=
     k_rows = [store(x, scales[0] if fp8 else None) for x in logical_k]
     v_rows = [store(x, scales[1] if fp8 else None) for x in logical_v]
     if page is None:
-        garbage = 1e4 * torch.ones(1, capacity, kvh, d)
+        garbage = garbage_value * torch.ones(1, capacity, kvh, d)
         k_cache = torch.cat([torch.stack(k_rows), garbage.to(store_dtype)])
         v_cache = torch.cat([torch.stack(v_rows), garbage.to(store_dtype)])
         table = None
@@ -76,8 +77,8 @@ def make_setup(*, batch=3, seqlen_q=1, heads=(8, 2), d=64, lens=(9, 20, 0), new=
         order = torch.randperm(num_blocks, generator=g).tolist()
         spare = order[-1]
         rows = [order[b * per_seq:(b + 1) * per_seq] for b in range(batch)]
-        k_cache = torch.full((num_blocks, page, kvh, d), 1e4).to(store_dtype)
-        v_cache = torch.full((num_blocks, page, kvh, d), 1e4).to(store_dtype)
+        k_cache = torch.full((num_blocks, page, kvh, d), garbage_value).to(store_dtype)
+        v_cache = torch.full((num_blocks, page, kvh, d), garbage_value).to(store_dtype)
         for b in range(batch):
             for p in range(capacity):
                 k_cache[rows[b][p // page], p % page] = k_rows[b][p]

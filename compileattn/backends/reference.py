@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_cache import FP8_DTYPES
 from .base import AttentionBackend
 
 
@@ -52,6 +53,8 @@ def gather_paged(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torc
     """The first ``length`` tokens of one sequence from a paged cache (num_blocks, bs, KVH, D)."""
     bs = cache.shape[1]
     nb = -(-length // bs)
+    if cache.dtype in FP8_DTYPES:  # gathered as bytes: indexing kernels do not cover float8 everywhere
+        return gather_paged(cache.view(torch.uint8), blocks, length).view(cache.dtype)
     return cache[blocks[:nb].long()].reshape(nb * bs, *cache.shape[2:])[:length]
 
 
