@@ -358,7 +358,7 @@ def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False) -
     fn, note = attention_only(backend, md, pc, case.q, out, kv)
     if fp8:
         note += f"; fp8 KV, scales K {float(kv[2][0][0]):.4g} V {float(kv[2][1][0]):.4g}"
-    return Kernel(fn, lambda: out, note, kv_bytes=case.kv_bytes // 2 if fp8 else None)
+    return Kernel(fn, lambda: out, note, kv_bytes=2 * case.k.numel() if fp8 else None)  # fp8: a byte each
 
 
 def build_baseline(case: Case, pc: PagedCase) -> Kernel:
