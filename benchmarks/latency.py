@@ -33,6 +33,13 @@ memory of the compileattn runtimes and the hand-captured graphs, and compileattn
 start in fresh subprocesses after a model's columns (cold: empty compileattn, Inductor and Triton
 cache dirs; warm: a second process on the same dirs; ``--cold-warm-only`` runs just these).
 
+Also recorded, for the roofline column of the report (``latency_report.py``): the device-to-device
+copy bandwidth, measured once per run, and per model the bytes a step must read (the decoder
+stack's weights, and the K/V bytes per attended token).
+
+Measuring is this module; merging runs, ratios, goal checks, the roofline, markdown and the plot
+are ``latency_report.py`` (``--merge`` goes straight there, no GPU needed).
+
 Under ``--budget-s`` the column groups run in priority order (eager and its full graph, compileattn
 piecewise, compileattn full-decode, reduce-overhead, Inductor and its full graph), then the
 cold/warm subprocesses; whatever is past the budget is reported as skipped.
@@ -60,6 +67,8 @@ for _p in (str(_HERE), str(_HERE.parent)):
         sys.path.insert(0, _p)
 
 import common  # noqa: E402
+import latency_report as report  # noqa: E402
+from latency_report import COLUMNS, MODELS  # noqa: E402
 
 BLOCK_SIZE = 16
 #: Where everything runs. Only "cuda" is a benchmark; "cpu" exists so the plumbing can be smoke-run
@@ -72,11 +81,6 @@ DEVICE = "cuda"
 #: (stale cache, padding leaking into real tokens) is off by O(1), far above either.
 TOLERANCE = {"float16": 5e-2, "bfloat16": 1e-1, "float32": 1e-3}
 
-MODELS = {
-    "opt": {"label": "OPT-125m shape", "dtype": "float16"},
-    "llama": {"label": "Llama-3-8B shape", "dtype": "bfloat16"},
-}
-COLUMNS = ["eager", "inductor", "reduce-overhead", "ca-piecewise", "ca-full", "graph-eager", "graph-inductor"]
 #: Columns measured together (they share a compiled object); order = priority under the budget.
 #: reduce-overhead before inductor: it is the Llama goal's comparator, while the full-graph floor
 #: already has graph-eager (Llama-8B's whole-model Inductor compiles take minutes each).
@@ -87,20 +91,8 @@ GROUPS = [
     ("reduce-overhead", ("reduce-overhead",)),
     ("inductor", ("inductor", "graph-inductor")),
 ]
-FULL_GRAPHS = ("graph-eager", "graph-inductor")
 #: Budget seconds a compiled column group needs left to be started at all.
 GROUP_RESERVE_S = 45.0
-
-#: Issue 5's figures from the same H200 at context 512, batch 1 (µs per step); printed beside
-#: ours for comparison only. They are not this code's measurements.
-ISSUE_REFERENCE = {
-    "opt": {"eager": 3442, "one full graph": 535, "hand-made piecewise runtime (29 µs attention op)": 598,
-            "reduce-overhead with Inductor graph partition": 1804},
-    "llama": {"eager": 13525, "full graph of eager kernels": 5133, "hand-made piecewise": 5342,
-              "reduce-overhead": 4838},
-}
-GOALS = {"opt_piecewise_vs_best_graph": 1.05, "llama_piecewise_vs_reduce_overhead": 0.97,
-         "full_decode_vs_best_graph": 1.02, "warm_start_s": 2.0}
 
 DEFAULTS = {"models": ["opt", "llama"], "batches": [1, 8, 64], "contexts": [512, 4096], "steps": 50, "warmup": 5}
 QUICK = {"models": ["opt"], "batches": [1, 8], "contexts": [512], "steps": 20, "warmup": 4}
@@ -150,6 +142,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                    help="merge result files of several runs into one report (no GPU needed)")
     p.add_argument("-o", "--output", default=None, help="output prefix for --merge (default: --out)")
+    p.add_argument("--baseline", default=None, metavar="JSON",
+                   help="an earlier result file: the report adds each row's p50 change against it")
     p.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     preset = QUICK if args.quick else DEFAULTS
@@ -249,6 +243,20 @@ def build_model(name: str, *, max_position: int, layers: int | None, device: str
     raise ValueError(f"unknown model {name!r}")
 
 
+def step_byte_counts(model, caches) -> dict[str, int]:
+    """The bytes a step of ``model`` must read, for the roofline (``latency_report.step_bytes``):
+    the decoder stack's parameters (``model.model``: ``forward`` returns hidden states, so the LM
+    head never runs; embedding tables are gathered a row per token, not read, and left out), and
+    the K/V bytes of one attended token over every layer's cache."""
+    import torch.nn as nn
+
+    body = getattr(model, "model", model)
+    gathered = {id(m.weight) for m in body.modules() if isinstance(m, nn.Embedding)}
+    weights = sum(p.numel() * p.element_size() for p in body.parameters() if id(p) not in gathered)
+    kv = sum(2 * c.spec.num_kv_heads * c.spec.head_dim * c.key_cache.element_size() for c in caches.values())
+    return {"weight_bytes": int(weights), "kv_bytes_per_token": int(kv), "layers": len(caches)}
+
+
 class Bench:
     """One model's model, caches, metadata builder and persistent input buffers."""
 
@@ -289,6 +297,7 @@ class Bench:
         self.ids_buf = torch.zeros(self.max_tokens, dtype=torch.long, device=DEVICE)
         self.pos_buf = torch.zeros(self.max_tokens, dtype=torch.long, device=DEVICE)
         self.reference: dict[Cell, Any] = {}
+        self.byte_counts = step_byte_counts(self.model, self.caches)
         cache_gib = sum(c.key_cache.numel() * 2 * c.key_cache.element_size() for c in self.caches.values()) / 2**30
         log(f"{name}: model + {cache_gib:.1f} GiB KV cache ({num_blocks} blocks of {BLOCK_SIZE}) ready in "
             f"{time.monotonic() - t:.1f} s")
@@ -342,7 +351,7 @@ class _HandGraphs:
     def __init__(self, fn: Callable, name: str):
         import torch
 
-        from compileattn.cudagraph import GraphPool
+        from compileattn.compilation.cudagraph import GraphPool
 
         self.fn = fn
         self.name = name
@@ -658,11 +667,15 @@ def measure_cell(bench: Bench, group: Group, column: str, cell: Cell, row: dict[
 
 
 def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: list[dict[str, Any]],
-              stats: list[dict[str, Any]], checkpoint: Callable[[], None] | None = None) -> None:
+              stats: list[dict[str, Any]], checkpoint: Callable[[], None] | None = None,
+              byte_counts: dict[str, Any] | None = None) -> None:
     """Every selected column on every cell of one model, appended to ``rows`` / ``stats`` as they
-    finish (so a caller still has them if a later group crashes); ``checkpoint()`` after each group."""
+    finish (so a caller still has them if a later group crashes); ``checkpoint()`` after each group.
+    ``byte_counts[name]`` receives the model's ``step_byte_counts``."""
     cells = make_cells(args)
     bench = Bench(name, cells, args, log)
+    if byte_counts is not None:
+        byte_counts[name] = bench.byte_counts
     backend = decode_backends(bench)[0]
     log(f"{name}: decode attention backend {backend.name} (capturable: {backend.capturable}); cells: "
         + "; ".join(c.name for c in cells))
@@ -816,11 +829,14 @@ def run_benchmark(args, log: common.Log, checkpoint: Callable[[dict[str, Any]], 
     except Exception as exc:  # noqa: BLE001
         backend_info = {"name": args.backend, "error": common.short_error(exc)}
         log(f"attention backend {args.backend!r} unusable: {backend_info['error']}")
+    bandwidth = common.copy_bandwidth(device=DEVICE)
+    log(f"copy bandwidth {bandwidth['GBps']:.0f} GB/s (read + write, {bandwidth['method']}): the roofline's")
     rows: list[dict[str, Any]] = []
     stats: list[dict[str, Any]] = []
     probes: list[dict[str, Any]] = []
+    byte_counts: dict[str, Any] = {}
     run = {"label": args.label or f"{', '.join(args.models)} / {args.backend}", "env": env, "backend": backend_info,
-           "budget_s": args.budget_s}
+           "budget_s": args.budget_s, "copy_bandwidth": bandwidth, "models": byte_counts}
     payload = {"benchmark": "latency",
                "config": {"models": args.models, "batches": args.batches, "contexts": args.contexts,
                           "columns": args.columns, "steps": args.steps, "warmup": args.warmup,
@@ -849,7 +865,7 @@ def run_benchmark(args, log: common.Log, checkpoint: Callable[[dict[str, Any]], 
                 model_stats: list[dict[str, Any]] = []
                 try:
                     run_model(name, args, budget, log, model_rows, model_stats,
-                              checkpoint=lambda: save(model_rows, model_stats))
+                              checkpoint=lambda: save(model_rows, model_stats), byte_counts=byte_counts)
                 except Exception as exc:  # noqa: BLE001  (e.g. out of memory building the model)
                     log(f"{name} failed: {common.short_error(exc)}\n" + traceback.format_exc(limit=8).rstrip())
                     done = {(r["kind"], r["batch"], r["context"], r["column"]) for r in model_rows}
@@ -871,268 +887,25 @@ def run_benchmark(args, log: common.Log, checkpoint: Callable[[dict[str, Any]], 
     return payload
 
 
-# ----------------------------------------------------------------------------------------------
-# Merging and reporting (CPU-only code: tested in tests/test_benchmarks_cpu.py)
-
-
-def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    if not payloads:
-        raise ValueError("nothing to merge")
-    merged = {k: v for k, v in payloads[0].items() if k not in ("runs", "rows", "stats", "probes")}
-    merged.update(runs=[], rows=[], stats=[], probes=[])
-    for i, pl in enumerate(payloads):
-        if pl.get("benchmark") != "latency":
-            raise ValueError(f"input {i} is not a latency result (benchmark={pl.get('benchmark')!r})")
-        offset = len(merged["runs"])
-        merged["runs"] += [dict(r) for r in pl["runs"]]
-        for key in ("rows", "stats", "probes"):
-            merged[key] += [{**r, "run": r.get("run", 0) + offset} for r in pl.get(key, [])]
-    return merged
-
-
-def row_key(r: dict[str, Any]) -> tuple:
-    return (r["model"], r["kind"], r["batch"], r["context"], r["prefill"])
-
-
-def select(rows: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """(model, kind, batch, context, prefill, column) -> the row shown (an ok row over others;
-    among equals the earliest run)."""
-    chosen: dict[tuple, dict[str, Any]] = {}
-    for r in rows:
-        key = (*row_key(r), r["column"])
-        cur = chosen.get(key)
-        if cur is None or (cur["status"] != "ok" and r["status"] == "ok"):
-            chosen[key] = r
-    return chosen
-
-
-def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple) -> dict[str, float | None]:
-    def p50(col):
-        r = chosen.get((*cell, col))
-        return r["p50_us"] if r and r["status"] == "ok" else None
-
-    graphs = [v for v in (p50(c) for c in FULL_GRAPHS) if v is not None]
-    best = min(graphs) if graphs else None
-    pw, full, ro = p50("ca-piecewise"), p50("ca-full"), p50("reduce-overhead")
-    return {"best_graph_us": best,
-            "piecewise_vs_best_graph": pw / best if pw and best else None,
-            "full_vs_best_graph": full / best if full and best else None,
-            "piecewise_vs_reduce_overhead": pw / ro if pw and ro else None}
-
-
-def goal_lines(payload: dict[str, Any]) -> list[str]:
-    chosen = select(payload["rows"])
-    cells = sorted({k[:5] for k in chosen if k[1] == "decode"})
-    lines = []
-
-    def check(model, key, limit, what):
-        vals = [(c, ratios(chosen, c)[key]) for c in cells if c[0] == model]
-        vals = [(c, v) for c, v in vals if v is not None]
-        if not vals:
-            return f"- {what}: not checked (missing columns)."
-        bad = [(c, v) for c, v in vals if v > limit]
-        worst = max(vals, key=lambda cv: cv[1])
-        return (f"- {what}: {'MET' if not bad else 'NOT MET'} — met in {len(vals) - len(bad)}/{len(vals)} decode "
-                f"cells; worst {worst[1]:.2f}× at batch {worst[0][2]}, context {worst[0][3]}.")
-
-    models = sorted({c[0] for c in cells})
-    if "opt" in models:
-        lines.append(check("opt", "piecewise_vs_best_graph", GOALS["opt_piecewise_vs_best_graph"],
-                           f"OPT: compileattn piecewise ≤ {GOALS['opt_piecewise_vs_best_graph']}× the best full graph"))
-    if "llama" in models:
-        lines.append(check("llama", "piecewise_vs_reduce_overhead", GOALS["llama_piecewise_vs_reduce_overhead"],
-                           f"Llama: compileattn piecewise ≤ {GOALS['llama_piecewise_vs_reduce_overhead']}× "
-                           f"reduce-overhead"))
-    for m in models:
-        lines.append(check(m, "full_vs_best_graph", GOALS["full_decode_vs_best_graph"],
-                           f"{MODELS.get(m, {}).get('label', m)}: compileattn full-decode ≤ "
-                           f"{GOALS['full_decode_vs_best_graph']}× the best full graph"))
-    for p in payload.get("probes", []):
-        if p["phase"] == "warm" and p["status"] == "ok":
-            ok = p["first_call_s"] <= GOALS["warm_start_s"]
-            lines.append(f"- {MODELS.get(p['model'], {}).get('label', p['model'])}: warm start (first call of a second "
-                         f"process, compile cache hit) {p['first_call_s']:.2f} s — "
-                         f"{'MET' if ok else 'NOT MET'} (goal ≤ {GOALS['warm_start_s']} s).")
-    return lines
-
-
-def cell_text(r: dict[str, Any] | None) -> str:
-    if r is None:
-        return "—"
-    if r["status"] != "ok":
-        return {"unavailable": "n/a", "skipped": "skipped", "FAILED": "**FAILED**", "error": "error"}.get(
-            r["status"], r["status"])
-    return f"{r['p50_us']:.0f} / {r['p90_us']:.0f} / {r['p99_us']:.0f}"
-
-
-def _tolerance_text(tol) -> str:
-    if isinstance(tol, dict):
-        return ", ".join(f"{dtype} {v}" for dtype, v in tol.items())
-    return str(tol)
-
-
-def gpu_host_table(chosen: dict[tuple, dict[str, Any]], cells: Sequence[tuple]) -> list[str]:
-    """Rows 'GPU µs / host µs' for the columns that replay one graph per step."""
-    cols = [c for c in ("ca-full", "graph-eager", "graph-inductor")
-            if any((chosen.get((*cell, c)) or {}).get("graph_gpu_us") for cell in cells)]
-    if not cols:
-        return []
-    rows = []
-    for cell in cells:
-        line = [cell[2], cell[3]]
-        for c in cols:
-            r = chosen.get((*cell, c)) or {}
-            gpu = r.get("graph_gpu_us")
-            host = r["p50_us"] - gpu if gpu else None
-            # host = p50 - GPU of back-to-back replays: noisy by tens of µs in large cells, so < 0 happens
-            line.append("—" if gpu is None else f"{gpu:.0f} / {host:.0f}" + (" (noise)" if host < 0 else ""))
-        rows.append(line)
-    return ["Where a full-graph step's time goes: GPU µs of one replay (timed over back-to-back replays, so "
-            "no host work is in it) / host µs (step p50 minus that: Python dispatch, graph launch, sync).", "",
-            common.markdown_table(["batch", "context"] + cols, rows), ""]
-
-
-def render_markdown(payload: dict[str, Any]) -> str:
-    chosen = select(payload["rows"])
-    runs = payload["runs"]
-    out = ["# End-to-end step latency (µs per step, wall time incl. CPU, p50 / p90 / p99)", ""]
-    for i, run in enumerate(runs):
-        b = run.get("backend", {})
-        out.append(f"Run {i} — {run.get('label', '?')}; attention backend {b.get('name', '?')}"
-                   + (f" (unusable: {b['error']})" if b.get("error") else ""))
-        out.append(common.environment_markdown(run.get("env", {})))
-        out.append("")
-    cfg = payload.get("config", {})
-    out.append(f"Steps per cell: {cfg.get('steps')} timed after {cfg.get('warmup')} warm-up; every column's output "
-               f"checked against eager first (norm-relative tolerance {_tolerance_text(cfg.get('tolerance'))}). Decode steps: each "
-               f"sequence has `context` tokens cached; the mixed step adds one prefill chunk. Token counts are padded "
-               f"to a capture size. Ratios use p50; 'best graph' = the faster hand-captured full graph.")
-    out.append("")
-    columns = [c for c in COLUMNS if any(k[5] == c for k in chosen)]
-    present = {k[0] for k in chosen} | {x["model"] for x in payload.get("stats", []) + payload.get("probes", [])}
-    models = [m for m in MODELS if m in present] + sorted(present - set(MODELS))
-    for model in models:
-        cells = sorted({k[:5] for k in chosen if k[0] == model}, key=lambda c: (c[1] != "decode", c[3], c[2]))
-        out.append(f"## {MODELS.get(model, {}).get('label', model)} ({MODELS.get(model, {}).get('dtype', '?')})")
-        out.append("")
-        if not cells:
-            out += ["No step timings in this run.", ""]
-        headers = ["step", "batch", "context", "tokens"] + columns + ["pw ÷ best graph", "full ÷ best graph",
-                                                                      "pw ÷ reduce-overhead"]
-        table = []
-        for cell in cells:
-            any_row = next(chosen[(*cell, c)] for c in COLUMNS if (*cell, c) in chosen)
-            rt = ratios(chosen, cell)
-            step = "decode" if cell[1] == "decode" else f"mixed (+{cell[4]} prefill)"
-            table.append([step, cell[2], cell[3], f"{any_row['tokens']}→{any_row['padded_tokens']}"]
-                         + [cell_text(chosen.get((*cell, c))) for c in columns]
-                         + [common.fmt_num(rt["piecewise_vs_best_graph"], 2), common.fmt_num(rt["full_vs_best_graph"], 2),
-                            common.fmt_num(rt["piecewise_vs_reduce_overhead"], 2)])
-        if table:
-            out.append(common.markdown_table(headers, table))
-            out.append("")
-            out += gpu_host_table(chosen, [c for c in cells if c[1] == "decode"])
-        st = [s for s in payload.get("stats", []) if s["model"] == model]
-        if st:
-            out.append("Compile and capture: the first call of a column compiles (and captures, where that happens at "
-                       "once); a later cell's first call recompiles (inductor at batch 1) or captures a new size.")
-            out.append("")
-            out.append(common.markdown_table(
-                ["column", "first call s", "later first call, max s", "capture s", "graph pool MiB", "graphs"],
-                [[s["column"], common.fmt_num(s.get("first_call_s"), 2),
-                  common.fmt_num(s.get("later_first_call_max_s"), 2), common.fmt_num(s.get("capture_s"), 2),
-                  common.fmt_num(s["graph_pool_bytes"] / common.MiB, 1) if s.get("graph_pool_bytes") is not None else "—",
-                  s.get("graphs", s.get("full_graphs", "—"))] for s in st]))
-            out.append("")
-        pr = [p for p in payload.get("probes", []) if p["model"] == model]
-        if pr:
-            out.append("compileattn cold / warm start (fresh processes; cold: empty compileattn, Inductor and Triton "
-                       "caches; warm: the same cache dirs again):")
-            out.append("")
-            out.append(common.markdown_table(
-                ["phase", "first call s", "of which Dynamo s", "of which backend s", "of which capture s",
-                 "process s", "pieces compiled", "cache hits"],
-                [[p["phase"], common.fmt_num(p.get("first_call_s"), 2), common.fmt_num(p.get("dynamo_s"), 2),
-                  common.fmt_num(p.get("backend_s"), 2), common.fmt_num(p.get("capture_s"), 2),
-                  common.fmt_num(p.get("process_s"), 1),
-                  (p.get("counters") or {}).get("backend_compiles", "—") if p["status"] == "ok" else p["status"],
-                  (p.get("counters") or {}).get("cache_hits", "—") if p["status"] == "ok" else p.get("reason", "")[:80]]
-                 for p in pr]))
-            out.append("")
-        ref = ISSUE_REFERENCE.get(model)
-        if ref:
-            out.append("For comparison only — the issue's figures (same H200, context 512, batch 1, µs per step; not "
-                       "measured by this script): " + "; ".join(f"{k} {v}" for k, v in ref.items()) + ".")
-            out.append("")
-    out.append("## Goal check (issue 5)")
-    out.append("")
-    out.extend(goal_lines(payload) or ["- nothing to check"])
-    problems = {}
-    for r in payload["rows"]:
-        if r["status"] in ("unavailable", "error", "FAILED") and r.get("reason"):
-            problems.setdefault((r["column"], r["status"], r["reason"]), []).append(r)
-    if problems:
-        out += ["", "## Notes", ""]
-        for (col, status, reason), rs in sorted(problems.items()):
-            out.append(f"- {col} — {status} in {len(rs)} cell(s): {reason}")
-    return "\n".join(out) + "\n"
-
-
-def plot(payload: dict[str, Any]):
-    chosen = select(payload["rows"])
-    models = [m for m in MODELS if any(k[0] == m for k in chosen)]
-
-    def draw(plt):
-        fig, axes = plt.subplots(1, max(1, len(models)), figsize=(7.5 * max(1, len(models)), 4.8), squeeze=False)
-        for ax, model in zip(axes[0], models):
-            cells = sorted({k[:5] for k in chosen if k[0] == model}, key=lambda c: (c[1] != "decode", c[3], c[2]))
-            cols = [c for c in COLUMNS if any(k[0] == model and k[5] == c for k in chosen)]
-            width = 0.8 / max(1, len(cols))
-            for j, col in enumerate(cols):
-                xs, ys, lo, hi = [], [], [], []
-                for i, cell in enumerate(cells):
-                    r = chosen.get((*cell, col))
-                    if r and r["status"] == "ok":
-                        xs.append(i + (j - (len(cols) - 1) / 2) * width)
-                        ys.append(r["p50_us"])
-                        lo.append(0)
-                        hi.append(r["p99_us"] - r["p50_us"])
-                ax.bar(xs, ys, width, yerr=[lo, hi], label=col, capsize=2)
-            ax.set_xticks(range(len(cells)))
-            ax.set_xticklabels([f"b{c[2]}@{c[3]}" if c[1] == "decode" else f"mixed\n+{c[4]}" for c in cells],
-                               fontsize=8)
-            ax.set_yscale("log")
-            ax.set_ylabel("µs per step (p50, bar to p99)")
-            ax.set_title(MODELS[model]["label"])
-            ax.grid(alpha=0.3, axis="y")
-        axes[0][0].legend(fontsize=7)
-        return fig
-
-    return draw
-
-
-def write_outputs(payload: dict[str, Any], prefix: str, no_plot: bool, log: Callable[[str], None]) -> str:
-    return common.write_outputs(payload, prefix, no_plot, log, render_markdown(payload), plot(payload),
-                                "latency")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args._probe:
         common.ensure_repo_on_path()
         return probe_main(json.loads(args._probe))
     log = common.Log()
+    baseline = common.read_json(args.baseline) if args.baseline else None
     if args.merge:
-        merged = merge_payloads([common.read_json(p) for p in args.merge])
-        print(write_outputs(merged, args.output or args.out, args.no_plot, log), flush=True)
+        merged = report.merge_payloads([common.read_json(p) for p in args.merge])
+        print(report.write_outputs(merged, args.output or args.out, args.no_plot, log, baseline), flush=True)
         return 0
     missing = common.cuda_missing_message("latency.py")
     if missing:
         print(missing, flush=True)
         return 0
     common.ensure_repo_on_path()
-    payload = run_benchmark(args, log, checkpoint=lambda pl: write_outputs(pl, args.out, True, lambda _m: None))
-    print(write_outputs(payload, args.out, args.no_plot, log), flush=True)
+    payload = run_benchmark(args, log, checkpoint=lambda pl: report.write_outputs(
+        pl, args.out, True, lambda _m: None, baseline))
+    print(report.write_outputs(payload, args.out, args.no_plot, log, baseline), flush=True)
     return 0
 
 

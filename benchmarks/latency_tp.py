@@ -43,6 +43,7 @@ for _p in (str(_HERE), str(_HERE.parent)):
 
 import common  # noqa: E402
 import latency as lat  # noqa: E402
+import latency_report as report  # noqa: E402
 
 COLUMNS = ["ca-piecewise", "ca-full", "reduce-overhead"]
 #: (bench key, model, TP size); TP=1 runs on rank 0 alone.
@@ -319,7 +320,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
             line = [b]
             for c in cols:
                 r = next((r for r in rows if r["bench"] == key and r["column"] == c and r["batch"] == b), None)
-                line.append(lat.cell_text(r) + (f" (rank 1 p50 {r['rank1_p50_us']:.0f})"
+                line.append(report.cell_text(r) + (f" (rank 1 p50 {r['rank1_p50_us']:.0f})"
                                                  if r and r.get("rank1_p50_us") is not None else ""))
             table.append(line)
         out += [common.markdown_table(["batch"] + cols, table), ""]

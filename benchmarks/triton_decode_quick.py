@@ -139,20 +139,26 @@ def unified_launcher(torch, step):
 
 
 def forward_case(torch, step):
-    """backend.forward on rotation 0 via real metadata (context - 1 cached tokens + this one)."""
-    from compileattn import AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep
-    from compileattn.backends.triton.backend import TritonBackend
+    """``forward()``: one layer of one step (the prepared KV write, then attention) on rotation 0,
+    through the unified op under real metadata (context - 1 cached tokens + this one)."""
+    from compileattn import AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep, set_forward_context
 
-    be = TritonBackend(DEV)
     spec = AttentionSpec(H, KVH, D)
     table = step.tables[0]
     b = AttentionMetadataBuilder(block_size=step.page, num_blocks=step.kc.shape[0], max_num_tokens=step.batch,
-                                 max_blocks_per_seq=table.shape[1], device=DEV, backend=be)
+                                 max_blocks_per_seq=table.shape[1], device=DEV, backend="triton")
     md = b.build([SequenceStep(1, step.context - 1, row) for row in table.tolist()])
-    cache = KVCache(step.kc, step.vc, spec)
+    caches = {"layer": KVCache(step.kc, step.vc, spec)}
     k = torch.randn(step.batch, KVH, D, device=DEV, dtype=step.q.dtype)
     v = torch.randn_like(k)
-    return be, md, cache, k, v
+    with set_forward_context(md, caches) as ctx:
+        write, attend = ctx.write["layer"], ctx.attend["layer"]
+
+    def forward():
+        write(k, v)
+        attend(step.q, step.out)
+
+    return forward
 
 
 class Prefill:
@@ -281,12 +287,12 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001
             u_us, u_tb, u_err = None, None, common.short_error(exc, 120)
         row["unified"] = dict(us=u_us, TBps=u_tb, err=u_err)
-        be, md, cache, k, v = forward_case(torch, step)
-        fwd = common.gpu_time_us(lambda r: be.forward(step.q, k, v, step.out, cache, md), target_ms=3.0, reps=5)
+        forward = forward_case(torch, step)
+        fwd = common.gpu_time_us(lambda r: forward(), target_ms=3.0, reps=5)
         row["forward_us"] = fwd.us
         summary.append((batch, FLASHINFER_US.get(batch), us, tbps, best, u_us, fwd.us))
         results["rows"].append(row)
-        del step, be, md, cache
+        del step, forward
         torch.cuda.empty_cache()
 
     # Unified kernel on prefill shapes: default tiles and a few neighbours.
@@ -317,9 +323,9 @@ def main(argv=None) -> int:
 
     # Host cost per forward call (batch 1: GPU time is far below launch cost, so the loop is CPU-bound).
     step = Step(torch, 1, args.context, args.page, l2)
-    be, md, cache, k, v = forward_case(torch, step)
+    forward = forward_case(torch, step)
     x = torch.zeros(1, device=DEV)
-    host_fwd = host_us(torch, lambda: be.forward(step.q, k, v, step.out, cache, md))
+    host_fwd = host_us(torch, forward)
     host_add = host_us(torch, lambda: torch.add(x, 1, out=x))
     results["host_us"] = {"forward": host_fwd, "empty_add": host_add}
 

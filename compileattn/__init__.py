@@ -37,11 +37,16 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # Imported lazily: they pull in torch._dynamo / Inductor, which costs seconds at import.
+    # Imported lazily: they pull in torch._dynamo / Inductor, which costs seconds at import (the
+    # engine's LLM, in turn, transformers when it loads a model).
     if name in ("compile", "RecompileError"):
         from .compilation import decorator
 
         return getattr(decorator, name)
+    if name in ("LLM", "RequestOutput", "SamplingParams"):
+        from .engine import llm
+
+        return getattr(llm, name)
     if name == "compileattn_backend":
         from .compilation.backend import compileattn_backend
 
@@ -50,8 +55,8 @@ def __getattr__(name):
 
 
 __all__ = [
-    "AttentionMetadata", "AttentionMetadataBuilder", "AttentionSpec", "CompileConfig", "KVCache",
-    "RecompileError", "SequenceStep", "alibi_slopes", "allocate_kv_caches", "compile", "compileattn_backend",
-    "counters", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fp8_scale", "get_forward_context",
-    "set_forward_context", "write_kv_cache",
+    "AttentionMetadata", "AttentionMetadataBuilder", "AttentionSpec", "CompileConfig", "KVCache", "LLM",
+    "RecompileError", "RequestOutput", "SamplingParams", "SequenceStep", "alibi_slopes", "allocate_kv_caches",
+    "compile", "compileattn_backend", "counters", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fp8_scale",
+    "get_forward_context", "set_forward_context", "write_kv_cache",
 ]

@@ -28,13 +28,18 @@ STEP_BUDGET = 64
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m compileattn", description=__doc__.splitlines()[0])
+    from .backends.selector import BACKEND_NAMES
+
+    description = " ".join(__doc__.split("\n\n")[0].split())
+    p = argparse.ArgumentParser(prog="python -m compileattn", description=description)
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4 on CPU, 8 on CUDA)")
     p.add_argument("--steps", type=int, default=8, help="mixed steps to run and time per pass")
-    p.add_argument("--backend", default="auto", help="attention backend: auto | reference | triton | flash")
+    p.add_argument("--backend", default="auto", choices=BACKEND_NAMES,
+                   help="attention backend (a backend that cannot run the model hands it on; the header says "
+                        "which one runs)")
     p.add_argument("--new-tokens", type=int, default=12, help="tokens to generate per prompt")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -93,6 +98,26 @@ def recording_greedy(record: dict[int, list[torch.Tensor]]):
     return sample
 
 
+def running_backends(engine, model, dtype, requested: str) -> str:
+    """Which backend the selector runs for decode and for mixed steps (after any fallback)."""
+    spec = next(iter(model.attention_specs().values()))
+    sel = engine.builder.selector
+    decode = sel.backend_for(spec, dtype, engine.block_size, uniform_decode=True).name
+    mixed = sel.backend_for(spec, dtype, engine.block_size, uniform_decode=False).name
+    runs = decode if decode == mixed else f"{decode} (decode), {mixed} (mixed steps)"
+    why = ""
+    if requested not in ("auto", decode, mixed):
+        from .backends.selector import get_backend
+
+        try:
+            why = get_backend(requested, engine.device).unsupported_reason(spec, dtype, engine.device,
+                                                                           engine.block_size)
+        except ImportError as exc:
+            why = str(exc)
+        why = f" ({requested} cannot: {why})"
+    return f"attention backend {requested!r} runs {runs}{why}"
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, e = actual.float(), expected.float()
     return ((a - e).norm() / e.norm().clamp_min(1e-12)).item()
@@ -117,9 +142,14 @@ def run_mixed(engine, prompts, steps, timer_device, new_tokens):
 
 
 def main(argv=None) -> int:
+    command = sys.argv[1:2] if argv is None else list(argv[:1])
+    if command in (["generate"], ["throughput"]):  # the LLM's subcommands (compileattn/cli.py)
+        from .cli import main as cli_main
+
+        return cli_main(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     import compileattn
-    from .models.engine import Engine
+    from .engine import Engine
     from .models.llama import LlamaForCausalLM
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -132,10 +162,6 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     cfg = model_config(device, args.layers)
     model = LlamaForCausalLM(cfg, dtype=dtype, device=device, seed=args.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"# compileattn {compileattn.__version__}: Llama-style, {cfg.num_layers} layers, hidden "
-          f"{cfg.hidden_size}, heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}, "
-          f"{n_params / 1e6:.1f}M params, {dtype} on {device}, attention backend {args.backend!r}\n")
 
     if device.type == "cuda":
         sizes = compileattn.CompileConfig().capture_sizes
@@ -154,6 +180,10 @@ def main(argv=None) -> int:
     compiled_forward = torch.compile(model.forward, backend="compileattn")
     eager = Engine(model, **common)
     compiled = Engine(model, forward=compiled_forward, **common)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"# compileattn {compileattn.__version__}: Llama-style, {cfg.num_layers} layers, hidden "
+          f"{cfg.hidden_size}, heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}, "
+          f"{n_params / 1e6:.1f}M params, {dtype} on {device}; {running_backends(eager, model, dtype, args.backend)}\n")
 
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]

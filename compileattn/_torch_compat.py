@@ -31,6 +31,7 @@ PRIVATE_APIS = {
     "torch._ops.OpOverload": "matching splitting ops in FX graphs",
     "torch._ops.OpOverloadPacket": "matching splitting ops in FX graphs (Dynamo records packets)",
     "torch._C._AutoDispatchBelowAutograd": "the inference-only ops' Autograd kernel redispatches below it",
+    "torch._C._len_torch_dispatch_stack": "whether a dispatch mode is active (then the Autograd kernel redispatches)",
 }
 
 
@@ -136,6 +137,11 @@ def call_schema(target):
     if isinstance(target, resolve("torch._ops.OpOverloadPacket")):
         target = target.default
     return target._schema if isinstance(target, resolve("torch._ops.OpOverload")) else None
+
+
+def dispatch_modes_active() -> bool:
+    """Whether any TorchDispatchMode (fake tensors, functionalization, debugging) is active."""
+    return resolve("torch._C._len_torch_dispatch_stack")() > 0
 
 
 def below_autograd_guard() -> type:

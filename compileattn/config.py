@@ -42,7 +42,7 @@ class CompileConfig:
 
     #: "auto" | "flash" | "triton" | "reference": the attention kernels (chosen per layer by backends/selector.py).
     #: The attention op runs the backend its step's metadata was planned for, so this is read
-    #: where metadata is built: ``Engine(model, config=cfg)`` builds with it (and pads steps to
+    #: where metadata is built: ``Engine(model, compile_config=cfg)`` builds with it (and pads steps to
     #: ``cfg.padded_num_tokens``); with a hand-made builder pass ``backend=cfg.attention_backend``.
     attention_backend: str = "auto"
     #: Ops the graph is split at. Names "ns::op" or "ns::op.overload".

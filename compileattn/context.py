@@ -85,6 +85,8 @@ def set_forward_context(metadata: AttentionMetadata, kv_caches: Mapping[str, KVC
             _checked.clear()
         _checked[id(kv_caches)] = (selector, kv_caches)
     table = selector.call_table(metadata.shape, metadata.tensors, kv_caches)
+    for refresh in table.per_step:
+        refresh()
     previous = _current
     _current = ForwardContext(metadata, kv_caches, table.attend, table.write, table)
     try:

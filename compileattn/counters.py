@@ -32,6 +32,8 @@ class Counters:
     cudagraph_captures: int = 0
     #: Forward steps served by replaying CUDA graphs (piecewise or full).
     cudagraph_replays: int = 0
+    #: Of those, the steps served by one CUDA graph of the whole forward (full-decode mode).
+    full_graph_steps: int = 0
     #: Forward steps that ran without CUDA graphs (too many tokens, or graphs off).
     eager_steps: int = 0
 

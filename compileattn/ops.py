@@ -202,15 +202,24 @@ class _InferenceOnly(torch.autograd.Function):
 
 
 _BelowAutograd = _torch_compat.below_autograd_guard()
+_dispatch_modes_active = _torch_compat.dispatch_modes_active
 
 
-def _register_inference_only(name: str, written: int, inputs: tuple[int, ...]) -> None:
+def _register_inference_only(name: str, impl, written: int, inputs: tuple[int, ...]) -> None:
+    """The op's Autograd kernel. With plain tensors and no dispatch mode (an eager call, the
+    common case) it calls ``impl`` itself: a redispatch below Autograd would cost a second trip
+    through the dispatcher (~2 us of host per call). Tensor subclasses (fake, functional) and
+    dispatch modes (tracing, debugging) take the redispatch, which reaches their handlers."""
     op = getattr(torch.ops.compileattn, name).default
     qualified = f"compileattn::{name}"
+    plain = torch.Tensor
 
     def autograd_kernel(*args, **kwargs):
-        with _BelowAutograd():
-            result = op(*args, **kwargs)
+        if type(args[0]) is plain and type(args[written]) is plain and not _dispatch_modes_active():
+            result = impl(*args, **kwargs)
+        else:
+            with _BelowAutograd():
+                result = op(*args, **kwargs)
         if torch.is_grad_enabled() and any(args[i].requires_grad for i in inputs):
             _InferenceOnly.apply(qualified, args[written], *(args[i] for i in inputs))
         return result
@@ -218,9 +227,9 @@ def _register_inference_only(name: str, written: int, inputs: tuple[int, ...]) -
     _lib.impl(name, autograd_kernel, "Autograd")
 
 
-_register_inference_only("attention", written=3, inputs=(0, 1, 2))
-_register_inference_only("varlen_attention", written=3, inputs=(0, 1, 2))
-_register_inference_only("write_kv_cache", written=2, inputs=(0, 1))
+_register_inference_only("attention", attention_impl, written=3, inputs=(0, 1, 2))
+_register_inference_only("varlen_attention", _varlen_attention, written=3, inputs=(0, 1, 2))
+_register_inference_only("write_kv_cache", _write_kv_cache, written=2, inputs=(0, 1))
 
 
 @torch.library.register_fake("compileattn::write_kv_cache")

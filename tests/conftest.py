@@ -83,3 +83,13 @@ def _reset_dynamo():
 
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture
+def simulated_graphs():
+    """CUDA-graph modes on the CPU (``compileattn.testing.simulated_cuda_graphs``), with the
+    reference backend standing in for a capturable one; for the runtime and engine tests."""
+    from compileattn.testing import simulated_cuda_graphs
+
+    with simulated_cuda_graphs():
+        yield

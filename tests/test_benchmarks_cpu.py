@@ -25,7 +25,10 @@ import common  # noqa: E402
 import decode_attention as dec  # noqa: E402
 import paged_attention_baseline as pab  # noqa: E402
 import latency as lat  # noqa: E402
+import latency_report as rep  # noqa: E402
 import latency_tp as ltp  # noqa: E402
+import op_overhead as op  # noqa: E402
+import op_overhead_report as opr  # noqa: E402
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 
@@ -69,7 +72,7 @@ def test_latency_args_reject_bad_values(argv, capsys):
 
 
 @no_cuda
-@pytest.mark.parametrize("module,name", [(dec, "decode_attention.py"), (lat, "latency.py")])
+@pytest.mark.parametrize("module,name", [(dec, "decode_attention.py"), (lat, "latency.py"), (op, "op_overhead.py")])
 def test_without_cuda_scripts_say_so_and_exit_0(module, name, capsys, tmp_path):
     assert module.main(["--quick", "--out", str(tmp_path / "x")]) == 0
     out = capsys.readouterr().out
@@ -502,17 +505,17 @@ def test_latency_merge_ratios_and_goals(tmp_path):
     b = {"benchmark": "latency", "config": {}, "runs": [{"label": "llama"}], "stats": [], "probes": [],
          "rows": [_lat_row(0, "llama", "reduce-overhead", 1, 4800), _lat_row(0, "llama", "ca-piecewise", 1, 4900),
                   _lat_row(0, "llama", "graph-eager", 1, 5100, status="FAILED")]}
-    merged = lat.merge_payloads([a, b])
+    merged = rep.merge_payloads([a, b])
     assert [r["run"] for r in merged["rows"]][-1] == 1 and len(merged["runs"]) == 2
-    chosen = lat.select(merged["rows"])
-    rt = lat.ratios(chosen, ("opt", "decode", 1, 512, 0))
+    chosen = rep.select(merged["rows"])
+    rt = rep.ratios(chosen, ("opt", "decode", 1, 512, 0))
     assert rt["best_graph_us"] == 500 and rt["piecewise_vs_best_graph"] == pytest.approx(1.04)
     assert rt["full_vs_best_graph"] == pytest.approx(1.06)
-    lines = "\n".join(lat.goal_lines(merged))
+    lines = "\n".join(rep.goal_lines(merged))
     assert "OPT: compileattn piecewise ≤ 1.05× the best full graph: MET" in lines
     assert "full-decode ≤ 1.02× the best full graph: NOT MET" in lines
     assert "reduce-overhead: NOT MET" in lines and "warm start" in lines and "1.50 s — MET" in lines
-    md = lat.render_markdown(merged)
+    md = rep.render_markdown(merged)
     assert "520 / 572 / 624" in md and "**FAILED**" in md and "issue's figures" in md
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     common.write_json(pa, a)
@@ -543,8 +546,258 @@ def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
     assert "capturable" in by[("graph-eager", "decode", 3)]["reason"]
     payload = {"benchmark": "latency", "config": {}, "runs": [{"label": "cpu"}], "rows": res["rows"],
                "stats": res["stats"], "probes": []}
-    md = lat.render_markdown(payload)
+    md = rep.render_markdown(payload)
     assert "OPT-125m shape" in md and "n/a" in md
+
+
+# -- latency: the report module and the roofline --------------------------------------------------------
+
+
+def test_latency_measuring_and_reporting_are_split(tmp_path):
+    """latency.py measures; merging, goals, markdown and plots live in latency_report.py, which
+    imports neither torch nor latency.py (``--merge`` and these tests need no GPU)."""
+    for name in ("merge_payloads", "select", "ratios", "goal_lines", "render_markdown", "plot", "cell_text"):
+        assert hasattr(rep, name) and not hasattr(lat, name), name
+    text = (BENCH / "latency_report.py").read_text()
+    assert "import torch" not in text and "import latency\n" not in text
+    assert lat.COLUMNS is rep.COLUMNS and ltp.report is rep
+
+
+@pytest.mark.parametrize("name", ["latency", "latency_opt", "latency_llama"])
+def test_committed_latency_results_render_with_the_report(name):
+    """The committed tables are what the report renders from the committed JSON (those runs predate
+    the roofline: their floor is n/a and their cells carry no ratio)."""
+    payload = common.read_json(BENCH / "results" / f"{name}.json")
+    md = rep.render_markdown(payload)
+    committed = (BENCH / "results" / f"{name}.md").read_text()
+    rows = [ln for ln in committed.splitlines() if ln.startswith(("| decode |", "| mixed"))]
+    assert rows and all(ln in md.splitlines() for ln in rows)
+    assert all(ln.split(" | ")[4] == "n/a" for ln in rows)
+
+
+def _roofline_payload():
+    counts = {"weight_bytes": 170_000_000, "kv_bytes_per_token": 36_864, "layers": 12}
+    runs = [{"label": "new", "copy_bandwidth": {"GBps": 4000.0}, "models": {"opt": counts}},
+            {"label": "old run: no bandwidth recorded"}]
+    rows = [_lat_row(0, "opt", "ca-full", 8, 600.0), _lat_row(0, "opt", "graph-eager", 8, 500.0),
+            _lat_row(1, "opt", "eager", 64, 3000.0, context=4096)]
+    mixed = lat.base_row("opt", lat.Cell("mixed", 8, 512, 248), "ca-full", 256)
+    mixed.update(status="ok", p50_us=700.0, p90_us=710.0, p99_us=720.0)
+    rows.append(mixed)
+    return {"benchmark": "latency", "config": {}, "runs": runs, "rows": rows, "stats": [], "probes": []}, counts
+
+
+def test_roofline_bytes_floor_and_column():
+    payload, counts = _roofline_payload()
+    # decode: weights + batch x (context + new token) x K/V bytes per token
+    assert rep.step_bytes(counts, "decode", 8, 512, 0) == 170_000_000 + 8 * 513 * 36_864
+    # mixed: the prefill sequence attends its own tokens
+    assert rep.step_bytes(counts, "mixed", 8, 512, 248) == 170_000_000 + (8 * 513 + 248) * 36_864
+    floor = (170_000_000 + 8 * 513 * 36_864) / 4000e9 * 1e6
+    assert rep.floor_us(payload, payload["rows"][0]) == pytest.approx(floor)
+    assert rep.floor_us(payload, payload["rows"][2]) is None  # its run has no bandwidth
+    md = rep.render_markdown(payload)
+    row = next(ln for ln in md.splitlines() if ln.startswith("| decode | 8 | 512 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[4] == f"{floor:.0f}"
+    assert f"600 / 660 / 720 ({600 / floor:.1f}×)" in cells and f"500 / 550 / 600 ({500 / floor:.1f}×)" in cells
+    old = next(ln for ln in md.splitlines() if ln.startswith("| decode | 64 | 4096 |"))
+    assert old.split(" | ")[4] == "n/a" and "3000 / 3300 / 3600 |" in old
+    mixed = next(ln for ln in md.splitlines() if ln.startswith("| mixed"))
+    assert f"({700 / rep.floor_us(payload, payload['rows'][3]):.1f}×)" in mixed
+
+
+def test_step_byte_counts_of_a_model():
+    """Decoder-stack parameters without the gathered embedding tables; K/V bytes of one token over
+    every layer's cache."""
+    import compileattn as ca
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(OPTConfig.tiny(), dtype=torch.float16, device="cpu")
+    caches = ca.allocate_kv_caches(model.attention_specs(), 4, 16, dtype=torch.float16, device="cpu")
+    counts = lat.step_byte_counts(model, caches)
+    m = model.model
+    want = sum(p.numel() * 2 for p in m.layers.parameters()) + sum(p.numel() * 2 for p in m.final_layer_norm.parameters())
+    spec = next(iter(model.attention_specs().values()))
+    assert counts["weight_bytes"] == want and counts["layers"] == len(m.layers)
+    assert counts["kv_bytes_per_token"] == len(m.layers) * 2 * spec.num_kv_heads * spec.head_dim * 2
+
+
+def test_latency_baseline_comparison_marks_slower_rows(tmp_path):
+    payload, _ = _roofline_payload()
+    base = {"benchmark": "latency", "runs": [{"label": "committed", "env": {"time_utc": "then"}}],
+            "rows": [_lat_row(0, "opt", "ca-full", 8, 500.0), _lat_row(0, "opt", "graph-eager", 8, 505.0),
+                     _lat_row(0, "opt", "eager", 64, 1000.0, context=4096, status="FAILED")]}
+    lines = "\n".join(rep.baseline_lines(payload, base))
+    assert "2 rows measured in both" in lines and "1 row(s)" in lines
+    assert "| ca-full | 500 | 600 | 1.20 **slower** |" in lines and "| graph-eager | 505 | 500 | 0.99 |" in lines
+    pa, pb = tmp_path / "a.json", tmp_path / "base.json"
+    common.write_json(pa, payload)
+    common.write_json(pb, base)
+    assert lat.main(["--merge", str(pa), "--baseline", str(pb), "-o", str(tmp_path / "m"), "--no-plot"]) == 0
+    assert "## Against the baseline: committed (then)" in (tmp_path / "m.md").read_text()
+
+
+def test_latency_plot_draws_the_floor(tmp_path):
+    payload, _ = _roofline_payload()
+    assert common.try_plot(tmp_path / "p.png", rep.plot(payload)) is None
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+# -- op_overhead: layouts, merge, after ÷ before ---------------------------------------------------------
+
+
+def _old_op_payload():
+    """The pre-redesign script's layout (benchmarks/results/op_overhead.json is one)."""
+    res = lambda v, b, cpu, gpu=20.0: {"variant": v, "batch": b, "cpu_us": cpu, "cpu_us_min": cpu, "gpu_us": gpu,  # noqa: E731
+                                       "loops_longer_than_sleep": 0}
+    return {"meta": {"gpu": "NVIDIA H200", "cpu": "Xeon", "versions": {"torch": "2.11"}, "command": "python old.py",
+                     "date": "d", "skipped": {"x": "why"},
+                     "shape": {"heads": 64, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "block_size": 16,
+                               "context": 1024, "batches": [1, 64]}},
+            "results": [res(opr.EMPTY_ADD, 1, 10.0, 1.8), res(opr.EMPTY_ADD, 64, 10.0, 1.8),
+                        res("op flash (kv=triton): attend_impl (piecewise, KV write captured)", 1, 12.0),
+                        res("op flash (kv=triton): attend_impl (piecewise, KV write captured)", 64, 9.0),
+                        res("op triton: attend_impl (piecewise, KV write captured)", 1, 80.0),
+                        res("KV write: triton", 1, 30.0, 2.0), res("op flash (kv=torch): attention_impl", 1, 70.0)]}
+
+
+def _new_op_payload():
+    row = lambda v, b, cpu, status="ok", gpu=20.0: {"run": 0, "variant": v, "batch": b, "status": status,  # noqa: E731
+                                                   "reason": "" if status == "ok" else "wrong", "cpu_us": cpu,
+                                                   "gpu_us": gpu, "py_frames": 3, "loops_longer_than_sleep": 0}
+    shape = {"heads": 64, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "block_size": 16, "context": 1024,
+             "batches": [1, 64]}
+    return {"benchmark": "op_overhead", "config": {"shape": shape},
+            "runs": [{"label": "after", "env": {}, "skipped": {}, "frames": {opr.op_caller("triton"): ["a", "b"]}}],
+            "rows": [row(opr.EMPTY_ADD, 1, 11.0, gpu=1.8), row(opr.EMPTY_ADD, 64, 10.0, gpu=1.8),
+                     row(opr.op_caller("flash"), 1, 6.0), row(opr.op_caller("flash"), 64, 4.5),
+                     row(opr.op_caller("triton"), 1, 40.0), row(opr.KV_TRITON, 1, None, status="FAILED")]}
+
+
+def test_op_overhead_merge_old_and_new_layouts_with_ratios():
+    merged = opr.merge_payloads([_old_op_payload(), _new_op_payload()], ["before: old", "after: new"])
+    assert [r["label"] for r in merged["runs"]] == ["before: old", "after: new"]
+    assert merged["config"]["shape"]["batches"] == [1, 64]
+    comp = {(c["row"], c["batch"]): c for c in opr.comparison(merged)}
+    assert comp[("flash op per layer, compiled runtime", 1)]["cpu_ratio"] == pytest.approx(0.5)
+    assert comp[("flash op per layer, compiled runtime", 64)]["cpu_ratio"] == pytest.approx(0.5)
+    assert comp[("triton op per layer, compiled runtime", 1)]["cpu_ratio"] == pytest.approx(0.5)
+    assert comp[("control: empty torch.add launch", 1)]["cpu_ratio"] == pytest.approx(1.1)
+    assert ("KV write: triton kernel", 1) not in comp  # FAILED after: no ratio
+    assert not any(c["row"].startswith("KV write: torch") for c in comp.values())  # measured by neither
+    md = opr.render_markdown(merged)
+    assert "## After ÷ before: run 1 (after: new) ÷ run 0 (before: old)" in md
+    assert "| flash op per layer, compiled runtime | 12.0 → 6.0 (0.50×) | 9.0 → 4.5 (0.50×) | 3 |" in md
+    assert "**FAILED**" in md and "wrong" in md and "- x: why" in md
+    assert "- op triton: attend_caller (compiled runtime, per layer): 2: `a` → `b`" in md
+    with pytest.raises(ValueError, match="labels"):
+        opr.merge_payloads([_old_op_payload()], ["a", "b"])
+    other = _new_op_payload()
+    other["config"]["shape"]["context"] = 4096
+    with pytest.raises(ValueError, match="context=4096"):
+        opr.merge_payloads([_old_op_payload(), other])
+
+
+def test_op_overhead_merge_reads_a_cut_short_stdout(tmp_path):
+    """The pre-redesign script writes its JSON at the end only; its printed rows stand in for it."""
+    log = tmp_path / "before.log"
+    log.write_text("some warning\nbatch   1  empty launch: torch.add (1 element)                         cpu   "
+                   "11.02 µs  gpu     1.79 µs\nbatch   1  op flash (kv=triton): attend_impl (piecewise, KV write "
+                   "captured) cpu   12.00 µs  gpu    19.46 µs\n| table | line |\n")
+    after = tmp_path / "after.json"
+    common.write_json(after, _new_op_payload())
+    assert op.main(["--merge", str(log), str(after), "-o", str(tmp_path / "m"), "--no-plot"]) == 0
+    saved = common.read_json(tmp_path / "m.json")
+    assert saved["runs"][0]["layout"].startswith("stdout") and len(saved["rows"]) == 2 + 6
+    assert "12.0 → 6.0 (0.50×)" in (tmp_path / "m.md").read_text()
+    empty = tmp_path / "empty.log"
+    empty.write_text("op_overhead: no CUDA device here\n")
+    with pytest.raises(ValueError, match="no 'batch N"):
+        opr.read_result(empty)
+
+
+def test_op_overhead_reads_the_committed_pre_redesign_result(tmp_path):
+    """The pre-redesign tree's own script wrote the S3-2 "before" run in its old layout."""
+    payload = opr.read_result(BENCH / "results" / "op_overhead_before.json")
+    assert payload["runs"][0]["layout"] == "meta/results" and len(payload["rows"]) == 60
+    assert common.try_plot(tmp_path / "p.png", opr.plot(opr.merge_payloads([payload, _new_op_payload()]))) is None
+
+
+# -- op_overhead: the measuring plumbing on the CPU --------------------------------------------------------
+
+
+def _fake_timer(fn):
+    fn()
+    return {"cpu_us": 1.0, "cpu_us_min": 1.0, "gpu_us": 2.0, "loops_longer_than_sleep": 0}
+
+
+cpu_interpreter = pytest.mark.skipif(torch.cuda.is_available(),
+                                     reason="CPU interpreter plumbing (the GPU runs the script itself)")
+
+
+@pytest.fixture
+def op_cpu(monkeypatch):
+    from compileattn.backends.triton import _mode
+
+    _mode.sync_interpreter_mode()
+    monkeypatch.setattr(op, "DEVICE", "cpu")
+    monkeypatch.setattr(op, "DTYPE", "float32")  # the interpreter's bf16 dot is wrong (README)
+    args = op.parse_args(["--batches", "2", "--context", "40", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+                          "--backends", "reference"])
+    st = op.Setup(args, 2)
+    return args, st
+
+
+@cpu_interpreter
+def test_op_overhead_variants_checked_counted_and_timed_on_cpu(op_cpu):
+    """Every variant is checked before it is timed, its Python frames counted; without FlashAttention
+    its rows are skipped with the reason."""
+    args, st = op_cpu
+    notes = {}
+    variants, skipped = op.build_variants(args, st, notes)
+    names = [v.name for v in variants]
+    assert names[:2] == [opr.EMPTY_ADD, opr.EMPTY_TRITON] and opr.op_caller("reference") in names
+    assert opr.KV_TRITON in names and opr.KV_TORCH in names
+    for fa4_row in (opr.FA4_PUBLIC, opr.FA4_PREPARED, opr.op_caller("flash"), opr.UNHOISTED):
+        assert fa4_row not in names and "not importable" in skipped[fa4_row]
+    rows = {}
+    for v in variants:
+        row, chain = op.measure(v, st, _fake_timer, common.Budget(0))
+        rows[v.name] = (row, chain)
+        assert row["status"] == "ok", (v.name, row["reason"])
+        assert row["cpu_us"] == 1.0 and row["batch"] == 2
+    row, chain = rows[opr.op_caller("reference")]
+    assert chain[0] == "compileattn/ops.py:attend_caller.<locals>.call_attend" and row["py_frames"] == len(chain)
+    assert rows[opr.EMPTY_ADD][0]["py_frames"] == 0  # a C call, and the benchmark's own lambda is not counted
+    assert rows[opr.KV_TORCH][1][0].endswith("prepare_torch_write.<locals>.write_indexed")
+
+
+@cpu_interpreter
+def test_op_overhead_never_times_a_wrong_variant(op_cpu):
+    args, st = op_cpu
+    timed = []
+
+    def timer(fn):
+        timed.append(fn)
+        return _fake_timer(fn)
+
+    wrong = op.Variant("attention into nothing", lambda: None, None,
+                       op._attention_check(op._into(lambda: None, st.out), st.q.float()))
+    row, _ = op.measure(wrong, st, timer, common.Budget(0))
+    assert row["status"] == "FAILED" and "rel. error" in row["reason"] and not timed
+    slots = st.step("reference")[0].slot_mapping
+    no_write = op.Variant("a writer that writes nothing", lambda: None, None, op._kv_check(lambda: None, st, slots))
+    row, _ = op.measure(no_write, st, timer, common.Budget(0))
+    assert row["status"] == "FAILED" and "K/V" in row["reason"] and not timed
+
+    def boom():
+        raise RuntimeError("launch failed")
+
+    row, _ = op.measure(op.Variant("crash", boom, None, None), st, timer, common.Budget(0))
+    assert row["status"] == "error" and "launch failed" in row["reason"]
+    row, _ = op.measure(op.Variant("late", lambda: None, None, None), st, timer, common.Budget(1e-9))
+    assert row["status"] == "skipped" and not timed
 
 
 # -- latency_tp.py ---------------------------------------------------------------------------------------

@@ -57,19 +57,20 @@ def test_piecewise_graphs_equal_eager_through_padding(dtype):
     # be a second runtime; together they captured every size hit, each piece once per size.
     captured = set()
     for runtime in backend.built:
-        pieces = [getattr(runtime.split_gm, p.name) for p in runtime.pieces if not p.is_splitting_op]
-        sizes = {frozenset(piece.graphs.graphs) for piece in pieces}
+        wrappers = runtime.piece_graphs()
+        assert len(wrappers) == sum(not p.is_splitting_op for p in runtime.pieces)
+        sizes = {frozenset(w.graphs) for w in wrappers}
         assert len(sizes) == 1  # every piece captured the same sizes
         captured |= set(next(iter(sizes)))
-        for piece in pieces:
-            assert piece.graphs.pool is runtime.pool  # all graphs of a runtime share one pool
+        for w in wrappers:
+            assert w.pool is runtime.pool  # all graphs of a runtime share one pool
         assert runtime.graph_pool_bytes() > 0
     assert captured == hit
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_full_decode_graphs_equal_eager(dtype):
-    from compileattn.backends.registry import get_backend
+    from compileattn.backends.selector import get_backend
 
     backend_name = "triton"
     get_backend(backend_name, "cuda")

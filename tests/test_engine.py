@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compileattn import SequenceStep, counters
-from compileattn.models.engine import BlockAllocator, Engine, OutOfBlocksError
+from compileattn.engine import BlockAllocator, Engine, OutOfBlocksError
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.models.opt import OPTConfig, OPTForCausalLM
 
@@ -91,14 +91,18 @@ def test_chunked_prompt_is_scheduled_over_several_steps(llama):
     assert not engine.has_unfinished()
 
 
-def test_admission_waits_for_blocks_instead_of_failing_midway(llama):
-    # 12 blocks of 4 = 48 slots; each request needs ceil((20 + 7) / 4) = 7 blocks: one at a time.
-    engine = engine_for(llama, num_blocks=12)
-    outs = engine.generate(prompts_of([20, 20, 20]), 8, 64)
-    assert all(len(o) == 8 for o in outs)
-    assert max(h[1] + h[2] + h[0] for h in engine.history) == 1
+def test_preemption_under_block_pressure_gives_the_unpressured_tokens(llama):
+    # 12 blocks of 4 = 48 slots; each request grows to ceil((20 + 7) / 4) = 7 blocks: two are admitted,
+    # and when they outgrow the free list the newer one is preempted and later recomputed.
+    prompts = prompts_of([20, 20, 20, 9])
+    pressured = engine_for(llama, num_blocks=12)
+    outs = pressured.generate(prompts, 8, 64)
+    assert pressured.num_preemptions > 0
+    assert max(h[0] + h[1] + h[2] for h in pressured.history) >= 2  # not one request at a time
+    assert outs == engine_for(llama).generate(prompts, 8, 64)
+    assert pressured.allocator.num_free == 12
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request([1] * 40, 10)
+        pressured.add_request([1] * 40, 10)
 
 
 # -- generation ------------------------------------------------------------------------------------
@@ -122,6 +126,52 @@ def test_tokens_do_not_depend_on_batching_chunking_or_blocks(llama, lengths, bud
     ref = engine_for(llama, num_blocks=64, block_size=16).generate(prompts, new, 64)
     got = engine_for(llama, num_blocks=160 // block_size + 8, block_size=block_size).generate(prompts, new, budget)
     assert got == ref
+
+
+def test_run_plans_each_step_while_the_previous_one_runs_and_matches_step_by_step(llama):
+    """``run`` schedules step N+1 before step N's tokens reach the host: decodes of a pending token
+    get it written into the inputs at launch; a request stopped by a token of step N has already
+    been planned into N+1, whose token for it is dropped."""
+    from compileattn.engine import SamplingParams
+
+    prompts = prompts_of([5, 33, 17, 1, 23])
+    greedy = engine_for(llama).generate(prompts, 6, 16)
+    stop = greedy[1][2]  # stops prompt 1 at its third token (and any other prompt that samples it)
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(stop,))
+
+    def outputs(drive):
+        engine = engine_for(llama)
+        ids = engine.add_requests([params] * len(prompts), prompts)
+        planned = []
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda budget=None: planned.append(schedule(budget)) or planned[-1]
+        drive(engine)
+        assert engine.allocator.num_free == 48 and not engine.has_unfinished()
+        reqs = [engine.pop_request(i) for i in ids]
+        return [r.output for r in reqs], [r.finish_reason for r in reqs], [p for p in planned if p is not None]
+
+    def step_by_step(engine):
+        while engine.has_unfinished():
+            engine.step(16)
+
+    stepped, reasons, _ = outputs(step_by_step)
+    ran, ran_reasons, planned = outputs(lambda engine: engine.run(max_tokens_per_step=16))
+    assert ran == stepped and ran_reasons == reasons
+    assert stepped[1] == greedy[1][:3] and reasons[1] == "stop"
+    assert all(o == g[: len(o)] for o, g in zip(stepped, greedy))
+    assert sum(len(p.pending_rows) for p in planned) > 0  # decodes planned before their token arrived
+
+
+def test_llm_serves_an_own_model_too(llama):
+    import compileattn as ca
+
+    prompts = prompts_of([5, 33, 17])
+    llm = ca.LLM(llama, compile_config=None, block_size=4, num_blocks=48, max_num_batched_tokens=16)
+    out = llm.generate(prompts, 6, use_tqdm=False)
+    assert [o.token_ids for o in out] == engine_for(llama).generate(prompts, 6, 16)
+    assert out[0].text is None and out[0].prompt_token_ids == prompts[0]
+    with pytest.raises(ValueError, match="dtype/device apply to transformers models"):
+        ca.LLM(llama, dtype="float16")
 
 
 def test_reused_blocks_with_stale_kv_do_not_leak(llama):
@@ -265,13 +315,17 @@ def test_cuda_compiled_with_cudagraphs_matches_eager_on_mixed_steps(dtype):
     assert counters.cudagraph_replays > before["cudagraph_replays"]
 
 
-def test_engine_takes_backend_and_padding_from_the_compile_config():
+def test_engine_compiles_with_the_compile_config_and_takes_backend_and_padding_from_it(llama):
     import compileattn as ca
 
-    model = LlamaForCausalLM(LlamaConfig.tiny(), seed=0)
-    cfg = ca.CompileConfig(attention_backend="reference", cudagraph_capture_sizes=[4, 8, 16])
-    engine = Engine(model, num_blocks=32, max_num_tokens=32, max_num_seqs=4, config=cfg)
+    cfg = ca.CompileConfig(attention_backend="reference", cudagraph_capture_sizes=[4, 8, 16], piece_compiler="eager")
+    with counters.expect(dynamo_graphs=1):  # compiled at construction, on a warm-up step
+        engine = Engine(llama, num_blocks=32, max_num_tokens=32, max_num_seqs=4, compile_config=cfg)
     assert engine.builder.selector.requested_name == "reference"
     assert engine.pad_fn(3) == 4 and engine.pad_fn(9) == 16 and engine.pad_fn(17) == 17
+    prompts = prompts_of([5, 1, 12])
+    with counters.expect(dynamo_graphs=0):  # 1-token steps included: no recompile
+        assert engine.generate(prompts, 4, 8) == engine_for(llama).generate(prompts, 4, 8)
     with pytest.raises(ValueError, match="attention_backend"):
-        Engine(model, num_blocks=32, max_num_tokens=32, max_num_seqs=4, config=cfg, attention_backend="triton")
+        Engine(llama, num_blocks=32, max_num_tokens=32, max_num_seqs=4, compile_config=cfg,
+               attention_backend="triton")

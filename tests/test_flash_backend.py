@@ -56,6 +56,30 @@ def test_padded_writer_matches_masked_writer(n, data):
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
+@pytest.mark.parametrize("num_pad", [0, 1, 5])
+def test_step_indexed_writer_matches_masked_writer(num_pad):
+    """The CUDA torch writer of a builder-made step: indices refreshed once per step (padding after
+    the real tokens repeats token 0's write), two index_copy_ per layer; the masked writer's cache."""
+    from compileattn.backends.kv_write import StepWriteIndices, prepare_torch_write
+
+    bs = 4
+    builder = AttentionMetadataBuilder(block_size=bs, num_blocks=16, max_num_tokens=32, max_blocks_per_seq=4)
+    g = torch.Generator().manual_seed(num_pad)
+    kc, vc = torch.randn(16, bs, 2, 8, generator=g), torch.randn(16, bs, 2, 8, generator=g)
+    indices = None
+    for seqs in ([SequenceStep(1, 6, [3, 9]), SequenceStep(1, 0, [5]), SequenceStep(5, 2, [0, 12])],
+                 [SequenceStep(2, 0, [7]), SequenceStep(4, 1, [1, 2]), SequenceStep(1, 3, [4])]):
+        md = builder.build(seqs, pad_to=7 + num_pad)
+        if indices is None:  # made once per step shape, refreshed every step
+            indices = StepWriteIndices(md.num_tokens, md.tensors, md.selector.buffers)
+        indices.refresh()
+        key, value = torch.randn(md.num_tokens, 2, 8, generator=g), torch.randn(md.num_tokens, 2, 8, generator=g)
+        want_k, want_v = kc.clone(), vc.clone()
+        write_kv_masked(key, value, want_k, want_v, md.slot_mapping)
+        prepare_torch_write(kc, vc, indices, md.slot_mapping)(key, value)
+        assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
 def test_match_layout_accepts_fa4_call_and_names_mismatch():
     """The layout check accepts exactly our tensors in their slots and says which slot is off."""
     t = {name: torch.zeros(3, 4) for name in ("q", "k", "v", "out")}
@@ -325,7 +349,7 @@ def test_cuda_graph_replay_with_new_metadata(kv_writer, monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         table = _layer_forward(case.md, case.cache, static_q, static_k, static_v, out)
-    assert (table.write["l0"].__qualname__.split(".")[0] == "prepare_torch_write") == (kv_writer == "torch")
+    assert (table.write["l0"].__qualname__ == "prepare_torch_write.<locals>.write_indexed") == (kv_writer == "torch")
     rounds = [[(1, 300), (1, 7), (1, 64), (1, 65), (1, 1), (1, 150), (1, 33), (1, 2)],
               [(1, 5), (1, 180)],
               [(1, 128), (1, 17), (1, 96), (1, 250), (1, 3)]]

@@ -130,6 +130,26 @@ def test_torch_writers_quantize(writer, dtype):
     assert kc.view(-1, 2, 64)[5, 0, :2].float().tolist() == [448.0, -448.0]
 
 
+@pytest.mark.parametrize("indexed", [True, False], ids=["step-indexed", "masked"])
+def test_prepared_torch_writer_quantizes(indexed):
+    """The call table's torch writer, both forms: the CUDA one (indices refreshed once per step,
+    padding after the real tokens repeats token 0's write) and the CPU one (masked)."""
+    from compileattn.backends.kv_write import StepWriteIndices, prepare_torch_write
+
+    key, value, _, ks, vs = _write_inputs(torch.bfloat16)
+    shape = (4, 8, 2, 64)
+    builder = AttentionMetadataBuilder(block_size=8, num_blocks=4, max_num_tokens=6, max_blocks_per_seq=4)
+    md = builder.build([SequenceStep(1, 4, [0]), SequenceStep(3, 13, [3, 2])], pad_to=6)  # slots 4, 21..23, -1, -1
+    indices = StepWriteIndices(md.num_tokens, md.tensors, md.selector.buffers) if indexed else None
+    if indices is not None:
+        indices.refresh()
+    kc, vc = torch.zeros(shape, dtype=FP8), torch.zeros(shape, dtype=FP8)
+    prepare_torch_write(kc, vc, indices, md.slot_mapping, (ks, vs))(key, value)
+    want_k, want_v = _expected_caches(key, value, md.slot_mapping, ks, vs, shape)
+    assert torch.equal(bits(kc), bits(want_k)) and torch.equal(bits(vc), bits(want_v))
+    assert int(bits(kc).view(-1, 2, 64).any(-1).any(-1).sum()) == 4  # the padding wrote nothing new
+
+
 @cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_triton_write_quantizes_like_the_torch_writer(dtype):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from compileattn import SequenceStep
 from compileattn.models.attention import Attention
-from compileattn.models.engine import Engine
+from compileattn.engine import Engine
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.models.opt import OPTConfig, OPTForCausalLM
 

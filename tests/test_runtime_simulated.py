@@ -14,18 +14,10 @@ import torch
 
 import compileattn as ca
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
-from compileattn.testing import RecordingBackend, assert_matches_eager, random_step, simulated_cuda_graphs
+from compileattn.testing import RecordingBackend, assert_matches_eager, random_step
 
 BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 512, 64
 SIZES = [1, 2, 4, 8, 16, 24, 32]
-
-
-@pytest.fixture
-def simulated_graphs():
-    """CUDA-graph modes on a CPU model, with the reference backend standing in for a capturable
-    one (a simulated graph re-runs it, so its host reads are harmless)."""
-    with simulated_cuda_graphs():
-        yield
 
 
 def _setup():

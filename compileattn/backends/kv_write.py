@@ -10,7 +10,12 @@ Slot -1 marks a padded token, which must write nothing. Two writers, for two con
   identical bytes and the result does not depend on their order. A step of only padding writes
   slot 0's current rows back onto it. It is the CUDA writer when Triton's kernel is unavailable.
 
-Into a float8_e4m3fn cache both store ``quantize(x, scale)`` (see kv_cache.py), given the
+For a builder-made step the indices are computed once per step (``StepWriteIndices``), not per
+layer: its padding comes after the real tokens and token 0 is real, so a padded token repeats
+token 0's write. Per layer that leaves two ``index_select`` and two ``index_copy_`` (measured on
+the H200: 10 us of GPU per layer, against 41 us for the generic write's dozen small kernels).
+
+Into a float8_e4m3fn cache every writer stores ``quantize(x, scale)`` (see kv_cache.py), given the
 (kv_heads,) float32 scales.
 """
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_cache import FP8_E4M3_MAX, is_fp8
-from .base import StepTensors
+from .base import PersistentBuffers, StepTensors
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -61,14 +66,40 @@ def write_kv_padded(key, value, key_cache, value_cache, slot_mapping, k_scale=No
         flat.index_copy_(0, dst, rows)
 
 
-def prepare_torch_write(tensors: StepTensors, key_cache, value_cache, capturable: bool, kv_scales=None):
-    """``write(key, value)`` for one layer's caches with the step's slot mapping (and a quantized
-    cache's ``(k_scale, v_scale)``) bound."""
-    write = write_kv_padded if capturable else write_kv_masked
-    slots = tensors.slot_mapping
+class StepWriteIndices:
+    """``dst``/``src`` of a builder-made step's capturable write, in persistent buffers (a
+    captured write reads them there), refreshed by ``refresh()`` once per step."""
+
+    def __init__(self, num_tokens: int, tensors: StepTensors, buffers: PersistentBuffers):
+        self.slots = tensors.slot_mapping
+        self.dst = buffers.get(f"kv_write.dst.{num_tokens}", (num_tokens,), torch.int64)
+        self.src = buffers.get(f"kv_write.src.{num_tokens}", (num_tokens,), torch.int64)
+        self.tokens = buffers.get(f"kv_write.tokens.{num_tokens}", (num_tokens,), torch.int64)
+        self.tokens.copy_(torch.arange(num_tokens))
+
+    def refresh(self) -> None:
+        """Two small device ops, no host sync: padded tokens (slot -1) repeat token 0's write."""
+        valid = self.slots >= 0
+        torch.where(valid, self.slots, self.slots[:1], out=self.dst)
+        torch.mul(self.tokens, valid, out=self.src)  # padded tokens read token 0
+
+
+def prepare_torch_write(key_cache, value_cache, indices: StepWriteIndices | None, slot_mapping, kv_scales=None):
+    """``write(key, value)`` for one layer's caches: with ``indices`` the capturable indexed write
+    of a builder-made step, without them the masked (CPU) write of ``slot_mapping``; into a
+    quantized cache both store ``quantize`` under its ``(k_scale, v_scale)``."""
     k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+    if indices is None:
+        def write_masked(key, value):
+            write_kv_masked(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        return write_masked
+    dst, src = indices.dst, indices.src
+    k_flat = _bits(key_cache.view(-1, *key_cache.shape[2:]))
+    v_flat = _bits(value_cache.view(-1, *value_cache.shape[2:]))
+    k_dtype, v_dtype = key_cache.dtype, value_cache.dtype
 
-    def write_layer(key, value):
-        write(key, value, key_cache, value_cache, slots, k_scale, v_scale)
+    def write_indexed(key, value):
+        k_flat.index_copy_(0, dst, _bits(quantize(key.index_select(0, src), k_scale, k_dtype)))
+        v_flat.index_copy_(0, dst, _bits(quantize(value.index_select(0, src), v_scale, v_dtype)))
 
-    return write_layer
+    return write_indexed

@@ -31,7 +31,7 @@ import torch
 
 from ..kv_cache import AttentionSpec
 from .base import AttendCall, AttentionBackend, PersistentBuffers, StepShape, StepTensors
-from .kv_write import prepare_torch_write, write_kv_masked, write_kv_padded
+from .kv_write import StepWriteIndices, prepare_torch_write, write_kv_masked, write_kv_padded
 
 logger = logging.getLogger("compileattn")
 
@@ -205,6 +205,8 @@ class CallTable(NamedTuple):
     #: Every call may be captured in a CUDA graph (full-graph decode).
     capturable: bool
     kv_caches: Mapping[str, Any]
+    #: Run once per step before the forward (device-side index refreshes the prepared calls read).
+    per_step: tuple[Callable[[], None], ...] = ()
 
 
 class KernelSelector:
@@ -246,6 +248,7 @@ class KernelSelector:
     def _build(self, shape: StepShape, tensors: StepTensors, kv_caches) -> CallTable:
         attend, write, backends = {}, {}, {}
         capturable = True
+        indices = None  # the torch writer's per-step indices, shared by its layers
         for name, cache in kv_caches.items():
             spec, dtype, scales = cache.spec, cache.query_dtype, cache.kv_scales
             backend = self.backend_for(spec, dtype, shape.block_size, shape.uniform_decode, cache.dtype)
@@ -256,7 +259,11 @@ class KernelSelector:
                 write[name] = get_backend("triton", self.device).prepare_write(
                     shape, tensors, spec, cache.key_cache, cache.value_cache, kv_scales=scales)
             else:
-                write[name] = prepare_torch_write(tensors, cache.key_cache, cache.value_cache,
-                                                  capturable=self.device.type == "cuda", kv_scales=scales)
+                if self.device.type == "cuda" and indices is None:
+                    indices = StepWriteIndices(shape.num_tokens, tensors, self.buffers)
+                write[name] = prepare_torch_write(cache.key_cache, cache.value_cache,
+                                                  indices if self.device.type == "cuda" else None,
+                                                  tensors.slot_mapping, kv_scales=scales)
             capturable = capturable and backend.capturable
-        return CallTable(attend, write, backends, capturable, kv_caches)
+        return CallTable(attend, write, backends, capturable, kv_caches,
+                         (indices.refresh,) if indices is not None else ())

@@ -89,7 +89,7 @@ def dump_context(config_or_dir: Any) -> Iterator[str | None]:
         yield _active_dir
         return
     if not _session_lock.acquire(blocking=False):
-        log.warning("compileattn: another thread holds the depyf dump; not dumping to %s", dump_dir)
+        log.warning("another thread holds the depyf dump; not dumping to %s", dump_dir)
         yield None
         return
     try:
@@ -121,7 +121,7 @@ def _finish(session, dump_dir: str, *exc_info) -> None:
     try:
         session.__exit__(*exc_info)
     except Exception as e:  # noqa: BLE001
-        log.warning("compileattn: depyf could not finish the dump in %s (%s: %s); the transformed code "
+        log.warning("depyf could not finish the dump in %s (%s: %s); the transformed code "
                     "and graphs are there, the full_code_for_* summary may be missing", dump_dir,
                     type(e).__name__, e)
         try:
@@ -132,7 +132,7 @@ def _finish(session, dump_dir: str, *exc_info) -> None:
             pass
     else:
         if exc_info[0] is None:
-            log.info("compileattn: depyf dump written to %s", dump_dir)
+            log.info("depyf dump written to %s", dump_dir)
 
 
 
@@ -170,7 +170,7 @@ def dump_graph(dump_dir: str | os.PathLike | None, name: str, gm: Any) -> str | 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(f"# {name}\n{src}")
-    log.debug("compileattn: graph %s dumped to %s", name, path)
+    log.debug("graph %s dumped to %s", name, path)
     return path
 
 
@@ -209,11 +209,11 @@ def _transformed_code_hook(code, new_code):
     try:
         src = import_depyf().decompile(new_code)
     except Exception as e:  # noqa: BLE001 (decompiling is best effort; never fail a compile for it)
-        log.warning("compileattn: depyf could not decompile the transformed code of %s: %s", code.co_name, e)
+        log.warning("depyf could not decompile the transformed code of %s: %s", code.co_name, e)
         return None
     os.makedirs(dump_dir, exist_ok=True)
     path = os.path.join(dump_dir, f"transformed_code_{_safe_name(code.co_name)}_{next(_dump_counter)}.py")
     with open(path, "w", encoding="utf-8") as f:
         f.write(f"# Dynamo-transformed code of {code.co_name} ({code.co_filename}:{code.co_firstlineno})\n{src}")
-    log.debug("compileattn: transformed code of %s dumped to %s", code.co_name, path)
+    log.debug("transformed code of %s dumped to %s", code.co_name, path)
     return None

@@ -165,6 +165,7 @@ class StepDispatcher:
                 "set of caches per compiled model (or compile one per engine)")
 
     def _run_full(self, size: int, args):
+        counters.full_graph_steps += 1
         if self._full is None:
             self._full = self._graph_wrapper("full graph", self._forward)
         self.current_size = size  # inside the full graph, pieces run their (static) compiled code
@@ -178,6 +179,10 @@ class StepDispatcher:
     def full_graph_count(self) -> int:
         """CUDA graphs captured of the whole forward (one per size)."""
         return len(self._full.graphs) if self._full is not None else 0
+
+    def piece_graphs(self) -> list[cudagraph.CUDAGraphWrapper]:
+        """The CUDA-graph wrapper of every compiled piece (empty with graphs off)."""
+        return list(self._piece_graphs)
 
     def piece_graph_count(self) -> int:
         """CUDA graphs captured for pieces, over all sizes."""

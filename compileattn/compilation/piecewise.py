@@ -140,8 +140,26 @@ def _static_example_args(args: Sequence[Any], token_symbol, size: int) -> list[A
     return out
 
 
+def _placeholder_values(piece: Piece) -> list[Any] | None:
+    """The piece's inputs as Dynamo traced them (fake tensors with the graph's symbolic sizes, or
+    SymInts), from the placeholders' ``example_value``; None if one lacks it (a graph that did not
+    come from Dynamo)."""
+    values = []
+    for node in piece.module.graph.nodes:
+        if node.op == "placeholder":
+            if "example_value" not in node.meta and "val" not in node.meta:
+                return None
+            values.append(_meta(node))
+    return values
+
+
 class _PieceCompiler(torch.fx.Interpreter):
-    """Runs the split graph on fake inputs so each piece is compiled with its own input shapes."""
+    """Compiles each piece for its own input shapes. The shapes come from Dynamo's trace (every
+    placeholder's ``example_value``); only a graph without them is run on fake inputs to find
+    them. Running the pieces is avoided where possible: on torch 2.11 a fake ``aten.size`` call
+    inside an op's decomposition (the ``@`` of RoPE's frequency product in transformers' models)
+    turns the symbolic token count into a guard on its traced value, and the compile then fails
+    with a ``ConstraintViolationError`` for the dynamic dim."""
 
     def __init__(self, split_gm, pieces: list[Piece], config: CompileConfig, cache: CompileCache | None,
                  token_symbol=None):
@@ -153,16 +171,29 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.compiled: dict[str, Any] = {}
         self.static: dict[str, dict[int, Any]] = {}
 
+    def compile_all(self, fake_mode, fake_args) -> None:
+        traced = {name: _placeholder_values(p) for name, p in self.pieces.items() if not p.is_splitting_op}
+        if all(v is not None for v in traced.values()):
+            with fake_mode:
+                for name, args in traced.items():
+                    self.compile_piece(self.pieces[name], args)
+            return
+        with fake_mode:
+            self.run(*fake_args)
+
     def call_module(self, target, args, kwargs):
         result = super().call_module(target, args, kwargs)
         piece = self.pieces.get(target)
         if piece is not None and not piece.is_splitting_op:
-            self.compiled[target] = self._compile(piece, list(args), None)
-            if self.config.compile_sizes and self.config.piece_compiler == "inductor" and self.token_symbol is not None:
-                self.static[target] = {
-                    size: self._compile(piece, _static_example_args(args, self.token_symbol, size), size)
-                    for size in self.config.compile_sizes}
+            self.compile_piece(piece, list(args))
         return result
+
+    def compile_piece(self, piece: Piece, args: list[Any]) -> None:
+        self.compiled[piece.name] = self._compile(piece, list(args), None)
+        if self.config.compile_sizes and self.config.piece_compiler == "inductor" and self.token_symbol is not None:
+            self.static[piece.name] = {
+                size: self._compile(piece, _static_example_args(args, self.token_symbol, size), size)
+                for size in self.config.compile_sizes}
 
     def _compile(self, piece: Piece, args: list[Any], size: int | None):
         use_cache = self.cache is not None and self.config.piece_compiler == "inductor"
@@ -212,8 +243,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     token_index = _token_input(fake_args)
     token_symbol = _torch_compat.symbol_of(fake_args[token_index].shape[0]) if token_index is not None else None
     compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol)
-    with fake_mode:
-        compiler.run(*fake_args)
+    compiler.compile_all(fake_mode, fake_args)
 
     splitting_calls, layers = {}, {}
     for piece in pieces:

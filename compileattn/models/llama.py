@@ -229,5 +229,13 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
 
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_position(self) -> int:
+        return self.config.max_position
+
     def attention_specs(self) -> dict[str, AttentionSpec]:
         return {layer.self_attn.attn.layer_name: layer.self_attn.attn.spec for layer in self.model.layers}

@@ -134,5 +134,13 @@ class OPTForCausalLM(nn.Module):
         """(N, hidden) -> fp32 (N, vocab)."""
         return nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
 
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_position(self) -> int:
+        return self.config.max_position
+
     def attention_specs(self) -> dict[str, AttentionSpec]:
         return {layer.self_attn.attn.layer_name: layer.self_attn.attn.spec for layer in self.model.layers}

@@ -124,10 +124,10 @@ def make_steps(vocab: int) -> list[tuple[list, list[int], list[int]]]:
 
 
 def engine_for(model, args, forward=None, config=None, cls=None, **kw):
-    from ..models.engine import Engine
+    from ..engine import Engine
 
     return (cls or Engine)(model, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
-                           max_num_seqs=8, forward=forward, config=config, attention_backend=args.backend,
+                           max_num_seqs=8, forward=forward, compile_config=config, attention_backend=args.backend,
                            mark_dynamic=False, **kw)
 
 
@@ -254,14 +254,49 @@ def check_mode(tp, args, mode: str, full, sharded, steps, reference) -> dict[str
             "counters": info, "problems": problems}
 
 
+def _recording_greedy(record: list):
+    """A greedy host sampler that keeps each step's logits (seq_id, row) for the near-tie check."""
+    def sample(logits, seq_ids):
+        record.extend((s, row.float().cpu()) for s, row in zip(seq_ids, logits))
+        return logits.argmax(-1).tolist()
+    return sample
+
+
+def _divergences(got, expected, got_logits, want_logits, dtype) -> list[str]:
+    """Token differences between TP=N and TP=1 generation that are not near-ties. In fp32 any
+    difference counts; in half precision the two runs' logits differ by reduction order, so a
+    divergence whose TP=1 margin between the two tokens is within twice that difference is a
+    near-tie (the demo's rule), and what follows it is not compared."""
+    problems = []
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a == b:
+            continue
+        j = next(k for k in range(min(len(a), len(b))) if a[k] != b[k])
+        le, lc = want_logits[i][j], got_logits[i][j]
+        margin = (le[b[j]] - le[a[j]]).item()
+        if dtype == torch.float32 or margin > 2 * (le - lc).abs().max().item():
+            problems.append(f"prompt {i}: token {j} is {a[j]} at TP, {b[j]} at TP=1 (TP=1 margin {margin:.3g})")
+    return problems
+
+
+def _by_sequence(record: list, num: int) -> list[list[torch.Tensor]]:
+    rows: dict[int, list[torch.Tensor]] = {}
+    for seq_id, row in record:
+        rows.setdefault(seq_id, []).append(row)
+    return [rows[k] for k in sorted(rows)][:num]
+
+
 def check_engine(tp, args, full, sharded) -> dict[str, Any]:
     """Rank 0 generates through TPEngine (piecewise graphs when the run has graphs), the others
-    serve; tokens must equal TP=1 generation and every rank must have run the same steps."""
+    serve; tokens must equal TP=1 generation (up to near-ties of the logits in half precision)
+    and every rank must have run the same steps."""
     from .driver import TPEngine
 
     rng = random.Random(7)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (5, 9, 14)]
-    expected = engine_for(full, args).generate(prompts, max_new_tokens=4, max_tokens_per_step=16)
+    want_record: list = []
+    expected = engine_for(full, args).generate(prompts, max_new_tokens=4, max_tokens_per_step=16,
+                                               sampler=_recording_greedy(want_record))
     mode = "piecewise" if args.graphs == "real" or args.device == "cpu" else "eager"
     torch._dynamo.reset()
     problems: list[str] = []
@@ -269,10 +304,12 @@ def check_engine(tp, args, full, sharded) -> dict[str, Any]:
         fn, rec, cfg = compiled_forward(sharded, mode, args)
         engine = engine_for(sharded, args, forward=fn, config=cfg, cls=TPEngine, tp=tp)
         if tp.is_driver:
-            got = engine.generate(prompts, max_new_tokens=4, max_tokens_per_step=16)
+            got_record: list = []
+            got = engine.generate(prompts, max_new_tokens=4, max_tokens_per_step=16,
+                                  sampler=_recording_greedy(got_record))
             engine.stop_workers()
-            if got != expected:
-                problems.append(f"TP generation {got} != TP=1 {expected}")
+            problems += _divergences(got, expected, _by_sequence(got_record, len(prompts)),
+                                     _by_sequence(want_record, len(prompts)), next(full.parameters()).dtype)
         else:
             engine.serve()
     runs = tp.all_gather_object([(len(p.input_ids), p.padded, p.input_ids) for p in engine.steps_run])

@@ -8,9 +8,12 @@ the scheduler on every rank would make that depend on every rank sampling the sa
 its logits; a broadcast makes it hold by construction, costs one small gloo message per step, and
 lets only rank 0 compute logits and sample.
 
-``TPEngine`` is ``models.engine.Engine`` with that broadcast in ``run_step``: on rank 0 use it as
-an ``Engine`` (``generate``, ``step``, ``run_step``) and call ``stop_workers()`` at the end; on the
-other ranks call ``serve()``, which runs the broadcast steps until rank 0 stops it.
+``TPEngine`` is ``engine.Engine`` with that broadcast where a step's inputs are decided, in front
+of the model runner's ``prepare``: every path that runs a step (``step``, ``run``, ``generate``,
+``run_step``) goes through it. On rank 0 use it as an ``Engine`` and call ``stop_workers()`` at
+the end; on the other ranks call ``serve()``, which runs the broadcast steps until rank 0 stops it.
+Construction (compile, CUDA-graph capture of every size) is the same on every rank, in the same
+order, so the captured collectives pair up too.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from typing import Sequence
 import torch
 
 from ..metadata import SequenceStep
-from ..models.engine import Engine
+from ..engine import Engine
 from .group import TPGroup, get_tp
 
 logger = logging.getLogger("compileattn")
@@ -41,41 +44,57 @@ class TPEngine(Engine):
     """An ``Engine`` whose steps rank 0 decides and broadcasts (over the TP group's gloo group)."""
 
     def __init__(self, model: torch.nn.Module, *, tp: TPGroup | None = None, **kwargs):
-        super().__init__(model, **kwargs)
         self.tp = tp or get_tp()
         #: Steps this rank ran, as StepPlans (the test of "every rank ran the same steps").
         self.steps_run: list[StepPlan] = []
+        self._serving = False
+        super().__init__(model, **kwargs)
+        self._prepare = self.runner.prepare
+        self.runner.prepare = self._prepare_step
 
-    def run_step(self, seqs: Sequence[SequenceStep], input_ids, positions) -> torch.Tensor:
-        if not self.tp.is_driver:
+    def _prepare_step(self, seqs: Sequence[SequenceStep], input_ids, positions):
+        """Rank 0: decide (broadcast) the step, then prepare it; other ranks get here from ``serve``.
+        Steps the engine runs at construction (warm-up, captures) are the same on every rank and
+        are not broadcast: ``runner.prepare`` is wrapped only afterwards."""
+        if not self.tp.is_driver and not self._serving:
             raise RuntimeError(f"rank {self.tp.rank} does not schedule: only rank 0 drives a TPEngine; "
                                f"the other ranks call serve()")
         n = sum(s[0] for s in seqs)
-        plan = StepPlan(tuple(SequenceStep(int(s[0]), int(s[1]), tuple(s[2])) for s in seqs), tuple(int(t) for t in input_ids),
-                        tuple(int(p) for p in positions), self.pad_fn(n))
-        self.tp.broadcast_object(plan)
-        return self._run(plan)
-
-    def _run(self, plan: StepPlan) -> torch.Tensor:
-        n = len(plan.input_ids)
-        if self.pad_fn(n) != plan.padded:
-            # Only a differently configured rank gets here; running anyway would pair collectives wrongly.
-            raise ValueError(f"rank {self.tp.rank} pads {n} tokens to {self.pad_fn(n)}, rank 0 to {plan.padded}: "
-                             f"every rank needs the same CompileConfig (capture sizes)")
+        plan = StepPlan(tuple(SequenceStep(int(s[0]), int(s[1]), tuple(s[2])) for s in seqs),
+                        tuple(int(t) for t in input_ids), tuple(int(p) for p in positions), self.pad_fn(n))
+        if self.tp.is_driver:
+            self.tp.broadcast_object(plan)
         self.steps_run.append(plan)
-        return super().run_step(plan.seqs, plan.input_ids, plan.positions)
+        return self._prepare(plan.seqs, plan.input_ids, plan.positions)
+
+    def run(self, on_finished=None, max_tokens_per_step: int | None = None) -> None:
+        """Step by step, without ``Engine.run``'s overlap: there a step's inputs are completed at
+        launch (tokens still on the device when it was planned), after rank 0 broadcast them."""
+        while self.scheduler.has_unfinished():
+            result = self.step(max_tokens_per_step)
+            if result.finished and on_finished is not None:
+                on_finished(result.finished)
 
     def serve(self) -> int:
         """Ranks other than 0: run rank 0's steps until it calls ``stop_workers``; returns the count."""
         if self.tp.is_driver:
             raise RuntimeError("rank 0 drives; serve() is for the other ranks")
         count = 0
-        while True:
-            plan = self.tp.broadcast_object(None)
-            if plan is None:
-                return count
-            self._run(plan)
-            count += 1
+        self._serving = True
+        try:
+            while True:
+                plan = self.tp.broadcast_object(None)
+                if plan is None:
+                    return count
+                if self.pad_fn(len(plan.input_ids)) != plan.padded:
+                    # Only a differently configured rank gets here; running anyway would pair collectives wrongly.
+                    raise ValueError(f"rank {self.tp.rank} pads {len(plan.input_ids)} tokens to "
+                                     f"{self.pad_fn(len(plan.input_ids))}, rank 0 to {plan.padded}: every rank "
+                                     f"needs the same CompileConfig (capture sizes)")
+                self.runner.run(self._prepare_step(plan.seqs, plan.input_ids, plan.positions))
+                count += 1
+        finally:
+            self._serving = False
 
     def stop_workers(self) -> None:
         """Rank 0: end the other ranks' ``serve()``."""

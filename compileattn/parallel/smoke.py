@@ -116,9 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("smoke: FAILED on this rank: %s", "; ".join(failures))
     logger.info("smoke: %s in %.1f s (ranks: %s)", "PASSED" if all(verdicts) else "FAILED", elapsed, verdicts)
     step("shutdown")
-    shutdown_tp(timeout_s=20)
+    code = 0 if all(verdicts) else 1
+    if not shutdown_tp(timeout_s=20):
+        os._exit(code)  # the verdict is logged; exiting normally would wait on the stuck NCCL teardown
     hang_guard(None)
-    return 0 if all(verdicts) else 1
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,353 @@
+"""Reporting of ``latency.py`` results: merging runs, ratios, goal checks, the roofline, markdown
+and the plot. CPU-only and torch-free: ``latency.py --merge`` and the tests use it without a GPU,
+and the committed ``results/latency*.json`` re-render with it.
+
+The roofline: a step must at least read the model's weights and the K/V its attention attends
+over, so no step can finish before those bytes have moved at the device's copy bandwidth. Bytes per
+step = the decoder stack's parameter bytes (``forward`` returns hidden states: the LM head is not
+run, and embedding tables are only gathered, a row per token, left out) + K/V bytes read (sum over
+the step's sequences of the tokens attended, context + new tokens, x the per-token K/V bytes of
+every layer: layers x kv_heads x head_dim x 2 x dtype size). The floor is those bytes ÷ the
+device-to-device copy bandwidth ``latency.py`` measures in the same run (``common.copy_bandwidth``,
+read + written bytes counted, the convention of ``decode_attention.py``'s ×floor). Runs recorded
+before the roofline existed have neither the bandwidth nor the byte counts: their floor is n/a.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import common
+
+MODELS = {
+    "opt": {"label": "OPT-125m shape", "dtype": "float16"},
+    "llama": {"label": "Llama-3-8B shape", "dtype": "bfloat16"},
+}
+COLUMNS = ["eager", "inductor", "reduce-overhead", "ca-piecewise", "ca-full", "graph-eager", "graph-inductor"]
+FULL_GRAPHS = ("graph-eager", "graph-inductor")
+
+#: Issue 5's figures from the same H200 at context 512, batch 1 (µs per step); printed beside
+#: ours for comparison only. They are not this code's measurements.
+ISSUE_REFERENCE = {
+    "opt": {"eager": 3442, "one full graph": 535, "hand-made piecewise runtime (29 µs attention op)": 598,
+            "reduce-overhead with Inductor graph partition": 1804},
+    "llama": {"eager": 13525, "full graph of eager kernels": 5133, "hand-made piecewise": 5342,
+              "reduce-overhead": 4838},
+}
+GOALS = {"opt_piecewise_vs_best_graph": 1.05, "llama_piecewise_vs_reduce_overhead": 0.97,
+         "full_decode_vs_best_graph": 1.02, "warm_start_s": 2.0}
+#: p50 ÷ baseline p50 above which a row is marked slower in the baseline comparison. Step p50s of
+#: one cell move by a few per cent between processes on the same H200; 10 % is past that noise.
+BASELINE_SLOWER = 1.10
+
+
+def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    if not payloads:
+        raise ValueError("nothing to merge")
+    merged = {k: v for k, v in payloads[0].items() if k not in ("runs", "rows", "stats", "probes")}
+    merged.update(runs=[], rows=[], stats=[], probes=[])
+    for i, pl in enumerate(payloads):
+        if pl.get("benchmark") != "latency":
+            raise ValueError(f"input {i} is not a latency result (benchmark={pl.get('benchmark')!r})")
+        offset = len(merged["runs"])
+        merged["runs"] += [dict(r) for r in pl["runs"]]
+        for key in ("rows", "stats", "probes"):
+            merged[key] += [{**r, "run": r.get("run", 0) + offset} for r in pl.get(key, [])]
+    return merged
+
+
+def row_key(r: dict[str, Any]) -> tuple:
+    return (r["model"], r["kind"], r["batch"], r["context"], r["prefill"])
+
+
+def select(rows: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """(model, kind, batch, context, prefill, column) -> the row shown (an ok row over others;
+    among equals the earliest run)."""
+    chosen: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        key = (*row_key(r), r["column"])
+        cur = chosen.get(key)
+        if cur is None or (cur["status"] != "ok" and r["status"] == "ok"):
+            chosen[key] = r
+    return chosen
+
+
+def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple) -> dict[str, float | None]:
+    def p50(col):
+        r = chosen.get((*cell, col))
+        return r["p50_us"] if r and r["status"] == "ok" else None
+
+    graphs = [v for v in (p50(c) for c in FULL_GRAPHS) if v is not None]
+    best = min(graphs) if graphs else None
+    pw, full, ro = p50("ca-piecewise"), p50("ca-full"), p50("reduce-overhead")
+    return {"best_graph_us": best,
+            "piecewise_vs_best_graph": pw / best if pw and best else None,
+            "full_vs_best_graph": full / best if full and best else None,
+            "piecewise_vs_reduce_overhead": pw / ro if pw and ro else None}
+
+
+def goal_lines(payload: dict[str, Any]) -> list[str]:
+    chosen = select(payload["rows"])
+    cells = sorted({k[:5] for k in chosen if k[1] == "decode"})
+    lines = []
+
+    def check(model, key, limit, what):
+        vals = [(c, ratios(chosen, c)[key]) for c in cells if c[0] == model]
+        vals = [(c, v) for c, v in vals if v is not None]
+        if not vals:
+            return f"- {what}: not checked (missing columns)."
+        bad = [(c, v) for c, v in vals if v > limit]
+        worst = max(vals, key=lambda cv: cv[1])
+        return (f"- {what}: {'MET' if not bad else 'NOT MET'} — met in {len(vals) - len(bad)}/{len(vals)} decode "
+                f"cells; worst {worst[1]:.2f}× at batch {worst[0][2]}, context {worst[0][3]}.")
+
+    models = sorted({c[0] for c in cells})
+    if "opt" in models:
+        lines.append(check("opt", "piecewise_vs_best_graph", GOALS["opt_piecewise_vs_best_graph"],
+                           f"OPT: compileattn piecewise ≤ {GOALS['opt_piecewise_vs_best_graph']}× the best full graph"))
+    if "llama" in models:
+        lines.append(check("llama", "piecewise_vs_reduce_overhead", GOALS["llama_piecewise_vs_reduce_overhead"],
+                           f"Llama: compileattn piecewise ≤ {GOALS['llama_piecewise_vs_reduce_overhead']}× "
+                           f"reduce-overhead"))
+    for m in models:
+        lines.append(check(m, "full_vs_best_graph", GOALS["full_decode_vs_best_graph"],
+                           f"{MODELS.get(m, {}).get('label', m)}: compileattn full-decode ≤ "
+                           f"{GOALS['full_decode_vs_best_graph']}× the best full graph"))
+    for p in payload.get("probes", []):
+        if p["phase"] == "warm" and p["status"] == "ok":
+            ok = p["first_call_s"] <= GOALS["warm_start_s"]
+            lines.append(f"- {MODELS.get(p['model'], {}).get('label', p['model'])}: warm start (first call of a second "
+                         f"process, compile cache hit) {p['first_call_s']:.2f} s — "
+                         f"{'MET' if ok else 'NOT MET'} (goal ≤ {GOALS['warm_start_s']} s).")
+    return lines
+
+
+def step_bytes(counts: dict[str, Any], kind: str, batch: int, context: int, prefill: int) -> int:
+    """Bytes a step must read (see the module docstring): weights + K/V of every attended token.
+    Decode sequences attend their ``context`` cached tokens and the new one; the mixed step's
+    prefill sequence (no cached context) attends its own ``prefill`` tokens."""
+    attended = batch * (context + 1) + (prefill if kind == "mixed" else 0)
+    return counts["weight_bytes"] + attended * counts["kv_bytes_per_token"]
+
+
+def floor_us(payload: dict[str, Any], r: dict[str, Any]) -> float | None:
+    """The roofline of row ``r``'s step in µs, from its own run's copy bandwidth and byte counts;
+    None where that run did not record them."""
+    runs = payload.get("runs", [])
+    run = runs[r.get("run", 0)] if r.get("run", 0) < len(runs) else {}
+    bandwidth = (run.get("copy_bandwidth") or {}).get("GBps")
+    counts = (run.get("models") or {}).get(r["model"])
+    if not bandwidth or not counts:
+        return None
+    return step_bytes(counts, r["kind"], r["batch"], r["context"], r["prefill"]) / (bandwidth * 1e9) * 1e6
+
+
+def cell_floor_us(payload: dict[str, Any], chosen: dict[tuple, dict[str, Any]], cell: tuple) -> float | None:
+    """One floor per table row: the lowest of its rows' floors (the highest bandwidth measured),
+    so every column of the row is divided by the same, strictest, number."""
+    floors = [f for f in (floor_us(payload, r) for k, r in chosen.items() if k[:5] == cell) if f is not None]
+    return min(floors) if floors else None
+
+
+def cell_text(r: dict[str, Any] | None, floor: float | None = None) -> str:
+    """'p50 / p90 / p99', and '(p50 ÷ floor ×)' when the step's floor is known."""
+    if r is None:
+        return "—"
+    if r["status"] != "ok":
+        return {"unavailable": "n/a", "skipped": "skipped", "FAILED": "**FAILED**", "error": "error"}.get(
+            r["status"], r["status"])
+    text = f"{r['p50_us']:.0f} / {r['p90_us']:.0f} / {r['p99_us']:.0f}"
+    return text + (f" ({r['p50_us'] / floor:.1f}×)" if floor else "")
+
+
+def _tolerance_text(tol) -> str:
+    if isinstance(tol, dict):
+        return ", ".join(f"{dtype} {v}" for dtype, v in tol.items())
+    return str(tol)
+
+
+def gpu_host_table(chosen: dict[tuple, dict[str, Any]], cells: Sequence[tuple]) -> list[str]:
+    """Rows 'GPU µs / host µs' for the columns that replay one graph per step."""
+    cols = [c for c in ("ca-full", "graph-eager", "graph-inductor")
+            if any((chosen.get((*cell, c)) or {}).get("graph_gpu_us") for cell in cells)]
+    if not cols:
+        return []
+    rows = []
+    for cell in cells:
+        line = [cell[2], cell[3]]
+        for c in cols:
+            r = chosen.get((*cell, c)) or {}
+            gpu = r.get("graph_gpu_us")
+            host = r["p50_us"] - gpu if gpu else None
+            # host = p50 - GPU of back-to-back replays: noisy by tens of µs in large cells, so < 0 happens
+            line.append("—" if gpu is None else f"{gpu:.0f} / {host:.0f}" + (" (noise)" if host < 0 else ""))
+        rows.append(line)
+    return ["Where a full-graph step's time goes: GPU µs of one replay (timed over back-to-back replays, so "
+            "no host work is in it) / host µs (step p50 minus that: Python dispatch, graph launch, sync).", "",
+            common.markdown_table(["batch", "context"] + cols, rows), ""]
+
+
+def baseline_lines(payload: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
+    """Every row measured ok both here and in ``baseline``: both p50s and their ratio."""
+    new, old = select(payload["rows"]), select(baseline.get("rows", []))
+    order = {c: i for i, c in enumerate(COLUMNS)}
+    keys = sorted((k for k, r in new.items() if r["status"] == "ok" and (old.get(k) or {}).get("status") == "ok"),
+                  key=lambda k: (k[0], k[1] != "decode", k[3], k[2], order.get(k[5], len(order))))
+    runs = baseline.get("runs") or [{}]
+    label = "; ".join(f"{r.get('label', '?')} ({(r.get('env') or {}).get('time_utc', '?')})" for r in runs)
+    out = [f"## Against the baseline: {label}", ""]
+    if not keys:
+        return out + ["No row was measured ok in both.", ""]
+    table, slower = [], []
+    for k in keys:
+        ratio = new[k]["p50_us"] / old[k]["p50_us"]
+        if ratio > BASELINE_SLOWER:
+            slower.append(k)
+        step = "decode" if k[1] == "decode" else f"mixed (+{k[4]} prefill)"
+        table.append([MODELS.get(k[0], {}).get("label", k[0]), step, k[2], k[3], k[5], f"{old[k]['p50_us']:.0f}",
+                      f"{new[k]['p50_us']:.0f}", f"{ratio:.2f}" + (" **slower**" if ratio > BASELINE_SLOWER else "")])
+    worst = max(keys, key=lambda k: new[k]["p50_us"] / old[k]["p50_us"])
+    out.append(f"p50 µs per step here ÷ the baseline's, {len(keys)} rows measured in both (another process, maybe "
+               f"another session: a few per cent is noise). Slower by more than "
+               f"{(BASELINE_SLOWER - 1) * 100:.0f} %: {len(slower)} row(s); the largest ratio is "
+               f"{new[worst]['p50_us'] / old[worst]['p50_us']:.2f} ({worst[5]}, batch {worst[2]}, context {worst[3]}).")
+    out += ["", common.markdown_table(["model", "step", "batch", "context", "column", "baseline p50", "p50",
+                                       "÷ baseline"], table), ""]
+    return out
+
+
+def render_markdown(payload: dict[str, Any], baseline: dict[str, Any] | None = None) -> str:
+    chosen = select(payload["rows"])
+    runs = payload["runs"]
+    out = ["# End-to-end step latency (µs per step, wall time incl. CPU, p50 / p90 / p99)", ""]
+    for i, run in enumerate(runs):
+        b = run.get("backend", {})
+        out.append(f"Run {i} — {run.get('label', '?')}; attention backend {b.get('name', '?')}"
+                   + (f" (unusable: {b['error']})" if b.get("error") else ""))
+        out.append(common.environment_markdown(run.get("env", {})))
+        out.append("")
+    cfg = payload.get("config", {})
+    out.append(f"Steps per cell: {cfg.get('steps')} timed after {cfg.get('warmup')} warm-up; every column's output "
+               f"checked against eager first (norm-relative tolerance {_tolerance_text(cfg.get('tolerance'))}). Decode steps: each "
+               f"sequence has `context` tokens cached; the mixed step adds one prefill chunk. Token counts are padded "
+               f"to a capture size. Ratios use p50; 'best graph' = the faster hand-captured full graph. "
+               f"'floor µs' is the roofline: the step's bytes (weights + K/V read) ÷ the copy bandwidth measured in "
+               f"the run; (N×) after a cell is its p50 ÷ floor (n/a: the run did not record them).")
+    out.append("")
+    columns = [c for c in COLUMNS if any(k[5] == c for k in chosen)]
+    present = {k[0] for k in chosen} | {x["model"] for x in payload.get("stats", []) + payload.get("probes", [])}
+    models = [m for m in MODELS if m in present] + sorted(present - set(MODELS))
+    for model in models:
+        cells = sorted({k[:5] for k in chosen if k[0] == model}, key=lambda c: (c[1] != "decode", c[3], c[2]))
+        out.append(f"## {MODELS.get(model, {}).get('label', model)} ({MODELS.get(model, {}).get('dtype', '?')})")
+        out.append("")
+        if not cells:
+            out += ["No step timings in this run.", ""]
+        headers = ["step", "batch", "context", "tokens", "floor µs"] + columns + [
+            "pw ÷ best graph", "full ÷ best graph", "pw ÷ reduce-overhead"]
+        table = []
+        for cell in cells:
+            any_row = next(chosen[(*cell, c)] for c in COLUMNS if (*cell, c) in chosen)
+            rt = ratios(chosen, cell)
+            floor = cell_floor_us(payload, chosen, cell)
+            step = "decode" if cell[1] == "decode" else f"mixed (+{cell[4]} prefill)"
+            table.append([step, cell[2], cell[3], f"{any_row['tokens']}→{any_row['padded_tokens']}",
+                          common.fmt_num(floor, 0) if floor else "n/a"]
+                         + [cell_text(chosen.get((*cell, c)), floor) for c in columns]
+                         + [common.fmt_num(rt["piecewise_vs_best_graph"], 2), common.fmt_num(rt["full_vs_best_graph"], 2),
+                            common.fmt_num(rt["piecewise_vs_reduce_overhead"], 2)])
+        if table:
+            out.append(common.markdown_table(headers, table))
+            out.append("")
+            out += gpu_host_table(chosen, [c for c in cells if c[1] == "decode"])
+        st = [s for s in payload.get("stats", []) if s["model"] == model]
+        if st:
+            out.append("Compile and capture: the first call of a column compiles (and captures, where that happens at "
+                       "once); a later cell's first call recompiles (inductor at batch 1) or captures a new size.")
+            out.append("")
+            out.append(common.markdown_table(
+                ["column", "first call s", "later first call, max s", "capture s", "graph pool MiB", "graphs"],
+                [[s["column"], common.fmt_num(s.get("first_call_s"), 2),
+                  common.fmt_num(s.get("later_first_call_max_s"), 2), common.fmt_num(s.get("capture_s"), 2),
+                  common.fmt_num(s["graph_pool_bytes"] / common.MiB, 1) if s.get("graph_pool_bytes") is not None else "—",
+                  s.get("graphs", s.get("full_graphs", "—"))] for s in st]))
+            out.append("")
+        pr = [p for p in payload.get("probes", []) if p["model"] == model]
+        if pr:
+            out.append("compileattn cold / warm start (fresh processes; cold: empty compileattn, Inductor and Triton "
+                       "caches; warm: the same cache dirs again):")
+            out.append("")
+            out.append(common.markdown_table(
+                ["phase", "first call s", "of which Dynamo s", "of which backend s", "of which capture s",
+                 "process s", "pieces compiled", "cache hits"],
+                [[p["phase"], common.fmt_num(p.get("first_call_s"), 2), common.fmt_num(p.get("dynamo_s"), 2),
+                  common.fmt_num(p.get("backend_s"), 2), common.fmt_num(p.get("capture_s"), 2),
+                  common.fmt_num(p.get("process_s"), 1),
+                  (p.get("counters") or {}).get("backend_compiles", "—") if p["status"] == "ok" else p["status"],
+                  (p.get("counters") or {}).get("cache_hits", "—") if p["status"] == "ok" else p.get("reason", "")[:80]]
+                 for p in pr]))
+            out.append("")
+        ref = ISSUE_REFERENCE.get(model)
+        if ref:
+            out.append("For comparison only — the issue's figures (same H200, context 512, batch 1, µs per step; not "
+                       "measured by this script): " + "; ".join(f"{k} {v}" for k, v in ref.items()) + ".")
+            out.append("")
+    out.append("## Goal check (issue 5)")
+    out.append("")
+    out.extend(goal_lines(payload) or ["- nothing to check"])
+    if baseline is not None:
+        out += [""] + baseline_lines(payload, baseline)
+    problems = {}
+    for r in payload["rows"]:
+        if r["status"] in ("unavailable", "error", "FAILED") and r.get("reason"):
+            problems.setdefault((r["column"], r["status"], r["reason"]), []).append(r)
+    if problems:
+        out += ["", "## Notes", ""]
+        for (col, status, reason), rs in sorted(problems.items()):
+            out.append(f"- {col} — {status} in {len(rs)} cell(s): {reason}")
+    return "\n".join(out) + "\n"
+
+
+def plot(payload: dict[str, Any]):
+    chosen = select(payload["rows"])
+    models = [m for m in MODELS if any(k[0] == m for k in chosen)]
+
+    def draw(plt):
+        fig, axes = plt.subplots(1, max(1, len(models)), figsize=(7.5 * max(1, len(models)), 4.8), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            cells = sorted({k[:5] for k in chosen if k[0] == model}, key=lambda c: (c[1] != "decode", c[3], c[2]))
+            cols = [c for c in COLUMNS if any(k[0] == model and k[5] == c for k in chosen)]
+            width = 0.8 / max(1, len(cols))
+            for j, col in enumerate(cols):
+                xs, ys, lo, hi = [], [], [], []
+                for i, cell in enumerate(cells):
+                    r = chosen.get((*cell, col))
+                    if r and r["status"] == "ok":
+                        xs.append(i + (j - (len(cols) - 1) / 2) * width)
+                        ys.append(r["p50_us"])
+                        lo.append(0)
+                        hi.append(r["p99_us"] - r["p50_us"])
+                ax.bar(xs, ys, width, yerr=[lo, hi], label=col, capsize=2)
+            floors = [(i, cell_floor_us(payload, chosen, cell)) for i, cell in enumerate(cells)]
+            floors = [(i, f) for i, f in floors if f]
+            if floors:
+                ax.scatter([i for i, _ in floors], [f for _, f in floors], marker="_", s=600, color="k", zorder=3,
+                           label="floor (bytes ÷ copy bandwidth)")
+            ax.set_xticks(range(len(cells)))
+            ax.set_xticklabels([f"b{c[2]}@{c[3]}" if c[1] == "decode" else f"mixed\n+{c[4]}" for c in cells],
+                               fontsize=8)
+            ax.set_yscale("log")
+            ax.set_ylabel("µs per step (p50, bar to p99)")
+            ax.set_title(MODELS[model]["label"])
+            ax.grid(alpha=0.3, axis="y")
+        axes[0][0].legend(fontsize=7)
+        return fig
+
+    return draw
+
+
+def write_outputs(payload: dict[str, Any], prefix: str, no_plot: bool, log: Callable[[str], None],
+                  baseline: dict[str, Any] | None = None) -> str:
+    return common.write_outputs(payload, prefix, no_plot, log, render_markdown(payload, baseline), plot(payload),
+                                "latency")
+
+

@@ -1,0 +1,128 @@
+"""``python -m compileattn generate|throughput``: the LLM from the command line.
+
+generate    load a model directory, generate for each --prompt (text, needs the directory's
+            tokenizer) or --prompt-ids, print the results
+throughput  offline throughput on random prompts (see compileattn/engine/throughput.py)
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def length_range(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (None, None)
+    except ValueError:
+        lo = hi = None
+    if lo is None or not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected LO:HI with 1 <= LO <= HI (or one number), got {text!r}")
+    return lo, hi
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="directory with config.json + safetensors (save_pretrained)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--eager", action="store_true", help="do not compile (default: compile on CUDA)")
+    p.add_argument("--attention-backend", default="auto", help="auto | flash | triton | reference")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
+    p.add_argument("--allow-pickle", action="store_true", help="also load pickled *.bin weights")
+
+
+def _llm(args):
+    from .engine.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               num_blocks=args.num_blocks, compile_config=None if args.eager else "auto", attention_backend=args.attention_backend,
+               allow_pickle=args.allow_pickle)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m compileattn", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate for prompts with a model directory")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    gen.add_argument("--prompt-ids", action="append", default=[], type=_int_list,
+                     help="a prompt as token ids, e.g. 1,2,3 (repeatable)")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop-token-ids", type=_int_list, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    thr = sub.add_parser("throughput", help="offline throughput on random prompts")
+    _add_engine_args(thr)
+    thr.add_argument("--num-prompts", type=int, default=200)
+    thr.add_argument("--input-len", type=length_range, default=(128, 512), help="LO:HI prompt tokens (default 128:512)")
+    thr.add_argument("--output-len", type=length_range, default=(128, 512), help="LO:HI output tokens (default 128:512)")
+    thr.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.command == "generate" and not (args.prompt or args.prompt_ids):
+        parser.error("generate needs at least one --prompt or --prompt-ids")
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.command == "throughput" and args.num_prompts < 1:
+        parser.error("--num-prompts must be >= 1")
+    return args
+
+
+def _generate(args) -> int:
+    llm = _llm(args)
+    prompts = [*args.prompt, *args.prompt_ids]
+    outputs = llm.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           seed=args.seed, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+    for i, out in enumerate(outputs):
+        shown = repr(out.prompt) if out.prompt is not None else str(out.prompt_token_ids)
+        print(f"[{i}] prompt: {shown}")
+        if out.text is not None:
+            print(f"[{i}] text: {out.text!r}")
+        print(f"[{i}] token_ids: {out.token_ids}")
+        print(f"[{i}] finish_reason: {out.finish_reason}")
+    return 0
+
+
+def _throughput(args) -> int:
+    from .engine import throughput
+
+    llm = _llm(args)
+    workload = throughput.random_workload(args.num_prompts, args.input_len, args.output_len, llm.engine.vocab_size,
+                                          args.seed)
+    warm = throughput.random_workload(min(8, args.num_prompts), args.input_len, (4, 4), llm.engine.vocab_size,
+                                      args.seed + 1)
+    throughput.measure(llm, warm)  # compile-time captures and allocator warm-up stay out of the timing
+    result, _ = throughput.measure(llm, workload, use_tqdm=True)
+    print(throughput.describe(result))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("compileattn")
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        return _generate(args) if args.command == "generate" else _throughput(args)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)

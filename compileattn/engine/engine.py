@@ -1,0 +1,347 @@
+"""The step loop: requests in, one scheduled step at a time through the model, tokens out.
+
+``Engine`` is the low-level interface (token ids in and out, one ``step`` at a time, or
+``generate`` for greedy token lists); ``compileattn.LLM`` puts loading, tokenization, KV-cache
+sizing and result objects on top of it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from ..metadata import AttentionMetadata, SequenceStep
+from .block_allocator import BlockAllocator
+from .model_runner import ModelRunner, PreparedStep
+from .request import Request, SamplingParams
+from .sampler import sample
+from .scheduler import ScheduledStep, Scheduler
+
+if TYPE_CHECKING:
+    from ..config import CompileConfig
+
+logger = logging.getLogger("compileattn")
+
+#: sampler(logits fp32 (N, vocab), seq_ids) -> one token per row: a caller's own choice of tokens
+#: (tests and the demo feed fixed streams so two engines see identical inputs).
+Sampler = Callable[[torch.Tensor, Sequence[int]], Sequence[int]]
+
+
+@dataclasses.dataclass
+class StepResult:
+    seq_ids: list[int]
+    kinds: list[str]
+    num_tokens: int
+    num_padded_tokens: int
+    #: (num_tokens, hidden): valid only until the next step (a CUDA-graph runtime may return a view
+    #: of its static output buffer, which the next replay overwrites).
+    hidden: torch.Tensor
+    #: fp32 (len(sampled), vocab) for the sampled rows, in ``sampled``'s order; None if none sampled.
+    logits: torch.Tensor | None
+    #: seq_id -> new token.
+    sampled: dict[int, int]
+    #: Requests that finished in this step.
+    finished: list[Request]
+    #: Requests preempted (to be recomputed) while this step was scheduled.
+    preempted: list[Request]
+
+    def count(self, kind: str) -> int:
+        return self.kinds.count(kind)
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step on the device: its plan, outputs and the sampled tokens (a host tensor being filled
+    until ``copied`` fires, or a list)."""
+
+    step: ScheduledStep
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+    tokens: torch.Tensor | list[int] | None
+    copied: "torch.cuda.Event | None"
+    num_padded: int
+
+
+class Engine:
+    """Continuous batching over a paged KV cache: chunked prefills mixed with decodes under a
+    per-step token budget, blocks allocated as sequences grow, preemption by recompute when they
+    run out, EOS/stop handling, and sampling on the model's device.
+
+    ``model``: see ``model_runner``. ``compile_config``: compile the forward with compileattn and
+    capture its CUDA graphs (at construction), and pad steps to its capture sizes; ``forward``: run
+    this callable instead of ``model.forward`` (``compile_config`` then only names the attention
+    backend and the padding).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        block_size: int = 16,
+        num_blocks: int,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        attention_backend: str = "auto",
+        pad_fn: Callable[[int], int] | None = None,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        max_model_len: int | None = None,
+        mark_dynamic: bool | None = None,
+        compile_config: "CompileConfig | None" = None,
+        eos_token_ids: Sequence[int] = (),
+    ):
+        if compile_config is not None:
+            if attention_backend not in ("auto", compile_config.attention_backend):
+                raise ValueError(f"attention_backend={attention_backend!r} contradicts "
+                                 f"compile_config.attention_backend={compile_config.attention_backend!r}")
+            attention_backend = compile_config.attention_backend
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
+                            ("max_num_tokens", max_num_tokens), ("max_num_seqs", max_num_seqs)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        param = next(model.parameters())
+        self.model = model
+        self.dtype = param.dtype if dtype is None else dtype
+        self.device = param.device if device is None else torch.device(device)
+        if param.dtype != self.dtype:
+            raise TypeError(f"dtype={self.dtype} but the model's parameters are {param.dtype}")
+        if param.device != self.device:
+            raise ValueError(f"device={self.device} but the model's parameters are on {param.device}")
+        self.block_size = block_size
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        limit = min(model.max_position, num_blocks * block_size)
+        if max_model_len is None:
+            max_model_len = limit
+        if not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position "
+                             f"{model.max_position}, and the cache's num_blocks * block_size "
+                             f"{num_blocks * block_size}), got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        self.vocab_size = model.vocab_size
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(self.allocator, block_size=block_size, max_num_seqs=max_num_seqs,
+                                   max_num_tokens=max_num_tokens)
+        self.runner = ModelRunner(model, block_size=block_size, num_blocks=num_blocks, max_num_tokens=max_num_tokens,
+                                  max_model_len=max_model_len, dtype=self.dtype, device=self.device,
+                                  attention_backend=attention_backend, compile_config=compile_config,
+                                  forward=forward, pad_fn=pad_fn, mark_dynamic=mark_dynamic)
+        if (forward is None and compile_config is not None
+                and compile_config.resolved_cudagraph_mode(self.device.type) != "none"):
+            # Captured now, so no served step pays for a capture.
+            self.runner.capture_cuda_graphs(compile_config.capture_sizes, max_num_seqs)
+        #: Draws of sampled (temperature > 0) rows; ``generate(seed=...)`` reseeds it.
+        self.generator = torch.Generator(device=self.device)
+        self._requests: dict[int, Request] = {}
+        self._next_id = 0
+        #: Page-locked host buffer the sampled tokens are copied into (CUDA), made on first use.
+        self._pinned: torch.Tensor | None = None
+        #: Per step: (decodes, prefills, chunked prefills, tokens, padded tokens).
+        self.history: list[tuple[int, int, int, int, int]] = []
+
+    # -- the runner's state, for callers and tests ------------------------------------------------
+
+    @property
+    def kv_caches(self):
+        return self.runner.kv_caches
+
+    @property
+    def builder(self):
+        return self.runner.builder
+
+    @property
+    def pad_fn(self) -> Callable[[int], int]:
+        return self.runner.pad_fn
+
+    @property
+    def last_metadata(self) -> AttentionMetadata | None:
+        return self.runner.last_metadata
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def run_step(self, seqs: Sequence[SequenceStep], input_ids, positions) -> torch.Tensor:
+        """Run the forward on one step given by the caller (see ``ModelRunner.execute``)."""
+        return self.runner.execute(seqs, input_ids, positions)
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int | None = None,
+                    params: SamplingParams | None = None) -> int:
+        """Queue a prompt (token ids); returns its seq_id. Greedy with ``max_new_tokens`` unless
+        ``params`` are given."""
+        if params is None:
+            params = SamplingParams(max_new_tokens=16 if max_new_tokens is None else max_new_tokens)
+        elif max_new_tokens is not None:
+            raise ValueError("pass max_new_tokens inside params, not both")
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("prompt must have at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token {bad[0]} out of range [0, {self.vocab_size})")
+        # The last sampled token is never fed back, so its K/V never needs a slot.
+        kv_len = len(prompt) + max(params.max_new_tokens - 1, 0)
+        if kv_len > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) needs {kv_len} "
+                             f"positions > max_model_len {self.max_model_len}")
+        req = Request.create(self._next_id, prompt, params, self.eos_token_ids)
+        self._next_id += 1
+        self._requests[req.seq_id] = req
+        if not req.finished:
+            self.scheduler.add(req)
+        return req.seq_id
+
+    def request(self, seq_id: int) -> Request:
+        return self._requests[seq_id]
+
+    def pop_request(self, seq_id: int) -> Request:
+        """Forget a finished request (the engine keeps every request until popped or reset)."""
+        req = self._requests[seq_id]
+        if not req.finished:
+            raise ValueError(f"request {seq_id} is not finished")
+        return self._requests.pop(seq_id)
+
+    def reset(self) -> None:
+        """Drop every request and return its blocks. Buffers, caches and the forward stay, so a
+        compiled forward (and its captured CUDA graphs) keeps serving this engine."""
+        self.scheduler.reset()
+        self._requests.clear()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def schedule(self, max_tokens_per_step: int | None = None) -> ScheduledStep | None:
+        return self.scheduler.schedule(max_tokens_per_step)
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def step(self, max_tokens_per_step: int | None = None, sampler: Sampler | None = None) -> StepResult:
+        """Schedule and run one step, and wait for it: sample a token for every sequence that
+        computed all of its known tokens (with its own ``SamplingParams``, on the device, unless a
+        ``sampler`` is given); free the blocks of sequences that finish."""
+        sched = self.scheduler.schedule(max_tokens_per_step)
+        if sched is None:
+            raise RuntimeError("nothing can be scheduled although requests are pending (and no step is in flight)")
+        launched = self._launch(sched, self.runner.prepare(sched.seqs, sched.input_ids, sched.positions), sampler)
+        sampled, finished = self._complete(launched)
+        return StepResult([r.seq_id for r in sched.requests], sched.kinds, sched.num_tokens, launched.num_padded,
+                          launched.hidden, launched.logits, sampled, finished, sched.preempted)
+
+    def run(self, on_finished: Callable[[list[Request]], None] | None = None,
+            max_tokens_per_step: int | None = None) -> None:
+        """Step until every request has finished, planning and preparing each step (scheduling,
+        metadata, input copies) while the previous one runs on the device: the host waits for a
+        step's tokens only after the next step is ready to launch. ``on_finished`` gets the
+        requests that finish, as they do."""
+        launched: _Launched | None = None
+        while True:
+            sched = self.scheduler.schedule(max_tokens_per_step) if self.scheduler.has_unfinished() else None
+            prepared = self.runner.prepare(sched.seqs, sched.input_ids, sched.positions) if sched else None
+            if launched is not None:
+                _, finished = self._complete(launched)
+                if finished and on_finished is not None:
+                    on_finished(finished)
+            elif sched is None:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("nothing can be scheduled although requests are pending (and no step is in "
+                                       "flight)")
+                return
+            launched = self._launch(sched, prepared) if sched is not None else None
+
+    def _launch(self, sched: ScheduledStep, prepared: PreparedStep, sampler: Sampler | None = None) -> "_Launched":
+        """Put a planned step on the device: its pending tokens into the inputs, the forward, the
+        logits and the sampling (a caller's ``sampler`` runs on the host, so it waits for them);
+        the sampled tokens start their copy to the host."""
+        if sched.pending_rows:  # tokens that reached the host after the step was planned
+            for row, req in sched.pending_rows:
+                sched.input_ids[row] = req.token_ids[sched.positions[row]]
+            n = prepared.num_tokens
+            prepared.input_ids[:n].copy_(torch.as_tensor(sched.input_ids, dtype=torch.long), non_blocking=True)
+        hidden = self.runner.run(prepared)
+        logits = tokens = copied = None
+        reqs = sched.sample_requests
+        if reqs:
+            logits = self.runner.compute_logits(hidden, sched.sample_rows)
+            if sampler is not None:
+                tokens = [int(t) for t in sampler(logits, [r.seq_id for r in reqs])]
+            else:
+                on_device = sample(logits, [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
+                                   self.generator)
+                tokens, copied = self._to_host(on_device)
+        for req, seq in zip(sched.requests, sched.seqs):
+            req.num_computed += seq.query_len
+        for req in reqs:
+            req.num_pending += 1
+        padded = prepared.metadata.num_tokens
+        self.history.append((sched.kinds.count("decode"), sched.kinds.count("prefill"),
+                             sched.kinds.count("chunked_prefill"), sched.num_tokens, padded))
+        return _Launched(sched, hidden, logits, tokens, copied, padded)
+
+    def _to_host(self, tokens: torch.Tensor):
+        """(host tensor, event) for an asynchronous copy on CUDA; (list, None) elsewhere."""
+        if tokens.device.type != "cuda":
+            return tokens.tolist(), None
+        n = tokens.shape[0]
+        if self._pinned is None:
+            self._pinned = torch.empty(self.runner.builder.max_num_tokens, dtype=torch.long, pin_memory=True)
+        self._pinned[:n].copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return self._pinned[:n], copied
+
+    def _complete(self, launched: "_Launched") -> tuple[dict[int, int], list[Request]]:
+        """Wait for a launched step's tokens and give them to their requests; release the requests
+        that finish. A request that stopped while this step was planned gets no token from it."""
+        sched = launched.step
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        tokens = launched.tokens.tolist() if isinstance(launched.tokens, torch.Tensor) else launched.tokens
+        sampled: dict[int, int] = {}
+        finished: list[Request] = []
+        now = time.perf_counter()
+        for req, token in zip(sched.sample_requests, tokens or ()):
+            req.num_pending -= 1
+            if req.finished:
+                continue
+            req.append(token, now)
+            sampled[req.seq_id] = token
+            if req.finished:
+                self.scheduler.finish(req)
+                finished.append(req)
+        return sampled, finished
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_tokens_per_step: int,
+                 sampler: Sampler | None = None) -> list[list[int]]:
+        """Greedy-decode up to ``max_new_tokens`` for every prompt (stopping at EOS as configured);
+        returns the new tokens per prompt."""
+        if not isinstance(max_tokens_per_step, int) or max_tokens_per_step < 1:
+            raise ValueError(f"max_tokens_per_step must be a positive int, got {max_tokens_per_step!r}")
+        ids = self.add_requests([SamplingParams(max_new_tokens=max_new_tokens)] * len(prompts), prompts)
+        if sampler is None:
+            self.run(max_tokens_per_step=max_tokens_per_step)
+        else:
+            while any(not self._requests[i].finished for i in ids):
+                self.step(max_tokens_per_step, sampler)
+        return [self._requests.pop(i).output for i in ids]
+
+    def add_requests(self, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """Queue several prompts, all or none: on a bad prompt the ones queued before it are dropped
+        and the ValueError names the prompt's index."""
+        ids: list[int] = []
+        try:
+            for p, prompt in zip(params, prompts):
+                ids.append(self.add_request(prompt, params=p))
+        except ValueError as exc:
+            for i in ids:
+                req = self._requests.pop(i)
+                if req in self.scheduler.waiting:
+                    self.scheduler.waiting.remove(req)
+            raise ValueError(f"prompts[{len(ids)}]: {exc}") from None
+        return ids

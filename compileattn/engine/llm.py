@@ -1,0 +1,275 @@
+"""``compileattn.LLM``: offline generation with a Hugging Face checkpoint (or an own model).
+
+``LLM(model)`` loads the model (a local directory written by ``save_pretrained``, or a
+``PreTrainedModel`` already in memory), routes its attention through compileattn, sizes the paged
+KV cache, compiles the forward (on CUDA by default: piecewise CUDA graphs, full graphs for decode
+steps) and serves ``generate`` with continuous batching. The model is taken over: it is put in eval
+mode and its attention implementation switched to compileattn's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..config import CompileConfig
+from . import kv_budget
+from .engine import Engine
+from .request import FinishReason, Request, SamplingParams
+
+logger = logging.getLogger("compileattn")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """Seconds from the start of the ``generate`` call, measured on the host after each step."""
+
+    first_token_s: float
+    finish_s: float
+    num_preemptions: int
+
+    def time_per_output_token_s(self, num_output_tokens: int) -> float | None:
+        """Decode time per token after the first (None with fewer than two tokens)."""
+        if num_output_tokens < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (num_output_tokens - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    #: Generated tokens; a stop or EOS token that ended the request is the last one.
+    token_ids: list[int]
+    #: The decoded ``token_ids`` (special tokens skipped) when the LLM has a tokenizer.
+    text: str | None
+    finish_reason: FinishReason
+    metrics: RequestMetrics
+
+
+def _dtype(value: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if value is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(value, str):
+        if value not in _DTYPES:
+            raise ValueError(f"dtype={value!r}; choose from {list(_DTYPES)}")
+        return _DTYPES[value]
+    if value not in _DTYPES.values():
+        raise TypeError(f"dtype={value}; supported: {list(_DTYPES)}")
+    return value
+
+
+def _eos_token_ids(hf_model, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the generation config, else the model config, else the tokenizer."""
+    candidates = [getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None),
+                  getattr(getattr(hf_model, "config", None), "eos_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None)]
+    for eos in candidates:
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return ()
+
+
+class LLM:
+    """Offline generation with continuous batching over a paged KV cache.
+
+    Args:
+        model: a directory with ``config.json`` and safetensors weights (and, optionally, a
+            tokenizer), a transformers ``PreTrainedModel``, or a model with compileattn's interface
+            (``compileattn.models``).
+        tokenizer: overrides the directory's tokenizer; needed for string prompts and ``text``.
+        dtype, device: where the model runs (default: bfloat16 on CUDA when available, else
+            float32 on the CPU; an in-memory model is moved only when they are given).
+        block_size: tokens per KV-cache block.
+        max_num_seqs: sequences per step at most.
+        max_num_batched_tokens: tokens per step at most (prefill chunks and decodes together).
+        max_model_len: longest sequence (prompt + output); default: the model's, capped by the cache.
+        kv_cache_memory, num_blocks: cache size as bytes or as a block count (at most one);
+            default: measured on CUDA (``gpu_memory_utilization`` of the device), 256 MiB at most on the CPU.
+        compile_config: ``"auto"`` (compile on CUDA with the default ``CompileConfig``, eager
+            elsewhere), a ``CompileConfig``, or None (eager).
+        attention_backend: the attention kernels (``"auto"``, ``"flash"``, ``"triton"``,
+            ``"reference"``); a ``CompileConfig`` passed in names its own.
+        allow_pickle: also load pickled ``*.bin`` weights (they can run code).
+    """
+
+    def __init__(self, model: Any, *, tokenizer: Any = None, dtype: torch.dtype | str | None = None,
+                 device: torch.device | str | None = None, block_size: int = 16, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 kv_cache_memory: int | None = None, num_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, compile_config: CompileConfig | str | None = "auto",
+                 attention_backend: str = "auto", allow_pickle: bool = False):
+        if kv_cache_memory is not None and num_blocks is not None:
+            raise ValueError("pass kv_cache_memory or num_blocks, not both")
+        self.model, self.tokenizer, hf_model = self._load(model, tokenizer, dtype, device, allow_pickle)
+        param = next(self.model.parameters())
+        device, dtype = param.device, param.dtype
+        compile_config = self._compile_config(compile_config, device, attention_backend, max_num_seqs,
+                                              max_num_batched_tokens)
+        if compile_config is not None:
+            attention_backend = compile_config.attention_backend
+        self._check_backends(attention_backend, dtype, device, block_size)
+
+        specs = self.model.attention_specs()
+        model_len = min(self.model.max_position, max_model_len or self.model.max_position)
+        if num_blocks is None:
+            if kv_cache_memory is None:
+                kv_cache_memory = (kv_budget.profile_cuda_budget(
+                    self.model, block_size=block_size, max_num_tokens=max_num_batched_tokens,
+                    max_num_seqs=max_num_seqs, max_model_len=model_len, dtype=dtype, device=device,
+                    attention_backend=attention_backend, gpu_memory_utilization=gpu_memory_utilization)
+                    if device.type == "cuda" else
+                    kv_budget.cpu_default_bytes(specs, block_size, dtype, max_num_seqs, model_len))
+            num_blocks = kv_budget.blocks_for_memory(specs, block_size, dtype, kv_cache_memory)
+        if max_model_len is None:
+            max_model_len = min(model_len, num_blocks * block_size)
+        kv_budget.log_capacity(num_blocks, block_size, kv_budget.bytes_per_block(specs, block_size, dtype),
+                               max_model_len, max_num_seqs)
+        self.engine = Engine(self.model, block_size=block_size, num_blocks=num_blocks,
+                             max_num_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                             max_model_len=max_model_len, attention_backend=attention_backend,
+                             compile_config=compile_config,
+                             eos_token_ids=_eos_token_ids(hf_model, self.tokenizer))
+
+    # -- construction --------------------------------------------------------------------------
+
+    @staticmethod
+    def _load(model, tokenizer, dtype, device, allow_pickle):
+        """(served model, tokenizer or None, the transformers model or None)."""
+        from_dir = isinstance(model, (str, Path))
+        if from_dir or _is_pretrained(model):
+            from ..hf.model import HFCausalLM
+
+            if from_dir:
+                from ..hf.loading import load_model, load_tokenizer
+
+                device = torch.device(device if device is not None else
+                                      ("cuda" if torch.cuda.is_available() else "cpu"))
+                hf_model = load_model(model, dtype=_dtype(dtype, device), device=device, allow_pickle=allow_pickle)
+                if tokenizer is None:
+                    tokenizer = load_tokenizer(model)
+            else:
+                hf_model = model
+                if dtype is not None or device is not None:
+                    target = torch.device(device) if device is not None else hf_model.device
+                    hf_model.to(device=target, dtype=_dtype(dtype, target) if dtype is not None else None)
+            return HFCausalLM(hf_model), tokenizer, hf_model
+        if not all(hasattr(model, a) for a in ("attention_specs", "compute_logits", "vocab_size", "max_position")):
+            raise TypeError(f"model must be a directory, a transformers PreTrainedModel or a compileattn model "
+                            f"(forward, compute_logits, attention_specs, vocab_size, max_position); got "
+                            f"{type(model).__name__}")
+        if dtype is not None or device is not None:
+            raise ValueError("dtype/device apply to transformers models; build a compileattn model where it runs")
+        return model, tokenizer, None
+
+    @staticmethod
+    def _compile_config(compile_config, device: torch.device, attention_backend: str, max_num_seqs: int,
+                        max_num_batched_tokens: int) -> CompileConfig | None:
+        if compile_config == "auto":
+            if device.type != "cuda":
+                return None
+            # Decode steps of up to max_num_seqs tokens replay full graphs; mixed steps up to 256
+            # tokens replay piecewise ones.
+            return CompileConfig(attention_backend=attention_backend,
+                                 max_capture_size=min(max(256, max_num_seqs), max_num_batched_tokens))
+        if compile_config is not None and not isinstance(compile_config, CompileConfig):
+            raise TypeError(f"compile_config must be a CompileConfig, 'auto' or None, got {compile_config!r}")
+        return compile_config
+
+    def _check_backends(self, attention_backend: str, dtype: torch.dtype, device: torch.device,
+                        block_size: int) -> None:
+        """Refuse, before any cache is allocated, a layer no attention backend runs."""
+        from ..backends.selector import choose, regime_of
+
+        for name, spec in self.model.attention_specs().items():
+            try:
+                for uniform_decode in (True, False):
+                    choose(attention_backend, spec, dtype, device, block_size, regime_of(device, uniform_decode))
+            except ValueError as exc:
+                from ..hf.model import UnsupportedModelError
+
+                raise UnsupportedModelError(f"{name}: {exc}") from None
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 max_new_tokens: int | Sequence[int] = 16, *, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (a string, needing a tokenizer, or a list of token ids);
+        results in prompt order. ``max_new_tokens`` may be one per prompt. ``seed`` seeds the
+        sampling of ``temperature`` > 0 (None: a fresh random seed)."""
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        lengths = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(lengths) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(lengths)} entries for {len(prompts)} prompts")
+        params = [SamplingParams(max_new_tokens=n, temperature=temperature, top_p=top_p,
+                                 stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos) for n in lengths]
+        token_prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
+        engine = self.engine
+        if engine.has_unfinished():
+            raise RuntimeError("the engine has unfinished requests from an interrupted call; create a new LLM")
+        if seed is None:
+            engine.generator.seed()
+        else:
+            engine.generator.manual_seed(seed)
+        start = time.perf_counter()
+        ids = engine.add_requests(params, token_prompts)
+        bar = _progress_bar(len(ids)) if use_tqdm and len(ids) > 1 else None
+        try:
+            engine.run(on_finished=None if bar is None else (lambda done: bar.update(len(done))))
+        except BaseException:
+            engine.reset()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        outputs = [self._output(engine.pop_request(i), prompt, start) for i, prompt in zip(ids, prompts)]
+        elapsed = time.perf_counter() - start
+        num_out = sum(len(o.token_ids) for o in outputs)
+        logger.info("generated %d tokens for %d requests in %.2f s (%.1f tokens/s, %d preemptions)", num_out,
+                    len(outputs), elapsed, num_out / elapsed if elapsed > 0 else 0.0,
+                    sum(o.metrics.num_preemptions for o in outputs))
+        return outputs
+
+    def _encode(self, prompt, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError(f"prompts[{index}] is a string but this LLM has no tokenizer; pass token ids, or a "
+                                f"tokenizer (LLM(..., tokenizer=...) or one saved in the model directory)")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise TypeError(f"prompts[{index}] must be a string or a list of token ids")
+        return list(prompt)
+
+    def _output(self, req: Request, prompt, start: float) -> RequestOutput:
+        tokens = req.output
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        first = req.first_token_time if req.first_token_time is not None else req.finish_time or start
+        finish = req.finish_time if req.finish_time is not None else first
+        return RequestOutput(prompt if isinstance(prompt, str) else None, req.prompt, tokens, text,
+                             req.finish_reason, RequestMetrics(first - start, finish - start, req.num_preemptions))
+
+
+def _is_pretrained(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)

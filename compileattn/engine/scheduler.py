@@ -1,0 +1,192 @@
+"""Continuous batching: which requests run in a step, how many tokens each, and their blocks.
+
+Every step has a token budget. Running requests come first, decodes before prefills (a decode
+is one token and its sequence waits on it), then continuing prefills take what is left, in chunks
+if the budget is smaller than the prompt, then waiting requests are admitted in arrival order.
+Blocks are allocated as sequences grow, one step at a time. When the free list cannot supply a
+running request's next block, the newest running request not yet scheduled in this step is
+preempted: its blocks are freed and it goes back to the front of the queue, to recompute its
+known tokens (prompt and output so far) as a prefill when it is readmitted. Preempting the newest
+keeps the oldest requests moving, so the engine cannot livelock; the cost is recomputation, which
+is what vLLM's default preemption mode pays as well.
+
+The engine may schedule a step while the previous one still runs on the device: a request's
+token sampled there is then *pending* (counted, its value unknown; the engine writes it into the
+step's inputs before launching). A request whose pending token reaches ``max_new_tokens`` is not
+scheduled again; one that a pending token will stop (EOS, stop ids) cannot be known to stop, so it
+may run one step too many, whose result is dropped.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+from ..metadata import SequenceStep
+from .block_allocator import BlockAllocator
+from .request import Request
+
+logger = logging.getLogger("compileattn")
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    """One step's plan: sequences in order (decodes first), their tokens, and the rows to sample."""
+
+    requests: list[Request]
+    seqs: list[SequenceStep]
+    kinds: list[str]  # "decode" | "prefill" | "chunked_prefill"
+    #: Token ids; a row in ``pending_rows`` holds 0 until the engine writes its pending token.
+    input_ids: list[int]
+    positions: list[int]
+    #: Token rows whose logits are sampled: the last row of each sequence that has now computed all
+    #: of its known tokens (a finished prompt or a decode).
+    sample_rows: list[int]
+    sample_requests: list[Request]
+    #: Requests preempted while this step was planned.
+    preempted: list[Request]
+    #: (row, request): decodes of a token still pending when the step was planned.
+    pending_rows: list[tuple[int, Request]] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, *, block_size: int, max_num_seqs: int, max_num_tokens: int):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        #: Free blocks kept back when admitting (not when growing running requests), so that a
+        #: fresh admission does not make the next step preempt it straight away.
+        self.watermark = max(1, allocator.num_blocks // 100)
+        self.waiting: collections.deque[Request] = collections.deque()
+        #: seq_id -> request, in admission order (a dict: O(1) removal, ordered iteration).
+        self.running: dict[int, Request] = {}
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def reset(self) -> None:
+        for req in self.running.values():
+            self.allocator.free(req.blocks)
+            req.blocks = []
+        self.running.clear()
+        self.waiting.clear()
+
+    def finish(self, req: Request) -> None:
+        """Release a finished request: out of the running set (or the queue), blocks freed. Blocks
+        a launched step still writes may be handed out again at once: the next steps' kernels run
+        after it on the same stream, and read only what they wrote."""
+        if self.running.pop(req.seq_id, None) is None and req in self.waiting:
+            self.waiting.remove(req)
+        self.allocator.free(req.blocks)
+        req.blocks = []
+
+    def _blocks_needed(self, req: Request, q: int) -> int:
+        return -(-(req.num_computed + q) // self.block_size) - len(req.blocks)
+
+    def _preempt(self, req: Request) -> None:
+        del self.running[req.seq_id]
+        self.allocator.free(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted request %d (%d known tokens) for lack of KV-cache blocks", req.seq_id, req.num_known)
+
+    def _grow(self, req: Request, q: int, scheduled: set[int], preempted: list[Request]) -> bool:
+        """Allocate ``req``'s blocks for ``q`` more tokens, preempting the newest schedulable running
+        requests not scheduled in this step as needed. False if ``req`` must wait: preempted itself,
+        or skipped while requests about to finish still hold blocks."""
+        need = self._blocks_needed(req, q)
+        while need > self.allocator.num_free:
+            victim = next((r for sid, r in reversed(self.running.items())
+                           if sid not in scheduled and r is not req and r.schedulable), None)
+            if victim is None:
+                if any(not r.schedulable for r in self.running.values()):
+                    return False  # their blocks come back when their last tokens arrive
+                victim = req
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.blocks.extend(self.allocator.allocate(need))
+        return True
+
+    def schedule(self, max_tokens: int | None = None) -> ScheduledStep | None:
+        """Plan one step of at most ``max_tokens`` tokens (default: the engine's maximum); None when
+        nothing can run now (every running request waits for a pending token that ends it, or for
+        blocks those requests still hold)."""
+        if not self.has_unfinished():
+            raise ValueError("no unfinished requests to schedule; add a request first")
+        budget = self.max_num_tokens if max_tokens is None else min(max_tokens, self.max_num_tokens)
+        if budget < 1:
+            raise ValueError(f"max_tokens_per_step must be >= 1, got {max_tokens}")
+        plan: list[tuple[Request, int]] = []
+        scheduled: set[int] = set()
+        preempted: list[Request] = []
+        live = [r for r in self.running.values() if r.schedulable]
+        for req in [r for r in live if r.is_decoding] + [r for r in live if not r.is_decoding]:
+            if budget == 0:
+                break
+            if preempted and req in preempted:
+                continue
+            q = min(req.num_uncomputed, budget)
+            if self._grow(req, q, scheduled, preempted):
+                plan.append((req, q))
+                scheduled.add(req.seq_id)
+                budget -= q
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if preempted and req in preempted:  # readmitting it now would undo the preemption
+                break
+            q = min(req.num_uncomputed, budget)
+            reserve = self.watermark if self.running else 0
+            if self._blocks_needed(req, q) + reserve > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            self.running[req.seq_id] = req
+            req.blocks.extend(self.allocator.allocate(self._blocks_needed(req, q)))
+            plan.append((req, q))
+            scheduled.add(req.seq_id)
+            budget -= q
+        if not plan:
+            return None
+        plan.sort(key=lambda rq: rq[1] != 1)  # stable: one-token sequences first, as the metadata wants
+        return self._build(plan, preempted)
+
+    def _build(self, plan: list[tuple[Request, int]], preempted: list[Request]) -> ScheduledStep:
+        step = ScheduledStep([], [], [], [], [], [], [], preempted)
+        row = 0
+        for req, q in plan:
+            ctx = req.num_computed
+            known = req.num_known
+            if ctx >= req.num_prompt_tokens and q == 1:
+                kind = "decode"
+            elif ctx == 0 and q == known:
+                kind = "prefill"
+            else:
+                kind = "chunked_prefill"
+            step.requests.append(req)
+            step.seqs.append(SequenceStep(q, ctx, tuple(req.blocks)))
+            step.kinds.append(kind)
+            tokens = req.token_ids[ctx: ctx + q]
+            if len(tokens) < q:  # the pending token: only ever the one token of a decode
+                step.pending_rows.append((row, req))
+                tokens.append(0)
+            step.input_ids.extend(tokens)
+            step.positions.extend(range(ctx, ctx + q))
+            row += q
+            if ctx + q == known:
+                step.sample_rows.append(row - 1)
+                step.sample_requests.append(req)
+        return step

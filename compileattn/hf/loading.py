@@ -1,0 +1,63 @@
+"""Loading a causal LM (and its tokenizer) from a local directory, as ``save_pretrained`` writes it.
+
+Offline only (``local_files_only``: nothing is downloaded), no remote code, and weights from
+safetensors only: a pickled ``pytorch_model.bin`` can run code when loaded, so it is read only
+when the caller passes ``allow_pickle=True``.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("compileattn")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_directory(path: Path, allow_pickle: bool) -> None:
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (models are loaded from a local "
+                                f"directory written by save_pretrained; nothing is downloaded)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json")
+    if any(path.glob("*.safetensors")):
+        return
+    if any(path.glob("*.bin")):
+        if allow_pickle:
+            return
+        raise ValueError(f"{path} has only pickled weights (*.bin), which can run code when loaded; pass "
+                         f"allow_pickle=True if you trust them, or convert them to safetensors")
+    raise FileNotFoundError(f"{path} has no weights (*.safetensors)")
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype, device: torch.device, allow_pickle: bool = False):
+    """The directory's ``*ForCausalLM`` in ``dtype`` on ``device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from transformers.utils import is_accelerate_available
+
+    path = Path(path)
+    _check_directory(path, allow_pickle)
+    # transformers places weights on a device while loading only through accelerate; without it
+    # they are loaded into CPU memory and moved once.
+    direct = device.type == "cpu" or is_accelerate_available()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, device_map=str(device) if direct and device.type != "cpu" else None,
+        local_files_only=True, trust_remote_code=False, use_safetensors=None if allow_pickle else True)
+    if not direct:
+        model.to(device)
+    logger.info("loaded %s from %s (%s on %s%s)", type(model).__name__, path, dtype, device,
+                "" if direct else ", through CPU memory: install accelerate to load onto the device directly")
+    return model.eval()
+
+
+def load_tokenizer(path: str | Path):
+    """The directory's tokenizer, or None when it has none."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)

@@ -1,0 +1,228 @@
+"""A transformers ``*ForCausalLM`` as a compileattn model: ``forward(input_ids, positions) -> hidden``,
+``compute_logits(hidden)``, ``attention_specs()``, like the own models in ``compileattn.models``.
+
+The model's own code runs unmodified (embedding scaling, RoPE, norms, Gemma's final logit softcap);
+only its attention implementation is switched to ``"compileattn"``. Each layer's ``AttentionSpec``
+is derived at load time by a probe: one short forward with a recording attention function, which
+sees exactly what every layer passes (head counts from the projected shapes, ``scaling``,
+``sliding_window``, ``softcap``, any mask or extra argument). Deriving it from the calls rather
+than from config attributes is what makes it family-independent: Mistral takes its window from
+the config, Qwen2 and Gemma from ``layer_types``, OPT pre-scales q and passes ``scaling=1.0``.
+Whatever the probe sees that compileattn cannot serve is refused here, with the reason, before
+any cache is allocated.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..kv_cache import AttentionSpec
+from . import attention as hf_attention
+from .attention import BINDING_ATTR, IMPLEMENTATION, AttentionMismatchError, LayerBinding
+
+logger = logging.getLogger("compileattn")
+
+_PROBE = "compileattn_probe"
+#: Layer types (``config.layer_types``) whose attention compileattn serves.
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
+#: RoPE variants that pick their frequencies from the longest position in the batch: with all
+#: sequences of a step packed into one row, a short sequence would get a long one's frequencies.
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+#: Norm-relative agreement the load-time check wants between the model's own logits and
+#: ``compute_logits`` (the latter applies the softcap in fp32, the model in its own dtype).
+_LOGITS_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+class UnsupportedModelError(ValueError):
+    """A model (or one of its layers) compileattn cannot serve correctly; the message says why."""
+
+
+class _ProbeCall:
+    __slots__ = ("module", "query", "key", "value", "mask", "kwargs")
+
+    def __init__(self, module, query, key, value, mask, kwargs):
+        self.module, self.query, self.key, self.value, self.mask, self.kwargs = (
+            module, query, key, value, mask, kwargs)
+
+
+_recording: list[_ProbeCall] | None = None
+
+
+def _probe_attention(module, query, key, value, attention_mask, **kwargs):
+    """Records the call; returns zeros (the probe needs the arguments, not the result)."""
+    if _recording is None:
+        raise RuntimeError("compileattn's probe attention ran outside a probe")
+    _recording.append(_ProbeCall(module, query, key, value, attention_mask, kwargs))
+    return torch.zeros_like(query).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _probing(model) -> Iterator[list[_ProbeCall]]:
+    global _recording
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_PROBE, _probe_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(_PROBE)
+    _recording = []
+    try:
+        yield _recording
+    finally:
+        _recording = None
+        model.set_attn_implementation(previous)
+
+
+def _refuse_config(model) -> None:
+    config = model.config
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; compileattn serves decoder-only "
+                                    f"causal LMs")
+    if config.get_text_config() is not config:
+        raise UnsupportedModelError(f"{name} is a multimodal model ({type(config).__name__} has sub-configs); "
+                                    f"compileattn serves text-only causal LMs")
+    if model.get_output_embeddings() is None:
+        raise UnsupportedModelError(f"{name} has no output embeddings (lm_head): not a causal LM")
+    layer_types = getattr(config, "layer_types", None) or ()
+    unserved = sorted(set(layer_types) - set(SERVED_LAYER_TYPES))
+    if unserved:
+        raise UnsupportedModelError(f"{name} has layers of type {unserved}; compileattn serves "
+                                    f"{list(SERVED_LAYER_TYPES)}")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    ropes = rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    for r in ropes:
+        rope_type = (r or {}).get("rope_type", (r or {}).get("type"))
+        if rope_type in BATCH_DEPENDENT_ROPE:
+            raise UnsupportedModelError(
+                f"{name} uses rope_type={rope_type!r}, whose frequencies depend on the longest position in "
+                f"the batch; with every sequence of a step packed into one row that would change each "
+                f"sequence's result")
+
+
+def _spec_of_call(call: _ProbeCall, layer_name: str) -> AttentionSpec:
+    kwargs = dict(call.kwargs)
+    scaling = kwargs.pop("scaling", None)
+    dropout = kwargs.pop("dropout", 0.0)
+    sliding_window = kwargs.pop("sliding_window", None)
+    softcap = kwargs.pop("softcap", None)
+    if not getattr(call.module, "is_causal", True):
+        raise UnsupportedModelError(f"{layer_name} is not causal (bidirectional attention); compileattn "
+                                    f"attends causally only")
+    try:
+        spec = hf_attention.spec_from_settings(hf_attention.settings_from_call(
+            call.query, call.key, scaling, sliding_window, softcap))
+        hf_attention.check_call(LayerBinding(layer_name, spec), call.query, call.key, call.value, call.mask,
+                                scaling, dropout, sliding_window, softcap, kwargs)
+    except (AttentionMismatchError, ValueError) as exc:
+        raise UnsupportedModelError(f"{layer_name}: {exc}") from None
+    return spec
+
+
+def bind_layers(model, num_tokens: int = 3) -> dict[str, AttentionSpec]:
+    """Probe ``model`` (a transformers causal LM, already on its device and dtype), refuse what
+    compileattn cannot serve, and bind every attention module to its layer name and spec.
+    Returns layer name -> spec, in call order."""
+    _refuse_config(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    ids, pos = _probe_inputs(model, num_tokens)
+    with _probing(model) as calls, torch.no_grad():
+        model.base_model(input_ids=ids, position_ids=pos, use_cache=False)
+    name = type(model).__name__
+    if not calls:
+        raise UnsupportedModelError(f"{name} does not route attention through transformers' AttentionInterface "
+                                    f"(no layer called the attention function)")
+    expected = getattr(model.config, "num_hidden_layers", None)
+    if expected is not None and len(calls) != expected:
+        raise UnsupportedModelError(f"{name} has {expected} layers but {len(calls)} attention calls went through "
+                                    f"the AttentionInterface; every layer must, exactly once")
+    specs: dict[str, AttentionSpec] = {}
+    for call in calls:
+        layer_name = names[id(call.module)]
+        if layer_name in specs:
+            raise UnsupportedModelError(f"{layer_name} attends more than once per forward (shared layers); its "
+                                        f"KV cache would be written twice")
+        specs[layer_name] = _spec_of_call(call, layer_name)
+    for layer_name, spec in specs.items():
+        setattr(model.get_submodule(layer_name), BINDING_ATTR, LayerBinding(layer_name, spec))
+    return specs
+
+
+def _probe_inputs(model, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    device = model.get_input_embeddings().weight.device
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = (torch.arange(num_tokens, device=device) % vocab).unsqueeze(0)
+    return ids, torch.arange(num_tokens, device=device).unsqueeze(0)
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind compileattn's model interface.
+
+    Wrapping switches ``model`` to eval mode and to the ``"compileattn"`` attention implementation
+    (it then runs only inside ``compileattn.set_forward_context``), and stores a ``LayerBinding``
+    on each attention module. Refuses (``UnsupportedModelError``) what it cannot serve.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        model.eval()
+        hf_attention.register()
+        self.hf = model
+        self._specs = bind_layers(model)
+        text_config = model.config.get_text_config()
+        #: Gemma-2/3 cap the final logits in their ``*ForCausalLM.forward``, after ``lm_head``.
+        self.final_logit_softcapping = getattr(text_config, "final_logit_softcapping", None)
+        max_position = getattr(text_config, "max_position_embeddings", None)
+        if max_position is None:
+            raise UnsupportedModelError(f"{type(model).__name__}'s config has no max_position_embeddings")
+        self.max_position = int(max_position)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self._check_logits()
+        model.set_attn_implementation(IMPLEMENTATION)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.get_input_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.get_input_embeddings().weight.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: int64 (tokens,), every sequence of the step packed -> hidden (tokens, hidden)."""
+        out = self.hf.base_model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                                 use_cache=False)
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> fp32 (N, vocab): ``lm_head``, then the final softcap where the model has one."""
+        logits = self.hf.get_output_embeddings()(hidden).float()
+        cap = self.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_specs(self) -> dict[str, AttentionSpec]:
+        return dict(self._specs)
+
+    def _check_logits(self) -> None:
+        """The model's own forward and ``forward`` + ``compute_logits`` must give the same logits:
+        a model that transforms its logits after ``lm_head`` in a way this adapter does not
+        reproduce is refused rather than sampled from wrongly. Runs with the probe's attention."""
+        ids, pos = _probe_inputs(self.hf, 3)
+        with _probing(self.hf), torch.no_grad():
+            expected = self.hf(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
+            actual = self.compute_logits(self.forward(ids[0], pos[0]))
+        err = ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+        tol = _LOGITS_TOLERANCE.get(self.dtype, 2e-2)
+        if actual.shape != expected.shape or not err <= tol:
+            raise UnsupportedModelError(
+                f"{type(self.hf).__name__}'s forward transforms its logits after lm_head in a way compileattn does "
+                f"not reproduce (relative difference {err:.2e} > {tol:.0e})")

@@ -1,0 +1,149 @@
+"""Hugging Face models through compileattn.LLM: token for token what the model's own generate() gives.
+
+Every family is saved with ``save_pretrained`` to a temporary directory and loaded from it by
+``LLM`` (its attention routed through ``compileattn::attention``) and, separately, by transformers
+with its eager attention, the reference. Prompts of different lengths are batched together, with
+the longest prefill chunked under a 16-token step budget, 4-token blocks interleaving across
+sequences, and windows shorter than the prompts. fp32 on the CPU, so the comparison is exact up to
+rounding: tokens must be equal, logits within 1e-4.
+
+Compiled runs use simulated CUDA graphs (tests/conftest.py): mixed steps take the piecewise path,
+uniform decode steps the full-graph path, as on a GPU.
+"""
+import pytest
+import torch
+
+import compileattn as ca
+from hf_families import FAMILIES, hf_greedy, load_reference, prompts, save_family
+
+NEW_TOKENS = 8
+ENGINE = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, num_blocks=96)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """family -> (directory, reference model, HF tokens and logits per prompt), built once."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            directory = save_family(family, tmp_path_factory.mktemp(family))
+            reference = load_reference(directory)
+            made[family] = directory, reference, [hf_greedy(reference, p, NEW_TOKENS) for p in prompts()]
+        return made[family]
+
+    return get
+
+
+def engine_greedy_logits(llm, prompt_list, new_tokens):
+    """Greedy through the engine, recording every sampled row's logits: (tokens, logits) per prompt."""
+    engine = llm.engine
+    rows = {}
+
+    def record(logits, seq_ids):
+        for s, row in zip(seq_ids, logits):
+            rows.setdefault(s, []).append(row.clone())
+        return logits.argmax(-1).tolist()
+
+    ids = engine.add_requests([ca.SamplingParams(max_new_tokens=new_tokens)] * len(prompt_list), prompt_list)
+    while engine.has_unfinished():
+        engine.step(sampler=record)
+    return [(engine.pop_request(i).output, torch.stack(rows[i])) for i in ids]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eager_greedy_equals_hf_generate(family, checkpoint):
+    directory, _, expected = checkpoint(family)
+    llm = ca.LLM(str(directory), compile_config=None, **ENGINE)
+    outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [tokens for tokens, _ in expected]
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert len({t for o in outputs for t in o.token_ids}) > NEW_TOKENS  # not a degenerate model
+    assert max(h[3] for h in llm.engine.history) == 16 and any(h[0] and h[2] for h in llm.engine.history)
+    for (tokens, logits), (hf_tokens, hf_logits) in zip(engine_greedy_logits(llm, prompts(), NEW_TOKENS), expected):
+        assert tokens == hf_tokens
+        torch.testing.assert_close(logits, hf_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, piece_compiler, mode", [
+    *[(f, "eager", "full_and_piecewise") for f in FAMILIES],
+    ("llama", "inductor", "piecewise"),
+    ("gemma2", "inductor", "full_and_piecewise"),
+])
+def test_compiled_greedy_equals_hf_generate(family, piece_compiler, mode, checkpoint, simulated_graphs):
+    directory, _, expected = checkpoint(family)
+    config = ca.CompileConfig(piece_compiler=piece_compiler, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8, 16])
+    with ca.counters.expect(dynamo_graphs=1):  # compiled once, at construction
+        llm = ca.LLM(str(directory), compile_config=config, **ENGINE)
+    captures, replays, full = ca.counters.cudagraph_captures, ca.counters.cudagraph_replays, ca.counters.full_graph_steps
+    with ca.counters.expect(dynamo_graphs=0):  # every step size, 1-token steps included, without recompiling
+        outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [tokens for tokens, _ in expected]
+    assert ca.counters.cudagraph_replays - replays == len(llm.engine.history)  # every step at a capture size
+    assert ca.counters.cudagraph_captures == captures  # all captured at construction
+    # simulated graphs count the reference backend as capturable, so decode steps take the full graph
+    assert (ca.counters.full_graph_steps > full) == (mode == "full_and_piecewise")
+
+
+def test_windows_and_softcaps_reach_the_kernel(checkpoint):
+    """The token tests can fail: the same Gemma-2 checkpoint with transformers' window taken as
+    compileattn's (one key too many) or without the attention softcap generates other tokens."""
+    import compileattn.hf.attention as hf_attention
+
+    directory, _, expected = checkpoint("gemma2")
+    real = hf_attention.settings_from_call
+    for wrong in ("window", "softcap"):
+        def settings(query, key, scaling, sliding_window, softcap, _wrong=wrong):
+            if _wrong == "window":
+                return real(query, key, scaling, None if sliding_window is None else sliding_window + 1, softcap)
+            return real(query, key, scaling, sliding_window, None)
+
+        hf_attention.settings_from_call = settings
+        try:
+            llm = ca.LLM(str(directory), compile_config=None, **ENGINE)
+            outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
+        finally:
+            hf_attention.settings_from_call = real
+        assert [o.token_ids for o in outputs] != [tokens for tokens, _ in expected], wrong
+
+
+def test_preemption_and_block_reuse_under_pressure_give_unpressured_tokens(checkpoint):
+    directory, _, expected = checkpoint("qwen2")
+    # 14 blocks of 4 tokens: the four sequences grow to 2 + 4 + 7 + 11 blocks.
+    llm = ca.LLM(str(directory), compile_config=None, **{**ENGINE, "num_blocks": 14})
+    outputs = llm.generate(prompts() * 2, NEW_TOKENS, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [tokens for tokens, _ in expected] * 2
+    assert llm.engine.num_preemptions > 0 and sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert llm.engine.allocator.num_free == 14
+
+
+def test_eos_and_stop_tokens_end_requests_like_hf(checkpoint, tmp_path):
+    _, reference, expected = checkpoint("llama")
+    # An EOS the model reaches a few tokens in: the model's generate() stops there, EOS included.
+    tokens = expected[2][0]
+    eos = tokens[3]
+    directory = save_family("llama", tmp_path / "eos", eos_token_id=eos)
+    hf_tokens, _ = hf_greedy(load_reference(directory), prompts()[2], NEW_TOKENS)
+    assert hf_tokens == tokens[: tokens.index(eos) + 1]
+    llm = ca.LLM(str(directory), compile_config=None, **ENGINE)
+    out = llm.generate(prompts()[2], NEW_TOKENS, use_tqdm=False)[0]
+    assert out.token_ids == hf_tokens and out.finish_reason == "stop"
+    out = llm.generate(prompts()[2], NEW_TOKENS, ignore_eos=True, use_tqdm=False)[0]
+    assert out.token_ids == tokens and out.finish_reason == "length"
+    out = llm.generate(prompts()[2], NEW_TOKENS, stop_token_ids=[tokens[1]], ignore_eos=True, use_tqdm=False)[0]
+    assert out.token_ids == tokens[: tokens.index(tokens[1]) + 1] and out.finish_reason == "stop"
+
+
+def test_in_memory_model_and_seeded_sampling(checkpoint):
+    _, reference, expected = checkpoint("phi3")
+    import copy
+
+    llm = ca.LLM(copy.deepcopy(reference), compile_config=None, **ENGINE)
+    assert [o.token_ids for o in llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)] == [t for t, _ in expected]
+    sample = dict(temperature=1.0, top_p=0.9, use_tqdm=False)
+    a = llm.generate(prompts(), NEW_TOKENS, seed=7, **sample)
+    b = llm.generate(prompts(), NEW_TOKENS, seed=7, **sample)
+    c = llm.generate(prompts(), NEW_TOKENS, seed=8, **sample)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+    assert [o.token_ids for o in a] != [t for t, _ in expected]

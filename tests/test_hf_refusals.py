@@ -1,0 +1,98 @@
+"""What compileattn cannot serve is refused at load, with the reason; what a model asks for at run
+time is checked against the spec its cache was allocated for; loading is offline and pickle-free."""
+import pytest
+import torch
+import transformers as T
+
+import compileattn as ca
+from compileattn.engine import Engine
+from compileattn.hf.attention import BINDING_ATTR, AttentionMismatchError, LayerBinding
+from compileattn.hf.model import HFCausalLM, UnsupportedModelError
+from hf_families import VOCAB, byte_level_tokenizer, hf_greedy, load_reference, prompts, save_family
+
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1)
+
+
+def build(config):
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(config) if not config.is_encoder_decoder else \
+        T.T5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("config, reason", [
+    (T.LlamaConfig(head_dim=16, **TINY), "head_dim=16 is not supported"),
+    (T.Gemma3TextConfig(head_dim=32, use_bidirectional_attention=True, **TINY), "not causal"),
+    (T.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=2), "does not route attention"),
+    (T.GptOssConfig(head_dim=32, num_local_experts=2, num_experts_per_tok=1, **TINY), r"\['s_aux'\]"),
+    (T.LlamaConfig(head_dim=32, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **TINY), "'dynamic'"),
+    (T.Qwen2Config(layer_types=["full_attention", "linear_attention"], **TINY), r"\['linear_attention'\]"),
+    (T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=32, d_ff=128, num_layers=1, num_heads=2), "encoder-decoder"),
+], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5"])
+def test_unservable_models_are_refused_with_the_reason(config, reason):
+    with pytest.raises(UnsupportedModelError, match=reason):
+        HFCausalLM(build(config))
+
+
+def test_a_model_that_calls_attention_differently_than_bound_fails_loudly(tmp_path):
+    directory = save_family("mistral", tmp_path / "m")
+    llm = ca.LLM(str(directory), compile_config=None, block_size=4, num_blocks=32, max_num_batched_tokens=32)
+    layer = llm.model.hf.get_submodule("model.layers.1.self_attn")
+    binding = getattr(layer, BINDING_ATTR)
+    spec = binding.spec
+    wrong = ca.AttentionSpec(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale, sliding_window=-1)
+    setattr(layer, BINDING_ATTR, LayerBinding(binding.name, wrong))
+    with pytest.raises(AttentionMismatchError, match="model.layers.1.self_attn: called with .* allocated for"):
+        llm.generate(prompts()[1], 2, use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # the failed call left the engine usable
+    # Compiled: the same check runs once, at trace time.
+    with pytest.raises(Exception, match="allocated for"):  # compiles on a warm-up step
+        Engine(llm.model, num_blocks=32, max_num_tokens=32, max_num_seqs=4, block_size=4,
+               compile_config=ca.CompileConfig(piece_compiler="eager"))
+
+
+def test_pickled_weights_need_allow_pickle_and_nothing_is_downloaded(tmp_path):
+    from safetensors.torch import load_file
+
+    directory = save_family("llama", tmp_path / "bin")
+    torch.save(load_file(directory / "model.safetensors"), directory / "pytorch_model.bin")
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="allow_pickle=True"):
+        ca.LLM(str(directory), compile_config=None, num_blocks=16)
+    llm = ca.LLM(str(directory), compile_config=None, num_blocks=16, allow_pickle=True)
+    assert llm.generate(prompts()[0], 4, use_tqdm=False)[0].token_ids == hf_greedy(
+        load_reference(save_family("llama", tmp_path / "safe")), prompts()[0], 4)[0]
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        ca.LLM("meta-llama/Llama-3-8B", compile_config=None)
+
+
+def test_string_prompts_use_the_directory_tokenizer(tmp_path):
+    directory = save_family("llama", tmp_path / "tok", vocab_size=256)
+    byte_level_tokenizer().save_pretrained(directory)
+    llm = ca.LLM(str(directory), compile_config=None, block_size=4, num_blocks=64)
+    assert llm.tokenizer is not None
+    out = llm.generate(["Hello, paged world", "ü"], 6, use_tqdm=False)
+    reference = load_reference(directory)
+    for o, text in zip(out, ["Hello, paged world", "ü"]):
+        assert o.prompt == text and o.prompt_token_ids == llm.tokenizer.encode(text)
+        assert o.token_ids == hf_greedy(reference, o.prompt_token_ids, 6)[0]
+        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+    no_tokenizer = ca.LLM(llm.model.hf, compile_config=None, num_blocks=64)
+    with pytest.raises(TypeError, match="no tokenizer"):
+        no_tokenizer.generate("Hello")
+
+
+def test_bad_generate_arguments_raise_before_running(tmp_path):
+    llm = ca.LLM(str(save_family("qwen3", tmp_path / "q")), compile_config=None, num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate([1, 2], 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate([1, 2], 2, top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens has 1 entries for 2 prompts"):
+        llm.generate([[1, 2], [3]], [4])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: .*max_model_len 64"):
+        llm.generate([[1, 2], [3] * 60], 8)
+    with pytest.raises(ValueError, match="kv_cache_memory or num_blocks"):
+        ca.LLM(llm.model.hf, num_blocks=4, kv_cache_memory=1 << 20)
+    assert not llm.engine.has_unfinished()
+    assert llm.generate([[1, 2], [3]], [0, 1], use_tqdm=False)[0].finish_reason == "length"

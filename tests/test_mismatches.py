@@ -1,0 +1,157 @@
+"""A call that disagrees with its step's metadata or caches is an error naming what disagrees,
+never zero rows or a torch internal error. Each test says where its check runs, because a check
+that reads values must not run per layer on the hot path:
+
+- builder: ``AttentionMetadataBuilder.build``, once per step, on the host;
+- context: ``set_forward_context``, once per (builder, caches) pair;
+- eager op: the ``compileattn::attention`` op called through the dispatcher (no compile), per call;
+- step: the compiled model's dispatcher, once per step (token count) or per set of caches;
+- config: when the ``CompileConfig`` (or the AttentionSpec) is made;
+- entry: the flash-attn-shaped public functions, before any kernel (tests/test_validation.py
+  has the rest of those).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import compileattn as ca
+from compileattn import AttentionMetadataBuilder, AttentionSpec, SequenceStep, allocate_kv_caches, set_forward_context
+from compileattn.models.attention import Attention
+
+SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32)
+BS, NB = 4, 16
+
+
+def builder(**over):
+    kw = dict(block_size=BS, num_blocks=NB, max_num_tokens=32, max_blocks_per_seq=4, backend="reference")
+    kw.update(over)
+    return AttentionMetadataBuilder(**kw)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, name="layer0"):
+        super().__init__()
+        self.attn = Attention(SPEC, layer_name=name)
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v)
+
+
+def qkv(n, dtype=torch.float32):
+    return (torch.randn(n, SPEC.num_heads * SPEC.head_dim, dtype=dtype),
+            torch.randn(n, SPEC.num_kv_heads * SPEC.head_dim, dtype=dtype),
+            torch.randn(n, SPEC.num_kv_heads * SPEC.head_dim, dtype=dtype))
+
+
+TWO_TOKENS = [SequenceStep(1, 3, [0]), SequenceStep(1, 0, [1])]
+
+
+def test_more_tokens_than_the_metadata_eager_op():
+    """eager op: 5 tokens under 2-token metadata used to return rows 2-4 as zeros."""
+    caches = allocate_kv_caches({"layer0": SPEC}, NB, BS, torch.float32)
+    with set_forward_context(builder().build(TWO_TOKENS), caches), torch.no_grad():
+        with pytest.raises(ValueError, match="query has 5 tokens but the step's metadata has num_tokens=2"):
+            Layer()(*qkv(5))
+
+
+def test_more_tokens_than_the_metadata_compiled():
+    """step: the compiled model checks the graph inputs' token count against the metadata."""
+    caches = allocate_kv_caches({"layer0": SPEC}, NB, BS, torch.float32)
+    compiled = torch.compile(Layer(), backend="compileattn", options={"piece_compiler": "eager"})
+    b = builder()
+    with torch.no_grad():
+        q, k, v = qkv(2)
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 0)
+        with set_forward_context(b.build(TWO_TOKENS), caches):
+            compiled(q, k, v)
+        q, k, v = qkv(5)
+        with set_forward_context(b.build(TWO_TOKENS), caches), pytest.raises(
+                ValueError, match="called with 5 tokens, but the step's metadata has num_tokens=2"):
+            compiled(q, k, v)
+
+
+def test_two_sequences_writing_one_slot():
+    """builder: a slot written twice in one step (here: two sequences given the same block)."""
+    with pytest.raises(ValueError, match=r"sequences \[0, 1\] write cache slot 3 \(block 0, row 3\)"):
+        builder().build([SequenceStep(1, 3, [0]), SequenceStep(1, 3, [0])])
+
+
+def test_a_layer_name_without_a_cache_eager_and_compiled():
+    """eager op and step: the name of the missing layer and the names the context has."""
+    caches = allocate_kv_caches({"layer0": SPEC}, NB, BS, torch.float32)
+    md = builder().build(TWO_TOKENS)
+    with set_forward_context(md, caches), torch.no_grad():
+        with pytest.raises(ValueError, match=r"layer_name='x'.*no entry for this layer.*\['layer0'\]"):
+            Layer("x")(*qkv(2))
+    compiled = torch.compile(Layer("x"), backend="compileattn", options={"piece_compiler": "eager"})
+    with set_forward_context(md, caches), torch.no_grad(), pytest.raises(ValueError, match="layer_name='x'"):
+        compiled(*qkv(2))
+
+
+def test_half_activations_into_a_float_cache():
+    """eager op (per call) and step (once per set of caches): a dtype mismatch is a TypeError that
+    says what to do, not ``Index put requires the source and destination dtypes match``."""
+    caches = allocate_kv_caches({"layer0": SPEC}, NB, BS, torch.float32)
+    md = builder().build(TWO_TOKENS)
+    model = Layer().to(torch.float16)
+    with set_forward_context(md, caches), torch.no_grad():
+        with pytest.raises(TypeError,
+                           match="query is torch.float16 but the layer's KV cache takes torch.float32 queries"):
+            model(*qkv(2, torch.float16))
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "eager"})
+    with set_forward_context(md, caches), torch.no_grad(), pytest.raises(
+            TypeError, match="runs in torch.float16 but its KV cache takes torch.float32 queries"):
+        compiled(*qkv(2, torch.float16))
+
+
+def test_a_cache_smaller_than_the_builder():
+    """context: a cache with fewer blocks than the builder hands out (block tables could point
+    past it: an IndexError deep in a kernel, or memory corruption on a GPU)."""
+    caches = allocate_kv_caches({"layer0": SPEC}, NB - 4, BS, torch.float32)
+    with pytest.raises(ValueError, match=r"kv_caches\['layer0'\] has 12 blocks, but .* num_blocks=16"):
+        with set_forward_context(builder().build(TWO_TOKENS), caches):
+            pass
+
+
+@pytest.mark.parametrize("scale,error", [(-1.0, ValueError), (0.0, ValueError), (float("inf"), ValueError),
+                                         (float("nan"), ValueError), ("0.1", TypeError)])
+def test_attention_spec_scale(scale, error):
+    """config: the softmax scale must be a finite positive float."""
+    with pytest.raises(error, match="scale"):
+        AttentionSpec(4, 2, 32, scale=scale)
+
+
+def test_unknown_attention_backend_in_the_config():
+    """config: at CompileConfig creation, and through torch.compile's options at the first call
+    (Dynamo calls backends lazily; it wraps our ValueError in BackendCompilerFailed)."""
+    with pytest.raises(ValueError, match=r"attention_backend='bogus' is unknown; choose from"):
+        ca.CompileConfig(attention_backend="bogus")
+    compiled = torch.compile(Layer(), backend="compileattn", options={"attention_backend": "bogus"})
+    caches = allocate_kv_caches({"layer0": SPEC}, NB, BS, torch.float32)
+    with set_forward_context(builder().build(TWO_TOKENS), caches), torch.no_grad(), pytest.raises(
+            Exception, match="attention_backend='bogus' is unknown"):
+        compiled(*qkv(2))
+
+
+def test_unknown_option_names_itself():
+    with pytest.raises(TypeError, match=r"unknown compileattn option\(s\) \['piece_compilr'\]"):
+        ca.CompileConfig.from_options({"piece_compilr": "eager"})
+
+
+def test_inference_only_backward_raises_naming_the_op_and_forward_does_not_warn():
+    """The README example without torch.no_grad(): no autograd warning on forward; a backward
+    through attention raises naming the op instead of silently treating it as a constant."""
+    caches = allocate_kv_caches({"layer0": SPEC}, NB, BS, torch.float32)
+    lin = torch.nn.Linear(8, SPEC.num_heads * SPEC.head_dim + 2 * SPEC.num_kv_heads * SPEC.head_dim)
+    with set_forward_context(builder().build(TWO_TOKENS), caches):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            q, k, v = lin(torch.randn(2, 8)).split([128, 64, 64], dim=-1)
+            out = Layer()(q, k, v.contiguous())
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="compileattn::attention is inference-only"):
+        out.sum().backward()
