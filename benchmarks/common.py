@@ -280,6 +280,11 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align:
     return "\n".join(out)
 
 
+def status_text(status: str) -> str:
+    """How a result cell that did not run or failed reads in a table."""
+    return {"unavailable": "n/a", "skipped": "skipped", "FAILED": "**FAILED**", "error": "error"}.get(status, status)
+
+
 def fmt_num(x: float | None, digits: int = 1) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "—"

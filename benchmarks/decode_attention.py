@@ -853,8 +853,7 @@ def cell_text(row: dict[str, Any] | None) -> str:
     if row is None:
         return "—"
     if row["status"] != "ok":
-        return {"unavailable": "n/a", "skipped": "skipped", "FAILED": "**FAILED**", "error": "error"}.get(
-            row["status"], row["status"])
+        return common.status_text(row["status"])
     text = f"{row['us']:.1f} · {row['tbps']:.2f} · {row['x_floor']:.2f}×"
     if row.get("method") == "events":
         text += " (ev)"

@@ -153,8 +153,7 @@ def cell_text(r: dict[str, Any] | None, floor: float | None = None) -> str:
     if r is None:
         return "—"
     if r["status"] != "ok":
-        return {"unavailable": "n/a", "skipped": "skipped", "FAILED": "**FAILED**", "error": "error"}.get(
-            r["status"], r["status"])
+        return common.status_text(r["status"])
     text = f"{r['p50_us']:.0f} / {r['p90_us']:.0f} / {r['p99_us']:.0f}"
     return text + (f" ({r['p50_us'] / floor:.1f}×)" if floor else "")
 

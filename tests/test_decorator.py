@@ -107,6 +107,20 @@ def test_compile_stats_split_the_compile_into_dynamo_and_backend():
     assert abs(stats["total_s"] - stats["dynamo_s"] - stats["backend_s"]) < 1e-9
 
 
+def test_compile_stats_of_an_instance():
+    """``model.forward.compile_stats`` (a user reads it from the instance), per instance."""
+    @compileattn.compile(dynamic_arg_dims={"x": 0}, backend="eager")
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    a, b = M(), M()
+    assert a.forward.compile_stats == {}
+    a(torch.ones(3))
+    assert a.forward.compile_stats["total_s"] > 0 and b.forward.compile_stats == {}
+    torch.testing.assert_close(a.forward(torch.ones(4)), torch.full((4,), 2.0))
+
+
 def test_backend_by_name():
     @compileattn.compile(dynamic_arg_dims={"x": 0}, backend="eager")
     def f(x):

@@ -299,3 +299,52 @@ def test_tp2_equals_tp1_bf16_with_real_cuda_graphs(tmp_path):
             c = r["modes"][mode]["counters"]
             assert c["collectives_in_pieces"] == 4 and c["cudagraph_replays"] > 0
         assert r["modes"]["full_and_piecewise"]["counters"]["full_graphs"] > 0
+
+
+LLM_TP_SCRIPT = r'''
+import json, sys
+import torch
+import compileattn
+import compileattn.parallel
+
+model_dir, out, compiled = sys.argv[1], sys.argv[2], sys.argv[3] == "compiled"
+config = compileattn.CompileConfig(piece_compiler="eager", cudagraph_mode="none") if compiled else None
+llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=config,
+                      num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)
+outputs = llm.generate([[5, 6, 7, 8, 9], [3] * 11, [1, 2]], max_new_tokens=6, use_tqdm=False)
+rank = torch.distributed.get_rank()
+json.dump([o.token_ids for o in outputs], open(f"{out}.{rank}.json", "w"))
+try:
+    llm.generate([[1] * 500], max_new_tokens=4, use_tqdm=False)  # too long for the cache: rank 0 refuses
+except Exception as exc:
+    json.dump(str(exc), open(f"{out}.{rank}.err.json", "w"))
+compileattn.parallel.shutdown_tp()
+'''
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_llm_tensor_parallel_size_2_equals_one_process(tmp_path, mode):
+    """``LLM(..., tensor_parallel_size=2)`` under torchrun (gloo): every rank returns rank 0's
+    outputs, equal to one process's greedy tokens (fp32); a request rank 0 refuses raises on
+    every rank instead of leaving the others waiting."""
+    import transformers
+
+    import compileattn
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=256)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "model"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    expected = [o.token_ids for o in compileattn.LLM(str(model_dir), dtype="float32", compile_config=None, num_blocks=64,
+                                                     max_num_seqs=4, max_num_batched_tokens=16).generate(
+        [[5, 6, 7, 8, 9], [3] * 11, [1, 2]], max_new_tokens=6, use_tqdm=False)]
+    script = tmp_path / "llm_tp.py"
+    script.write_text(LLM_TP_SCRIPT)
+    out = tmp_path / "tokens"
+    rc, log = torchrun(2, [str(script), str(model_dir), str(out), mode], tmp_path, timeout=240)
+    assert rc == 0, log[-4000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"tokens.{rank}.json").read_text()) == expected
+        assert "max_model_len" in json.loads((tmp_path / f"tokens.{rank}.err.json").read_text())

@@ -7,7 +7,6 @@ import torch.fx
 
 import compileattn  # noqa: F401  (registers the ops)
 from compileattn.passes import cleanup, hoist_shape_logic, split_graph
-from compileattn.passes.split import is_splitting_node
 
 ATTN = ("compileattn::attention",)
 

@@ -546,6 +546,17 @@ def _resolve_backend(backend: Callable | str | None, config: CompileConfig) -> C
 # The public wrapper
 
 
+class _BoundForward(functools.partial):
+    """``instance.forward`` of a compiled class: a C-level partial (no Python frame added per
+    call, unlike a wrapper object) that also answers ``compile_stats`` for that instance."""
+
+    __slots__ = ()
+
+    @property
+    def compile_stats(self) -> dict[str, float]:
+        return self.func.__self__.stats_of(self.args[0])
+
+
 class CompiledFunction:
     """What ``@compileattn.compile`` returns for a function (and installs as a class's ``forward``).
 
@@ -595,7 +606,12 @@ class CompiledFunction:
     def __get__(self, obj, objtype=None):
         if obj is None:
             return self
-        return types.MethodType(self._call_bound, obj)
+        return _BoundForward(self._call_bound, obj)
+
+    def stats_of(self, obj) -> dict[str, float]:
+        """``compile_stats`` of instance ``obj``'s compile (empty before its first call)."""
+        site = self._sites.get(obj)
+        return dict(site.stats) if site is not None else {}
 
     def _call_bound(self, obj, *args, **kwargs):
         if _is_compiling():

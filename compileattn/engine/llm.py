@@ -97,6 +97,11 @@ class LLM:
         attention_backend: the attention kernels (``"auto"``, ``"flash"``, ``"triton"``,
             ``"reference"``); a ``CompileConfig`` passed in names its own.
         allow_pickle: also load pickled ``*.bin`` weights (they can run code).
+        tensor_parallel_size: shard the model over this many processes, one GPU each (gloo on the
+            CPU), by its ``base_model_tp_plan`` (or an own model's ``tp_plan``). Every process runs
+            the same program under ``torchrun --nproc-per-node N``: each builds its ``LLM`` and calls
+            ``generate`` with the same arguments; rank 0 schedules and samples, the others run the
+            steps it broadcasts, and every rank returns rank 0's outputs.
     """
 
     def __init__(self, model: Any, *, tokenizer: Any = None, dtype: torch.dtype | str | None = None,
@@ -104,10 +109,18 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, compile_config: CompileConfig | str | None = "auto",
-                 attention_backend: str = "auto", allow_pickle: bool = False):
+                 attention_backend: str = "auto", allow_pickle: bool = False, tensor_parallel_size: int = 1):
         if kv_cache_memory is not None and num_blocks is not None:
             raise ValueError("pass kv_cache_memory or num_blocks, not both")
-        self.model, self.tokenizer, hf_model = self._load(model, tokenizer, dtype, device, allow_pickle)
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+        self.tp = None
+        if tensor_parallel_size > 1:
+            from ..parallel import init_tp
+
+            self.tp = init_tp(tensor_parallel_size, device=None if device is None else torch.device(device).type)
+            device = self.tp.device
+        self.model, self.tokenizer, hf_model = self._load(model, tokenizer, dtype, device, allow_pickle, self.tp)
         param = next(self.model.parameters())
         device, dtype = param.device, param.dtype
         compile_config = self._compile_config(compile_config, device, attention_backend, max_num_seqs,
@@ -127,21 +140,29 @@ class LLM:
                     if device.type == "cuda" else
                     kv_budget.cpu_default_bytes(specs, block_size, dtype, max_num_seqs, model_len))
             num_blocks = kv_budget.blocks_for_memory(specs, block_size, dtype, kv_cache_memory)
+        if self.tp is not None:  # every rank must hand out the same blocks: the smallest cache
+            num_blocks = min(self.tp.all_gather_object(num_blocks))
         if max_model_len is None:
             max_model_len = min(model_len, num_blocks * block_size)
         kv_budget.log_capacity(num_blocks, block_size, kv_budget.bytes_per_block(specs, block_size, dtype),
                                max_model_len, max_num_seqs)
-        self.engine = Engine(self.model, block_size=block_size, num_blocks=num_blocks,
-                             max_num_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             max_model_len=max_model_len, attention_backend=attention_backend,
-                             compile_config=compile_config,
-                             eos_token_ids=_eos_token_ids(hf_model, self.tokenizer))
+        engine_args = dict(block_size=block_size, num_blocks=num_blocks, max_num_tokens=max_num_batched_tokens,
+                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           attention_backend=attention_backend, compile_config=compile_config,
+                           eos_token_ids=_eos_token_ids(hf_model, self.tokenizer))
+        if self.tp is None:
+            self.engine = Engine(self.model, **engine_args)
+        else:
+            from ..parallel import TPEngine
+
+            self.engine = TPEngine(self.model, tp=self.tp, **engine_args)
 
     # -- construction --------------------------------------------------------------------------
 
     @staticmethod
-    def _load(model, tokenizer, dtype, device, allow_pickle):
-        """(served model, tokenizer or None, the transformers model or None)."""
+    def _load(model, tokenizer, dtype, device, allow_pickle, tp=None):
+        """(served model, tokenizer or None, the transformers model or None); with ``tp``, this
+        rank's shard (sharded before the attention probe, so each layer's spec has its local heads)."""
         from_dir = isinstance(model, (str, Path))
         if from_dir or _is_pretrained(model):
             from ..hf.model import HFCausalLM
@@ -159,13 +180,21 @@ class LLM:
                 if dtype is not None or device is not None:
                     target = torch.device(device) if device is not None else hf_model.device
                     hf_model.to(device=target, dtype=_dtype(dtype, target) if dtype is not None else None)
+            if tp is not None:
+                from ..parallel import shard_model
+
+                shard_model(hf_model.eval(), tp=tp)
             return HFCausalLM(hf_model), tokenizer, hf_model
         if not all(hasattr(model, a) for a in ("attention_specs", "compute_logits", "vocab_size", "max_position")):
             raise TypeError(f"model must be a directory, a transformers PreTrainedModel or a compileattn model "
                             f"(forward, compute_logits, attention_specs, vocab_size, max_position); got "
                             f"{type(model).__name__}")
-        if dtype is not None or device is not None:
+        if dtype is not None or (device is not None and tp is None):
             raise ValueError("dtype/device apply to transformers models; build a compileattn model where it runs")
+        if tp is not None:
+            from ..parallel import shard_model
+
+            shard_model(model, tp=tp)
         return model, tokenizer, None
 
     @staticmethod
@@ -221,7 +250,31 @@ class LLM:
             engine.generator.seed()
         else:
             engine.generator.manual_seed(seed)
+        if self.tp is not None and not self.tp.is_driver:
+            engine.serve()  # rank 0's steps, until its generate ends
+            result = self.tp.broadcast_object(None)
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"rank 0's generate failed: {result}") from result
+            return result
         start = time.perf_counter()
+        try:
+            outputs = self._run(engine, params, token_prompts, prompts, use_tqdm, start)
+        except BaseException as exc:
+            if self.tp is not None:
+                engine.stop_workers()
+                self.tp.broadcast_object(RuntimeError(f"{type(exc).__name__}: {exc}"))
+            raise
+        if self.tp is not None:
+            engine.stop_workers()
+            self.tp.broadcast_object(outputs)
+        elapsed = time.perf_counter() - start
+        num_out = sum(len(o.token_ids) for o in outputs)
+        logger.info("generated %d tokens for %d requests in %.2f s (%.1f tokens/s, %d preemptions)", num_out,
+                    len(outputs), elapsed, num_out / elapsed if elapsed > 0 else 0.0,
+                    sum(o.metrics.num_preemptions for o in outputs))
+        return outputs
+
+    def _run(self, engine, params, token_prompts, prompts, use_tqdm: bool, start: float) -> list[RequestOutput]:
         ids = engine.add_requests(params, token_prompts)
         bar = _progress_bar(len(ids)) if use_tqdm and len(ids) > 1 else None
         try:
@@ -232,13 +285,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        outputs = [self._output(engine.pop_request(i), prompt, start) for i, prompt in zip(ids, prompts)]
-        elapsed = time.perf_counter() - start
-        num_out = sum(len(o.token_ids) for o in outputs)
-        logger.info("generated %d tokens for %d requests in %.2f s (%.1f tokens/s, %d preemptions)", num_out,
-                    len(outputs), elapsed, num_out / elapsed if elapsed > 0 else 0.0,
-                    sum(o.metrics.num_preemptions for o in outputs))
-        return outputs
+        return [self._output(engine.pop_request(i), prompt, start) for i, prompt in zip(ids, prompts)]
 
     def _encode(self, prompt, index: int) -> list[int]:
         if isinstance(prompt, str):

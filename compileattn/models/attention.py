@@ -34,3 +34,21 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         torch.ops.compileattn.attention(q, k, v, out, self.layer_name)
         return out.view(n, spec.num_heads * d)
+
+
+class ServedModel(nn.Module):
+    """What the engine asks of compileattn's own decoders (``model_runner``'s model interface):
+    their vocabulary and positions come from ``config``, their attention layers sit at
+    ``model.layers[i].self_attn.attn``."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_position(self) -> int:
+        return self.config.max_position
+
+    def attention_specs(self) -> dict[str, AttentionSpec]:
+        """Layer name -> its AttentionSpec: what the KV caches are allocated from."""
+        return {layer.self_attn.attn.layer_name: layer.self_attn.attn.spec for layer in self.model.layers}

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..kv_cache import AttentionSpec, check_gqa, check_head_dim
-from .attention import Attention
+from .attention import Attention, ServedModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +187,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ServedModel):
     """Random-weight Llama. ``forward`` -> hidden states; ``compute_logits`` is separate so a driver
     can gather the rows it samples from first (and so it stays out of the compiled graph)."""
 
@@ -229,13 +229,3 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
 
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_position(self) -> int:
-        return self.config.max_position
-
-    def attention_specs(self) -> dict[str, AttentionSpec]:
-        return {layer.self_attn.attn.layer_name: layer.self_attn.attn.spec for layer in self.model.layers}

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..kv_cache import AttentionSpec, check_head_dim
-from .attention import Attention
+from .attention import Attention, ServedModel
 from .llama import init_random_weights
 
 #: OPT's learned-position offset (HF ``OPTLearnedPositionalEmbedding.offset``).
@@ -102,7 +102,7 @@ class OPTModel(nn.Module):
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(ServedModel):
     """Random-weight OPT with the same driver interface as ``LlamaForCausalLM``; the LM head is tied
     to the token embedding, as in every released OPT."""
 
@@ -134,13 +134,3 @@ class OPTForCausalLM(nn.Module):
         """(N, hidden) -> fp32 (N, vocab)."""
         return nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
 
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_position(self) -> int:
-        return self.config.max_position
-
-    def attention_specs(self) -> dict[str, AttentionSpec]:
-        return {layer.self_attn.attn.layer_name: layer.self_attn.attn.spec for layer in self.model.layers}
