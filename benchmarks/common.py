@@ -318,23 +318,10 @@ def summarize_us(samples_s: Sequence[float]) -> dict[str, float]:
 
 
 def rel_error(actual: Any, expected: Any) -> float:
-    """‖a − e‖ / ‖e‖ in fp32 (Frobenius); inf when ``actual`` has a NaN/inf or ‖e‖ = 0 ≠ ‖a‖.
+    """``compileattn.testing.rel_error``: the norm-relative error every benchmark checks outputs by."""
+    from compileattn.testing import rel_error as relative
 
-    A norm-relative error, not an elementwise atol: decode outputs are averages of many values and
-    small (~0.03), so an absolute tolerance loose enough for bf16 would pass an all-zero output."""
-    import torch
-
-    a = actual.detach().float()
-    e = expected.detach().float().to(a.device)
-    if a.shape != e.shape:
-        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(e.shape)}")
-    if not torch.isfinite(a).all():
-        return math.inf
-    den = e.norm().item()
-    num = (a - e).norm().item()
-    if den == 0:
-        return 0.0 if num == 0 else math.inf
-    return num / den
+    return relative(actual, expected)
 
 
 # ----------------------------------------------------------------------------------------------

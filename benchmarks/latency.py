@@ -518,7 +518,7 @@ class CompileattnGroup(Group):
         if not self.runtimes.built:
             return {}
         rt = self.runtimes.built[-1]
-        return {"capture_s": rt.pool.capture_seconds if rt.pool is not None else 0.0,
+        return {"capture_s": rt.capture_seconds(),
                 "graph_pool_bytes": rt.graph_pool_bytes(), "runtimes": len(self.runtimes.built),
                 "full_graphs": rt.full_graph_count(), "piece_graphs": rt.piece_graph_count(), "mode": rt.mode}
 
@@ -770,7 +770,7 @@ def probe_main(spec: dict[str, Any]) -> int:
         _sync()
         second = time.perf_counter() - t
     rt = runtimes.built[-1] if runtimes.built else None
-    capture = rt.pool.capture_seconds if rt is not None and rt.pool is not None else 0.0
+    capture = rt.capture_seconds() if rt is not None else 0.0
     stats = fn.compile_stats
     result = {"import_s": t_import, "ready_s": t_ready, "first_call_s": first, "capture_s": capture,
               "dynamo_s": stats.get("dynamo_s"), "backend_s": stats.get("backend_s"),

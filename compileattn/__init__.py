@@ -18,9 +18,7 @@ _logging.getLogger("compileattn").addHandler(_logging.NullHandler())
 def _register_backend_name() -> None:
     """Also register "compileattn" with Dynamo on import. The entry point covers installed copies;
     this covers a checkout used through PYTHONPATH (as on machines with no package index)."""
-    from torch._dynamo import register_backend
-
-    from ._torch_compat import registered_backends
+    from ._torch_compat import registered_backends, resolve
 
     if "compileattn" not in registered_backends():
         def compileattn(gm, example_inputs, options=None):
@@ -28,7 +26,7 @@ def _register_backend_name() -> None:
 
             return compileattn_backend(gm, example_inputs, options=options)
 
-        register_backend(compileattn, name="compileattn")
+        resolve("torch._dynamo.register_backend")(compileattn, name="compileattn")
 
 
 _register_backend_name()

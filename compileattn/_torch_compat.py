@@ -2,9 +2,10 @@
 
 torch keeps no promise about underscore names, so each one is reached only through this module,
 with the torch versions it was checked on and a clear error if a torch version lacks it. The
-project supports torch 2.11-2.13 (``pyproject.toml``); ``tests/test_torch_compat.py`` resolves every
-entry of ``PRIVATE_APIS`` on the torch it runs with, so a torch upgrade that moves one fails there,
-by name, rather than deep inside a compile.
+project supports torch 2.11-2.13 (``pyproject.toml``);
+``tests/test_house.py::test_private_torch_apis_resolve`` resolves every entry of ``PRIVATE_APIS``
+on the torch it runs with, so a torch upgrade that moves one fails there, by name, rather than
+deep inside a compile.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ PRIVATE_APIS = {
     "torch._dynamo.backends.debugging.aot_eager": "piece_compiler='aot_eager'",
     "torch._dynamo.mark_dynamic": "marking the token dim of a step's inputs dynamic (documented, but private)",
     "torch._dynamo.lookup_backend": "@compileattn.compile(backend='inductor') and the like",
+    "torch._dynamo.register_backend": "registering the name \"compileattn\" on import",
     "torch._inductor.standalone_compile": "compiling one piece with Inductor outside Dynamo",
     "torch._inductor.CompiledArtifact": "saving and loading compiled pieces (the compile cache)",
     "torch._guards.detect_fake_mode": "the fake mode of the graph's example inputs",
@@ -137,11 +139,6 @@ def call_schema(target):
     if isinstance(target, resolve("torch._ops.OpOverloadPacket")):
         target = target.default
     return target._schema if isinstance(target, resolve("torch._ops.OpOverload")) else None
-
-
-def dispatch_modes_active() -> bool:
-    """Whether any TorchDispatchMode (fake tensors, functionalization, debugging) is active."""
-    return resolve("torch._C._len_torch_dispatch_stack")() > 0
 
 
 def below_autograd_guard() -> type:

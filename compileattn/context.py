@@ -36,11 +36,15 @@ _current: ForwardContext | None = None
 _checked: dict[int, tuple[object, Mapping[str, KVCache]]] = {}
 
 
+def no_context_error() -> RuntimeError:
+    """The error for an attention op called outside ``set_forward_context``."""
+    return RuntimeError("no forward context: run the model inside "
+                        "compileattn.set_forward_context(metadata, kv_caches)")
+
+
 def get_forward_context() -> ForwardContext:
     if _current is None:
-        raise RuntimeError(
-            "no forward context: run the model inside compileattn.set_forward_context(metadata, kv_caches)"
-        )
+        raise no_context_error()
     return _current
 
 

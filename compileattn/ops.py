@@ -58,8 +58,11 @@ _lib.define("attend(Tensor query, Tensor(a!) output, Tensor kv_written, str laye
 
 
 def _context() -> context.ForwardContext:
+    """``context.get_forward_context()`` without its call frame: the eager op's hot path."""
     ctx = context._current
-    return ctx if ctx is not None else context.get_forward_context()  # the latter raises the explanation
+    if ctx is None:
+        raise context.no_context_error()
+    return ctx
 
 
 def _check_layer_call(ctx: context.ForwardContext, layer_name: str, query, key=None) -> None:
@@ -86,11 +89,12 @@ def _check_layer_call(ctx: context.ForwardContext, layer_name: str, query, key=N
                          f"layer's AttentionSpec")
 
 
-def _attend_eager(ctx, layer_name: str, query, output) -> None:
-    attend = ctx.attend[layer_name]
+def _attend_eager(attend, query, output) -> None:
+    """``attend`` (a prepared call) on tensors of any strides: prepared calls take dense
+    (tokens, heads, head_dim) tensors, so strided ones go through dense copies."""
     if query.is_contiguous() and output.is_contiguous():
         attend(query, output)
-    else:  # prepared calls take dense (tokens, heads, head_dim) tensors
+    else:
         dense = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         attend(query.contiguous(), dense)
         output.copy_(dense)
@@ -101,7 +105,7 @@ def attention_impl(query, key, value, output, layer_name):
     ctx = _context()
     _check_layer_call(ctx, layer_name, query, key)
     ctx.write[layer_name](key, value)
-    _attend_eager(ctx, layer_name, query, output)
+    _attend_eager(ctx.attend[layer_name], query, output)
 
 
 def write_layer_kv_impl(key, value, layer_name):
@@ -117,14 +121,11 @@ def write_layer_kv_impl(key, value, layer_name):
 def attend_impl(query, output, kv_written, layer_name):
     ctx = _context()
     _check_layer_call(ctx, layer_name, query)
-    _attend_eager(ctx, layer_name, query, output)
+    _attend_eager(ctx.attend[layer_name], query, output)
 
 
 def _lookup_error(layer_name: str, ctx) -> Exception:
-    if ctx is None:
-        return RuntimeError("no forward context: run the model inside "
-                            "compileattn.set_forward_context(metadata, kv_caches)")
-    return context.missing_layer_error(layer_name)
+    return context.no_context_error() if ctx is None else context.missing_layer_error(layer_name)
 
 
 def attend_caller(layer_name: str, query_index: int, output_index: int, dense: bool = True):
@@ -143,9 +144,11 @@ def attend_caller(layer_name: str, query_index: int, output_index: int, dense: b
 
     def call_attend_strided(*args):
         ctx = context._current
-        if ctx is None or layer_name not in ctx.attend:
-            raise _lookup_error(layer_name, ctx)
-        _attend_eager(ctx, layer_name, args[query_index], args[output_index])
+        try:
+            attend = ctx.attend[layer_name]
+        except (AttributeError, KeyError):
+            raise _lookup_error(layer_name, ctx) from None
+        _attend_eager(attend, args[query_index], args[output_index])
 
     return call_attend if dense else call_attend_strided
 
@@ -157,15 +160,23 @@ def attention_caller(layer_name: str, query_index: int, key_index: int, value_in
 
     def call_attention(*args):
         ctx = context._current
-        if ctx is None or layer_name not in ctx.attend:
-            raise _lookup_error(layer_name, ctx)
-        ctx.write[layer_name](args[key_index], args[value_index])
-        if dense:
-            ctx.attend[layer_name](args[query_index], args[output_index])
-        else:
-            _attend_eager(ctx, layer_name, args[query_index], args[output_index])
+        try:
+            write, attend = ctx.write[layer_name], ctx.attend[layer_name]
+        except (AttributeError, KeyError):
+            raise _lookup_error(layer_name, ctx) from None
+        write(args[key_index], args[value_index])
+        attend(args[query_index], args[output_index])
 
-    return call_attention
+    def call_attention_strided(*args):
+        ctx = context._current
+        try:
+            write, attend = ctx.write[layer_name], ctx.attend[layer_name]
+        except (AttributeError, KeyError):
+            raise _lookup_error(layer_name, ctx) from None
+        write(args[key_index], args[value_index])
+        _attend_eager(attend, args[query_index], args[output_index])
+
+    return call_attention if dense else call_attention_strided
 
 
 def _write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend="auto", k_scale=None, v_scale=None):
@@ -202,7 +213,8 @@ class _InferenceOnly(torch.autograd.Function):
 
 
 _BelowAutograd = _torch_compat.below_autograd_guard()
-_dispatch_modes_active = _torch_compat.dispatch_modes_active
+#: Resolved once: the Autograd kernel asks it on every eager call.
+_dispatch_stack_depth = _torch_compat.resolve("torch._C._len_torch_dispatch_stack")
 
 
 def _register_inference_only(name: str, impl, written: int, inputs: tuple[int, ...]) -> None:
@@ -215,7 +227,7 @@ def _register_inference_only(name: str, impl, written: int, inputs: tuple[int, .
     plain = torch.Tensor
 
     def autograd_kernel(*args, **kwargs):
-        if type(args[0]) is plain and type(args[written]) is plain and not _dispatch_modes_active():
+        if type(args[0]) is plain and type(args[written]) is plain and not _dispatch_stack_depth():
             result = impl(*args, **kwargs)
         else:
             with _BelowAutograd():

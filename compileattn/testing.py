@@ -8,6 +8,7 @@ caches afterwards.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -79,6 +80,45 @@ def assert_matches_eager(
         torch.testing.assert_close(cache.key_cache, after_eager[name][0], **tol)
         torch.testing.assert_close(cache.value_cache, after_eager[name][1], **tol)
     return actual
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖a − e‖ / ‖e‖ in fp32 (Frobenius); inf when ``actual`` has a NaN/inf or ‖e‖ = 0 ≠ ‖a‖.
+
+    A norm-relative error, not an elementwise atol: decode outputs are averages of many values and
+    small (~0.03), so an absolute tolerance loose enough for bf16 would pass an all-zero output.
+    Never NaN, so ``max()`` over errors and ``err <= tol`` cannot skip a broken result."""
+    a = actual.detach().float()
+    e = expected.detach().float().to(a.device)
+    if a.shape != e.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(e.shape)}")
+    if not torch.isfinite(a).all():
+        return math.inf
+    den = e.norm().item()
+    num = (a - e).norm().item()
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return num / den
+
+
+def recording_greedy(record: dict[int, list[torch.Tensor]]):
+    """A greedy host sampler (an engine's ``sampler=``) that appends each sampled row's fp32 logits
+    (on the host) to ``record[seq_id]``: two runs' logits can then be compared step by step."""
+    def sample(logits, seq_ids):
+        for row, s in zip(logits, seq_ids):
+            record.setdefault(s, []).append(row.detach().float().cpu())
+        return logits.argmax(-1).tolist()
+    return sample
+
+
+def near_tie(reference_logits: torch.Tensor, other_logits: torch.Tensor, reference_token: int,
+             other_token: int) -> tuple[bool, float]:
+    """(is a near-tie, the reference's margin) for a greedy divergence at one step, where both runs
+    saw the same context. Their logits then differ only by arithmetic (reduction order,
+    precision), so when the reference's margin between its token and the other run's is within
+    twice the largest logit difference of the two, either token is a fair argmax."""
+    margin = (reference_logits[reference_token] - reference_logits[other_token]).item()
+    return margin <= 2 * (reference_logits - other_logits).abs().max().item(), margin
 
 
 class RecordingBackend:

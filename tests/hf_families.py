@@ -80,9 +80,9 @@ def load_reference(directory: Path, dtype: torch.dtype = torch.float32, device: 
     return model.to(device).eval()
 
 
-def prompts(seed: int = 0, lengths=PROMPT_LENGTHS) -> list[list[int]]:
+def prompts(seed: int = 0, lengths=PROMPT_LENGTHS, vocab: int = VOCAB) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs):

@@ -148,6 +148,51 @@ def test_opcheck_write_layer_kv_and_attend_equal_the_unified_op(dtype):
     torch.testing.assert_close(halves.value_cache, whole.value_cache)
 
 
+@pytest.mark.parametrize("unified", [False, True], ids=["attend", "unified"])
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "strided"])
+def test_runtime_callers_equal_the_op(unified, dense):
+    """The compiled runtime's per-layer callers (ops.attend_caller / attention_caller) give what
+    the op gives, with strided query and output through the dense-copy path, and name a missing
+    context or layer."""
+    from compileattn import ops
+
+    tables, t, rand = _step_tensors(torch.float32)
+    spec = AttentionSpec(H, KVH, D)
+    k0, v0 = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D), rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D)
+    builder = AttentionMetadataBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_tokens=16,
+                                       max_blocks_per_seq=4, backend="reference")
+    md = builder.build([SequenceStep(q, c, tb) for (q, c), tb in zip(STEP, tables)], pad_to=t + 2)
+    n = md.num_tokens
+    q, k, v = rand(n, H, D), rand(n, KVH, D), rand(n, KVH, D)
+    whole = KVCache(k0.clone(), v0.clone(), spec)
+    expected = torch.empty(n, H, D)
+    with set_forward_context(md, {"layer.0": whole}):
+        torch.ops.compileattn.attention(q, k, v, expected, "layer.0")
+
+    called = KVCache(k0.clone(), v0.clone(), spec)
+    query = q if dense else torch.empty(n, H, 2 * D)[:, :, :D].copy_(q)
+    output = torch.empty(n, H, D) if dense else torch.zeros(n, H, 2 * D)[:, :, :D]
+    assert query.is_contiguous() == dense and output.is_contiguous() == dense
+    if unified:
+        args, call = (query, k, v, output), ops.attention_caller("layer.0", 0, 1, 2, 3, dense=dense)
+        missing = ops.attention_caller("layer.7", 0, 1, 2, 3, dense=dense)
+    else:
+        args, call = (query, output), ops.attend_caller("layer.0", 0, 1, dense=dense)
+        missing = ops.attend_caller("layer.7", 0, 1, dense=dense)
+    with pytest.raises(RuntimeError, match="no forward context"):
+        call(*args)
+    with set_forward_context(md, {"layer.0": called}):
+        if not unified:
+            torch.ops.compileattn.write_layer_kv(k, v, "layer.0")
+        call(*args)
+        with pytest.raises(ValueError, match="layer_name='layer.7'"):
+            missing(*args)
+    real = md.num_actual_tokens
+    torch.testing.assert_close(output[:real], expected[:real])
+    torch.testing.assert_close(called.key_cache, whole.key_cache)
+    torch.testing.assert_close(called.value_cache, whole.value_cache)
+
+
 def test_attention_without_forward_context_raises():
     q, out = torch.randn(2, H, D), torch.zeros(2, H, D)
     k = v = torch.randn(2, KVH, D)

@@ -117,7 +117,6 @@ def check_forward(spec, dtype, block_size, lens, *, pad_to=None, seed=0, **tunin
     torch.testing.assert_close(cache.value_cache, ref_cache.value_cache, atol=0, rtol=0, equal_nan=True)
     real = sum(q for q, _ in lens)
     assert torch.all(out[real:] == 0), "padding rows must be zero"
-    assert md.selector.call_table(md.shape, md.tensors, {"l0": cache}) is not None
     return be, md
 
 
@@ -242,8 +241,23 @@ def test_decode_tail_modes(tail_stages):
 @pytest.mark.parametrize("heads", [(4, 1), (6, 2), (2, 2)], ids=["mqa", "group3", "mha"])
 def test_decode_head_layouts(heads):
     spec = AttentionSpec(heads[0], heads[1], 64)
-    _, md = check_forward(spec, torch.float16, 16, [(1, 70), (1, 5)], decode_block_n=32, num_splits=2)
-    assert md.is_uniform_decode
+    be, _ = check_forward(spec, torch.float16, 16, [(1, 70), (1, 5)], decode_block_n=32, num_splits=2)
+    assert decode_launch(be, spec, torch.float16).splits == 2
+
+
+@cpu_only
+def test_decode_scratch_is_per_builder():
+    """One backend instance serves every builder; each builder's decode launch gets its own
+    split-KV partials (a captured graph of one engine must not share them with another's)."""
+    spec = AttentionSpec(4, 2, 32)
+    case = make_case(spec, torch.float16, 16, DECODE_LENS)
+    be = triton_backend(num_splits=2)
+    for _ in range(2):
+        md = builder(case, 16, be).build(case["seqs"])
+        layer_forward(md, KVCache(case["kc"].clone(), case["vc"].clone(), spec), case["q"], case["k"], case["v"],
+                      torch.empty_like(case["q"]))
+    launches = [launch for key, launch in be._launches.items() if key[0] == "decode"]
+    assert len(launches) == 2 and launches[0].o_part.data_ptr() != launches[1].o_part.data_ptr()
 
 
 @cpu_only
@@ -279,8 +293,8 @@ MIXED_LENS = [(1, 40), (1, 0), (7, 0), (13, 50), (1, 20), (18, 9)]
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_mixed_batch_matches_reference(dtype, block_size):
     spec = AttentionSpec(4, 2, 32)
-    _, md = check_forward(spec, dtype, block_size, MIXED_LENS, pad_to=43, unified_block_m=16, unified_block_n=16)
-    assert not md.is_uniform_decode
+    be, _ = check_forward(spec, dtype, block_size, MIXED_LENS, pad_to=43, unified_block_m=16, unified_block_n=16)
+    assert {key[0] for key in be._launches} == {"unified"}
 
 
 @cpu_only

@@ -7,7 +7,6 @@ sizing and result objects on top of it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -22,8 +21,6 @@ from .scheduler import ScheduledStep, Scheduler
 
 if TYPE_CHECKING:
     from ..config import CompileConfig
-
-logger = logging.getLogger("compileattn")
 
 #: sampler(logits fp32 (N, vocab), seq_ids) -> one token per row: a caller's own choice of tokens
 #: (tests and the demo feed fixed streams so two engines see identical inputs).
@@ -229,7 +226,7 @@ class Engine:
         sched = self.scheduler.schedule(max_tokens_per_step)
         if sched is None:
             raise RuntimeError("nothing can be scheduled although requests are pending (and no step is in flight)")
-        launched = self._launch(sched, self.runner.prepare(sched.seqs, sched.input_ids, sched.positions), sampler)
+        launched = self._launch(sched, self._prepare(sched), sampler)
         sampled, finished = self._complete(launched)
         return StepResult([r.seq_id for r in sched.requests], sched.kinds, sched.num_tokens, launched.num_padded,
                           launched.hidden, launched.logits, sampled, finished, sched.preempted)
@@ -243,7 +240,7 @@ class Engine:
         launched: _Launched | None = None
         while True:
             sched = self.scheduler.schedule(max_tokens_per_step) if self.scheduler.has_unfinished() else None
-            prepared = self.runner.prepare(sched.seqs, sched.input_ids, sched.positions) if sched else None
+            prepared = self._prepare(sched) if sched else None
             if launched is not None:
                 _, finished = self._complete(launched)
                 if finished and on_finished is not None:
@@ -254,6 +251,13 @@ class Engine:
                                        "flight)")
                 return
             launched = self._launch(sched, prepared) if sched is not None else None
+
+    def _prepare(self, sched: ScheduledStep) -> PreparedStep:
+        """The runner's ``prepare`` for a planned step. A step with pending rows (tokens still on
+        their way to the host when it was planned) gets its ids at ``_launch``, so they are copied
+        to the device once, not once here and again there."""
+        ids = None if sched.pending_rows else sched.input_ids
+        return self.runner.prepare(sched.seqs, ids, sched.positions)
 
     def _launch(self, sched: ScheduledStep, prepared: PreparedStep, sampler: Sampler | None = None) -> "_Launched":
         """Put a planned step on the device: its pending tokens into the inputs, the forward, the

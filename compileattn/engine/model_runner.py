@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
+from .. import _torch_compat
 from ..context import set_forward_context
 from ..kv_cache import allocate_kv_caches
 from ..metadata import AttentionMetadata, AttentionMetadataBuilder, SequenceStep
@@ -106,25 +107,28 @@ class ModelRunner:
     def prepare(self, seqs: Sequence[SequenceStep], input_ids, positions) -> PreparedStep:
         """Host side of a step: metadata (and the backend's plan), inputs copied into the persistent
         buffers, padded to ``pad_fn(num_tokens)``. ``input_ids``/``positions`` are the real tokens
-        (lists or 1-D tensors)."""
+        (lists or 1-D tensors). ``input_ids=None``: the caller writes the real tokens' ids into
+        ``PreparedStep.input_ids`` before ``run`` (an engine that plans a step while the previous
+        one still computes some of its tokens), so they are copied to the device once."""
         n = sum(s[0] for s in seqs)
         padded = self.pad_fn(n)
         if not isinstance(padded, int) or padded < n:
             raise ValueError(f"pad_fn({n}) returned {padded!r}; it must be an int >= {n}")
         for name, values in (("input_ids", input_ids), ("positions", positions)):
-            if len(values) != n:
+            if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries but seqs have {n} query tokens")
         md = self.builder.build(seqs, pad_to=padded)
         ids = self.input_ids[:padded]
         pos = self.positions[:padded]
-        ids[:n].copy_(torch.as_tensor(input_ids, dtype=torch.long), non_blocking=True)
+        if input_ids is not None:
+            ids[:n].copy_(torch.as_tensor(input_ids, dtype=torch.long), non_blocking=True)
         pos[:n].copy_(torch.as_tensor(positions, dtype=torch.long), non_blocking=True)
         if padded > n:
             ids[n:].zero_()
             pos[n:].zero_()
         if self.mark_dynamic:
-            torch._dynamo.mark_dynamic(ids, 0)
-            torch._dynamo.mark_dynamic(pos, 0)
+            _torch_compat.mark_dynamic(ids, 0)
+            _torch_compat.mark_dynamic(pos, 0)
         return PreparedStep(md, ids, pos, n)
 
     def run(self, step: PreparedStep) -> torch.Tensor:

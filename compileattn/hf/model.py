@@ -22,7 +22,7 @@ from torch import nn
 
 from ..kv_cache import AttentionSpec
 from . import attention as hf_attention
-from .attention import BINDING_ATTR, IMPLEMENTATION, AttentionMismatchError, LayerBinding
+from .attention import BINDING_ATTR, IMPLEMENTATION, LayerBinding
 
 logger = logging.getLogger("compileattn")
 
@@ -117,7 +117,7 @@ def _spec_of_call(call: _ProbeCall, layer_name: str) -> AttentionSpec:
             call.query, call.key, scaling, sliding_window, softcap))
         hf_attention.check_call(LayerBinding(layer_name, spec), call.query, call.key, call.value, call.mask,
                                 scaling, dropout, sliding_window, softcap, kwargs)
-    except (AttentionMismatchError, ValueError) as exc:
+    except ValueError as exc:  # AttentionMismatchError among them
         raise UnsupportedModelError(f"{layer_name}: {exc}") from None
     return spec
 

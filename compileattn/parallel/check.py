@@ -37,6 +37,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..testing import near_tie, recording_greedy, rel_error
+
 MODES = ("eager", "compiled", "piecewise", "full_and_piecewise", "engine")
 GRAPH_MODES = ("piecewise", "full_and_piecewise")
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
@@ -160,7 +162,7 @@ def run_mode(model, mode: str, args, steps) -> tuple[list[torch.Tensor], dict[st
     """Hidden states of every step (fp32 copies on the CPU) and what the run counted."""
     from compileattn import counters
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     before = counters.snapshot()
     info: dict[str, Any] = {}
     with graphs_context(args, mode):
@@ -178,10 +180,6 @@ def run_mode(model, mode: str, args, steps) -> tuple[list[torch.Tensor], dict[st
         info["full_graphs"] = sum(rt.full_graph_count() for rt in rec.built)
         info["piece_graphs"] = sum(rt.piece_graph_count() for rt in rec.built)
     return outs, info
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # -- checks --------------------------------------------------------------------------------------
@@ -240,8 +238,8 @@ def check_mode(tp, args, mode: str, full, sharded, steps, reference) -> dict[str
     problems += [f"TP=1 {p}" for p in check_counts(mode, ref_info, args.layers, sharded=False)] if ref_info else []
     outs, info = run_mode(sharded, mode, args, steps)
     problems += check_counts(mode, info, args.layers, sharded=True)
-    err_eager = max(rel_err(o, r) for o, r in zip(outs, reference))
-    err_same = max(rel_err(o, r) for o, r in zip(outs, same_mode_ref))
+    err_eager = max(rel_error(o, r) for o, r in zip(outs, reference))
+    err_same = max(rel_error(o, r) for o, r in zip(outs, same_mode_ref))
     if not err_eager <= args.tol:
         problems.append(f"differs from TP=1 eager: rel. error {err_eager:.3g} > {args.tol}")
     if not err_same <= args.tol:
@@ -254,36 +252,24 @@ def check_mode(tp, args, mode: str, full, sharded, steps, reference) -> dict[str
             "counters": info, "problems": problems}
 
 
-def _recording_greedy(record: list):
-    """A greedy host sampler that keeps each step's logits (seq_id, row) for the near-tie check."""
-    def sample(logits, seq_ids):
-        record.extend((s, row.float().cpu()) for s, row in zip(seq_ids, logits))
-        return logits.argmax(-1).tolist()
-    return sample
-
-
 def _divergences(got, expected, got_logits, want_logits, dtype) -> list[str]:
-    """Token differences between TP=N and TP=1 generation that are not near-ties. In fp32 any
-    difference counts; in half precision the two runs' logits differ by reduction order, so a
-    divergence whose TP=1 margin between the two tokens is within twice that difference is a
-    near-tie (the demo's rule), and what follows it is not compared."""
+    """Token differences between TP=N and TP=1 generation that are not near-ties
+    (``testing.near_tie``, the TP=1 run as the reference). In fp32 any difference counts; in half
+    precision the two runs' logits differ by reduction order, and what follows a near-tie is not
+    compared."""
     problems = []
     for i, (a, b) in enumerate(zip(got, expected)):
         if a == b:
             continue
         j = next(k for k in range(min(len(a), len(b))) if a[k] != b[k])
-        le, lc = want_logits[i][j], got_logits[i][j]
-        margin = (le[b[j]] - le[a[j]]).item()
-        if dtype == torch.float32 or margin > 2 * (le - lc).abs().max().item():
+        tie, margin = near_tie(want_logits[i][j], got_logits[i][j], b[j], a[j])
+        if dtype == torch.float32 or not tie:
             problems.append(f"prompt {i}: token {j} is {a[j]} at TP, {b[j]} at TP=1 (TP=1 margin {margin:.3g})")
     return problems
 
 
-def _by_sequence(record: list, num: int) -> list[list[torch.Tensor]]:
-    rows: dict[int, list[torch.Tensor]] = {}
-    for seq_id, row in record:
-        rows.setdefault(seq_id, []).append(row)
-    return [rows[k] for k in sorted(rows)][:num]
+def _by_sequence(record: dict[int, list[torch.Tensor]], num: int) -> list[list[torch.Tensor]]:
+    return [record[k] for k in sorted(record)][:num]
 
 
 def check_engine(tp, args, full, sharded) -> dict[str, Any]:
@@ -294,19 +280,19 @@ def check_engine(tp, args, full, sharded) -> dict[str, Any]:
 
     rng = random.Random(7)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (5, 9, 14)]
-    want_record: list = []
+    want_record: dict = {}
     expected = engine_for(full, args).generate(prompts, max_new_tokens=4, max_tokens_per_step=16,
-                                               sampler=_recording_greedy(want_record))
+                                               sampler=recording_greedy(want_record))
     mode = "piecewise" if args.graphs == "real" or args.device == "cpu" else "eager"
-    torch._dynamo.reset()
+    torch.compiler.reset()
     problems: list[str] = []
     with graphs_context(args, mode):
         fn, rec, cfg = compiled_forward(sharded, mode, args)
-        engine = engine_for(sharded, args, forward=fn, config=cfg, cls=TPEngine, tp=tp)
+        engine = engine_for(sharded, args, forward=fn, config=cfg, cls=TPEngine, tp=tp, record_steps=True)
         if tp.is_driver:
-            got_record: list = []
+            got_record: dict = {}
             got = engine.generate(prompts, max_new_tokens=4, max_tokens_per_step=16,
-                                  sampler=_recording_greedy(got_record))
+                                  sampler=recording_greedy(got_record))
             engine.stop_workers()
             problems += _divergences(got, expected, _by_sequence(got_record, len(prompts)),
                                      _by_sequence(want_record, len(prompts)), next(full.parameters()).dtype)
@@ -339,7 +325,7 @@ def check_hf(tp, args) -> dict[str, Any]:
     with torch.no_grad():
         ref = full(ids).logits.float().cpu()
         got = sharded(ids).logits.float().cpu()
-    err = rel_err(got, ref)
+    err = rel_error(got, ref)
     attn = sharded.model.layers[0].self_attn
     problems = [] if err <= args.tol else [f"logits differ from TP=1: rel. error {err:.3g} > {args.tol}"]
     return {"model": "hf-llama", "transformers": transformers.__version__, "modes": {"eager": {

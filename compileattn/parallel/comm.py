@@ -29,7 +29,3 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum of ``x`` over the group's ranks (a new tensor; ``x`` is not modified)."""
     out = torch.ops._c10d_functional.all_reduce(x, "sum", group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
-
-
-#: Op names the all-reduce appears as in traced graphs (Dynamo, AOT and Inductor forms).
-ALL_REDUCE_OPS = ("_c10d_functional::all_reduce", "_c10d_functional::all_reduce_")

@@ -18,7 +18,6 @@ order, so the captured collectives pair up too.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Sequence
 
 import torch
@@ -26,8 +25,6 @@ import torch
 from ..metadata import SequenceStep
 from ..engine import Engine
 from .group import TPGroup, get_tp
-
-logger = logging.getLogger("compileattn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,29 +40,32 @@ class StepPlan:
 class TPEngine(Engine):
     """An ``Engine`` whose steps rank 0 decides and broadcasts (over the TP group's gloo group)."""
 
-    def __init__(self, model: torch.nn.Module, *, tp: TPGroup | None = None, **kwargs):
+    def __init__(self, model: torch.nn.Module, *, tp: TPGroup | None = None, record_steps: bool = False, **kwargs):
         self.tp = tp or get_tp()
-        #: Steps this rank ran, as StepPlans (the test of "every rank ran the same steps").
-        self.steps_run: list[StepPlan] = []
-        self._serving = False
+        #: Steps this rank ran, as StepPlans (the test of "every rank ran the same steps"), kept only
+        #: with ``record_steps``: a served LLM runs steps for its whole life.
+        self.steps_run: list[StepPlan] | None = [] if record_steps else None
         super().__init__(model, **kwargs)
-        self._prepare = self.runner.prepare
+        self._runner_prepare = self.runner.prepare
         self.runner.prepare = self._prepare_step
 
     def _prepare_step(self, seqs: Sequence[SequenceStep], input_ids, positions):
-        """Rank 0: decide (broadcast) the step, then prepare it; other ranks get here from ``serve``.
-        Steps the engine runs at construction (warm-up, captures) are the same on every rank and
-        are not broadcast: ``runner.prepare`` is wrapped only afterwards."""
-        if not self.tp.is_driver and not self._serving:
+        """Rank 0: decide (broadcast) the step, then prepare it (the other ranks prepare it in
+        ``serve``). Steps the engine runs at construction (warm-up, captures) are the same on every
+        rank and are not broadcast: ``runner.prepare`` is wrapped only afterwards."""
+        if not self.tp.is_driver:
             raise RuntimeError(f"rank {self.tp.rank} does not schedule: only rank 0 drives a TPEngine; "
                                f"the other ranks call serve()")
         n = sum(s[0] for s in seqs)
         plan = StepPlan(tuple(SequenceStep(int(s[0]), int(s[1]), tuple(s[2])) for s in seqs),
                         tuple(int(t) for t in input_ids), tuple(int(p) for p in positions), self.pad_fn(n))
-        if self.tp.is_driver:
-            self.tp.broadcast_object(plan)
-        self.steps_run.append(plan)
-        return self._prepare(plan.seqs, plan.input_ids, plan.positions)
+        self.tp.broadcast_object(plan)
+        return self._prepare_plan(plan)
+
+    def _prepare_plan(self, plan: StepPlan):
+        if self.steps_run is not None:
+            self.steps_run.append(plan)
+        return self._runner_prepare(plan.seqs, plan.input_ids, plan.positions)
 
     def run(self, on_finished=None, max_tokens_per_step: int | None = None) -> None:
         """Step by step, without ``Engine.run``'s overlap: there a step's inputs are completed at
@@ -80,21 +80,17 @@ class TPEngine(Engine):
         if self.tp.is_driver:
             raise RuntimeError("rank 0 drives; serve() is for the other ranks")
         count = 0
-        self._serving = True
-        try:
-            while True:
-                plan = self.tp.broadcast_object(None)
-                if plan is None:
-                    return count
-                if self.pad_fn(len(plan.input_ids)) != plan.padded:
-                    # Only a differently configured rank gets here; running anyway would pair collectives wrongly.
-                    raise ValueError(f"rank {self.tp.rank} pads {len(plan.input_ids)} tokens to "
-                                     f"{self.pad_fn(len(plan.input_ids))}, rank 0 to {plan.padded}: every rank "
-                                     f"needs the same CompileConfig (capture sizes)")
-                self.runner.run(self._prepare_step(plan.seqs, plan.input_ids, plan.positions))
-                count += 1
-        finally:
-            self._serving = False
+        while True:
+            plan = self.tp.broadcast_object(None)
+            if plan is None:
+                return count
+            padded = self.pad_fn(len(plan.input_ids))
+            if padded != plan.padded:
+                # Only a differently configured rank gets here; running anyway would pair collectives wrongly.
+                raise ValueError(f"rank {self.tp.rank} pads {len(plan.input_ids)} tokens to {padded}, rank 0 "
+                                 f"to {plan.padded}: every rank needs the same CompileConfig (capture sizes)")
+            self.runner.run(self._prepare_plan(plan))
+            count += 1
 
     def stop_workers(self) -> None:
         """Rank 0: end the other ranks' ``serve()``."""
