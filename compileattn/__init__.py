@@ -8,8 +8,8 @@ from . import ops  # noqa: F401  (defines the torch.ops.compileattn.* ops)
 from .config import CompileConfig
 from .context import get_forward_context, set_forward_context
 from .counters import counters
-from .functional import flash_attn_varlen_func, write_kv_cache
-from .kv_cache import AttentionSpec, KVCache, allocate_kv_caches
+from .functional import flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
+from .kv_cache import AttentionSpec, KVCache, alibi_slopes, allocate_kv_caches, fp8_scale
 from .metadata import AttentionMetadata, AttentionMetadataBuilder, SequenceStep
 
 _logging.getLogger("compileattn").addHandler(_logging.NullHandler())
@@ -54,7 +54,7 @@ def __getattr__(name):
 
 __all__ = [
     "AttentionMetadata", "AttentionMetadataBuilder", "AttentionSpec", "CompileConfig", "KVCache", "LLM",
-    "RecompileError", "RequestOutput", "SamplingParams", "SequenceStep", "allocate_kv_caches", "compile",
-    "compileattn_backend", "counters", "flash_attn_varlen_func", "get_forward_context", "set_forward_context",
-    "write_kv_cache",
+    "RecompileError", "RequestOutput", "SamplingParams", "SequenceStep", "alibi_slopes", "allocate_kv_caches",
+    "compile", "compileattn_backend", "counters", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fp8_scale",
+    "get_forward_context", "set_forward_context", "write_kv_cache",
 ]

@@ -2,11 +2,14 @@
 
 Five ops in the ``compileattn`` namespace, each with a fake (meta) function and exact aliasing:
 
-- ``write_kv_cache(key, value, key_cache!, value_cache!, slot_mapping)``: scatter this step's K/V
-  into paged caches; slot -1 marks a padded token and is skipped.
-- ``varlen_attention(q, k, v, out!, cu_seqlens_q, cu_seqlens_k?, seqused_k?, block_table?, ...)``:
-  FlashAttention's ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache`` semantics, contiguous
-  or paged K/V, writing into a caller-owned ``out``.
+- ``write_kv_cache(key, value, key_cache!, value_cache!, slot_mapping, backend, k_scale?, v_scale?)``:
+  scatter this step's K/V into paged caches; slot -1 marks a padded token and is skipped; into a
+  float8_e4m3fn cache it quantizes with the per-KV-head scales.
+- ``varlen_attention(q, k, v, out!, cu_seqlens_q, cu_seqlens_k?, seqused_k?, block_table?, ...,
+  backend, alibi_slopes?, k_scale?, v_scale?)``: FlashAttention's ``flash_attn_varlen_func`` /
+  ``flash_attn_with_kvcache`` semantics, contiguous or paged K/V (float8_e4m3fn K/V read as
+  ``stored * scale``), writing into a caller-owned ``out``. The optional tensors come after
+  ``backend`` so that calls written before they existed keep their meaning.
 - ``attention(query, key, value, output!, layer_name)``: the per-layer unified op the graph is split
   at. Metadata and KV caches are not graph inputs: it reads this step's prepared calls from the
   forward context, so the graph (and every CUDA graph captured from it) is independent of them.
@@ -37,13 +40,14 @@ _lib = torch.library.Library("compileattn", "DEF")  # noqa: TOR901 (an op librar
 
 _lib.define(
     "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-    "Tensor slot_mapping, str backend=\"auto\") -> ()"
+    "Tensor slot_mapping, str backend=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
 )
 _lib.define(
     "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor cu_seqlens_q, "
     "Tensor? cu_seqlens_k, Tensor? seqused_k, Tensor? block_table, SymInt max_seqlen_q, "
     "SymInt max_seqlen_k, float softmax_scale, bool causal=True, int window_left=-1, "
-    "float softcap=0.0, str backend=\"auto\") -> ()"
+    "float softcap=0.0, str backend=\"auto\", Tensor? alibi_slopes=None, Tensor? k_scale=None, "
+    "Tensor? v_scale=None) -> ()"
 )
 _lib.define("attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, str layer_name) -> ()")
 # The unified op in two halves, made by passes/kv_write.py so the K/V write can be captured in the
@@ -72,9 +76,9 @@ def _check_layer_call(ctx: context.ForwardContext, layer_name: str, query, key=N
         raise ValueError(f"compileattn::attention({layer_name!r}): query has {query.shape[0]} tokens but the step's "
                          f"metadata has num_tokens={md.num_tokens} ({md.num_actual_tokens} real + padding); pass "
                          f"the step's (padded) tokens")
-    if query.dtype != cache.dtype:
+    if query.dtype != cache.query_dtype:
         raise TypeError(f"compileattn::attention({layer_name!r}): query is {query.dtype} but the layer's KV cache "
-                        f"is {cache.dtype}; allocate caches in the model's dtype")
+                        f"takes {cache.query_dtype} queries; allocate caches for the model's dtype")
     if query.shape[1:] != (spec.num_heads, spec.head_dim):
         raise ValueError(f"compileattn::attention({layer_name!r}): query is (tokens, {query.shape[1]}, "
                          f"{query.shape[2]}) but the layer's AttentionSpec has {spec.num_heads} heads of "
@@ -177,14 +181,15 @@ def attention_caller(layer_name: str, query_index: int, key_index: int, value_in
     return call_attention if dense else call_attention_strided
 
 
-def _write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend="auto"):
-    selector.run_write(backend, key, value, key_cache, value_cache, slot_mapping)
+def _write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend="auto", k_scale=None, v_scale=None):
+    selector.run_write(backend, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def _varlen_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-                      max_seqlen_k, softmax_scale, causal=True, window_left=-1, softcap=0.0, backend="auto"):
+                      max_seqlen_k, softmax_scale, causal=True, window_left=-1, softcap=0.0, backend="auto",
+                      alibi_slopes=None, k_scale=None, v_scale=None):
     selector.run_varlen(backend, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-                        max_seqlen_k, softmax_scale, causal, window_left, softcap)
+                        max_seqlen_k, softmax_scale, causal, window_left, softcap, alibi_slopes, k_scale, v_scale)
 
 
 _lib.impl("write_kv_cache", _write_kv_cache, "CompositeExplicitAutograd")
@@ -242,13 +247,15 @@ _register_inference_only("write_kv_cache", _write_kv_cache, written=2, inputs=(0
 
 
 @torch.library.register_fake("compileattn::write_kv_cache")
-def _write_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping, backend="auto"):
+def _write_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping, backend="auto", k_scale=None,
+                         v_scale=None):
     return None
 
 
 @torch.library.register_fake("compileattn::varlen_attention")
 def _varlen_attention_fake(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-                           max_seqlen_k, softmax_scale, causal=True, window_left=-1, softcap=0.0, backend="auto"):
+                           max_seqlen_k, softmax_scale, causal=True, window_left=-1, softcap=0.0, backend="auto",
+                           alibi_slopes=None, k_scale=None, v_scale=None):
     return None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_cache import check_dtype, check_head_dim
+from .kv_cache import check_cache_dtype, check_dtype, check_head_dim, is_fp8
 
 _INDEX_DTYPES = (torch.int32,)
 
@@ -31,17 +31,53 @@ def _index_tensor(name: str, t: torch.Tensor | None, ndim: int, device: torch.de
     _same_device(name, t, device)
 
 
+def _float_vector(name: str, t, length: int, what: str, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if t.shape != (length,):
+        raise ValueError(f"{name} must have shape ({length},) (one per {what}), got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, but {'q' if what == 'query head' else 'the cache'} is on "
+                         f"{device}")
+
+
+def check_kv_scales(kv_dtype: torch.dtype, k_scale, v_scale, num_kv_heads: int, device: torch.device,
+                    cache: str = "k/v") -> None:
+    """``k_scale``/``v_scale``: required with float8 K/V (the per-KV-head dequantization multipliers,
+    float32 of shape (kv_heads,)), refused otherwise."""
+    if is_fp8(kv_dtype):
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is None:
+                raise ValueError(f"{name} is required with {kv_dtype} {cache}: the float32 dequantization "
+                                 f"multiplier per KV head, shape ({num_kv_heads},)")
+            _float_vector(name, t, num_kv_heads, "KV head", device)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale/v_scale apply to float8_e4m3fn {cache} only; {cache} is {kv_dtype}")
+
+
+def check_alibi(alibi_slopes, num_heads: int, device: torch.device) -> None:
+    if alibi_slopes is not None:
+        _float_vector("alibi_slopes", alibi_slopes, num_heads, "query head", device)
+
+
 def check_varlen_args(
     q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-    window_left: int, softcap: float, check_values: bool = True,
+    window_left: int, softcap: float, check_values: bool = True, alibi_slopes=None, k_scale=None, v_scale=None,
 ) -> None:
+    """K/V in q's dtype, or float8_e4m3fn with ``k_scale``/``v_scale``; ``alibi_slopes`` float32
+    (num_heads,)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
     check_dtype(q.dtype, "q")
-    for name, t in (("k", k), ("v", v), ("out", out)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+    kv_dtype = k.dtype if is_fp8(k.dtype) else q.dtype  # K/V in q's dtype, or quantized
+    for name, t, want in (("k", k, kv_dtype), ("v", v, kv_dtype), ("out", out, q.dtype)):
+        if t.dtype != want:
+            raise TypeError(f"{name} has dtype {t.dtype} but {'k' if want != q.dtype else 'q'} has {want}")
         _same_device(name, t, q.device)
     if q.dim() != 3:
         raise ValueError(f"q must be (total_q, num_heads, head_dim), got shape {tuple(q.shape)}")
@@ -86,6 +122,8 @@ def check_varlen_args(
         raise ValueError(f"window_size left must be -1 or >= 0, got {window_left}")
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0, got {softcap}")
+    check_alibi(alibi_slopes, q.shape[1], q.device)
+    check_kv_scales(k.dtype, k_scale, v_scale, kv_heads, q.device)
     if check_values:
         check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
 
@@ -136,15 +174,119 @@ def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table
         raise ValueError(f"max_seqlen_k={max_seqlen_k} is below the longest key sequence ({max(lens_k)})")
 
 
-def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_values: bool = True) -> None:
+def _tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+
+
+def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, window_left: int,
+                       softcap: float, alibi_slopes, k_scale, v_scale) -> None:
+    """Structure of a ``flash_attn_with_kvcache`` call (no device tensor is read)."""
+    _tensor("q", q)
+    check_dtype(q.dtype, "q")
+    if q.dim() != 4:
+        raise ValueError(f"q must be (batch, seqlen_q, num_heads, head_dim), got shape {tuple(q.shape)}")
+    batch, _, num_heads, head_dim = q.shape
+    check_head_dim(head_dim, "q head_dim")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _tensor(name, t)
+        _same_device(name, t, q.device)
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree and be "
+                         f"(batch_cache, seqlen_cache, kv_heads, head_dim), or (num_blocks, block_size, kv_heads, "
+                         f"head_dim) with block_table")
+    kv_dtype = k_cache.dtype if is_fp8(k_cache.dtype) else q.dtype
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != kv_dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype} (caches take q's dtype, or "
+                            f"float8_e4m3fn with k_scale/v_scale)")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} differs from q head_dim {head_dim}")
+    if num_heads % kv_heads:
+        raise ValueError(f"q has {num_heads} heads, not a multiple of the {kv_heads} kv heads of k_cache/v_cache "
+                         f"(GQA/MQA need num_heads divisible by num_kv_heads)")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append) or not at all")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _tensor(name, t)
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+            _same_device(name, t, q.device)
+            if t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+                raise ValueError(f"{name} must be (batch={batch}, seqlen_new, kv_heads={kv_heads}, "
+                                 f"head_dim={head_dim}), got shape {tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} disagree")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required with k/v: the position each sequence's new tokens go to")
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+            raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+    elif cache_seqlens is not None:
+        _index_tensor("cache_seqlens", cache_seqlens, 1, q.device)
+        if cache_seqlens.shape[0] != batch:
+            raise ValueError(f"cache_seqlens has {cache_seqlens.shape[0]} entries for a batch of {batch}")
+    if block_table is not None:
+        _index_tensor("block_table", block_table, 2, q.device)
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table has {block_table.shape[0]} rows for a batch of {batch}")
+        if block_table.shape[1] < 1:
+            raise ValueError("block_table needs at least one column")
+    elif k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences for a batch of {batch} (without block_table "
+                         f"sequence b uses row b of the cache)")
+    if out is not None:
+        _tensor("out", out)
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype}, got "
+                             f"{tuple(out.shape)} {out.dtype}")
+        _same_device("out", out, q.device)
+    if window_left < -1:
+        raise ValueError(f"window_size left must be -1 or >= 0, got {window_left}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    check_alibi(alibi_slopes, num_heads, q.device)
+    check_kv_scales(k_cache.dtype, k_scale, v_scale, kv_heads, q.device, cache="caches")
+
+
+def check_kvcache_values(k_cache, cache_seqlens: torch.Tensor, seqlen_new: int, block_table: torch.Tensor) -> None:
+    """Every sequence's cached and appended tokens fit its blocks, and those blocks exist (reads
+    ``cache_seqlens`` and ``block_table``: a host sync on CUDA)."""
+    page, num_blocks = k_cache.shape[1], k_cache.shape[0]
+    capacity = block_table.shape[1] * page
+    block_table = block_table.cpu()
+    for b, n in enumerate(cache_seqlens.tolist()):
+        if n < 0:
+            raise ValueError(f"cache_seqlens[{b}] = {n} must be >= 0")
+        if n + seqlen_new > capacity:
+            raise ValueError(f"cache_seqlens[{b}] = {n} plus the {seqlen_new} new tokens of k/v exceed the "
+                             f"{capacity} tokens sequence {b} can hold ({block_table.shape[1]} blocks x {page})")
+        used = block_table[b, : -(-(n + seqlen_new) // page)]
+        if used.numel() and (int(used.max()) >= num_blocks or int(used.min()) < 0):
+            raise ValueError(f"block_table row {b} has an entry outside [0, {num_blocks})")
+
+
+def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_values: bool = True,
+                        k_scale=None, v_scale=None) -> None:
+    """Caches in key's dtype, or float8_e4m3fn with ``k_scale``/``v_scale`` to quantize with."""
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
                     ("slot_mapping", slot_mapping)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
     check_dtype(key.dtype, "key")
-    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype != key.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but key has {key.dtype}")
+    if value.dtype != key.dtype:
+        raise TypeError(f"value has dtype {value.dtype} but key has {key.dtype}")
+    check_cache_dtype(key_cache.dtype, "key_cache")
+    if not is_fp8(key_cache.dtype) and key_cache.dtype != key.dtype:
+        raise TypeError(f"key_cache has dtype {key_cache.dtype} but key has {key.dtype}")
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"value_cache has dtype {value_cache.dtype} but key_cache has {key_cache.dtype}")
     for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
                     ("slot_mapping", slot_mapping)):
         if t.device != key.device:
@@ -158,6 +300,7 @@ def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_
     if key_cache.shape[2:] != key.shape[1:]:
         raise ValueError(f"key_cache (kv_heads, head_dim) {tuple(key_cache.shape[2:])} differs from key's "
                          f"{tuple(key.shape[1:])}")
+    check_kv_scales(key_cache.dtype, k_scale, v_scale, key_cache.shape[2], key_cache.device, cache="caches")
     if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
         raise TypeError(f"slot_mapping must be 1-D int64, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if slot_mapping.shape[0] != key.shape[0]:

@@ -4,7 +4,9 @@ Nothing here knows a backend: this module draws cases, makes their tensors, comp
 reference answers and applies FlashAttention's tolerance rule; the test module's adapter runs them.
 
 Cases. A ``Config`` holds what a kernel is specialised (compiled) for: dtype, head dim, head
-layout, causal, window or not, softcap, contiguous or paged K/V and the page size. A ``Case`` adds
+layout, causal, window or not, softcap, contiguous or paged K/V and the page size, ALiBi or not
+(the standard slopes of ``compileattn.alibi_slopes``), and (asked of support checks only, not drawn
+into cases) an fp8 KV cache. A ``Case`` adds
 what varies per call: the (query length, key length) of each sequence, the window size, the
 softmax scale, the entry point, rows past the last sequence. FA4 JIT-compiles every kernel
 configuration for seconds and Triton compiles one per constexpr set, so the sample draws few
@@ -32,6 +34,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from compileattn import alibi_slopes
+
 #: Absolute slack of the tolerance rule. Needed only where the low-precision reference is exact
 #: (a query that sees one key outputs that key's value, bit for bit) or, in float32, about as
 #: accurate as the kernel: the kernel may then differ by fp32-level rounding (exp2 for exp, a
@@ -56,6 +60,8 @@ class Config(NamedTuple):
     windowed: bool
     softcap: float
     layout: str | int  # "contiguous", "contiguous+seqused" or the page size of paged K/V
+    alibi: bool = False
+    kv_fp8: bool = False  # K/V stored as float8_e4m3fn (support checks only)
 
     @property
     def paged(self) -> bool:
@@ -69,7 +75,12 @@ class Config(NamedTuple):
         dt = str(self.dtype).replace("torch.", "").replace("float", "fp").replace("bfp", "bf")
         kv = f"page{self.layout}" if self.paged else ("contig+used" if self.layout != "contiguous" else "contig")
         return (f"{dt}-d{self.head_dim}-h{self.num_heads}x{self.num_kv_heads}-{'causal' if self.causal else 'full'}"
-                f"{'-win' if self.windowed else ''}{'-cap' if self.softcap else ''}-{kv}")
+                f"{'-win' if self.windowed else ''}{'-cap' if self.softcap else ''}{'-alibi' if self.alibi else ''}"
+                f"{'-fp8kv' if self.kv_fp8 else ''}-{kv}")
+
+    @property
+    def alibi_slopes(self) -> tuple[float, ...] | None:
+        return alibi_slopes(self.num_heads) if self.alibi else None
 
 
 class Case(NamedTuple):
@@ -95,7 +106,7 @@ class Case(NamedTuple):
         c = self.config
         return (f"case {self.index}: {c.dtype}, head_dim {c.head_dim}, heads {c.num_heads}/{c.num_kv_heads}, "
                 f"causal={c.causal}{' (as window_size=(left, 0))' if self.causal_as_window else ''}, "
-                f"window_left={self.window_left}, softcap={c.softcap}, K/V {c.layout}"
+                f"window_left={self.window_left}, softcap={c.softcap}, alibi={c.alibi}, K/V {c.layout}"
                 f"{' (page size)' if c.paged else ''}, entry {self.entry}, (q_len, k_len)={list(self.seqlens)}, "
                 f"scale={self.softmax_scale:.4g}, extra rows {self.extra_rows}, seed {self.seed}")
 
@@ -338,7 +349,7 @@ def visible_keys(q_len: int, k_len: int, causal: bool, window_left: int, device)
 
 
 def attention_ref(q, k, v, *, scale: float, causal: bool, window_left: int, softcap: float,
-                  compute_dtype: torch.dtype) -> torch.Tensor:
+                  compute_dtype: torch.dtype, alibi_slopes: Sequence[float] | None = None) -> torch.Tensor:
     """One sequence, computed in ``compute_dtype`` (float64: the reference; the kernel's dtype: the
     low-precision reference, as FlashAttention's ``attention_ref(..., upcast=False)``).
 
@@ -353,6 +364,11 @@ def attention_ref(q, k, v, *, scale: float, causal: bool, window_left: int, soft
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
     seen = visible_keys(q.shape[0], k.shape[0], causal, window_left, q.device)
+    if alibi_slopes is not None:
+        qpos = torch.arange(q.shape[0], device=q.device).view(-1, 1) + (k.shape[0] - q.shape[0])
+        dist = (qpos - torch.arange(k.shape[0], device=q.device).view(1, -1)).abs().to(compute_dtype)
+        slopes = torch.tensor(alibi_slopes, dtype=compute_dtype, device=q.device).view(-1, 1, 1)
+        scores = scores - slopes * dist
     attn = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
     out = torch.einsum("hqk,khd->qhd", attn, v)
     return out.masked_fill(~seen.any(dim=-1).view(-1, 1, 1), 0.0)
@@ -366,11 +382,12 @@ def _where(mask: torch.Tensor) -> str:
 def judge_sequence(got: torch.Tensor, q, k, v, case: Case, oracle=None) -> str | None:
     """None if ``got`` (Lq, H, D) is right for one sequence of ``case``, else what is wrong.
 
-    ``oracle(q, k, v, scale=, causal=, window_left=, softcap=)`` gives the float64 answer;
+    ``oracle(q, k, v, scale=, causal=, window_left=, softcap=, alibi_slopes=)`` gives the float64 answer;
     default: ``attention_ref`` in float64.
     """
     c = case.config
-    kw = dict(scale=case.softmax_scale, causal=c.causal, window_left=case.window_left, softcap=c.softcap)
+    kw = dict(scale=case.softmax_scale, causal=c.causal, window_left=case.window_left, softcap=c.softcap,
+              alibi_slopes=c.alibi_slopes)
     if oracle is None:
         want = attention_ref(q, k, v, compute_dtype=torch.float64, **kw)
     else:

@@ -12,7 +12,8 @@ Semantics (FlashAttention's ``flash_attn_varlen_func`` / ``flash_attn_with_kvcac
   at absolute position ``k_len - q_len + i`` (so a chunked prefill over a cached prefix is right);
 - ``window_left = w >= 0`` lets a query at ``qpos`` see key ``p`` only if ``qpos - w <= p``
   (and ``p <= qpos`` when causal); ``-1`` means no window;
-- logits are ``q.k * scale``, then, if ``softcap > 0``, ``softcap * tanh(logit / softcap)``;
+- logits are ``q.k * scale``, then, if ``softcap > 0``, ``softcap * tanh(logit / softcap)``, then
+  with ALiBi ``logit - slope[h] * |qpos - p|``;
 - query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA/MQA);
 - a query that sees no key outputs zeros.
 """
@@ -37,7 +38,7 @@ def visible_keys(qpos: int, k_len: int, causal: bool, window_left: int) -> list[
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True,
-           window_left: int = -1, softcap: float = 0.0) -> torch.Tensor:
+           window_left: int = -1, softcap: float = 0.0, alibi_slopes: Sequence[float] | None = None) -> torch.Tensor:
     """One sequence: q (q_len, H, D), k/v (k_len, KVH, D) -> (q_len, H, D) in float64."""
     q_len, num_heads, _ = q.shape
     k_len, num_kv_heads, _ = k.shape
@@ -56,6 +57,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, c
             logits = (k64[idx, kvh] @ q64[i, h]) * scale
             if softcap > 0:
                 logits = softcap * torch.tanh(logits / softcap)
+            if alibi_slopes is not None:
+                logits = logits - float(alibi_slopes[h]) * torch.tensor([abs(qpos - p) for p in keys],
+                                                                        dtype=torch.float64)
             weights = torch.exp(logits - logits.max())
             out[i, h] = (weights / weights.sum()) @ v64[idx, kvh]
     return out

@@ -24,6 +24,7 @@ sys.path.insert(0, str(BENCH))
 import coldwarm  # noqa: E402
 import common  # noqa: E402
 import decode_attention as dec  # noqa: E402
+import paged_attention_baseline as pab  # noqa: E402
 import latency as lat  # noqa: E402
 import latency_report as rep  # noqa: E402
 import latency_tp as ltp  # noqa: E402
@@ -39,14 +40,16 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CU
 def test_decode_args_defaults_quick_and_explicit():
     a = dec.parse_args([])
     assert (a.contexts, a.batches, a.pages) == ([1024, 4096], [1, 4, 16, 64, 256], [16, 128])
-    assert a.impls == list(dec.IMPLS)
+    assert a.impls == list(dec.IMPLS) and a.shapes == ["gqa64x8", "mha32"]
     q = dec.parse_args(["--quick"])
-    assert (q.contexts, q.batches, q.pages, q.reps) == ([1024], [1, 64], [16], 5)
+    assert (q.contexts, q.batches, q.pages, q.reps, q.shapes) == ([1024], [1, 64], [16], 5, ["gqa64x8"])
+    assert dec.parse_args(["--shapes", "mha32"]).shapes == ["mha32"]
     e = dec.parse_args(["--quick", "--batches", "2,2,8", "--impls", "ca-triton,fi-tc"])
     assert e.batches == [2, 8] and e.contexts == [1024] and e.impls == ["ca-triton", "fi-tc"]
 
 
-@pytest.mark.parametrize("argv", [["--batches", "0"], ["--batches", "x"], ["--impls", "nope"], ["--reps", "0"]])
+@pytest.mark.parametrize("argv", [["--batches", "0"], ["--batches", "x"], ["--impls", "nope"], ["--reps", "0"],
+                                  ["--shapes", "gqa"]])
 def test_decode_args_reject_bad_values(argv, capsys):
     with pytest.raises(SystemExit):
         dec.parse_args(argv)
@@ -332,6 +335,142 @@ def test_measure_times_only_what_matches_the_oracle(tiny_case, monkeypatch):
     assert err["status"] == "error" and "kernel exploded" in err["reason"]
     skipped = dec.measure("ca-triton", case, pc, **{**kw, "budget": common.Budget(1e-9)})
     assert skipped["status"] == "skipped"
+
+
+# -- decode: the PagedAttention-style baseline, the fp8 rows, the kernel table, the KV waste ---------
+
+
+def test_vllm_rule_for_v1_or_v2():
+    assert pab.use_v1(1024, 1, 64) is False  # 2 partitions, 64 programs: V2
+    assert pab.use_v1(512, 1, 64) is True  # one partition
+    assert pab.use_v1(4096, 16, 64) is True  # 1024 programs > 512: enough parallelism
+    assert pab.use_v1(16384, 256, 64) is False  # beyond 8192: V2 (shared memory)
+
+
+def _paged_problem(lens, page, heads, dtype, seed=0):
+    import random
+
+    import naive
+
+    h, kvh, d = heads
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-n // page) for n in lens) + 2
+    tables = naive.assign_blocks(lens, page, nb, random.Random(seed))
+    width = max(len(t) for t in tables) + 1
+    spare = nb - 1 if all(nb - 1 not in t for t in tables) else nb - 2
+    bt = torch.tensor([t + [spare] * (width - len(t)) for t in tables], dtype=torch.int32)
+    kc = torch.randn(nb, page, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(nb, page, kvh, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
+    want = []
+    for i, n in enumerate(lens):
+        rows = [(tables[i][p // page], p % page) for p in range(n)]
+        k = torch.stack([kc[b, r] for b, r in rows]) if rows else torch.zeros(0, kvh, d)
+        v = torch.stack([vc[b, r] for b, r in rows]) if rows else torch.zeros(0, kvh, d)
+        want.append(naive.attend(q[i:i + 1], k, v, scale=d ** -0.5, causal=True)[0])
+    return q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), torch.stack(want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check (the GPU runs the script itself)")
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("heads,page,dtype", [((4, 4, 64), 16, torch.float32), ((8, 2, 64), 5, torch.float16),
+                                              ((4, 1, 80), 16, torch.float16)], ids=["mha-p16", "gqa-p5", "mqa-d80"])
+def test_paged_attention_baseline_equals_the_oracle(variant, heads, page, dtype):
+    """V1 (one program per head over the whole context) and V2 (32-token partitions here, so the
+    reduce merges up to 4), MHA/GQA/MQA, a page size that divides nothing; a sequence of length 0
+    outputs zeros."""
+    lens = [1, 37, 100, 0, 64]
+    q, kc, vc, bt, seq_lens, want = _paged_problem(lens, page, heads, dtype)
+    kernel = pab.baseline_for(heads[0], heads[1], heads[2], page, seq_lens, bt, max(lens), variant=variant,
+                              partition_size=32)
+    assert kernel.variant.startswith(variant.upper())
+    out = torch.full_like(q, 7.0)
+    kernel(q, kc, vc, out)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    assert (out[3] == 0).all()
+
+
+def test_paged_attention_baseline_refuses_bad_partitions():
+    lens = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="partition_size"):
+        pab.baseline_for(4, 4, 64, 16, lens, torch.zeros(1, 1, dtype=torch.int32), 3, variant="v2", partition_size=48)
+    with pytest.raises(ValueError, match="variant"):
+        pab.baseline_for(4, 4, 64, 16, lens, torch.zeros(1, 1, dtype=torch.int32), 3, variant="v3")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check (the GPU runs the script itself)")
+@pytest.mark.parametrize("impl", ["pa-baseline", "ca-triton-fp8"])
+def test_baseline_and_fp8_adapters(tiny_case, impl):
+    from compileattn.backends.triton import _mode
+
+    _mode.sync_interpreter_mode()
+    case, pc = tiny_case
+    kernel = dec.builder_for(impl, case, pc)()
+    tol = dec.FP8_TOLERANCE if impl == dec.FP8_IMPL else 1e-4
+    for r in range(case.rotations):
+        kernel.output().zero_()
+        kernel.fn(r)
+        err = common.rel_error(kernel.output().reshape(case.expected.shape), case.expected)
+        assert err < tol
+    if impl == dec.FP8_IMPL:
+        assert kernel.kv_bytes == 2 * case.k.numel() and err > 1e-3 and "fp8 KV" in kernel.note
+    else:
+        assert kernel.kv_bytes is None and kernel.note.startswith("V1")
+
+
+def _table_rows():
+    rows = []
+    for ctx, batch, page, impl, us in [
+        (1024, 1, 16, "ca-triton", 10.0), (1024, 1, 128, "ca-triton", 9.8), (1024, 1, 16, "pa-baseline", 30.0),
+        (1024, 1, 16, "fi-tc", 11.0), (1024, 1, 16, "ca-triton-fp8", 8.0),
+        (1024, 64, 16, "ca-triton", 70.0), (1024, 64, 16, "ca-flash", 60.0), (1024, 64, 128, "ca-triton", 55.0),
+        (1024, 64, 16, "pa-baseline", 90.0), (1024, 64, 16, "ca-triton-fp8", 38.0),
+    ]:
+        rows.append(_dec_row(0, impl, ctx, batch, page, us))
+    mha = _dec_row(0, "ca-triton", 1024, 1, 16, 20.0)
+    mha["shape"] = "mha32"
+    return rows + [mha]
+
+
+def test_kernel_table_and_fp8_rows():
+    chosen = dec.select([r for r in _table_rows() if dec.row_shape(r) == "gqa64x8"])
+    kt = {(e["context"], e["batch"]): e for e in dec.kernel_table(chosen)}
+    e1, e64 = kt[(1024, 1)], kt[(1024, 64)]
+    assert e1["vs_baseline"] == pytest.approx(10 / 30) and e1["speedup"] == pytest.approx(3.0)
+    assert e1["p16_vs_p128"] == pytest.approx(10 / 9.8) and e1["vs_fi"] == pytest.approx(10 / 11)
+    assert e64["ca16_impl"] == "ca-flash" and e64["p16_vs_p128"] == pytest.approx(60 / 55) and e64["fi_us"] is None
+    text = "\n".join(dec.render_kernel_table(list(kt.values())))
+    assert "0.33–0.67×" in text and "1.50–3.00×" in text and "in 1 of 2 cells" in text
+    ft = {(e["batch"]): e for e in dec.fp8_table(chosen)}
+    assert ft[64]["ratio"] == pytest.approx(38 / 70) and ft[1]["ratio"] == pytest.approx(0.8)
+    text = "\n".join(dec.render_fp8_table(list(ft.values())))
+    assert "At batch ≥ 64 (HBM-bound), fp8 ÷ bf16 GPU time: 0.54×" in text
+
+
+def test_report_has_a_section_per_shape_and_the_kv_waste(tmp_path):
+    payload = _dec_payload("x", _table_rows())
+    md = dec.render_markdown(payload)
+    assert md.index("## GQA 64/8") < md.index("### Kernel table") < md.index("## MHA 32/32")
+    assert "### fp8 KV cache against bf16" in md and "## KV-cache memory wasted by the block size" in md
+    assert common.try_plot(tmp_path / "p.png", dec.plot(payload)) is None
+
+
+def test_kv_waste_is_the_partly_empty_last_block():
+    rows = {r["block"]: r for r in dec.kv_waste_rows(lengths=range(1, 257), blocks=(1, 16, 256))}
+    assert rows[1]["waste_tokens"] == 0 and rows[1]["fit_vs_block1"] == 1.0
+    assert rows[16]["waste_tokens"] == pytest.approx(7.5)  # lengths spread evenly over 16 residues
+    assert rows[256]["mean_allocated"] == 256 and rows[256]["waste_tokens"] == pytest.approx(256 - 128.5)
+    assert rows[16]["waste_mib"] == pytest.approx(7.5 * dec.BYTES_PER_TOKEN_70B * 256 / common.MiB)
+    sample = dec.kv_waste_rows(blocks=(16, 128))
+    assert sample[0]["waste_tokens"] < sample[1]["waste_tokens"] and 0 < sample[0]["waste_share"] < 0.02
+    with pytest.raises(ValueError):
+        dec.kv_waste_rows(lengths=[0, 3])
+
+
+def test_kv_waste_alone_needs_no_gpu(tmp_path):
+    assert dec.main(["--kv-waste", "--out", str(tmp_path / "w")]) == 0
+    assert (tmp_path / "w.md").read_text().startswith("# KV-cache memory wasted")
 
 
 # -- latency: cells, merging, ratios, goals ----------------------------------------------------------

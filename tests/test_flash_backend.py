@@ -155,7 +155,7 @@ def test_fa4_refuses_paged_kv_when_its_tile_choice_is_unknown():
 class _Unsupported(AttentionBackend):
     name = "fake-unsupported"
 
-    def unsupported_reason(self, spec, dtype, device, block_size):
+    def unsupported_reason(self, spec, dtype, device, block_size, cache_dtype=None):
         return "fake-unsupported runs nothing"
 
 

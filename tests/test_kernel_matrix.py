@@ -55,13 +55,15 @@ def refusal(be, config: Config, device, window_left: int = -1) -> str | None:
     they are asked with a look-alike carrying the same fields.
     """
     fields = dict(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                  sliding_window=window_left, softcap=config.softcap, causal=config.causal)
+                  sliding_window=window_left, softcap=config.softcap, causal=config.causal,
+                  alibi_slopes=config.alibi_slopes)
     if config.head_dim in SUPPORTED_HEAD_DIMS:
         spec = AttentionSpec(**fields)
     else:
         spec = types.SimpleNamespace(scale=config.head_dim ** -0.5, **fields)
     block_size = config.page_size if config.paged else CONTIGUOUS_BLOCK_SIZE
-    return be.unsupported_reason(spec, config.dtype, torch.device(device), block_size)
+    cache_dtype = torch.float8_e4m3fn if config.kv_fp8 else config.dtype
+    return be.unsupported_reason(spec, config.dtype, torch.device(device), block_size, cache_dtype=cache_dtype)
 
 
 def run_backend(name: str, case: Case, t, device) -> torch.Tensor:
@@ -71,12 +73,14 @@ def run_backend(name: str, case: Case, t, device) -> torch.Tensor:
     out = torch.full_like(t.q, float("nan"))  # a row the backend does not write stays NaN
     if case.entry == "varlen":
         causal, right = (False, 0) if case.causal_as_window else (c.causal, -1)
+        slopes = None if c.alibi_slopes is None else torch.tensor(c.alibi_slopes, dtype=torch.float32, device=device)
         compileattn.flash_attn_varlen_func(
             t.q, t.k, t.v, t.cu_q, t.cu_k, t.max_q, t.max_k, softmax_scale=case.scale, causal=causal,
-            window_size=(case.window_left, right), softcap=c.softcap, block_table=t.block_table,
+            window_size=(case.window_left, right), softcap=c.softcap, alibi_slopes=slopes, block_table=t.block_table,
             seqused_k=t.seqused_k, out=out, backend=name)
         return out
-    spec = AttentionSpec(c.num_heads, c.num_kv_heads, c.head_dim, case.scale, case.window_left, c.softcap, c.causal)
+    spec = AttentionSpec(c.num_heads, c.num_kv_heads, c.head_dim, case.scale, case.window_left, c.softcap, c.causal,
+                         c.alibi_slopes)
     builder = AttentionMetadataBuilder(block_size=c.page_size, num_blocks=t.k.shape[0],
                                        max_num_tokens=t.q.shape[0] + 8, max_blocks_per_seq=t.block_table.shape[1],
                                        device=device, backend=name)
@@ -146,6 +150,8 @@ def documented_refusal(name: str, where: Where, config: Config) -> str | None:
                 return "CUDA is not available"
             if where.capability < (8, 0):
                 return "compute capability 8.0"
+            if config.kv_fp8 and where.capability < (8, 9):
+                return "compute capability 8.9"
         elif where.device_type == "cpu":
             if not where.interpreting:
                 return "TRITON_INTERPRET=1"
@@ -161,6 +167,10 @@ def documented_refusal(name: str, where: Where, config: Config) -> str | None:
             return "needs a CUDA device"
         if dtype not in FP16_BF16:
             return "float16/bfloat16"
+        if config.kv_fp8:
+            return "fp8 path needs q, k and v all fp8"
+        if config.alibi:
+            return "no ALiBi"
         family = where.capability[0]
         if family not in (9, 10, 11):
             return "paged KV only on SM90/SM100/SM110"
@@ -179,6 +189,8 @@ def documented_refusal(name: str, where: Where, config: Config) -> str | None:
             return "needs a CUDA device"
         if dtype not in FP16_BF16:
             return "float16/bfloat16"
+        if config.kv_fp8:
+            return "reads K/V in the queries' dtype only"
         if where.capability[0] < 8:
             return "SM80 or newer"
         if block_size % 256:
@@ -200,6 +212,15 @@ REFUSAL_PRODUCT = [
     for windowed in (False, True)
     for softcap in (0.0, 5.0)
     for layout in ("contiguous", 1, 16, 32, 64, 112, 128, 144, 256, 512)
+] + [  # ALiBi and fp8 KV caches, over fewer of the other axes
+    Config(dtype, d, h, kvh, causal, False, softcap, layout, alibi, kv_fp8)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32)
+    for d in (64, 96, 128, 256, 36)
+    for h, kvh in ((4, 4), (8, 2))
+    for causal in (True, False)
+    for softcap in (0.0, 5.0)
+    for layout in ("contiguous", 16, 128, 144)
+    for alibi, kv_fp8 in ((True, False), (False, True), (True, True))
 ]
 
 
@@ -229,6 +250,7 @@ GPU_AXES = dict(
     windowed=(False, True),
     softcap=(0.0, 5.0),
     layout=("contiguous", "contiguous+seqused", 1, 16, 32, 64, 128, 256),
+    alibi=(False, True),
 )
 GPU_CONFIGS = covering_configs(GPU_AXES, random.Random(SEED))
 GPU_CASES = sample_cases(GPU_CONFIGS, per_config=12, pool=GPU_SHAPES, seed=SEED)
@@ -296,6 +318,7 @@ CPU_AXES = dict(
     windowed=(False, True),
     softcap=(0.0, 5.0),
     layout=("contiguous", "contiguous+seqused", 1, 16, 32, 64, 128, 256),
+    alibi=(False, True),
 )
 CPU_CONFIGS = covering_configs(CPU_AXES, random.Random(SEED + 1))
 CPU_CASES = sample_cases(CPU_CONFIGS, per_config=3, pool=CPU_SHAPES, seed=SEED + 1)
@@ -307,9 +330,9 @@ INTERPRETER_CASES = sample_cases(INTERPRETER_CONFIGS, per_config=1, pool=CPU_SHA
 needs_interpreter = pytest.mark.skipif(CUDA, reason="interpreter tests (the GPU runs the compiled kernels)")
 
 
-def naive_oracle(q, k, v, *, scale, causal, window_left, softcap):
+def naive_oracle(q, k, v, *, scale, causal, window_left, softcap, alibi_slopes=None):
     return naive.attend(q.cpu(), k.cpu(), v.cpu(), scale=scale, causal=causal, window_left=window_left,
-                        softcap=softcap)
+                        softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c.case_id for c in CPU_CASES])
@@ -323,7 +346,8 @@ def test_float64_reference_is_the_oracle():
     for case in CPU_CASES[::7]:
         data = draw_data(case, "cpu")
         c = case.config
-        kw = dict(scale=case.softmax_scale, causal=c.causal, window_left=case.window_left, softcap=c.softcap)
+        kw = dict(scale=case.softmax_scale, causal=c.causal, window_left=case.window_left, softcap=c.softcap,
+                  alibi_slopes=c.alibi_slopes)
         for q, k, v in zip(data.qs, data.ks, data.vs):
             torch.testing.assert_close(attention_ref(q, k, v, compute_dtype=torch.float64, **kw),
                                        naive.attend(q, k, v, **kw), atol=1e-12, rtol=1e-12)

@@ -99,11 +99,12 @@ def test_half_activations_into_a_float_cache():
     md = builder().build(TWO_TOKENS)
     model = Layer().to(torch.float16)
     with set_forward_context(md, caches), torch.no_grad():
-        with pytest.raises(TypeError, match="query is torch.float16 but the layer's KV cache is torch.float32"):
+        with pytest.raises(TypeError,
+                           match="query is torch.float16 but the layer's KV cache takes torch.float32 queries"):
             model(*qkv(2, torch.float16))
     compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "eager"})
     with set_forward_context(md, caches), torch.no_grad(), pytest.raises(
-            TypeError, match="runs in torch.float16 but its KV cache is torch.float32"):
+            TypeError, match="runs in torch.float16 but its KV cache takes torch.float32 queries"):
         compiled(*qkv(2, torch.float16))
 
 

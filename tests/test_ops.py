@@ -17,6 +17,11 @@ import naive
 from compileattn import AttentionMetadataBuilder, AttentionSpec, KVCache, SequenceStep, set_forward_context
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+#: opcheck's utilities for calls with float8 tensors: all but ``test_schema``, whose SchemaCheckMode
+#: compares tensors with ops the CPU lacks for float8 ("mul_cpu_reduced_float" not implemented for
+#: 'Float8_e4m3fn', torch 2.13). The schema's aliasing is the same as with other dtypes, where
+#: ``test_schema`` runs.
+FP8_OPCHECK = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 OPS = ("write_kv_cache", "varlen_attention", "attention")
 #: op -> the arguments it may write, exactly (anything else written would corrupt a compiled graph).
 MUTATED = {
@@ -59,8 +64,23 @@ def test_opcheck_write_kv_cache(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck_write_kv_cache_quantizing(dtype):
+    """Into a float8_e4m3fn cache, with the per-KV-head scales."""
+    tables, t, rand = _step_tensors(dtype)
+    key, value = rand(t, KVH, D), rand(t, KVH, D)
+    key_cache = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D).to(torch.float8_e4m3fn)
+    value_cache = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D).to(torch.float8_e4m3fn)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE)[:t]
+    slots[-2:] = -1
+    scales = torch.tensor([0.05, 0.02]), torch.tensor([0.01, 0.03])
+    torch.library.opcheck(torch.ops.compileattn.write_kv_cache.default,
+                          (key, value, key_cache, value_cache, slots, "reference", *scales), test_utils=FP8_OPCHECK)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("extras", ["none", "alibi", "alibi+fp8"])
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
-def test_opcheck_varlen_attention(dtype, paged):
+def test_opcheck_varlen_attention(dtype, paged, extras):
     tables, t, rand = _step_tensors(dtype)
     q_lens = [q for q, _ in STEP]
     k_lens = [q + c for q, c in STEP]
@@ -77,7 +97,13 @@ def test_opcheck_varlen_attention(dtype, paged):
         k, v = rand(sum(k_lens), KVH, D), rand(sum(k_lens), KVH, D)
         bt, cu_k, seqused = None, naive.cu_seqlens(k_lens), None
     args = (q, k, v, out, cu_q, cu_k, seqused, bt, max(q_lens), max(k_lens), D ** -0.5, True, 3, 5.0, "reference")
-    torch.library.opcheck(torch.ops.compileattn.varlen_attention.default, args)
+    if extras != "none":
+        args += (torch.tensor([0.5, 0.25, 0.125, 0.0625]),)
+    if extras == "alibi+fp8":
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        args = args[:1] + (k, v) + args[3:] + (torch.tensor([0.5, 2.0]), torch.tensor([1.5, 0.25]))
+    utils = FP8_OPCHECK if extras == "alibi+fp8" else ("test_schema", *FP8_OPCHECK)
+    torch.library.opcheck(torch.ops.compileattn.varlen_attention.default, args, test_utils=utils)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -57,6 +57,16 @@ def test_each_rank_keeps_the_kv_heads_its_query_heads_use(heads, kv, tp):
     assert seen_q == list(range(heads))
 
 
+def test_each_rank_keeps_the_alibi_slopes_of_its_query_heads():
+    from compileattn import AttentionSpec, alibi_slopes
+
+    full = AttentionSpec(16, 4, 64, sliding_window=7, alibi_slopes=alibi_slopes(16))
+    per_rank = [HeadShard(16, 4, rank, 4).spec(full) for rank in range(4)]
+    assert [s.alibi_slopes for s in per_rank] == [full.alibi_slopes[4 * r:4 * r + 4] for r in range(4)]
+    assert all(s.sliding_window == 7 and s.num_heads == 4 for s in per_rank)
+    assert HeadShard(16, 4, 1, 4).spec(AttentionSpec(16, 4, 64)).alibi_slopes is None
+
+
 @pytest.mark.parametrize("heads,kv,tp,match", [(6, 2, 4, "num_heads"), (12, 6, 4, "num_kv_heads"),
                                                (12, 4, 6, "multiple of num_kv_heads"), (8, 3, 2, "divisible")])
 def test_head_layouts_that_cannot_be_sharded_are_refused(heads, kv, tp, match):

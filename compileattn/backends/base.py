@@ -2,9 +2,9 @@
 
 A backend answers two questions and offers two ways in:
 
-- ``unsupported_reason``: can it run a layer of this shape, dtype, device and page size? (The
-  selector asks before it chooses; a backend that cannot run a configuration says why, it never
-  runs it wrongly.)
+- ``unsupported_reason``: can it run a layer of this shape, dtype, device, page size and cache
+  dtype? (The selector asks before it chooses; a backend that cannot run a configuration says
+  why, it never runs it wrongly.)
 - ``prepare_attend``: once per step shape (not per layer call), bind everything a layer's
   attention needs except the query and the output, and return the call ``attend(query, output)``.
   The eager op between CUDA-graph replays does nothing else per layer but look that call up and
@@ -74,6 +74,15 @@ class PersistentBuffers:
         view.copy_(host, non_blocking=True)
         return view
 
+    def constant(self, values: tuple[float, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A device tensor holding ``values``, made once and kept (a prepared call binds it, e.g.
+        a layer's ALiBi slopes): the same values give the same tensor."""
+        name = f"constant.{dtype}.{values!r}"
+        buf = self._buffers.get(name)
+        if buf is None:
+            buf = self._buffers[name] = torch.tensor(values, dtype=dtype, device=self.device)
+        return buf
+
 
 class AttentionBackend:
     """One family of attention kernels. Instances are shared (one per device type)."""
@@ -87,20 +96,27 @@ class AttentionBackend:
         self.device_type = device_type
 
     def unsupported_reason(self, spec: Any, dtype: torch.dtype, device: torch.device,
-                           block_size: int) -> str | None:
+                           block_size: int, cache_dtype: torch.dtype | None = None) -> str | None:
         """None if this backend runs the configuration, else a one-line reason (logged on
-        fallback). ``block_size`` is the KV page size (for contiguous K/V: 0)."""
+        fallback). ``dtype`` is the queries', ``cache_dtype`` the K/V storage dtype (None: the
+        same; float8_e4m3fn: a quantized cache); ``block_size`` the KV page size (for contiguous
+        K/V: 0); ``spec.alibi_slopes`` not None: ALiBi."""
         return None
 
     def prepare_attend(self, shape: StepShape, tensors: StepTensors, spec: Any, dtype: torch.dtype,
-                       key_cache: torch.Tensor, value_cache: torch.Tensor, buffers: PersistentBuffers) -> AttendCall:
+                       key_cache: torch.Tensor, value_cache: torch.Tensor, buffers: PersistentBuffers,
+                       kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttendCall:
         """``attend(query, output)`` for one layer in steps of ``shape``: query and output are
-        contiguous (num_tokens, num_heads, head_dim), the caches already hold this step's K/V."""
+        contiguous (num_tokens, num_heads, head_dim) of ``dtype``, the caches already hold this
+        step's K/V. ``kv_scales``: a quantized cache's (k_scale, v_scale) per KV head (float32)."""
         raise NotImplementedError
 
     def varlen_attention(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                          max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-                         window_left: int, softcap: float) -> None:
+                         window_left: int, softcap: float, alibi_slopes: torch.Tensor | None = None,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        """The generic path: ``alibi_slopes`` float32 (num_heads,); ``k_scale``/``v_scale`` float32
+        (kv_heads,) when k/v are float8_e4m3fn (read as ``stored * scale``)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -17,6 +17,8 @@ Constraints that shape the backend:
   and each split covers ``max_seqlen_k / num_splits`` keys: passing the true per-step maximum would
   silently drop keys when a graph is replayed with longer sequences, so the bound passed is the
   block table's capacity (``max_blocks_per_seq * block_size``);
+- ALiBi is FlashAttention-2's own ``alibi_slopes`` (float32, (num_heads,)): the same bias,
+  ``-slope * |query position - key position|`` after scale and softcap;
 - for decode with GQA it swaps query heads into the sequence dimension and, when ``out`` is given,
   writes into a reshaped *copy* of it, returning the result; ``fwd`` copies it back when needed.
 
@@ -59,12 +61,15 @@ class FA2Backend(AttentionBackend):
         super().__init__(device_type)
         self.ext, self.version = load()
 
-    def unsupported_reason(self, spec, dtype: torch.dtype, device: torch.device, block_size: int) -> str | None:
+    def unsupported_reason(self, spec, dtype: torch.dtype, device: torch.device, block_size: int,
+                           cache_dtype: torch.dtype | None = None) -> str | None:
         device = torch.device(device)
         if device.type != "cuda":
             return f"FlashAttention-2 needs a CUDA device, got {device.type}"
         if dtype not in (torch.float16, torch.bfloat16):
             return f"FlashAttention-2 runs float16/bfloat16 only, got {dtype}"
+        if cache_dtype not in (None, dtype):
+            return f"FlashAttention-2 reads K/V in the queries' dtype only, not a {cache_dtype} cache"
         major, _ = torch.cuda.get_device_capability(device)
         if major < 8:
             return f"FlashAttention-2 needs SM80 or newer, this GPU is SM{major}x"
@@ -74,11 +79,12 @@ class FA2Backend(AttentionBackend):
             return f"FlashAttention-2 needs head_dim <= 256 divisible by 8, got {spec.head_dim}"
         return None
 
-    def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers):
+    def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers, kv_scales=None):
         cu_k = buffers.get(f"fa2.cu_seqlens_k.{shape.num_seqs}", (shape.num_seqs + 1,), torch.int32)
         max_k = tensors.block_table.shape[1] * shape.block_size
+        alibi = buffers.constant(spec.alibi_slopes) if spec.alibi_slopes is not None else None
         args = (tensors.query_start_loc, cu_k, tensors.seq_lens, tensors.block_table, shape.max_query_len, max_k,
-                spec.scale, spec.causal, spec.sliding_window, spec.softcap)
+                spec.scale, spec.causal, spec.sliding_window, spec.softcap, alibi)
         fwd = self.fwd
 
         def attend(q, out):
@@ -87,18 +93,19 @@ class FA2Backend(AttentionBackend):
         return attend
 
     def fwd(self, q, k, v, out, cu_q, cu_k, used_k, table, max_q, max_k, scale, causal, window_left,
-            softcap) -> None:
-        res = self.ext.varlen_fwd(q, k, v, out, cu_q, cu_k, used_k, None, table, None, max_q, max_k, 0.0,
+            softcap, alibi_slopes=None) -> None:
+        res = self.ext.varlen_fwd(q, k, v, out, cu_q, cu_k, used_k, None, table, alibi_slopes, max_q, max_k, 0.0,
                                   scale, False, causal, window_left, 0 if causal else -1, softcap, False,
                                   None)[0]
         if res.data_ptr() != out.data_ptr():  # the GQA-decode head swap wrote into a copy
             out.copy_(res.reshape(out.shape))
 
     def varlen_attention(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-                         max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
+                         max_seqlen_k, softmax_scale, causal, window_left, softcap, alibi_slopes=None, k_scale=None,
+                         v_scale=None) -> None:
         if cu_seqlens_k is None:  # paged: FA2 wants cu_seqlens_k for its shape only
             cu_seqlens_k = torch.zeros_like(cu_seqlens_q)
         if block_table is not None:
             max_seqlen_k = max(max_seqlen_k, block_table.shape[1] * k.shape[1])
         self.fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-                 max_seqlen_k, softmax_scale, causal, window_left, softcap)
+                 max_seqlen_k, softmax_scale, causal, window_left, softcap, alibi_slopes)

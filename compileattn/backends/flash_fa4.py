@@ -183,12 +183,20 @@ class FA4Backend(AttentionBackend):
             arch = self._arch[index] = major * 10 + minor
         return arch
 
-    def unsupported_reason(self, spec, dtype: torch.dtype, device: torch.device, block_size: int) -> str | None:
+    def unsupported_reason(self, spec, dtype: torch.dtype, device: torch.device, block_size: int,
+                           cache_dtype: torch.dtype | None = None) -> str | None:
         device = torch.device(device)
         if device.type != "cuda":
             return f"FlashAttention-4 needs a CUDA device, got {device.type}"
         if dtype not in (torch.float16, torch.bfloat16):
             return f"FlashAttention-4 runs float16/bfloat16 only, got {dtype}"
+        if cache_dtype not in (None, dtype):
+            # interface.py l.806 (q, k, v one dtype) and l.925 (fp8 only on SM100).
+            return (f"FlashAttention-4 cannot read a {cache_dtype} KV cache with {dtype} queries: its fp8 path "
+                    f"needs q, k and v all fp8 and runs on SM100 only")
+        if spec.alibi_slopes is not None:
+            # A score_mod could add the bias, but softcap already takes that hook (l.1103).
+            return "FlashAttention-4 has no ALiBi (no alibi_slopes argument)"
         arch = self.arch(device)
         family = arch // 10
         if family not in ARG_LAYOUTS:
@@ -235,7 +243,7 @@ class FA4Backend(AttentionBackend):
     def kernel_key(self, spec, dtype, shape) -> tuple:
         return (spec, dtype, shape.block_size, shape.max_query_len, shape.num_seqs > BIG_BATCH)
 
-    def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers):
+    def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers, kv_scales=None):
         step = {"cu_q": tensors.query_start_loc, "used_k": tensors.seq_lens, "table": tensors.block_table}
         key = self.kernel_key(spec, dtype, shape)
         if key not in self._templates:
@@ -323,8 +331,10 @@ class FA4Backend(AttentionBackend):
     # -- public op -----------------------------------------------------------------------------
 
     def varlen_attention(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-                         max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
-        """The public op through FA4's public ``flash_attn_varlen_func`` (correctness over speed)."""
+                         max_seqlen_k, softmax_scale, causal, window_left, softcap, alibi_slopes=None, k_scale=None,
+                         v_scale=None) -> None:
+        """The public op through FA4's public ``flash_attn_varlen_func`` (correctness over speed).
+        ALiBi and fp8 K/V never reach it (``unsupported_reason``)."""
         paged = block_table is not None
         res = self.fa.flash_attn_varlen_func(
             q.detach(), k.detach(), v.detach(), cu_seqlens_q=cu_seqlens_q,

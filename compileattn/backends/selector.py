@@ -117,8 +117,9 @@ def _candidates(requested: str | AttentionBackend, regime: str) -> list[str | At
 
 
 def choose(requested: str | AttentionBackend, spec, dtype: torch.dtype, device: torch.device, block_size: int,
-           regime: str) -> AttentionBackend:
-    """The backend that runs a layer of ``spec`` when ``requested`` was asked for (see module doc)."""
+           regime: str, cache_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend that runs a layer of ``spec`` when ``requested`` was asked for (see module doc);
+    ``dtype`` is the queries', ``cache_dtype`` the K/V storage dtype (None: the same)."""
     device = torch.device(device)
     first_reason = None
     for cand in _candidates(requested, regime):
@@ -127,7 +128,7 @@ def choose(requested: str | AttentionBackend, spec, dtype: torch.dtype, device: 
         except ImportError as exc:
             reason = f"not importable: {exc}"
         else:
-            reason = backend.unsupported_reason(spec, dtype, device, block_size)
+            reason = backend.unsupported_reason(spec, dtype, device, block_size, cache_dtype=cache_dtype)
             if reason is None:
                 if first_reason is not None:
                     _log_fallback_once(first_reason[0], backend.name, first_reason[1])
@@ -136,7 +137,8 @@ def choose(requested: str | AttentionBackend, spec, dtype: torch.dtype, device: 
         if first_reason is None:
             first_reason = (name, reason)
     requested_name = requested.name if isinstance(requested, AttentionBackend) else requested
-    raise ValueError(f"no attention backend runs {spec} with dtype {dtype} on {device} (block size {block_size}) "
+    kv = "" if cache_dtype in (None, dtype) else f", K/V stored as {cache_dtype}"
+    raise ValueError(f"no attention backend runs {spec} with dtype {dtype}{kv} on {device} (block size {block_size}) "
                      f"for attention_backend={requested_name!r}; {first_reason[0]}: {first_reason[1]}")
 
 
@@ -149,29 +151,37 @@ def regime_of(device: torch.device, uniform_decode: bool) -> str:
 # -- the public ops: unprepared, one call at a time ------------------------------------------------
 
 def run_varlen(requested: str, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-               max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
-    """``compileattn::varlen_attention``: the chosen backend's generic path."""
-    spec = AttentionSpec(q.shape[1], k.shape[-2], q.shape[-1], softmax_scale, window_left, softcap, causal)
+               max_seqlen_k, softmax_scale, causal, window_left, softcap, alibi_slopes=None, k_scale=None,
+               v_scale=None) -> None:
+    """``compileattn::varlen_attention``: the chosen backend's generic path.
+
+    The slopes stay in their device tensor (reading them would sync the host): the spec the choice
+    is made on carries zeros in their place, as support depends on ALiBi being on, not on its values.
+    """
+    alibi = (0.0,) * q.shape[1] if alibi_slopes is not None else None
+    spec = AttentionSpec(q.shape[1], k.shape[-2], q.shape[-1], softmax_scale, window_left, softcap, causal, alibi)
     block_size = k.shape[1] if block_table is not None else 0
     regime = regime_of(q.device, block_table is not None and max_seqlen_q == 1)
-    choose(requested, spec, q.dtype, q.device, block_size, regime).varlen_attention(
+    choose(requested, spec, q.dtype, q.device, block_size, regime, k.dtype).varlen_attention(
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_left, softcap)
+        softmax_scale, causal, window_left, softcap, alibi_slopes, k_scale, v_scale)
 
 
-def run_write(requested: str, key, value, key_cache, value_cache, slot_mapping) -> None:
+def run_write(requested: str, key, value, key_cache, value_cache, slot_mapping, k_scale=None,
+              v_scale=None) -> None:
     """``compileattn::write_kv_cache``: Triton's kernel when the Triton backend runs here, else torch."""
     name = check_backend_name(requested)
-    if _triton_writes(key.device, key.dtype, key_cache.shape[1], name, name):
-        get_backend("triton", key.device).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    if _triton_writes(key.device, key.dtype, key_cache.shape[1], name, name, key_cache.dtype):
+        get_backend("triton", key.device).write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
+                                                         v_scale)
     elif key.device.type == "cuda":
-        write_kv_padded(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_padded(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_masked(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_masked(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def _triton_writes(device: torch.device, dtype: torch.dtype, block_size: int, requested: str,
-                   attention: str) -> bool:
+                   attention: str, cache_dtype: torch.dtype | None = None) -> bool:
     """Whether Triton's KV-write kernel writes a layer whose attention runs on backend ``attention``
     when ``requested`` was asked for (see the module doc)."""
     if attention != "triton" and (device.type != "cuda" or requested == "reference"):
@@ -180,7 +190,7 @@ def _triton_writes(device: torch.device, dtype: torch.dtype, block_size: int, re
         triton = get_backend("triton", device)
     except ImportError:
         return False
-    return triton.unsupported_reason(AttentionSpec(1, 1, 64), dtype, device, block_size) is None
+    return triton.unsupported_reason(AttentionSpec(1, 1, 64), dtype, device, block_size, cache_dtype) is None
 
 
 # -- per step: the call table ----------------------------------------------------------------------
@@ -215,12 +225,14 @@ class KernelSelector:
     def requested_name(self) -> str:
         return self.requested.name if isinstance(self.requested, AttentionBackend) else self.requested
 
-    def backend_for(self, spec, dtype: torch.dtype, block_size: int, uniform_decode: bool) -> AttentionBackend:
+    def backend_for(self, spec, dtype: torch.dtype, block_size: int, uniform_decode: bool,
+                    cache_dtype: torch.dtype | None = None) -> AttentionBackend:
         regime = regime_of(self.device, uniform_decode)
-        key = (spec, dtype, block_size, regime)
+        key = (spec, dtype, cache_dtype, block_size, regime)
         backend = self._choices.get(key)
         if backend is None:
-            backend = self._choices[key] = choose(self.requested, spec, dtype, self.device, block_size, regime)
+            backend = self._choices[key] = choose(self.requested, spec, dtype, self.device, block_size, regime,
+                                                  cache_dtype)
         return backend
 
     def call_table(self, shape: StepShape, tensors: StepTensors, kv_caches: Mapping[str, Any]) -> CallTable:
@@ -238,20 +250,20 @@ class KernelSelector:
         capturable = True
         indices = None  # the torch writer's per-step indices, shared by its layers
         for name, cache in kv_caches.items():
-            spec, dtype = cache.spec, cache.dtype
-            backend = self.backend_for(spec, dtype, shape.block_size, shape.uniform_decode)
+            spec, dtype, scales = cache.spec, cache.query_dtype, cache.kv_scales
+            backend = self.backend_for(spec, dtype, shape.block_size, shape.uniform_decode, cache.dtype)
             backends[name] = backend
             attend[name] = backend.prepare_attend(shape, tensors, spec, dtype, cache.key_cache, cache.value_cache,
-                                                  self.buffers)
-            if _triton_writes(self.device, dtype, shape.block_size, self.requested_name, backend.name):
-                write[name] = get_backend("triton", self.device).prepare_write(shape, tensors, spec,
-                                                                               cache.key_cache, cache.value_cache)
+                                                  self.buffers, scales)
+            if _triton_writes(self.device, dtype, shape.block_size, self.requested_name, backend.name, cache.dtype):
+                write[name] = get_backend("triton", self.device).prepare_write(
+                    shape, tensors, spec, cache.key_cache, cache.value_cache, kv_scales=scales)
             else:
                 if self.device.type == "cuda" and indices is None:
                     indices = StepWriteIndices(shape.num_tokens, tensors, self.buffers)
                 write[name] = prepare_torch_write(cache.key_cache, cache.value_cache,
                                                   indices if self.device.type == "cuda" else None,
-                                                  tensors.slot_mapping)
+                                                  tensors.slot_mapping, kv_scales=scales)
             capturable = capturable and backend.capturable
         return CallTable(attend, write, backends, capturable, kv_caches,
                          (indices.refresh,) if indices is not None else ())

@@ -139,9 +139,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             cache = caches.get(layer)
             if cache is None:
                 raise context.missing_layer_error(layer)
-            if cache.dtype != sig.dtype:
-                raise TypeError(f"layer {layer!r}: the model's attention runs in {sig.dtype} but its KV cache is "
-                                f"{cache.dtype}; allocate caches in the model's dtype")
+            if cache.query_dtype != sig.dtype:
+                raise TypeError(f"layer {layer!r}: the model's attention runs in {sig.dtype} but its KV cache takes "
+                                f"{cache.query_dtype} queries; allocate caches for the model's dtype")
             spec = cache.spec
             if (spec.num_heads, spec.head_dim) != (sig.num_heads, sig.head_dim):
                 raise ValueError(f"layer {layer!r}: the model passes {sig.num_heads} query heads of {sig.head_dim}, "

@@ -64,11 +64,16 @@ class HeadShard:
         return range(first, first + 1)
 
     def spec(self, full: AttentionSpec) -> AttentionSpec:
-        """This rank's spec of a layer whose unsharded spec is ``full`` (same scale, window, softcap)."""
+        """This rank's spec of a layer whose unsharded spec is ``full`` (same scale, window, softcap;
+        the ALiBi slopes of this rank's query heads)."""
         if (full.num_heads, full.num_kv_heads) != (self.num_heads, self.num_kv_heads):
             raise ValueError(f"spec has {full.num_heads}/{full.num_kv_heads} heads, shard is for "
                              f"{self.num_heads}/{self.num_kv_heads}")
-        return dataclasses.replace(full, num_heads=self.local_heads, num_kv_heads=self.local_kv_heads)
+        slopes = full.alibi_slopes
+        if slopes is not None:
+            slopes = slopes[self.q_heads.start:self.q_heads.stop]
+        return dataclasses.replace(full, num_heads=self.local_heads, num_kv_heads=self.local_kv_heads,
+                                   alibi_slopes=slopes)
 
 
 def head_rows(heads: range, head_dim: int, offset: int = 0) -> torch.Tensor:

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from ...kv_cache import SUPPORTED_HEAD_DIMS
+from ...kv_cache import SUPPORTED_HEAD_DIMS, is_fp8
 from ..base import AttentionBackend
 from ..kv_write import write_kv_padded
 from . import _mode
@@ -47,13 +47,15 @@ class TritonBackend(AttentionBackend):
 
     # -- support ----------------------------------------------------------------------------
 
-    def unsupported_reason(self, spec, dtype, device, block_size) -> str | None:
+    def unsupported_reason(self, spec, dtype, device, block_size, cache_dtype=None) -> str | None:
         device = torch.device(device)
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 return "CUDA is not available"
             if torch.cuda.get_device_capability(device) < (8, 0):
                 return "the Triton kernels need compute capability 8.0+ (bf16 tensor-core dots)"
+            if is_fp8(cache_dtype) and torch.cuda.get_device_capability(device) < (8, 9):
+                return "an fp8 KV cache needs compute capability 8.9+ (Triton's e4m3 conversions)"
         elif device.type == "cpu":
             if not _mode.interpreting():
                 return "Triton runs on the CPU only under TRITON_INTERPRET=1"
@@ -75,51 +77,57 @@ class TritonBackend(AttentionBackend):
             launch = self._launches[key] = make()
         return launch
 
-    def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers):
+    def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers, kv_scales=None):
+        has_alibi, scaled = spec.alibi_slopes is not None, kv_scales is not None
         if shape.uniform_decode:
             # ``buffers`` in the key: the launch holds its builder's split-KV scratch, and one backend
             # instance serves every builder in the process (two engines must not share partials).
-            launch = self._memo(("decode", spec, dtype, shape.num_seqs, shape.block_size, key_cache.device,
+            launch = self._memo(("decode", spec, dtype, scaled, shape.num_seqs, shape.block_size, key_cache.device,
                                  self.tuning, buffers),
                                 lambda: self._decode_launch(shape.num_seqs, spec.num_heads, spec.num_kv_heads,
                                                             spec.head_dim, shape.block_size, dtype, _softmax(spec),
-                                                            key_cache.device, _persistent_scratch(buffers)))
+                                                            key_cache.device, _persistent_scratch(buffers),
+                                                            has_alibi, scaled))
         else:
-            launch = self._memo(("unified", spec, dtype, shape.num_tokens, shape.num_seqs, shape.block_size,
-                                 key_cache.device,
-                                 self.tuning),
+            launch = self._memo(("unified", spec, dtype, scaled, shape.num_tokens, shape.num_seqs, shape.block_size,
+                                 key_cache.device, self.tuning),
                                 lambda: UnifiedLaunch(unified_config(spec.group_size, spec.head_dim, dtype, self.tuning),
                                                       shape.num_tokens, shape.num_seqs, spec.num_heads,
                                                       spec.num_kv_heads, spec.head_dim, shape.block_size, dtype,
-                                                      _softmax(spec), spec.causal, paged=True, has_seq_lens=True))
+                                                      _softmax(spec), spec.causal, paged=True, has_seq_lens=True,
+                                                      has_alibi=has_alibi, kv_scaled=scaled))
+        alibi = buffers.constant(spec.alibi_slopes) if has_alibi else None
         return launch.bind(key_cache, value_cache, tensors.query_start_loc, tensors.seq_lens, tensors.block_table,
-                           spec.num_heads, spec.head_dim)
+                           spec.num_heads, spec.head_dim, alibi, kv_scales)
 
-    def prepare_write(self, shape, tensors, spec, key_cache, value_cache):
-        """``write(key, value)`` for one layer: the KV-write kernel with the step's slot mapping."""
-        launch = self._memo(("write", shape.num_tokens, spec.num_kv_heads, spec.head_dim, shape.block_size),
+    def prepare_write(self, shape, tensors, spec, key_cache, value_cache, kv_scales=None):
+        """``write(key, value)`` for one layer: the KV-write kernel with the step's slot mapping
+        (quantizing into an fp8 cache with ``kv_scales``)."""
+        quant = kv_scales is not None
+        launch = self._memo(("write", shape.num_tokens, spec.num_kv_heads, spec.head_dim, shape.block_size, quant),
                             lambda: KVWriteLaunch(shape.num_tokens, spec.num_kv_heads, spec.head_dim,
-                                                  shape.block_size))
-        return launch.bind(key_cache, value_cache, tensors.slot_mapping)
+                                                  shape.block_size, quant))
+        return launch.bind(key_cache, value_cache, tensors.slot_mapping, kv_scales)
 
     # -- public primitives (functional API; not the per-layer hot path) ----------------------
 
-    def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         if not _last_dim_contiguous(key, value, key_cache, value_cache):  # the kernel assumes a unit-stride head dim
-            write_kv_padded(key, value, key_cache, value_cache, slot_mapping)
+            write_kv_padded(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
             return
-        KVWriteLaunch(slot_mapping.shape[0], key.shape[1], key.shape[2], key_cache.shape[1])(
-            key, value, key_cache, value_cache, slot_mapping)
+        KVWriteLaunch(slot_mapping.shape[0], key.shape[1], key.shape[2], key_cache.shape[1], k_scale is not None)(
+            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def varlen_attention(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, softcap) -> None:
+                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, softcap,
+                         alibi_slopes=None, k_scale=None, v_scale=None) -> None:
         """Paged with max_seqlen_q == 1 runs the decode kernel, everything else the unified one
         (contiguous K/V included: the tile loader addresses rows ``cu_seqlens_k[s] + pos``)."""
         if not _last_dim_contiguous(q, k, v, out) or k.stride() != v.stride():
             tmp = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             self.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), tmp, cu_seqlens_q, cu_seqlens_k,
                                   seqused_k, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                                  window_left, softcap)
+                                  window_left, softcap, alibi_slopes, k_scale, v_scale)
             out.copy_(tmp)
             return
         num_seqs = cu_seqlens_q.shape[0] - 1
@@ -129,22 +137,26 @@ class TritonBackend(AttentionBackend):
         kv_heads = k.shape[-2]
         paged = block_table is not None
         sm = Softmax(float(softmax_scale), float(softcap), int(window_left))
+        has_alibi = alibi_slopes is not None
+        kv_scales = (k_scale, v_scale) if k_scale is not None else None
         if paged and max_seqlen_q == 1:
             launch = self._decode_launch(num_seqs, num_heads, kv_heads, head_dim, k.shape[1], q.dtype, sm,
-                                         q.device, _fresh_scratch(q.device))
-            launch(q, k, v, out, cu_seqlens_q, seqused_k, block_table)
+                                         q.device, _fresh_scratch(q.device), has_alibi, kv_scales is not None)
+            launch(q, k, v, out, cu_seqlens_q, seqused_k, block_table, alibi_slopes, kv_scales)
         else:
             cfg = unified_config(num_heads // kv_heads, head_dim, q.dtype, self.tuning)
             launch = UnifiedLaunch(cfg, num_tokens, num_seqs, num_heads, kv_heads, head_dim,
                                    k.shape[1] if paged else 1, q.dtype, sm, bool(causal), paged,
-                                   seqused_k is not None)
-            launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+                                   seqused_k is not None, has_alibi, kv_scales is not None)
+            launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, kv_scales)
 
-    def _decode_launch(self, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, device, buffers):
+    def _decode_launch(self, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, device, buffers,
+                       has_alibi=False, kv_scaled=False):
         cfg = decode_config(num_heads // kv_heads, head_dim, dtype, block_size, self.tuning)
         index = device.index if device.type == "cuda" else None
         splits = num_splits(num_seqs, kv_heads, sm_count(device.type, index), self.tuning)
-        return DecodeLaunch(cfg, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, splits, buffers)
+        return DecodeLaunch(cfg, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, splits, buffers,
+                            has_alibi, kv_scaled)
 
 
 @functools.lru_cache(maxsize=256)

@@ -18,17 +18,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile import attend_range, finish_rows, key_ranges
+from .tile import attend_range, finish_rows, head_constants, key_ranges
 
 
 @triton.jit
 def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, cu_q, seq_lens, block_table,
+                  alibi_ptr, k_scale_ptr, v_scale_ptr,
                   stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_kb, stride_kp, stride_kh, stride_bt,
                   qk_scale, cap, window,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  KV_SCALED: tl.constexpr, PRECISION: tl.constexpr,
                   NUM_STAGES: tl.constexpr, TAIL_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -50,6 +52,9 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, cu_q, seq_
     q = tl.load(q_ptr + tok64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
+    alibi, qk_scale, v_scale = head_constants(alibi_ptr, k_scale_ptr, v_scale_ptr, kvh, heads, offs_m < GROUP,
+                                              qk_scale, HAS_ALIBI, KV_SCALED)
+
     q_last = kv_len - 1
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + q_last
     k_lo, k_hi, body_lo, body_hi = key_ranges(kv_len, q_last, q_last, window, BLOCK_N, False, HAS_WINDOW)
@@ -66,11 +71,11 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, cu_q, seq_
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = attend_range(acc, m_i, l_i, q, q_pos, k_cache + kvh * stride_kh, v_cache + kvh * stride_kh,
                                  block_table + seq.to(tl.int64) * stride_bt, 0, s0, s1, body_lo, body_hi, kv_len,
-                                 stride_kb, stride_kp, offs_d, qk_scale, cap, window,
-                                 HEAD_DIM, D_PAD, PAGE, BLOCK_N, True, False, HAS_WINDOW, HAS_SOFTCAP,
+                                 stride_kb, stride_kp, offs_d, qk_scale, cap, window, alibi,
+                                 HEAD_DIM, D_PAD, PAGE, BLOCK_N, True, False, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
                                  PRECISION, NUM_STAGES, TAIL_STAGES, INTERPRET)
 
-    o = finish_rows(acc, l_i)
+    o = finish_rows(acc, l_i, v_scale)
     if SPLIT:
         # A split that saw no key weighs nothing; a NaN sum (a NaN score) gives a NaN lse, which
         # makes every weight of the combine, and so the row, NaN.

@@ -6,6 +6,9 @@ Each launcher has two ways in. ``bind(...)`` returns the per-layer prepared call
 strides and the softmax constants already in its argument tuple: the eager op between CUDA-graph
 replays pays one closure frame and Triton's own binder, nothing else. ``__call__`` is the
 unprepared form for the public entry points, which reads strides per call.
+
+Optional tensors a kernel does not use (no ALiBi, an unquantized cache) are passed as another
+tensor of the call: the kernel's constexpr flags compile their loads away.
 """
 from __future__ import annotations
 
@@ -40,38 +43,45 @@ def _launch_kwargs(grid: tuple[int, ...], **constexprs) -> dict:
     return dict(constexprs, grid=grid, warmup=False)
 
 
+def _or(tensor, stand_in):
+    return stand_in if tensor is None else tensor
+
+
 class KVWriteLaunch:
     """The KV-write kernel for one (token count, layer shape, page size)."""
 
     __slots__ = ("run", "kwargs")
 
-    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, block_size: int):
+    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, block_size: int, quantize: bool = False):
         d_pad = next_pow2(head_dim)
         heads = min(next_pow2(num_kv_heads), max(1, 4096 // d_pad))
         grid = (num_slots, math.ceil(num_kv_heads / heads))
         self.run = kv_write.kv_write_kernel.run if num_slots else None
         self.kwargs = _launch_kwargs(grid, BLOCK_SIZE=block_size, HEADS=heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-                                     num_warps=4)
+                                     QUANT=quantize, num_warps=4)
 
-    def __call__(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def __call__(self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         """Key/value may be strided views (a fused projection); the head dim must be unit-stride."""
         if self.run is None:
             return
         kc, vc = key_cache.stride(), value_cache.stride()
-        self.run(key, value, key_cache, value_cache, slot_mapping, key.shape[1], key.stride(0), key.stride(1),
+        self.run(key, value, key_cache, value_cache, slot_mapping, _or(k_scale, slot_mapping),
+                 _or(v_scale, slot_mapping), key.shape[1], key.stride(0), key.stride(1),
                  value.stride(0), value.stride(1), kc[0], kc[1], kc[2], vc[0], vc[1], vc[2], **self.kwargs)
 
-    def bind(self, key_cache, value_cache, slot_mapping):
-        """``write(key, value)`` for one layer's caches and the step's slot mapping."""
+    def bind(self, key_cache, value_cache, slot_mapping, kv_scales=None):
+        """``write(key, value)`` for one layer's caches and the step's slot mapping (and a quantized
+        cache's ``(k_scale, v_scale)``)."""
         if self.run is None:
             return lambda key, value: None
         kc, vc = key_cache.stride(), value_cache.stride()
         cache_strides = (kc[0], kc[1], kc[2], vc[0], vc[1], vc[2])
+        k_scale, v_scale = kv_scales if kv_scales is not None else (slot_mapping, slot_mapping)
         run, kwargs = self.run, self.kwargs
 
         def write(key, value):
-            run(key, value, key_cache, value_cache, slot_mapping, key.shape[1], key.stride(0), key.stride(1),
-                value.stride(0), value.stride(1), *cache_strides, **kwargs)
+            run(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, key.shape[1], key.stride(0),
+                key.stride(1), value.stride(0), value.stride(1), *cache_strides, **kwargs)
 
         return write
 
@@ -82,7 +92,8 @@ class DecodeLaunch:
     __slots__ = ("run", "kwargs", "combine_run", "combine_kwargs", "splits", "sm", "o_part", "lse_part")
 
     def __init__(self, cfg: DecodeConfig, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int, dtype: torch.dtype, sm: Softmax, splits: int, scratch):
+                 block_size: int, dtype: torch.dtype, sm: Softmax, splits: int, scratch, has_alibi: bool = False,
+                 kv_scaled: bool = False):
         d_pad = next_pow2(head_dim)
         self.splits = splits
         self.sm = sm
@@ -90,9 +101,9 @@ class DecodeLaunch:
         self.kwargs = _launch_kwargs(
             (num_seqs, num_kv_heads, splits), GROUP=num_heads // num_kv_heads, BLOCK_M=cfg.block_m,
             HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=block_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
-            HAS_WINDOW=sm.has_window, HAS_SOFTCAP=sm.has_softcap, PRECISION=precision(dtype),
-            NUM_STAGES=cfg.num_stages, TAIL_STAGES=cfg.tail_stages, INTERPRET=_mode.interpreting(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            HAS_WINDOW=sm.has_window, HAS_SOFTCAP=sm.has_softcap, HAS_ALIBI=has_alibi, KV_SCALED=kv_scaled,
+            PRECISION=precision(dtype), NUM_STAGES=cfg.num_stages, TAIL_STAGES=cfg.tail_stages,
+            INTERPRET=_mode.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.combine_run = self.combine_kwargs = self.o_part = self.lse_part = None
         if splits > 1:
             self.o_part, self.lse_part = scratch(num_seqs * num_heads * splits, d_pad)
@@ -101,15 +112,17 @@ class DecodeLaunch:
                                                  SPLITS_PAD=next_pow2(splits),
                                                  num_warps=4 if d_pad * splits <= 4096 else 8)
 
-    def _tail(self, key_cache, cu_q, seq_lens, block_table, q_strides, out_strides) -> tuple:
+    def _tail(self, key_cache, cu_q, seq_lens, block_table, q_strides, out_strides, alibi, kv_scales) -> tuple:
         """Arguments after (q, k_cache, v_cache, out, o_part, lse_part): ``value_cache`` must have
         ``key_cache``'s strides (one row offset serves both)."""
         sk = key_cache.stride()
-        return (cu_q, seq_lens, block_table, q_strides[0], q_strides[1], out_strides[0], out_strides[1],
-                sk[0], sk[1], sk[2], block_table.stride(0), *self.sm.args())
+        k_scale, v_scale = kv_scales if kv_scales is not None else (cu_q, cu_q)
+        return (cu_q, seq_lens, block_table, _or(alibi, cu_q), k_scale, v_scale, q_strides[0], q_strides[1],
+                out_strides[0], out_strides[1], sk[0], sk[1], sk[2], block_table.stride(0), *self.sm.args())
 
-    def __call__(self, q, key_cache, value_cache, out, cu_q, seq_lens, block_table) -> None:
-        tail = self._tail(key_cache, cu_q, seq_lens, block_table, q.stride(), out.stride())
+    def __call__(self, q, key_cache, value_cache, out, cu_q, seq_lens, block_table, alibi=None,
+                 kv_scales=None) -> None:
+        tail = self._tail(key_cache, cu_q, seq_lens, block_table, q.stride(), out.stride(), alibi, kv_scales)
         if self.combine_run is None:
             self.run(q, key_cache, value_cache, out, out, out, *tail, **self.kwargs)
         else:
@@ -117,10 +130,11 @@ class DecodeLaunch:
             self.combine_run(out, self.o_part, self.lse_part, cu_q, out.stride(0), out.stride(1), self.splits,
                              **self.combine_kwargs)
 
-    def bind(self, key_cache, value_cache, cu_q, seq_lens, block_table, num_heads: int, head_dim: int):
+    def bind(self, key_cache, value_cache, cu_q, seq_lens, block_table, num_heads: int, head_dim: int,
+             alibi=None, kv_scales=None):
         """``attend(q, out)`` for contiguous (tokens, num_heads, head_dim) q and out."""
         strides = (num_heads * head_dim, head_dim)
-        tail = self._tail(key_cache, cu_q, seq_lens, block_table, strides, strides)
+        tail = self._tail(key_cache, cu_q, seq_lens, block_table, strides, strides, alibi, kv_scales)
         run, kwargs = self.run, self.kwargs
         if self.combine_run is None:
             def attend(q, out):
@@ -144,7 +158,7 @@ class UnifiedLaunch:
 
     def __init__(self, cfg: UnifiedConfig, num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, block_size: int, dtype: torch.dtype, sm: Softmax, causal: bool, paged: bool,
-                 has_seq_lens: bool):
+                 has_seq_lens: bool, has_alibi: bool = False, kv_scaled: bool = False):
         self.num_seqs = num_seqs
         self.sm = sm
         self.paged = paged
@@ -154,10 +168,10 @@ class UnifiedLaunch:
             grid, GROUP=num_heads // num_kv_heads, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, HEAD_DIM=head_dim,
             D_PAD=next_pow2(head_dim), PAGE=block_size, BLOCK_N=cfg.block_n, PAGED=paged,
             HAS_SEQ_LENS=has_seq_lens, CAUSAL=causal, HAS_WINDOW=sm.has_window, HAS_SOFTCAP=sm.has_softcap,
-            PRECISION=precision(dtype), NUM_STAGES=cfg.num_stages, INTERPRET=_mode.interpreting(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            HAS_ALIBI=has_alibi, KV_SCALED=kv_scaled, PRECISION=precision(dtype), NUM_STAGES=cfg.num_stages,
+            INTERPRET=_mode.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    def _tail(self, k, cu_q, cu_k, seq_lens, block_table, q_strides, out_strides) -> tuple:
+    def _tail(self, k, cu_q, cu_k, seq_lens, block_table, q_strides, out_strides, alibi, kv_scales) -> tuple:
         """Arguments after (q, k, v, out): ``v`` must have ``k``'s strides."""
         sk = k.stride()
         if self.paged:
@@ -165,21 +179,23 @@ class UnifiedLaunch:
         else:  # (tokens, kv_heads, head_dim): no page stride; block_table is an unused pointer
             kb, kp, kh, bt_stride = 0, sk[0], sk[1], 0
             block_table = cu_q
-        return (cu_q, cu_k if cu_k is not None else cu_q, seq_lens if seq_lens is not None else cu_q, block_table,
-                self.num_seqs, q_strides[0], q_strides[1], out_strides[0], out_strides[1], kb, kp, kh, bt_stride,
+        k_scale, v_scale = kv_scales if kv_scales is not None else (cu_q, cu_q)
+        return (cu_q, _or(cu_k, cu_q), _or(seq_lens, cu_q), block_table, self.num_seqs, _or(alibi, cu_q), k_scale,
+                v_scale, q_strides[0], q_strides[1], out_strides[0], out_strides[1], kb, kp, kh, bt_stride,
                 *self.sm.args())
 
-    def __call__(self, q, k, v, out, cu_q, cu_k, seq_lens, block_table) -> None:
+    def __call__(self, q, k, v, out, cu_q, cu_k, seq_lens, block_table, alibi=None, kv_scales=None) -> None:
         if self.run is not None:
-            self.run(q, k, v, out, *self._tail(k, cu_q, cu_k, seq_lens, block_table, q.stride(), out.stride()),
-                     **self.kwargs)
+            self.run(q, k, v, out, *self._tail(k, cu_q, cu_k, seq_lens, block_table, q.stride(), out.stride(),
+                                               alibi, kv_scales), **self.kwargs)
 
-    def bind(self, key_cache, value_cache, cu_q, seq_lens, block_table, num_heads: int, head_dim: int):
+    def bind(self, key_cache, value_cache, cu_q, seq_lens, block_table, num_heads: int, head_dim: int,
+             alibi=None, kv_scales=None):
         """``attend(q, out)`` over the paged caches for contiguous (tokens, heads, head_dim) q/out."""
         if self.run is None:
             return lambda q, out: None
         strides = (num_heads * head_dim, head_dim)
-        tail = self._tail(key_cache, cu_q, None, seq_lens, block_table, strides, strides)
+        tail = self._tail(key_cache, cu_q, None, seq_lens, block_table, strides, strides, alibi, kv_scales)
         run, kwargs = self.run, self.kwargs
 
         def attend(q, out):

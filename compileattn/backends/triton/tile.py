@@ -2,7 +2,12 @@
 the masked/unmasked online-softmax step, and the split of a sequence's keys into tile ranges.
 
 Scores live in the log2 domain (``exp2`` is one SFU instruction, ``exp`` is two), so the callers
-fold ``log2(e)`` into ``qk_scale``/``cap``.
+fold ``log2(e)`` into ``qk_scale``/``cap`` and into the per-row ALiBi slopes.
+
+K/V tiles of a float8_e4m3fn cache are cast to the query's dtype after the load (exact: every e4m3
+value is a bf16/fp16 value) and their per-head scales are folded in where they cost nothing: the
+K scale into ``qk_scale`` (a scalar per program, which owns one KV head), the V scale into the
+finished rows (``finish_rows``).
 
 Why three ranges (head, body, tail) instead of one masked loop: in decode almost every tile is
 fully visible, and dropping the per-element causal/window/length masks and the load predicates
@@ -20,6 +25,24 @@ def _tanh(x):
     # tl has no tanh that also runs under TRITON_INTERPRET; this form saturates to +-1 without NaN
     # (exp2 -> inf gives 1 - 0, exp2 -> 0 gives 1 - 2).
     return 1.0 - 2.0 / (tl.exp2(x * 2.885390081777927) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
+def head_constants(alibi_ptr, k_scale_ptr, v_scale_ptr, kvh, heads, row_ok, qk_scale,
+                   HAS_ALIBI: tl.constexpr, KV_SCALED: tl.constexpr):
+    """(alibi, qk_scale, v_scale) of a program over KV head ``kvh`` whose rows are query ``heads``:
+    the rows' ALiBi slopes times log2(e) (zeros without ALiBi), ``qk_scale`` times the head's K
+    scale and the head's V scale (1 unless the cache is quantized)."""
+    if HAS_ALIBI:
+        alibi = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634  # log2(e)
+    else:
+        alibi = tl.zeros(heads.shape, dtype=tl.float32)
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
+        v_scale = tl.load(v_scale_ptr + kvh)
+    else:
+        v_scale = 1.0
+    return alibi, qk_scale, v_scale
 
 
 @triton.jit
@@ -44,11 +67,16 @@ def kv_row_offsets(bt_row, kv_first, start, pos, kv_len, stride_b, stride_p,
 
 @triton.jit
 def _tile(acc, m_i, l_i, start, q, q_pos, k_base, v_base, bt_row, kv_first, kv_len,
-          stride_b, stride_p, offs_d, qk_scale, cap, window,
+          stride_b, stride_p, offs_d, qk_scale, cap, window, alibi,
           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
           PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-          HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    """One online-softmax step over the key tile [start, start + BLOCK_N)."""
+          HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over the key tile [start, start + BLOCK_N).
+
+    ``alibi``: each row's ALiBi slope times log2(e) (used when HAS_ALIBI): the logit of key ``p``
+    for a row at position ``q_pos`` loses ``slope * |q_pos - p|``. It is a bias, not a mask, so
+    the unmasked body pays it too.
+    """
     pos = start + tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     if MASKED:
@@ -67,12 +95,16 @@ def _tile(acc, m_i, l_i, start, q, q_pos, k_base, v_base, bt_row, kv_first, kv_l
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    k = k.to(q.dtype)  # a no-op unless the cache is fp8
+    v = v.to(q.dtype)
 
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if HAS_SOFTCAP:
         s = cap * _tanh(s * qk_scale)
     else:
         s = s * qk_scale
+    if HAS_ALIBI:
+        s = s - alibi[:, None] * tl.abs(q_pos[:, None] - pos[None, :]).to(tl.float32)
     if MASKED:
         visible = (pos < kv_len)[None, :]
         if CAUSAL:
@@ -96,11 +128,11 @@ def _tile(acc, m_i, l_i, start, q, q_pos, k_base, v_base, bt_row, kv_first, kv_l
 
 @triton.jit
 def attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first, lo, hi, kv_len,
-                 stride_b, stride_p, offs_d, qk_scale, cap, window,
+                 stride_b, stride_p, offs_d, qk_scale, cap, window, alibi,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
     """Online softmax of the query rows ``q`` over key tiles [lo, hi) (lo tile-aligned).
 
     MASKED=False promises every (row, key) pair of every tile is visible and every key < kv_len:
@@ -113,29 +145,30 @@ def attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first, lo, 
         start = lo
         while start < hi:
             acc, m_i, l_i = _tile(acc, m_i, l_i, start, q, q_pos, k_base, v_base, bt_row, kv_first, kv_len,
-                                  stride_b, stride_p, offs_d, qk_scale, cap, window,
+                                  stride_b, stride_p, offs_d, qk_scale, cap, window, alibi,
                                   HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, MASKED, CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, PRECISION)
+                                  HAS_SOFTCAP, HAS_ALIBI, PRECISION)
             start += BLOCK_N
     else:
         for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
             acc, m_i, l_i = _tile(acc, m_i, l_i, start, q, q_pos, k_base, v_base, bt_row, kv_first, kv_len,
-                                  stride_b, stride_p, offs_d, qk_scale, cap, window,
+                                  stride_b, stride_p, offs_d, qk_scale, cap, window, alibi,
                                   HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, MASKED, CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, PRECISION)
+                                  HAS_SOFTCAP, HAS_ALIBI, PRECISION)
     return acc, m_i, l_i
 
 
 @triton.jit
-def finish_rows(acc, l_i):
-    """Normalised rows of the online softmax: ``acc / l``, and zero where ``l == 0``.
+def finish_rows(acc, l_i, v_scale):
+    """Normalised rows of the online softmax: ``v_scale * acc / l``, and zero where ``l == 0``
+    (``v_scale``: a quantized cache's V scale for this KV head, else 1).
 
     ``l == 0`` means the row saw no key: its output is zero even when a masked-off value in a
     loaded tile is NaN or Inf (``p = 0`` times it would be NaN). A NaN ``l`` (a NaN score) is not
     zero, so the row stays NaN: non-finite inputs reach the rows that see them, as in SDPA.
     """
     seen_nothing = l_i == 0.0
-    return tl.where(seen_nothing[:, None], 0.0, acc / tl.where(seen_nothing, 1.0, l_i)[:, None])
+    return tl.where(seen_nothing[:, None], 0.0, acc * (v_scale / tl.where(seen_nothing, 1.0, l_i))[:, None])
 
 
 @triton.jit
@@ -167,11 +200,11 @@ def key_ranges(kv_len, min_qpos, max_qpos, window, BLOCK_N: tl.constexpr, CAUSAL
 
 @triton.jit
 def attend_range(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first, s0, s1, body_lo, body_hi, kv_len,
-                 stride_b, stride_p, offs_d, qk_scale, cap, window,
+                 stride_b, stride_p, offs_d, qk_scale, cap, window, alibi,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 TAIL_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, TAIL_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
     """Keys [s0, s1) (s0 tile-aligned) as masked head, unmasked body and masked tail.
 
     Head and tail hold at most two tiles each (a window's first tiles; the causal diagonal of a
@@ -187,23 +220,23 @@ def attend_range(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first, s0, 
     if HAS_WINDOW:
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
                                      s0, tl.minimum(s1, body_lo), kv_len, stride_b, stride_p, offs_d,
-                                     qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True, CAUSAL,
-                                     HAS_WINDOW, HAS_SOFTCAP, PRECISION, 1, INTERPRET)
+                                     qk_scale, cap, window, alibi, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True, CAUSAL,
+                                     HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PRECISION, 1, INTERPRET)
     if TAIL_STAGES == 0:
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
                                      tl.maximum(s0, body_lo), s1, kv_len, stride_b, stride_p,
-                                     offs_d, qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True,
-                                     CAUSAL, HAS_WINDOW, HAS_SOFTCAP, PRECISION, NUM_STAGES, INTERPRET)
+                                     offs_d, qk_scale, cap, window, alibi, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True,
+                                     CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PRECISION, NUM_STAGES, INTERPRET)
     else:
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
                                      tl.maximum(s0, body_lo), tl.minimum(s1, body_hi), kv_len, stride_b,
-                                     stride_p, offs_d, qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N,
-                                     PAGED, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, PRECISION, NUM_STAGES,
+                                     stride_p, offs_d, qk_scale, cap, window, alibi, HEAD_DIM, D_PAD, PAGE, BLOCK_N,
+                                     PAGED, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PRECISION, NUM_STAGES,
                                      INTERPRET)
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first,
                                      tl.maximum(s0, body_hi), s1, kv_len, stride_b, stride_p, offs_d,
-                                     qk_scale, cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True, CAUSAL,
-                                     HAS_WINDOW, HAS_SOFTCAP, PRECISION, TAIL_STAGES, INTERPRET)
+                                     qk_scale, cap, window, alibi, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, True, CAUSAL,
+                                     HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, PRECISION, TAIL_STAGES, INTERPRET)
     return acc, m_i, l_i
 
 

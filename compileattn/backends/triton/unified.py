@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile import attend_range, finish_rows, key_ranges
+from .tile import attend_range, finish_rows, head_constants, key_ranges
 
 
 @triton.jit
@@ -35,14 +35,15 @@ def find_seq(cu_q, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q, cu_k, seq_lens, block_table, num_seqs,
+                   alibi_ptr, k_scale_ptr, v_scale_ptr,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_kp, stride_kh, stride_bt,
                    qk_scale, cap, window,
                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
                    HAS_SEQ_LENS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, KV_SCALED: tl.constexpr,
+                   PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = find_seq(cu_q, pid, num_seqs, BLOCK_Q)
@@ -71,6 +72,8 @@ def unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q, cu_k, seq_lens, block_tab
     rows = (q_start + q_idx).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    alibi, qk_scale, v_scale = head_constants(alibi_ptr, k_scale_ptr, v_scale_ptr, kvh, heads,
+                                              offs_m < BLOCK_Q * GROUP, qk_scale, HAS_ALIBI, KV_SCALED)
 
     ctx = kv_len - q_len
     q_pos = ctx + q_idx
@@ -84,10 +87,10 @@ def unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q, cu_k, seq_lens, block_tab
     acc, m_i, l_i = attend_range(acc, m_i, l_i, q, q_pos, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_kh,
                                  block_table + seq.to(tl.int64) * stride_bt, kv_first, k_lo, k_hi, body_lo,
                                  body_hi, kv_len, stride_kb, stride_kp, offs_d, qk_scale,
-                                 cap, window, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW,
-                                 HAS_SOFTCAP, PRECISION, NUM_STAGES, 1, INTERPRET)
+                                 cap, window, alibi, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW,
+                                 HAS_SOFTCAP, HAS_ALIBI, PRECISION, NUM_STAGES, 1, INTERPRET)
 
-    o = finish_rows(acc, l_i)
+    o = finish_rows(acc, l_i, v_scale)
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
