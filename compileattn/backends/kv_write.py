@@ -75,7 +75,9 @@ class StepWriteIndices:
         self.dst = buffers.get(f"kv_write.dst.{num_tokens}", (num_tokens,), torch.int64)
         self.src = buffers.get(f"kv_write.src.{num_tokens}", (num_tokens,), torch.int64)
         self.tokens = buffers.get(f"kv_write.tokens.{num_tokens}", (num_tokens,), torch.int64)
-        self.tokens.copy_(torch.arange(num_tokens))
+        # Made on the device: a table first built while a CUDA graph captures (a layer captured on
+        # its own) must not copy from the host.
+        torch.arange(num_tokens, out=self.tokens)
 
     def refresh(self) -> None:
         """Two small device ops, no host sync: padded tokens (slot -1) repeat token 0's write."""
