@@ -79,6 +79,12 @@ def register_backend(fn: Callable, name: str) -> None:
     resolve("torch._dynamo.register_backend")(fn, name=name)
 
 
+def dispatch_stack_depth() -> Callable[[], int]:
+    """The function counting active dispatch modes: callers resolve it once, as it sits on the eager
+    op's per-call path."""
+    return resolve("torch._C._len_torch_dispatch_stack")
+
+
 def register_bytecode_hook(hook: Callable):
     return resolve("torch._dynamo.convert_frame.register_bytecode_hook")(hook)
 

@@ -216,7 +216,7 @@ class _InferenceOnly(torch.autograd.Function):
 
 _BelowAutograd = _torch_compat.below_autograd_guard()
 #: Resolved once: the Autograd kernel asks it on every eager call.
-_dispatch_stack_depth = _torch_compat.resolve("torch._C._len_torch_dispatch_stack")
+_dispatch_stack_depth = _torch_compat.dispatch_stack_depth()
 
 
 def _register_inference_only(name: str, impl, written: int, inputs: tuple[int, ...]) -> None:
