@@ -445,6 +445,11 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
             traceback.print_exc()
         finally:
             release()
+            if DEVICE == "cuda":
+                import torch
+
+                log(f"  after {column}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated (the model's "
+                    f"weights; more means the column left something alive)")
     del model
     release()
 

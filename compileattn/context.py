@@ -38,8 +38,6 @@ _current: ForwardContext | None = None
 #: name} map before it runs a piece, and ``write_layer_kv`` resolves slots through it.
 PIECE_LAYER_PREFIX = "compileattn:piece_layer:"
 piece_layer_names: Mapping[str, str] = {}
-#: (selector, kv_caches) pairs whose caches were checked against the builder's geometry.
-_checked: dict[int, tuple[object, Mapping[str, KVCache]]] = {}
 
 
 def no_context_error() -> RuntimeError:
@@ -88,12 +86,9 @@ def set_forward_context(metadata: AttentionMetadata, kv_caches: Mapping[str, KVC
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be AttentionMetadata, got {type(metadata).__name__}")
     selector = metadata.selector
-    seen = _checked.get(id(kv_caches))
-    if seen is None or seen[0] is not selector or seen[1] is not kv_caches:
+    if selector.checked_caches is not kv_caches:
         _check_caches(metadata, kv_caches)
-        if len(_checked) > 64:
-            _checked.clear()
-        _checked[id(kv_caches)] = (selector, kv_caches)
+        selector.checked_caches = kv_caches
     table = selector.call_table(metadata.shape, metadata.tensors, kv_caches)
     for refresh in table.per_step:
         refresh()

@@ -329,3 +329,25 @@ def test_engine_compiles_with_the_compile_config_and_takes_backend_and_padding_f
     with pytest.raises(ValueError, match="attention_backend"):
         Engine(llama, num_blocks=32, max_num_tokens=32, max_num_seqs=4, compile_config=cfg,
                attention_backend="triton")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_deleted_engine_frees_its_kv_cache(llama, compiled):
+    """Nothing process-wide (forward context, backends, compiled code) keeps an engine's KV cache
+    or its builder's buffers alive: a serving process that builds a second engine must get the
+    memory of the first back (on the H200 an 80 GiB cache held this way made the next one fail)."""
+    import gc
+    import weakref
+
+    import compileattn as ca
+
+    cfg = ca.CompileConfig(attention_backend="reference", cudagraph_capture_sizes=[4, 8], piece_compiler="eager")
+    engine = engine_for(llama, compile_config=cfg if compiled else None)
+    engine.generate(prompts_of([5, 1, 12]), 3, 8)
+    cache = next(iter(engine.kv_caches.values()))
+    kept = [weakref.ref(cache.key_cache), weakref.ref(engine.builder.selector.buffers)]
+    del engine, cache
+    if compiled:
+        torch.compiler.reset()
+    gc.collect()
+    assert [ref() is None for ref in kept] == [True, True]

@@ -120,9 +120,9 @@ def check_forward(spec, dtype, block_size, lens, *, pad_to=None, seed=0, **tunin
     return be, md
 
 
-def decode_launch(be, spec, dtype) -> DecodeLaunch:
-    """The decode launcher ``be`` prepared for layers of ``spec``."""
-    found = [launch for key, launch in be._launches.items() if key[:3] == ("decode", spec, dtype)]
+def decode_launch(md, spec, dtype) -> DecodeLaunch:
+    """The decode launcher prepared for layers of ``spec`` with ``md``'s builder."""
+    found = [launch for key, launch in md.selector.buffers._memo.items() if key[:3] == ("triton.decode", spec, dtype)]
     assert len(found) == 1, f"expected one decode launcher for {spec}, found {len(found)}"
     return found[0]
 
@@ -224,7 +224,7 @@ DECODE_LENS = [(1, 150), (1, 0), (1, 37), (1, 97)]
 def test_decode_matches_reference(dtype, block_size, block_n, splits):
     spec = AttentionSpec(4, 2, 32)
     be, md = check_forward(spec, dtype, block_size, DECODE_LENS, pad_to=6, decode_block_n=block_n, num_splits=splits)
-    assert md.is_uniform_decode and decode_launch(be, spec, dtype).splits == splits
+    assert md.is_uniform_decode and decode_launch(md, spec, dtype).splits == splits
 
 
 @cpu_only
@@ -232,17 +232,17 @@ def test_decode_matches_reference(dtype, block_size, block_n, splits):
 def test_decode_tail_modes(tail_stages):
     """The last partial tile folded into the body loop, or in its own 1- or 3-stage loop."""
     spec = AttentionSpec(4, 2, 32)
-    be, _ = check_forward(spec, torch.float16, 16, DECODE_LENS, decode_block_n=32, num_splits=2,
+    _, md = check_forward(spec, torch.float16, 16, DECODE_LENS, decode_block_n=32, num_splits=2,
                           decode_tail_stages=tail_stages)
-    assert decode_launch(be, spec, torch.float16).kwargs["TAIL_STAGES"] == tail_stages
+    assert decode_launch(md, spec, torch.float16).kwargs["TAIL_STAGES"] == tail_stages
 
 
 @cpu_only
 @pytest.mark.parametrize("heads", [(4, 1), (6, 2), (2, 2)], ids=["mqa", "group3", "mha"])
 def test_decode_head_layouts(heads):
     spec = AttentionSpec(heads[0], heads[1], 64)
-    be, _ = check_forward(spec, torch.float16, 16, [(1, 70), (1, 5)], decode_block_n=32, num_splits=2)
-    assert decode_launch(be, spec, torch.float16).splits == 2
+    _, md = check_forward(spec, torch.float16, 16, [(1, 70), (1, 5)], decode_block_n=32, num_splits=2)
+    assert decode_launch(md, spec, torch.float16).splits == 2
 
 
 @cpu_only
@@ -252,20 +252,22 @@ def test_decode_scratch_is_per_builder():
     spec = AttentionSpec(4, 2, 32)
     case = make_case(spec, torch.float16, 16, DECODE_LENS)
     be = triton_backend(num_splits=2)
+    launches = []
     for _ in range(2):
         md = builder(case, 16, be).build(case["seqs"])
         layer_forward(md, KVCache(case["kc"].clone(), case["vc"].clone(), spec), case["q"], case["k"], case["v"],
                       torch.empty_like(case["q"]))
-    launches = [launch for key, launch in be._launches.items() if key[0] == "decode"]
-    assert len(launches) == 2 and launches[0].o_part.data_ptr() != launches[1].o_part.data_ptr()
+        launches.append(decode_launch(md, spec, torch.float16))
+    assert launches[0].o_part.data_ptr() != launches[1].o_part.data_ptr()
+    assert not any(key[0] == "decode" for key in be._launches), "a decode launch kept by the shared backend"
 
 
 @cpu_only
 def test_decode_default_heuristics_split():
     """No overrides: the CPU stand-in SM count makes a batch of one split."""
     spec = AttentionSpec(4, 2, 32)
-    be, _ = check_forward(spec, torch.float16, 16, [(1, 300)])
-    assert decode_launch(be, spec, torch.float16).splits > 1
+    _, md = check_forward(spec, torch.float16, 16, [(1, 300)])
+    assert decode_launch(md, spec, torch.float16).splits > 1
 
 
 @cpu_only
@@ -293,8 +295,8 @@ MIXED_LENS = [(1, 40), (1, 0), (7, 0), (13, 50), (1, 20), (18, 9)]
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_mixed_batch_matches_reference(dtype, block_size):
     spec = AttentionSpec(4, 2, 32)
-    be, _ = check_forward(spec, dtype, block_size, MIXED_LENS, pad_to=43, unified_block_m=16, unified_block_n=16)
-    assert {key[0] for key in be._launches} == {"unified"}
+    be, md = check_forward(spec, dtype, block_size, MIXED_LENS, pad_to=43, unified_block_m=16, unified_block_n=16)
+    assert {key[0] for key in be._launches} == {"unified"} and not md.selector.buffers._memo
 
 
 @cpu_only
@@ -542,4 +544,4 @@ def test_cuda_long_context_default_split():
     """Production-like decode shape with the default heuristics: batch 2, 4096+ tokens."""
     spec = AttentionSpec(64, 8, 128)
     be, md = check_forward(spec, torch.bfloat16, 16, [(1, 4100), (1, 3000)])
-    assert md.is_uniform_decode and decode_launch(be, spec, torch.bfloat16).splits > 1
+    assert md.is_uniform_decode and decode_launch(md, spec, torch.bfloat16).splits > 1

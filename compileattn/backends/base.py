@@ -57,6 +57,7 @@ class PersistentBuffers:
     def __init__(self, device: torch.device):
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
+        self._memo: dict[tuple, Any] = {}
 
     def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -73,6 +74,15 @@ class PersistentBuffers:
         view = buf[tuple(slice(0, n) for n in host.shape)]
         view.copy_(host, non_blocking=True)
         return view
+
+    def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()`` once per ``key``, kept with these buffers: a prepared launch bound to this
+        builder's scratch lives exactly as long as the builder (a backend instance, which every
+        builder in the process shares, would keep it, and the scratch, alive after the engine)."""
+        obj = self._memo.get(key)
+        if obj is None:
+            obj = self._memo[key] = make()
+        return obj
 
     def constant(self, values: tuple[float, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A device tensor holding ``values``, made once and kept (a prepared call binds it, e.g.

@@ -219,6 +219,10 @@ class KernelSelector:
         self.device = torch.device(device)
         self.buffers = buffers
         self._tables: dict[tuple, CallTable] = {}
+        #: The kv_caches mapping last checked against this builder's geometry (by the forward
+        #: context): kept here, with the builder that owns it, so no process-wide cache keeps an
+        #: engine's KV cache alive after the engine is gone.
+        self.checked_caches: Mapping[str, Any] | None = None
         self._choices: dict[tuple, AttentionBackend] = {}
 
     @property

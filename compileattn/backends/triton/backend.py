@@ -80,14 +80,14 @@ class TritonBackend(AttentionBackend):
     def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers, kv_scales=None):
         has_alibi, scaled = spec.alibi_slopes is not None, kv_scales is not None
         if shape.uniform_decode:
-            # ``buffers`` in the key: the launch holds its builder's split-KV scratch, and one backend
-            # instance serves every builder in the process (two engines must not share partials).
-            launch = self._memo(("decode", spec, dtype, scaled, shape.num_seqs, shape.block_size, key_cache.device,
-                                 self.tuning, buffers),
-                                lambda: self._decode_launch(shape.num_seqs, spec.num_heads, spec.num_kv_heads,
-                                                            spec.head_dim, shape.block_size, dtype, _softmax(spec),
-                                                            key_cache.device, _persistent_scratch(buffers),
-                                                            has_alibi, scaled))
+            # Kept with the builder's buffers: the launch holds their split-KV scratch, and this
+            # backend instance serves every builder in the process (two engines must not share it).
+            launch = buffers.memo(("triton.decode", spec, dtype, scaled, shape.num_seqs, shape.block_size,
+                                   key_cache.device, self.tuning),
+                                  lambda: self._decode_launch(shape.num_seqs, spec.num_heads, spec.num_kv_heads,
+                                                              spec.head_dim, shape.block_size, dtype, _softmax(spec),
+                                                              key_cache.device, _persistent_scratch(buffers),
+                                                              has_alibi, scaled))
         else:
             launch = self._memo(("unified", spec, dtype, scaled, shape.num_tokens, shape.num_seqs, shape.block_size,
                                  key_cache.device, self.tuning),
