@@ -147,3 +147,24 @@ def test_in_memory_model_and_seeded_sampling(checkpoint):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
     assert [o.token_ids for o in a] != [t for t, _ in expected]
+
+
+def test_an_llm_over_a_kept_model_frees_its_kv_cache_when_deleted(checkpoint, simulated_graphs):
+    """The benchmark's pattern: one in-memory model served by several LLMs in turn. Nothing the LLM
+    leaves on the model, or in the process, keeps the previous LLM's cache alive."""
+    import copy
+    import gc
+    import weakref
+
+    _, reference, _ = checkpoint("llama")
+    model = copy.deepcopy(reference)
+    config = ca.CompileConfig(piece_compiler="eager", cudagraph_mode="full_and_piecewise",
+                              cudagraph_capture_sizes=[1, 2, 4, 8, 16])
+    llm = ca.LLM(model, compile_config=config, **ENGINE)
+    llm.generate(prompts(), 2, use_tqdm=False)
+    kept = weakref.ref(next(iter(llm.engine.kv_caches.values())).key_cache)
+    del llm
+    torch.compiler.reset()
+    gc.collect()
+    assert kept() is None
+    assert model is not None
