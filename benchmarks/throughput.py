@@ -28,8 +28,12 @@ time / (tokens - 1)).
 Correctness before timing: each compileattn column is teacher-forced through ``--check-tokens``
 steps on ``--check-prompts`` prompts and its logits compared (norm-relative, bf16 tolerance 0.1 as
 in latency.py) with the transformers model's own forward (sdpa) on the same sequences; a column
-that disagrees is reported FAILED and not timed. ``hf-cb``'s greedy tokens on the same prompts are
-compared with the model's own ``generate()``; below 50 % agreement it is FAILED.
+that disagrees is reported FAILED and not timed. ``hf-cb`` returns tokens, not logits, so its greedy
+tokens on the same prompts are checked teacher-forced: each must be the model's own greedy choice
+given hf-cb's own prefix, up to a near-tie (``compileattn.testing.near_tie``, with the bf16 noise
+taken as the difference between the model's sdpa and eager attention logits); below 90 % it is
+FAILED. Plain agreement with ``generate()`` is reported beside it: with random weights the logits
+are nearly flat, so one near-tie early in a sequence makes every later token differ.
 
 GPU-time floor (the issue's definition: the sum of the per-step GPU times of compileattn's own
 steps): every step of the timed run is recorded, then replayed one at a time with its host work
@@ -370,6 +374,31 @@ def cb_generate(model, prompts, output_lens):
     return outs, elapsed, attention
 
 
+def teacher_forced_greedy(model, prompts, outputs) -> float:
+    """The fraction of ``outputs``' tokens that are the model's greedy choice given the same
+    prefix, or a near-tie with it: the logits of the model's sdpa and eager attention on the whole
+    sequence give the reference and the arithmetic noise a different kernel may add."""
+    import torch
+
+    from compileattn.testing import near_tie
+
+    good = total = 0
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([list(prompt) + list(out)], device=model.device)
+        rows = slice(len(prompt) - 1, len(prompt) - 1 + len(out))
+        logits = []
+        for impl in ("sdpa", "eager"):
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                logits.append(model(ids).logits[0, rows].float())
+        for ref, other, token in zip(*logits, out):
+            best = int(ref.argmax())
+            good += best == token or near_tie(ref, other, best, token)[0]
+            total += 1
+    model.set_attn_implementation("sdpa")
+    return good / max(total, 1)
+
+
 def run_hf_cb(model, workload, checks, args, log, row) -> None:
     from compileattn.engine import throughput
 
@@ -385,11 +414,13 @@ def run_hf_cb(model, workload, checks, args, log, row) -> None:
                              do_sample=False, pad_token_id=0)
         expected.append(out[0, len(p):].tolist())
     got, _, row["attention"] = cb_generate(model, check_prompts, [args.check_tokens] * len(check_prompts))
-    same = sum(a == b for o, e in zip(got, expected) for a, b in zip(o.generated_tokens, e))
+    generated = [list(o.generated_tokens) for o in got]
+    same = sum(a == b for o, e in zip(generated, expected) for a, b in zip(o, e))
     row["check_token_agreement"] = same / sum(map(len, expected))
-    if row["check_token_agreement"] < 0.5:
-        row.update(status="FAILED", reason=f"greedy tokens agree with the model's generate() on "
-                                           f"{row['check_token_agreement']:.0%} only")
+    row["check_greedy_fraction"] = teacher_forced_greedy(model, check_prompts, generated)
+    if row["check_greedy_fraction"] < 0.9:
+        row.update(status="FAILED", reason=f"only {row['check_greedy_fraction']:.0%} of its greedy tokens are the "
+                                           f"model's greedy choice (up to a near-tie) given its own prefix")
         return
     outs, elapsed, _ = cb_generate(model, workload.prompts, workload.output_lens)
     out_tokens = sum(len(o.generated_tokens) for o in outs)
@@ -498,7 +529,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
     for r in payload["rows"]:
         ok = r["status"] == "ok"
         check = (f"rel err {r['check_rel_err']:.3f}" if r.get("check_rel_err") is not None else
-                 f"{r['check_token_agreement']:.0%} tokens" if r.get("check_token_agreement") is not None else "")
+                 f"{r['check_greedy_fraction']:.0%} greedy, {r['check_token_agreement']:.0%} = generate()"
+                 if r.get("check_greedy_fraction") is not None else "")
         status = r["status"] if ok else f"**{r['status']}**"
         table.append([MODELS.get(r["model"], {}).get("label", r["model"]),
                       r["column"] + (f" ({r['attention']})" if r.get("attention") else ""), status,

@@ -30,15 +30,30 @@ def test_without_cuda_it_says_so_and_exits_0(capsys, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
+def tiny(name=None, layers=None):
     import transformers
 
-    def tiny(name, layers=None):
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                          eos_token_id=None, initializer_range=0.2)
-        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      eos_token_id=None, initializer_range=0.2)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_teacher_forced_check_accepts_greedy_tokens_and_rejects_others():
+    model = tiny()
+    prompt = list(range(3, 20))
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    greedy = greedy[0, len(prompt):].tolist()
+    assert tp.teacher_forced_greedy(model, [prompt], [greedy]) == 1.0
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + greedy[:-1]])).logits[0, -1]
+    worst = int(logits.argmin())  # far from any tie
+    assert tp.teacher_forced_greedy(model, [prompt], [greedy[:-1] + [worst]]) == 5 / 6
+
+
+def test_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
 
     monkeypatch.setattr(tp, "DEVICE", "cpu")
     monkeypatch.setattr(tp, "build_model", tiny)
@@ -51,6 +66,7 @@ def test_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
     assert by["ca-eager"]["status"] == "ok" and by["ca-eager"]["check_rel_err"] < 1e-4
     assert by["ca-eager"]["num_requests"] == 5 and by["ca-eager"]["output_tokens"] >= 15
     assert by["hf-cb"]["status"] == "ok" and by["hf-cb"]["check_token_agreement"] == 1.0
+    assert by["hf-cb"]["check_greedy_fraction"] == 1.0
     assert by["hf-cb"]["output_tokens"] == by["ca-eager"]["output_tokens"]  # same workload, full lengths
     payload = {"benchmark": "throughput", "config": vars(args), "rows": rows}
     md = tp.render_markdown(payload)
