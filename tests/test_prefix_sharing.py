@@ -1,6 +1,8 @@
 """Prefix sharing: the allocator's reference counts, free pools and exact-key index; then the
 engine with ``enable_prefix_caching`` giving exactly the tokens it gives without (fp32), while
 hits happen and shared blocks are held once."""
+import logging
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -341,7 +343,7 @@ def test_compiled_with_simulated_cuda_graphs_gives_the_eager_uncached_tokens(lla
     assert ca.counters.full_graph_steps > full
 
 
-def test_llm_with_prefix_caching_equals_hf_generate_across_calls(tmp_path):
+def test_llm_with_prefix_caching_equals_hf_generate_across_calls(tmp_path, caplog):
     from hf_families import hf_greedy, load_reference, save_family
     from hf_families import prompts as family_prompts
 
@@ -357,9 +359,12 @@ def test_llm_with_prefix_caching_equals_hf_generate_across_calls(tmp_path):
     assert [o.token_ids for o in llm.generate(prompts, 6, use_tqdm=False)] == expected
     first = llm.engine.prefix_cache_stats.hit_tokens
     assert first > 0
-    assert [o.token_ids for o in llm.generate(prompts[::-1], 6, use_tqdm=False)] == expected[::-1]
+    with caplog.at_level(logging.INFO, logger="compileattn"):
+        assert [o.token_ids for o in llm.generate(prompts[::-1], 6, use_tqdm=False)] == expected[::-1]
     # The second call finds every prompt's whole blocks, the first one's included.
-    assert llm.engine.prefix_cache_stats.hit_tokens - first == sum((len(p) - 1) // 4 * 4 for p in prompts)
+    hits = sum((len(p) - 1) // 4 * 4 for p in prompts)
+    assert llm.engine.prefix_cache_stats.hit_tokens - first == hits
+    assert f"prefix cache: {hits} of {sum(map(len, prompts))} looked-up tokens hit" in caplog.text
 
 
 def test_sampling_params_and_stop_tokens_are_unchanged_by_caching(llama):

@@ -266,6 +266,8 @@ class LLM:
                 raise RuntimeError(f"rank 0's generate failed: {result}") from result
             return result
         start = time.perf_counter()
+        stats = engine.prefix_cache_stats
+        looked_up, hit = stats.queried_tokens, stats.hit_tokens
         try:
             outputs = self._run(engine, params, token_prompts, prompts, use_tqdm, start)
         except BaseException as exc:
@@ -281,6 +283,9 @@ class LLM:
         logger.info("generated %d tokens for %d requests in %.2f s (%.1f tokens/s, %d preemptions)", num_out,
                     len(outputs), elapsed, num_out / elapsed if elapsed > 0 else 0.0,
                     sum(o.metrics.num_preemptions for o in outputs))
+        if engine.prefix_caching:
+            logger.info("prefix cache: %d of %d looked-up tokens hit", stats.hit_tokens - hit,
+                        stats.queried_tokens - looked_up)
         return outputs
 
     def _run(self, engine, params, token_prompts, prompts, use_tqdm: bool, start: float) -> list[RequestOutput]:
