@@ -195,7 +195,9 @@ class Engine:
         self.allocator.set_caching(enabled)
 
     def run_step(self, seqs: Sequence[SequenceStep], input_ids, positions) -> torch.Tensor:
-        """Run the forward on one step given by the caller (see ``ModelRunner.execute``)."""
+        """Run the forward on one step given by the caller (see ``ModelRunner.execute``). It writes
+        its tokens' K/V into the blocks it names, so with prefix caching on it must not name a
+        block the prefix cache holds."""
         return self.runner.execute(seqs, input_ids, positions)
 
     # -- requests ----------------------------------------------------------------------------------
