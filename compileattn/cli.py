@@ -42,6 +42,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
     p.add_argument("--allow-pickle", action="store_true", help="also load pickled *.bin weights")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="share the KV-cache blocks of prompts that start alike (LLM's enable_prefix_caching)")
 
 
 def _llm(args):
@@ -50,7 +52,7 @@ def _llm(args):
     return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                num_blocks=args.num_blocks, compile_config=None if args.eager else "auto", attention_backend=args.attention_backend,
-               allow_pickle=args.allow_pickle)
+               allow_pickle=args.allow_pickle, enable_prefix_caching=args.enable_prefix_caching)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

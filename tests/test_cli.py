@@ -34,6 +34,18 @@ def test_throughput_reports_tokens_per_second(model_dir, capsys):
     assert "6 requests" in out and "output tokens/s" in out and "TPOT p50" in out
 
 
+def test_generate_with_prefix_caching_gives_the_same_tokens(model_dir, capsys):
+    prompt = ",".join(str(t) for t in range(40, 80))
+    argv = ["generate", "--model", str(model_dir), "--prompt-ids", prompt, "--prompt-ids", prompt + ",9",
+            "--max-new-tokens", "4", "--num-blocks", "32", "--max-num-seqs", "1"]
+    assert main(argv) == 0
+    plain = capsys.readouterr()
+    assert main(argv + ["--enable-prefix-caching"]) == 0
+    cached = capsys.readouterr()
+    assert cached.out == plain.out and "token_ids" in cached.out
+    assert "prefix cache: 32 of 81 looked-up tokens hit" in cached.err  # two blocks of 16 for the second
+
+
 def test_bad_flags_exit_with_usage(model_dir):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(model_dir)])  # no prompt

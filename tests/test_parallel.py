@@ -307,13 +307,19 @@ import torch
 import compileattn
 import compileattn.parallel
 
-model_dir, out, compiled = sys.argv[1], sys.argv[2], sys.argv[3] == "compiled"
-config = compileattn.CompileConfig(piece_compiler="eager", cudagraph_mode="none") if compiled else None
+model_dir, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+config = compileattn.CompileConfig(piece_compiler="eager", cudagraph_mode="none") if mode == "compiled" else None
+prefix = dict(block_size=4, enable_prefix_caching=True) if mode == "prefix" else {}
 llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=config,
-                      num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)
-outputs = llm.generate([[5, 6, 7, 8, 9], [3] * 11, [1, 2]], max_new_tokens=6, use_tqdm=False)
+                      num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, **prefix)
+prompts = [[5, 6, 7, 8, 9], [3] * 11, [1, 2]]
+outputs = llm.generate(prompts, max_new_tokens=6, use_tqdm=False)
 rank = torch.distributed.get_rank()
 json.dump([o.token_ids for o in outputs], open(f"{out}.{rank}.json", "w"))
+if mode == "prefix":  # again: rank 0 plans from the prefix cache, the others run its steps
+    outputs = llm.generate(prompts, max_new_tokens=6, use_tqdm=False)
+    json.dump([[o.token_ids for o in outputs], llm.engine.prefix_cache_stats.hit_tokens],
+              open(f"{out}.{rank}.again.json", "w"))
 try:
     llm.generate([[1] * 500], max_new_tokens=4, use_tqdm=False)  # too long for the cache: rank 0 refuses
 except Exception as exc:
@@ -322,11 +328,12 @@ compileattn.parallel.shutdown_tp()
 '''
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", "compiled", "prefix"])
 def test_llm_tensor_parallel_size_2_equals_one_process(tmp_path, mode):
     """``LLM(..., tensor_parallel_size=2)`` under torchrun (gloo): every rank returns rank 0's
     outputs, equal to one process's greedy tokens (fp32); a request rank 0 refuses raises on
-    every rank instead of leaving the others waiting."""
+    every rank instead of leaving the others waiting. ``prefix``: with prefix caching, a second
+    call served from the cache rank 0 keeps gives the same tokens on every rank."""
     import transformers
 
     import compileattn
@@ -348,3 +355,8 @@ def test_llm_tensor_parallel_size_2_equals_one_process(tmp_path, mode):
     for rank in (0, 1):
         assert json.loads((tmp_path / f"tokens.{rank}.json").read_text()) == expected
         assert "max_model_len" in json.loads((tmp_path / f"tokens.{rank}.err.json").read_text())
+        if mode == "prefix":
+            again, hits = json.loads((tmp_path / f"tokens.{rank}.again.json").read_text())
+            assert again == expected
+            if rank == 0:  # whole blocks of 4, the last token left to compute: 4 + 8 + 0
+                assert hits == 12

@@ -1,7 +1,8 @@
 """The offline engine: continuous batching over a paged KV cache, with compileattn's compiled forward.
 
-One job per module: ``block_allocator`` (the free list), ``request`` (sampling parameters and a
-request's state), ``scheduler`` (which tokens run in a step; preemption), ``sampler`` (next tokens
+One job per module: ``block_allocator`` (reference-counted blocks, free pools, the prefix cache's
+index), ``request`` (sampling parameters and a request's state), ``scheduler`` (which tokens run
+in a step; prefix hits at admission; preemption), ``sampler`` (next tokens
 on the device), ``model_runner`` (inputs, metadata, forward context, compiled forward),
 ``engine`` (the step loop, each step planned while the previous one runs), ``kv_budget`` (cache
 size from a memory budget), ``llm`` (the public ``LLM``), ``throughput`` (the offline throughput

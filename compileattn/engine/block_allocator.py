@@ -1,7 +1,12 @@
-"""The KV cache's free list of block ids."""
+"""The KV cache's block ids: reference counts, free pools and (optionally) the prefix cache's index."""
 from __future__ import annotations
 
-from typing import Iterable
+import collections
+from typing import Iterable, Sequence
+
+#: A block's content key: (content id of the block before it, or None for a sequence's first
+#: block; the block's token ids). Exact: two keys are equal only for equal token prefixes.
+ContentKey = tuple[int | None, tuple[int, ...]]
 
 
 class OutOfBlocksError(RuntimeError):
@@ -9,40 +14,170 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """A free list of KV-cache block ids. Blocks come out lowest id first from a fresh allocator;
-    freed blocks are reused before untouched ones (LIFO), which is what makes stale cache contents
-    reachable by a wrong block table or slot mapping, and so testable."""
+    """KV-cache block ids with reference counts: a block is free when no sequence holds it.
 
-    def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
+    Blocks come out lowest id first from a fresh allocator; freed blocks are reused before
+    untouched ones (LIFO), which is what makes stale cache contents reachable by a wrong block
+    table or slot mapping, and so testable.
+
+    With ``enable_caching``, full blocks can be registered under a content key (``register``)
+    and found again by token ids (``lookup``), so sequences with a common prefix hold the same
+    blocks (``share``). A freed block that has a key keeps its K/V: it waits in a second free
+    pool and is handed out (its key dropped) only when the pool of blocks without content is
+    empty, least recently freed first. Keys chain through content ids (a fresh int per
+    registered block, never reused), so a key names one exact token prefix: no hash collision
+    can serve another prefix's K/V, and a block whose parent was evicted cannot be reached.
+    """
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = False):
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not isinstance(enable_caching, bool):
+            raise TypeError(f"enable_caching must be a bool, got {enable_caching!r}")
         self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self._refs = [0] * num_blocks
+        #: Free blocks without content, popped from the end (LIFO).
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._used: set[int] = set()
+        #: Free blocks whose content is registered, least recently freed first.
+        self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._by_key: dict[ContentKey, tuple[int, int]] = {}  # key -> (block, content id)
+        self._key_of: dict[int, ContentKey] = {}
+        self._next_content_id = 0
+
+    # -- allocation ----------------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks no sequence holds, cached ones included (they are handed out when needed)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._cached_free)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if not isinstance(n, int) or n < 0:
+        """``n`` blocks, each held once: blocks without content first, then the least recently
+        freed cached ones, whose keys are dropped (their K/V is about to be overwritten)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"n must be an int >= 0, got {n!r}")
-        if n > len(self._free):
+        if n > self.num_free:
             raise OutOfBlocksError(
-                f"asked for {n} KV-cache blocks but only {len(self._free)} of {self.num_blocks} are free; "
+                f"asked for {n} KV-cache blocks but only {self.num_free} of {self.num_blocks} are free; "
                 f"give the engine more num_blocks or run fewer/shorter sequences at once")
-        blocks = [self._free.pop() for _ in range(n)]
-        self._used.update(blocks)
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._cached_free.popitem(last=False)
+                del self._by_key[self._key_of.pop(b)]
+            self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
     def free(self, blocks: Iterable[int]) -> None:
+        """Drop one hold of each block (a sequence's blocks, in order). A block no one holds any
+        more becomes free: into the cached pool if it has a key, its sequence's tail before its
+        head (an evicted head would leave the rest unreachable), else into the LIFO pool."""
+        blocks = list(blocks)
+        counts = collections.Counter(blocks)
+        for b, c in counts.items():
+            if not (isinstance(b, int) and 0 <= b < self.num_blocks) or self._refs[b] < c:
+                raise ValueError(f"block {b} is not allocated (double free, or not from this allocator)")
+        released = []
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                released.append(b)
+        for b in released:
+            if b not in self._key_of:
+                self._free.append(b)
+        for b in reversed(released):
+            if b in self._key_of:
+                self._cached_free[b] = None
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    # -- the prefix cache ----------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+        """Blocks holding the longest cached prefix of ``token_ids`` in whole blocks (at most
+        ``max_blocks``), first block first; [] without caching. Only reads: ``share`` takes them."""
+        if not self.enable_caching:
+            return []
+        n = len(token_ids) // block_size
+        if max_blocks is not None:
+            n = min(n, max_blocks)
+        blocks: list[int] = []
+        parent = None
+        for i in range(n):
+            hit = self._by_key.get((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+            if hit is None:
+                break
+            blocks.append(hit[0])
+            parent = hit[1]
+        return blocks
+
+    def share(self, blocks: Iterable[int]) -> None:
+        """Hold cached blocks once more (out of the free pool if no one held them)."""
         blocks = list(blocks)
         for b in blocks:
-            if b not in self._used:
-                raise ValueError(f"block {b} is not allocated (double free, or not from this allocator)")
+            if b not in self._key_of:
+                raise ValueError(f"block {b} holds no cached content; only blocks found by lookup can be shared")
         for b in blocks:
-            self._used.discard(b)
-            self._free.append(b)
+            if self._refs[b] == 0:
+                del self._cached_free[b]
+            self._refs[b] += 1
+
+    def register(self, block: int, parent: int | None, token_ids: Sequence[int]) -> int:
+        """Record that allocated ``block`` holds the K/V of ``token_ids`` after the prefix named by
+        content id ``parent`` (None: the sequence's first block); returns the content id to chain
+        the next block to. If that content is already registered (two sequences computed the same
+        prefix without sharing), ``block`` stays unregistered and the existing content id is
+        returned, so the caller's chain continues through the registered copy."""
+        if not self.enable_caching:
+            raise ValueError("register needs an allocator made with enable_caching=True")
+        if not isinstance(block, int) or not 0 <= block < self.num_blocks or self._refs[block] == 0:
+            raise ValueError(f"block {block!r} is not allocated")
+        if block in self._key_of:
+            raise ValueError(f"block {block} is already registered")
+        key = (parent, tuple(int(t) for t in token_ids))
+        existing = self._by_key.get(key)
+        if existing is not None:
+            return existing[1]
+        cid = self._next_content_id
+        self._next_content_id += 1
+        self._by_key[key] = (block, cid)
+        self._key_of[block] = key
+        return cid
+
+    def is_registered(self, block: int) -> bool:
+        return block in self._key_of
+
+    def content_id(self, block: int) -> int:
+        """The content id of a registered block."""
+        key = self._key_of.get(block)
+        if key is None:
+            raise ValueError(f"block {block} is not registered")
+        return self._by_key[key][1]
+
+    @property
+    def num_registered(self) -> int:
+        """Blocks whose content is registered, held or free."""
+        return len(self._key_of)
+
+    def set_caching(self, enabled: bool) -> None:
+        """Switch prefix caching on or off; either way the cache starts empty (every key dropped,
+        cached free blocks back into the LIFO pool)."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {enabled!r}")
+        self._free.extend(self._cached_free)
+        self._cached_free.clear()
+        self._by_key.clear()
+        self._key_of.clear()
+        self.enable_caching = enabled

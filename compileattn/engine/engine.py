@@ -17,7 +17,7 @@ from .block_allocator import BlockAllocator
 from .model_runner import ModelRunner, PreparedStep
 from .request import Request, SamplingParams
 from .sampler import sample
-from .scheduler import ScheduledStep, Scheduler
+from .scheduler import PrefixCacheStats, ScheduledStep, Scheduler
 
 if TYPE_CHECKING:
     from ..config import CompileConfig
@@ -71,6 +71,17 @@ class Engine:
     capture its CUDA graphs (at construction), and pad steps to its capture sizes; ``forward``: run
     this callable instead of ``model.forward`` (``compile_config`` then only names the attention
     backend and the padding).
+
+    ``enable_prefix_caching``: sequences whose known tokens start alike share the KV-cache blocks
+    of their common whole blocks, and a request computes only what the cache does not hold (see
+    ``scheduler``); finished requests' blocks stay findable until their room is needed. Off by
+    default: a prefix served from the cache was computed in another step, as part of another
+    batch, so in half precision its K/V (and the tokens that follow) can differ in rounding from
+    a full prefill of the same prompt: within tolerance, not bit for bit.
+
+    ``on_step_done``: when set, called with each step's plan once its sampled tokens are on the
+    host (a step that samples nothing does not wait for the device): what a per-step timing needs,
+    and nothing when it is None.
     """
 
     def __init__(
@@ -90,6 +101,7 @@ class Engine:
         mark_dynamic: bool | None = None,
         compile_config: "CompileConfig | None" = None,
         eos_token_ids: Sequence[int] = (),
+        enable_prefix_caching: bool = False,
     ):
         if compile_config is not None:
             if attention_backend not in ("auto", compile_config.attention_backend):
@@ -121,7 +133,9 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = model.vocab_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.allocator = BlockAllocator(num_blocks)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        self.allocator = BlockAllocator(num_blocks, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_tokens=max_num_tokens)
         self.runner = ModelRunner(model, block_size=block_size, num_blocks=num_blocks, max_num_tokens=max_num_tokens,
@@ -140,6 +154,7 @@ class Engine:
         self._pinned: torch.Tensor | None = None
         #: Per step: (decodes, prefills, chunked prefills, tokens, padded tokens).
         self.history: list[tuple[int, int, int, int, int]] = []
+        self.on_step_done: Callable[[ScheduledStep], None] | None = None
 
     # -- the runner's state, for callers and tests ------------------------------------------------
 
@@ -163,8 +178,26 @@ class Engine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    @property
+    def prefix_caching(self) -> bool:
+        return self.allocator.enable_caching
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Tokens of admitted requests looked up in the prefix cache, and those it supplied."""
+        return self.scheduler.prefix_stats
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Switch prefix caching on or off between runs; either way the prefix cache starts empty
+        (a benchmark's runs then each start cold, on the same compiled forward)."""
+        if self.has_unfinished():
+            raise ValueError("set_prefix_caching needs an idle engine: requests are unfinished")
+        self.allocator.set_caching(enabled)
+
     def run_step(self, seqs: Sequence[SequenceStep], input_ids, positions) -> torch.Tensor:
-        """Run the forward on one step given by the caller (see ``ModelRunner.execute``)."""
+        """Run the forward on one step given by the caller (see ``ModelRunner.execute``). It writes
+        its tokens' K/V into the blocks it names, so with prefix caching on it must not name a
+        block the prefix cache holds."""
         return self.runner.execute(seqs, input_ids, positions)
 
     # -- requests ----------------------------------------------------------------------------------
@@ -207,7 +240,8 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every request and return its blocks. Buffers, caches and the forward stay, so a
-        compiled forward (and its captured CUDA graphs) keeps serving this engine."""
+        compiled forward (and its captured CUDA graphs) keeps serving this engine; so does the
+        prefix cache (what it registered was computed by launched steps, so its K/V is whole)."""
         self.scheduler.reset()
         self._requests.clear()
 
@@ -281,6 +315,7 @@ class Engine:
                 tokens, copied = self._to_host(on_device)
         for req, seq in zip(sched.requests, sched.seqs):
             req.num_computed += seq.query_len
+        self.scheduler.register_computed(sched.requests)
         for req in reqs:
             req.num_pending += 1
         padded = prepared.metadata.num_tokens
@@ -319,6 +354,8 @@ class Engine:
             if req.finished:
                 self.scheduler.finish(req)
                 finished.append(req)
+        if self.on_step_done is not None:
+            self.on_step_done(sched)
         return sampled, finished
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_tokens_per_step: int,

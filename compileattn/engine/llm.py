@@ -97,6 +97,11 @@ class LLM:
         attention_backend: the attention kernels (``"auto"``, ``"flash"``, ``"triton"``,
             ``"reference"``); a ``CompileConfig`` passed in names its own.
         allow_pickle: also load pickled ``*.bin`` weights (they can run code).
+        enable_prefix_caching: prompts that start alike (a shared system prompt, say) share the
+            KV-cache blocks of their common prefix, within and across ``generate`` calls, and only
+            the rest is computed. Off by default: in half precision a prefix served from the cache
+            differs in rounding from a full prefill, so outputs agree within tolerance but not
+            bit for bit with caching off.
         tensor_parallel_size: shard the model over this many processes, one GPU each (gloo on the
             CPU), by its ``base_model_tp_plan`` (or an own model's ``tp_plan``). Every process runs
             the same program under ``torchrun --nproc-per-node N``: each builds its ``LLM`` and calls
@@ -109,9 +114,12 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, compile_config: CompileConfig | str | None = "auto",
-                 attention_backend: str = "auto", allow_pickle: bool = False, tensor_parallel_size: int = 1):
+                 attention_backend: str = "auto", allow_pickle: bool = False, tensor_parallel_size: int = 1,
+                 enable_prefix_caching: bool = False):
         if kv_cache_memory is not None and num_blocks is not None:
             raise ValueError("pass kv_cache_memory or num_blocks, not both")
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         self.tp = None
@@ -149,7 +157,8 @@ class LLM:
         engine_args = dict(block_size=block_size, num_blocks=num_blocks, max_num_tokens=max_num_batched_tokens,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            attention_backend=attention_backend, compile_config=compile_config,
-                           eos_token_ids=_eos_token_ids(hf_model, self.tokenizer))
+                           eos_token_ids=_eos_token_ids(hf_model, self.tokenizer),
+                           enable_prefix_caching=enable_prefix_caching)
         if self.tp is None:
             self.engine = Engine(self.model, **engine_args)
         else:
@@ -257,6 +266,8 @@ class LLM:
                 raise RuntimeError(f"rank 0's generate failed: {result}") from result
             return result
         start = time.perf_counter()
+        stats = engine.prefix_cache_stats
+        looked_up, hit = stats.queried_tokens, stats.hit_tokens
         try:
             outputs = self._run(engine, params, token_prompts, prompts, use_tqdm, start)
         except BaseException as exc:
@@ -272,6 +283,9 @@ class LLM:
         logger.info("generated %d tokens for %d requests in %.2f s (%.1f tokens/s, %d preemptions)", num_out,
                     len(outputs), elapsed, num_out / elapsed if elapsed > 0 else 0.0,
                     sum(o.metrics.num_preemptions for o in outputs))
+        if engine.prefix_caching:
+            logger.info("prefix cache: %d of %d looked-up tokens hit", stats.hit_tokens - hit,
+                        stats.queried_tokens - looked_up)
         return outputs
 
     def _run(self, engine, params, token_prompts, prompts, use_tqdm: bool, start: float) -> list[RequestOutput]:

@@ -43,7 +43,8 @@ class SamplingParams:
 class Request:
     """One sequence: its known tokens (prompt, then output), how many of them have K/V in the
     cache, and the blocks holding them. After a preemption ``num_computed`` is 0 and ``blocks``
-    empty: the known tokens (output included) are recomputed as a prefill."""
+    empty: the known tokens (output included) are recomputed as a prefill (from the prefix cache
+    where it has them)."""
 
     seq_id: int
     #: Prompt then generated tokens, one list: slicing a step's tokens out of it costs no copy of
@@ -57,6 +58,10 @@ class Request:
     #: the engine schedules the next step while the previous one runs on the device.
     num_pending: int = 0
     blocks: list[int] = dataclasses.field(default_factory=list)
+    #: Prefix caching: leading ``blocks`` registered (or found) in the prefix cache, and the
+    #: content id of the last of them, the parent of the next one's key.
+    num_registered_blocks: int = 0
+    last_content_id: int | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     #: time.perf_counter() when the request was added, its first token sampled, it finished.

@@ -15,6 +15,16 @@ token sampled there is then *pending* (counted, its value unknown; the engine wr
 step's inputs before launching). A request whose pending token reaches ``max_new_tokens`` is not
 scheduled again; one that a pending token will stop (EOS, stop ids) cannot be known to stop, so it
 may run one step too many, whose result is dropped.
+
+Prefix caching (``BlockAllocator(enable_caching=True)``): a request admitted with nothing computed
+(new, or readmitted after a preemption) starts from the longest run of whole blocks of its known
+tokens that the cache holds, shared with whoever computed them, and computes the rest as a chunked
+prefill over that context. At least its last known token is always computed, since its logits are
+what the request samples from. Shared blocks are whole, full blocks below ``num_computed``, so no
+sequence ever writes into a block another one reads. A block is registered only after the step
+that fills it has been put on the device (``register_computed``): a request planned into the same
+step cannot read a block that step is still writing, while the next step, planned after this one
+was launched and queued after it on the same stream, can.
 """
 from __future__ import annotations
 
@@ -53,6 +63,19 @@ class ScheduledStep:
         return len(self.input_ids)
 
 
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Known tokens of the requests admitted with prefix caching on, and how many of them the
+    prefix cache supplied (a readmission after a preemption counts again)."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, *, block_size: int, max_num_seqs: int, max_num_tokens: int):
         self.allocator = allocator
@@ -66,6 +89,7 @@ class Scheduler:
         #: seq_id -> request, in admission order (a dict: O(1) removal, ordered iteration).
         self.running: dict[int, Request] = {}
         self.num_preemptions = 0
+        self.prefix_stats = PrefixCacheStats()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -97,6 +121,8 @@ class Scheduler:
         self.allocator.free(req.blocks)
         req.blocks = []
         req.num_computed = 0
+        req.num_registered_blocks = 0
+        req.last_content_id = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -149,12 +175,18 @@ class Scheduler:
             req = self.waiting[0]
             if preempted and req in preempted:  # readmitting it now would undo the preemption
                 break
-            q = min(req.num_uncomputed, budget)
+            hits = self._cached_prefix(req)
+            q = min(req.num_uncomputed - len(hits) * self.block_size, budget)
+            need = -(-(len(hits) * self.block_size + q) // self.block_size) - len(hits)
+            # Hits nobody holds sit in the free pool: taking them consumes free blocks too.
+            free = self.allocator.num_free - sum(self.allocator.refcount(b) == 0 for b in hits)
             reserve = self.watermark if self.running else 0
-            if self._blocks_needed(req, q) + reserve > self.allocator.num_free:
+            if need + reserve > free:
                 break
             self.waiting.popleft()
             self.running[req.seq_id] = req
+            if self.allocator.enable_caching:
+                self._admit_cached(req, hits)
             req.blocks.extend(self.allocator.allocate(self._blocks_needed(req, q)))
             plan.append((req, q))
             scheduled.add(req.seq_id)
@@ -163,6 +195,49 @@ class Scheduler:
             return None
         plan.sort(key=lambda rq: rq[1] != 1)  # stable: one-token sequences first, as the metadata wants
         return self._build(plan, preempted)
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Blocks of the prefix cache holding ``req``'s leading known tokens, leaving at least the
+        last one to compute; [] without caching or for a request that holds blocks already."""
+        if not self.allocator.enable_caching or req.blocks or req.num_computed:
+            return []
+        return self.allocator.lookup(req.token_ids, self.block_size,
+                                     max_blocks=(req.num_known - 1) // self.block_size)
+
+    def _admit_cached(self, req: Request, hits: list[int]) -> None:
+        """Start ``req`` from its cached prefix ``hits``: held, counted as computed."""
+        self.prefix_stats.queried_tokens += req.num_known
+        if not hits:
+            return
+        self.allocator.share(hits)
+        req.blocks = list(hits)
+        req.num_computed = len(hits) * self.block_size
+        req.num_registered_blocks = len(hits)
+        req.last_content_id = self.allocator.content_id(hits[-1])
+        self.prefix_stats.hit_tokens += req.num_computed
+        logger.debug("request %d: %d of its %d known tokens from the prefix cache", req.seq_id, req.num_computed,
+                     req.num_known)
+
+    def register_computed(self, requests: list[Request]) -> None:
+        """Register the blocks of ``requests`` that are now full of computed tokens in the prefix
+        cache; called once a step that computed them is on the device. Finished requests are
+        skipped (their blocks are freed already; the step only fills what was left)."""
+        if not self.allocator.enable_caching:
+            return
+        bs = self.block_size
+        for req in requests:
+            if req.finished:
+                continue
+            full = req.num_computed // bs
+            if len(req.token_ids) < full * bs:
+                raise RuntimeError(f"request {req.seq_id}: {req.num_computed} tokens computed but only "
+                                   f"{len(req.token_ids)} known; a step's pending tokens must be in token_ids "
+                                   f"before it is launched")
+            while req.num_registered_blocks < full:
+                i = req.num_registered_blocks
+                req.last_content_id = self.allocator.register(req.blocks[i], req.last_content_id,
+                                                              req.token_ids[i * bs:(i + 1) * bs])
+                req.num_registered_blocks += 1
 
     def _build(self, plan: list[tuple[Request, int]], preempted: list[Request]) -> ScheduledStep:
         step = ScheduledStep([], [], [], [], [], [], [], preempted)

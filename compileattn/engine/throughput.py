@@ -1,8 +1,9 @@
-"""Offline throughput of an ``LLM``: random prompts of random lengths, every output generated to its
-full length (``ignore_eos``), output tokens/s, requests/s and time per output token.
+"""Offline throughput of an ``LLM``: random prompts of random lengths (or sharing one random system
+prompt), every output generated to its full length (``ignore_eos``), output tokens/s, requests/s
+and time per output token.
 
-Shared by ``python -m compileattn throughput`` and ``benchmarks/throughput.py``, so both measure
-the same thing the same way.
+Shared by ``python -m compileattn throughput``, ``benchmarks/throughput.py`` and
+``benchmarks/prefix_sharing.py``, so they measure the same thing the same way.
 """
 from __future__ import annotations
 
@@ -47,6 +48,22 @@ def random_workload(num_requests: int, input_lens: tuple[int, int], output_lens:
             raise ValueError(f"{name} must be a range 1 <= lo <= hi, got {(lo, hi)}")
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*input_lens))] for _ in range(num_requests)]
+    return Workload(prompts, [rng.randint(*output_lens) for _ in range(num_requests)])
+
+
+def shared_prefix_workload(num_requests: int, prefix_len: int, suffix_lens: tuple[int, int],
+                           output_lens: tuple[int, int], vocab_size: int, seed: int = 0) -> Workload:
+    """Every prompt is one random "system prompt" of ``prefix_len`` tokens followed by its own
+    random suffix (length uniform in ``suffix_lens``): the workload prefix caching is for."""
+    if not isinstance(prefix_len, int) or prefix_len < 1:
+        raise ValueError(f"prefix_len must be a positive int, got {prefix_len!r}")
+    for name, (lo, hi) in (("suffix_lens", suffix_lens), ("output_lens", output_lens)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must be a range 1 <= lo <= hi, got {(lo, hi)}")
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    prompts = [prefix + [rng.randrange(vocab_size) for _ in range(rng.randint(*suffix_lens))]
+               for _ in range(num_requests)]
     return Workload(prompts, [rng.randint(*output_lens) for _ in range(num_requests)])
 
 
