@@ -122,6 +122,11 @@ def package_version(dists: Sequence[str], module: str | None = None) -> str | No
 
 
 def git_commit() -> str | None:
+    """``git rev-parse HEAD`` (+dirty), or ``$BENCH_COMMIT`` when set: the lent GPU machines get the
+    working tree with a ``.git`` that can lag behind it, so a run there names its tree explicitly
+    (``BENCH_COMMIT=$(git rev-parse HEAD)`` written into the command on this side)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"] + " (BENCH_COMMIT)"
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         commit = out.stdout.strip() if out.returncode == 0 else None
@@ -509,6 +514,20 @@ def argparse_type(parser_fn: Callable[[str], Any]) -> Callable[[str], Any]:
 def short_error(exc: BaseException, limit: int = 300) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def concat_runs(payloads: Sequence[dict[str, Any]], benchmark: str) -> dict[str, Any]:
+    """Several runs of one benchmark as one report: every run's rows, each run's environment,
+    the last run's config. ValueError for another benchmark's result."""
+    if not payloads:
+        raise ValueError("nothing to merge")
+    for i, p in enumerate(payloads):
+        if p.get("benchmark") != benchmark:
+            raise ValueError(f"input {i} is not a {benchmark}.py result (benchmark={p.get('benchmark')!r})")
+    merged = dict(payloads[-1])
+    merged["rows"] = [r for p in payloads for r in p["rows"]]
+    merged["runs"] = [p.get("environment") for p in payloads]
+    return merged
 
 
 def write_outputs(payload: dict, prefix: str, no_plot: bool, log, markdown: str, draw, alt: str) -> str:

@@ -348,22 +348,12 @@ def write_outputs(payload: dict[str, Any], prefix: str, no_plot: bool, log) -> s
                                 "prefix sharing step times")
 
 
-def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    for p in payloads:
-        if p.get("benchmark") != "prefix_sharing":
-            raise ValueError("not a prefix_sharing.py result")
-    merged = dict(payloads[-1])
-    merged["rows"] = [r for p in payloads for r in p["rows"]]
-    merged["runs"] = [p.get("environment") for p in payloads]
-    return merged
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     log = common.Log()
     if args.merge:
-        print(write_outputs(merge_payloads([common.read_json(p) for p in args.merge]), args.output or args.out,
-                            args.no_plot, log), flush=True)
+        merged = common.concat_runs([common.read_json(p) for p in args.merge], "prefix_sharing")
+        print(write_outputs(merged, args.output or args.out, args.no_plot, log), flush=True)
         return 0
     missing = common.cuda_missing_message("prefix_sharing.py") if bench.DEVICE == "cuda" else None
     if missing:

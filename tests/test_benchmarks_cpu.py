@@ -884,3 +884,17 @@ def test_latency_tp_merge_takes_measured_rows_over_skipped(tmp_path):
     assert "5200 / 5200 / 5200" in (tmp_path / "m.md").read_text()
     with pytest.raises(ValueError, match="not a latency_tp result"):
         ltp.merge_payloads([{"benchmark": "latency", "rows": []}])
+
+
+def test_concat_runs_keeps_every_row_and_refuses_another_benchmark():
+    a = {"benchmark": "throughput", "environment": {"run": 1}, "config": {"x": 1}, "rows": [{"r": 1}]}
+    b = {"benchmark": "throughput", "environment": {"run": 2}, "config": {"x": 2}, "rows": [{"r": 2}, {"r": 3}]}
+    merged = common.concat_runs([a, b], "throughput")
+    assert merged["rows"] == [{"r": 1}, {"r": 2}, {"r": 3}] and merged["runs"] == [{"run": 1}, {"run": 2}]
+    with pytest.raises(ValueError, match="input 1 is not a throughput.py result"):
+        common.concat_runs([a, {"benchmark": "latency", "rows": []}], "throughput")
+
+
+def test_bench_commit_names_the_tree(monkeypatch):
+    monkeypatch.setenv("BENCH_COMMIT", "abc123")
+    assert common.git_commit() == "abc123 (BENCH_COMMIT)"
