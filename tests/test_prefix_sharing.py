@@ -381,3 +381,49 @@ def test_sampling_params_and_stop_tokens_are_unchanged_by_caching(llama):
 
     (off, _), (on, hits) = sampled(False), sampled(True)
     assert on == off and hits > 0
+
+
+def test_requests_arriving_together_compute_their_prefix_once(llama):
+    """Four prompts with a 6-block prefix, all waiting, budget for all of them: the first computes
+    the prefix, the others wait one step (the step is filling their next block) and then find it
+    in the cache. Caching off they all compute it in the first step."""
+    prompts = shared_prompts(24, [3, 5, 2, 7])
+    want = generate(engine_for(llama, caching=False), prompts, new=4, budget=64)
+    engine = engine_for(llama, max_num_tokens=64)
+    ids = engine.add_requests([SamplingParams(max_new_tokens=4)] * 4, prompts)
+    first = engine.step()
+    assert first.seq_ids == [ids[0]] and engine.prefix_cache_stats.deferred_admissions == 1
+    second = engine.step()
+    assert set(ids[1:]) <= set(second.seq_ids)
+    assert engine.prefix_cache_stats.hit_tokens == 3 * 24
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.pop_request(i).output for i in ids] == want
+
+
+def test_no_admission_waits_without_caching_or_for_another_prefix(llama):
+    same = shared_prompts(24, [3, 5])
+    other = [tokens(27, 50), tokens(26, 60)]  # no common block
+    for caching, prompts, admitted in ((False, same, 2), (True, other, 2)):
+        engine = engine_for(llama, caching=caching, max_num_tokens=64)
+        engine.add_requests([SamplingParams(max_new_tokens=2)] * 2, prompts)
+        assert len(engine.step().seq_ids) == admitted
+        assert engine.prefix_cache_stats.deferred_admissions == 0
+
+
+def test_a_request_waits_while_a_chunked_prefill_fills_its_next_block(llama):
+    """A long prompt chunked over several steps: an identical one arriving meanwhile waits until
+    the blocks it needs are in the cache, and never computes them itself."""
+    prompt = tokens(40, 7)
+    want = generate(engine_for(llama, caching=False), [prompt, prompt], new=3, budget=16)
+    engine = engine_for(llama, max_num_tokens=16)
+    a = engine.add_request(prompt, 3)
+    engine.step()  # a computes tokens 0-15
+    b = engine.add_request(prompt, 3)
+    while engine.has_unfinished():
+        engine.step()
+    # Step 2 is a's 16 tokens (the whole budget); in step 3 a fills blocks 8-9 with 8 tokens and
+    # b, which could have taken the other 8, waits; in step 4 it starts from all 9 blocks it may take.
+    assert engine.prefix_cache_stats.deferred_admissions == 1
+    assert engine.prefix_cache_stats.hit_tokens == 36  # (40 - 1) // 4 blocks of 4
+    assert [engine.pop_request(i).output for i in (a, b)] == want

@@ -62,6 +62,9 @@ class Request:
     #: content id of the last of them, the parent of the next one's key.
     num_registered_blocks: int = 0
     last_content_id: int | None = None
+    #: Chained hashes of its leading full blocks of known tokens, extended as the scheduler needs
+    #: them (the tokens of a full block never change): which blocks a step is filling, a hint only.
+    block_hashes: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     #: time.perf_counter() when the request was added, its first token sampled, it finished.

@@ -24,7 +24,10 @@ what the request samples from. Shared blocks are whole, full blocks below ``num_
 sequence ever writes into a block another one reads. A block is registered only after the step
 that fills it has been put on the device (``register_computed``): a request planned into the same
 step cannot read a block that step is still writing, while the next step, planned after this one
-was launched and queued after it on the same stream, can.
+was launched and queued after it on the same stream, can. So that requests with one prefix
+arriving together do not all compute it in the same step, a waiting request whose next uncached
+block a planned sequence is filling in this step waits one step (admission stops there, keeping
+arrival order) and then finds it in the cache.
 """
 from __future__ import annotations
 
@@ -70,6 +73,8 @@ class PrefixCacheStats:
 
     queried_tokens: int = 0
     hit_tokens: int = 0
+    #: Admissions put off by a step because that step was filling the request's next block.
+    deferred_admissions: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -160,6 +165,7 @@ class Scheduler:
         plan: list[tuple[Request, int]] = []
         scheduled: set[int] = set()
         preempted: list[Request] = []
+        filling: set[int] = set()  # block hashes the planned sequences fill in this step
         live = [r for r in self.running.values() if r.schedulable]
         for req in [r for r in live if r.is_decoding] + [r for r in live if not r.is_decoding]:
             if budget == 0:
@@ -171,11 +177,15 @@ class Scheduler:
                 plan.append((req, q))
                 scheduled.add(req.seq_id)
                 budget -= q
+                self._note_filling(req, q, filling)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if preempted and req in preempted:  # readmitting it now would undo the preemption
                 break
             hits = self._cached_prefix(req)
+            if filling and self._next_block_filling(req, len(hits), filling):
+                self.prefix_stats.deferred_admissions += 1
+                break
             q = min(req.num_uncomputed - len(hits) * self.block_size, budget)
             need = -(-(len(hits) * self.block_size + q) // self.block_size) - len(hits)
             # Hits nobody holds sit in the free pool: taking them consumes free blocks too.
@@ -191,6 +201,7 @@ class Scheduler:
             plan.append((req, q))
             scheduled.add(req.seq_id)
             budget -= q
+            self._note_filling(req, q, filling)
         if not plan:
             return None
         plan.sort(key=lambda rq: rq[1] != 1)  # stable: one-token sequences first, as the metadata wants
@@ -203,6 +214,34 @@ class Scheduler:
             return []
         return self.allocator.lookup(req.token_ids, self.block_size,
                                      max_blocks=(req.num_known - 1) // self.block_size)
+
+    def _block_hashes(self, req: Request, n: int) -> list[int]:
+        """``req``'s chained block hashes, at least ``n`` of them (``n`` full blocks of known
+        tokens). A hint for scheduling only: a collision puts a request off by one step, while the
+        prefix cache itself matches exact token keys."""
+        hashes, bs = req.block_hashes, self.block_size
+        while len(hashes) < n:
+            i = len(hashes)
+            hashes.append(hash((hashes[-1] if hashes else 0, tuple(req.token_ids[i * bs:(i + 1) * bs]))))
+        return hashes
+
+    def _note_filling(self, req: Request, q: int, filling: set[int]) -> None:
+        """Add the hashes of the blocks ``req``'s ``q`` tokens of this step fill up."""
+        if not self.allocator.enable_caching or q == 1:  # a decode's continuation is its own
+            return
+        first = req.num_computed // self.block_size
+        end = min(req.num_computed + q, len(req.token_ids)) // self.block_size
+        if end > first:
+            filling.update(self._block_hashes(req, end)[first:end])
+
+    def _next_block_filling(self, req: Request, num_hits: int, filling: set[int]) -> bool:
+        """Whether block ``num_hits`` of waiting ``req`` (its first uncached one) is being filled in
+        this step, and would be a hit for it in the next (within its cap of cached blocks)."""
+        if req.blocks or req.num_computed or num_hits + 1 > (req.num_known - 1) // self.block_size:
+            return False
+        if (num_hits + 1) * self.block_size > len(req.token_ids):
+            return False
+        return self._block_hashes(req, num_hits + 1)[num_hits] in filling
 
     def _admit_cached(self, req: Request, hits: list[int]) -> None:
         """Start ``req`` from its cached prefix ``hits``: held, counted as computed."""
