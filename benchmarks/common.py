@@ -303,16 +303,15 @@ def fmt_num(x: float | None, digits: int = 1) -> str:
 
 
 def percentile(values: Sequence[float], p: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``p`` in [0, 100]."""
+    """``compileattn.engine.throughput.percentile`` (linear interpolation, numpy's default), strict:
+    a benchmark asking for the percentile of nothing, or of a ``p`` outside [0, 100], has a bug."""
     if not values:
         raise ValueError("percentile of no values")
     if not 0 <= p <= 100:
         raise ValueError(f"p must be in [0, 100], got {p}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * p / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    from compileattn.engine.throughput import percentile as interpolated
+
+    return interpolated(values, p)
 
 
 def summarize_us(samples_s: Sequence[float]) -> dict[str, float]:
