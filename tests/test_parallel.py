@@ -313,8 +313,10 @@ prefix = dict(block_size=4, enable_prefix_caching=True) if mode == "prefix" else
 llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=config,
                       num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, **prefix)
 prompts = [[5, 6, 7, 8, 9], [3] * 11, [1, 2]]
-outputs = llm.generate(prompts, max_new_tokens=6, use_tqdm=False)
 rank = torch.distributed.get_rank()
+print(f"rank {rank}: loaded", file=sys.stderr, flush=True)  # stages, for a failure's log
+outputs = llm.generate(prompts, max_new_tokens=6, use_tqdm=False)
+print(f"rank {rank}: generated", file=sys.stderr, flush=True)
 json.dump([o.token_ids for o in outputs], open(f"{out}.{rank}.json", "w"))
 if mode == "prefix":  # again: rank 0 plans from the prefix cache, the others run its steps
     outputs = llm.generate(prompts, max_new_tokens=6, use_tqdm=False)
@@ -324,7 +326,9 @@ try:
     llm.generate([[1] * 500], max_new_tokens=4, use_tqdm=False)  # too long for the cache: rank 0 refuses
 except Exception as exc:
     json.dump(str(exc), open(f"{out}.{rank}.err.json", "w"))
+print(f"rank {rank}: shutting down", file=sys.stderr, flush=True)
 compileattn.parallel.shutdown_tp()
+print(f"rank {rank}: done", file=sys.stderr, flush=True)
 '''
 
 

@@ -220,11 +220,15 @@ def _warm_up(tp: TPGroup) -> None:
 
 def shutdown_tp(timeout_s: float = 30.0) -> bool:
     """Destroy the process groups, giving up after ``timeout_s`` (``destroy_process_group`` can
-    hang after CUDA-graph captures of NCCL operations, pytorch/pytorch#115388). True if it
-    finished; on False the caller should exit the process rather than wait."""
+    hang after CUDA-graph captures of NCCL operations, pytorch/pytorch#115388, so NCCL's is
+    destroyed on a helper thread). True if it finished; on False the caller should exit the
+    process rather than wait."""
     global _tp
     _tp = None
     if not dist.is_initialized():
+        return True
+    if dist.get_backend() == "gloo":  # the hang is NCCL's: gloo is torn down on the thread that used it
+        dist.destroy_process_group()
         return True
     done = threading.Event()
 
