@@ -21,6 +21,18 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
                initializer_range=0.2, tie_word_embeddings=False)
 
 
+def tiny_llama():
+    """An in-memory tiny Llama with sdpa attention, for the benchmarks' plumbing tests (the GPU
+    scripts build 8B shapes the same way, from a config)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      eos_token_id=None, initializer_range=0.2)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
 def _config(family: str, **overrides):
     import transformers as T
 

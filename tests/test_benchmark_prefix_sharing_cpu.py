@@ -10,18 +10,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import common  # noqa: E402
+from hf_families import tiny_llama  # noqa: E402
 import prefix_sharing as ps  # noqa: E402
 import throughput as bench  # noqa: E402  (benchmarks/throughput.py)
 
 
-def tiny(layers=None):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      eos_token_id=None, initializer_range=0.2)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+def tiny(layers=None):  # prefix_sharing.build_model's signature
+    return tiny_llama()
 
 
 ARGS = ["--compile", "eager", "--num-requests", "5", "--prefix-len", "40", "--suffix-len", "2:6", "--output-len",

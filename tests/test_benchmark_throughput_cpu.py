@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import common  # noqa: E402
+from hf_families import tiny_llama  # noqa: E402
 import throughput as tp  # noqa: E402
 
 
@@ -30,14 +31,8 @@ def test_without_cuda_it_says_so_and_exits_0(capsys, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def tiny(name=None, layers=None):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      eos_token_id=None, initializer_range=0.2)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+def tiny(name=None, layers=None):  # throughput.build_model's signature
+    return tiny_llama()
 
 
 def test_teacher_forced_check_accepts_greedy_tokens_and_rejects_others():

@@ -120,10 +120,10 @@ def test_opcheck_attention_under_forward_context(dtype):
         torch.library.opcheck(torch.ops.compileattn.attention.default, args)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_opcheck_write_layer_kv_and_attend_equal_the_unified_op(dtype):
-    """The two halves passes/kv_write.py splits the unified op into: opcheck each, and together they
-    give what ``attention`` gives (output and cache)."""
+def _unified_op_result(dtype):
+    """One padded mixed step on the reference backend and what the unified ``attention`` op makes
+    of it: (metadata, q, k, v, a factory of fresh copies of the cache before the step, the cache
+    after the op, the op's output)."""
     tables, t, rand = _step_tensors(dtype)
     spec = AttentionSpec(H, KVH, D)
     k0, v0 = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D), rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D)
@@ -132,11 +132,24 @@ def test_opcheck_write_layer_kv_and_attend_equal_the_unified_op(dtype):
     md = builder.build([SequenceStep(q, c, tb) for (q, c), tb in zip(STEP, tables)], pad_to=t + 2)
     n = md.num_tokens
     q, k, v = rand(n, H, D), rand(n, KVH, D), rand(n, KVH, D)
-    whole = KVCache(k0.clone(), v0.clone(), spec)
-    halves = KVCache(k0.clone(), v0.clone(), spec)
+
+    def fresh_cache():
+        return KVCache(k0.clone(), v0.clone(), spec)
+
+    whole = fresh_cache()
     expected = torch.empty(n, H, D, dtype=dtype)
     with set_forward_context(md, {"layer.0": whole}):
         torch.ops.compileattn.attention(q, k, v, expected, "layer.0")
+    return md, q, k, v, fresh_cache, whole, expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck_write_layer_kv_and_attend_equal_the_unified_op(dtype):
+    """The two halves passes/kv_write.py splits the unified op into: opcheck each, and together they
+    give what ``attention`` gives (output and cache)."""
+    md, q, k, v, fresh_cache, whole, expected = _unified_op_result(dtype)
+    n = md.num_tokens
+    halves = fresh_cache()
     out = torch.empty(n, H, D, dtype=dtype)
     with set_forward_context(md, {"layer.0": halves}):
         torch.library.opcheck(torch.ops.compileattn.write_layer_kv.default, (k, v, "layer.0"))
@@ -156,20 +169,9 @@ def test_runtime_callers_equal_the_op(unified, dense):
     context or layer."""
     from compileattn import ops
 
-    tables, t, rand = _step_tensors(torch.float32)
-    spec = AttentionSpec(H, KVH, D)
-    k0, v0 = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D), rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D)
-    builder = AttentionMetadataBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_tokens=16,
-                                       max_blocks_per_seq=4, backend="reference")
-    md = builder.build([SequenceStep(q, c, tb) for (q, c), tb in zip(STEP, tables)], pad_to=t + 2)
+    md, q, k, v, fresh_cache, whole, expected = _unified_op_result(torch.float32)
     n = md.num_tokens
-    q, k, v = rand(n, H, D), rand(n, KVH, D), rand(n, KVH, D)
-    whole = KVCache(k0.clone(), v0.clone(), spec)
-    expected = torch.empty(n, H, D)
-    with set_forward_context(md, {"layer.0": whole}):
-        torch.ops.compileattn.attention(q, k, v, expected, "layer.0")
-
-    called = KVCache(k0.clone(), v0.clone(), spec)
+    called = fresh_cache()
     query = q if dense else torch.empty(n, H, 2 * D)[:, :, :D].copy_(q)
     output = torch.empty(n, H, D) if dense else torch.zeros(n, H, 2 * D)[:, :, :D]
     assert query.is_contiguous() == dense and output.is_contiguous() == dense
