@@ -328,6 +328,13 @@ except Exception as exc:
     json.dump(str(exc), open(f"{out}.{rank}.err.json", "w"))
 print(f"rank {rank}: shutting down", file=sys.stderr, flush=True)
 compileattn.parallel.shutdown_tp()
+# Nothing may keep a destroyed group alive: its gloo threads would then be torn down at interpreter
+# exit, which aborts the process now and then ("terminate called without an active exception").
+import os
+if os.path.isdir("/proc/self/task"):
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    if any("gloo" in n for n in names):
+        raise SystemExit(f"rank {rank}: gloo threads outlive shutdown_tp: {sorted(names)}")
 print(f"rank {rank}: done", file=sys.stderr, flush=True)
 '''
 

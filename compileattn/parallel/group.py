@@ -126,6 +126,14 @@ class TPGroup:
         if self.world_size > 1:
             dist.barrier(group=self.cpu_group)
 
+    def release(self) -> None:
+        """Drop the process-group handles (engines keep this object after shutdown): a group is
+        freed, and its gloo threads joined, only when nothing holds it any more; otherwise they
+        live until interpreter exit, whose teardown can abort the process ("terminate called
+        without an active exception", seen on gloo in CI after every rank had finished)."""
+        object.__setattr__(self, "group", None)
+        object.__setattr__(self, "cpu_group", None)
+
 
 _tp: TPGroup | None = None
 
@@ -224,6 +232,8 @@ def shutdown_tp(timeout_s: float = 30.0) -> bool:
     destroyed on a helper thread). True if it finished; on False the caller should exit the
     process rather than wait."""
     global _tp
+    if _tp is not None:
+        _tp.release()
     _tp = None
     if not dist.is_initialized():
         return True
