@@ -5,7 +5,7 @@
 #
 #   benchmarks/make_before.sh [COMMIT]        (default 51ed29a; run where the repository's git is)
 #
-# Only what the old benchmark imports is exported (compileattn/, passes/, benchmarks/op_overhead.py:
+# Only what the old benchmark imports is exported (compileattn/, passes/, benchmarks/op_overhead.py and its helpers:
 # ~0.4 MB), so the carried .device/ stays within its size limit beside the FlashAttention-4 pack.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,6 +14,11 @@ dest="$root/.device/before"
 full="$(git -C "$root" rev-parse --verify "$commit^{commit}")"
 rm -rf "$dest"
 mkdir -p "$dest"
-git -C "$root" archive "$full" compileattn passes benchmarks/op_overhead.py | tar -x -C "$dest"
+# op_overhead.py's own helpers, where that tree has them (later trees import common.py)
+paths=(compileattn passes benchmarks/op_overhead.py)
+for helper in benchmarks/common.py benchmarks/op_overhead_report.py; do
+    if git -C "$root" cat-file -e "$full:$helper" 2>/dev/null; then paths+=("$helper"); fi
+done
+git -C "$root" archive "$full" "${paths[@]}" | tar -x -C "$dest"
 echo "$full" > "$dest/COMMIT"
 echo "exported $(git -C "$root" log -1 --format='%h %s' "$full") into $dest ($(du -sh "$dest" | cut -f1))"

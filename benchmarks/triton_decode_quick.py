@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from compileattn.backends.triton.config import DecodeConfig, decode_config, num_splits, sm_count
+    from compileattn.backends.triton.config import DecodeConfig, decode_config, fills_waves, num_splits, sm_count
 
     log = common.Log()
     budget = common.Budget(args.budget_s)
@@ -244,12 +244,12 @@ def main(argv=None) -> int:
     l2 = common.l2_cache_bytes()
     bw = common.copy_bandwidth()
     log(f"{torch.cuda.get_device_name()}  SMs={sms}  L2={l2 >> 20} MiB  copy={bw['GBps'] / 1e3:.2f} TB/s")
-    base = decode_config(H // KVH, D, getattr(torch, DTYPE_NAME), args.page)
     results = {"device": torch.cuda.get_device_name(), "copy_TBps": bw["GBps"] / 1e3, "rows": []}
     summary = []
     for batch in args.batches:
         step = Step(torch, batch, args.context, args.page, l2)
         default_splits = num_splits(batch, KVH, sms)
+        base = decode_config(H // KVH, D, getattr(torch, DTYPE_NAME), args.page, full_waves=fills_waves(batch, KVH, sms))
         row = {"batch": batch, "default": None, "sweep": [], "rotations": step.rotations}
         us, tbps, err = time_launch(torch, step, decode_launcher(torch, step, base, default_splits))
         row["default"] = dict(cfg=base.__dict__, splits=default_splits, us=us, TBps=tbps, err=err)

@@ -25,7 +25,7 @@ from compileattn.backends.triton import _mode
 from compileattn.backends.triton.backend import TritonBackend
 from compileattn.backends.triton.launch import DecodeLaunch
 from compileattn.backends.triton.config import (
-    MAX_SPLITS, PROGRAMS_PER_SM, Tuning, decode_config, num_splits, unified_config,
+    MAX_SPLITS, PROGRAMS_PER_SM, Tuning, decode_config, fills_waves, num_splits, unified_config,
 )
 
 
@@ -115,6 +115,10 @@ def check_forward(spec, dtype, block_size, lens, *, pad_to=None, seed=0, **tunin
     torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
     torch.testing.assert_close(cache.key_cache, ref_cache.key_cache, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(cache.value_cache, ref_cache.value_cache, atol=0, rtol=0, equal_nan=True)
+    if CUDA:  # a prepared layer's second call skips JITFunction.run (backends/triton/direct.py)
+        again = torch.full_like(out, 7.0)
+        layer_forward(md, cache, case["q"], case["k"], case["v"], again)
+        torch.testing.assert_close(again, out, atol=0, rtol=0)
     real = sum(q for q, _ in lens)
     assert torch.all(out[real:] == 0), "padding rows must be zero"
     return be, md
@@ -180,6 +184,10 @@ def test_configs_are_tensor_core_shaped():
     assert decode_config(8, 128, torch.bfloat16).block_n == 64
     assert decode_config(8, 128, torch.bfloat16, page=16).tail_stages > 0  # tiles gather 4 pages
     assert decode_config(8, 128, torch.bfloat16, page=64).tail_stages == 0  # a tile is in one page
+    # a grid that fills every resident slot unsplit pipelines 2 stages deep, a smaller one 3
+    assert decode_config(8, 128, torch.bfloat16, full_waves=True).num_stages == 2
+    assert decode_config(8, 128, torch.bfloat16).num_stages == 3
+    assert fills_waves(256, 8, 132) and not fills_waves(64, 8, 132)
 
 
 def test_unsupported_reasons():

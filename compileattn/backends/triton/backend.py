@@ -23,7 +23,7 @@ from ...kv_cache import SUPPORTED_HEAD_DIMS, is_fp8
 from ..base import AttentionBackend
 from ..kv_write import write_kv_padded
 from . import _mode
-from .config import Tuning, decode_config, num_splits, sm_count, unified_config
+from .config import Tuning, decode_config, fills_waves, num_splits, sm_count, unified_config
 from .launch import DecodeLaunch, KVWriteLaunch, Softmax, UnifiedLaunch
 
 _MEMO_SIZE = 512
@@ -152,9 +152,11 @@ class TritonBackend(AttentionBackend):
 
     def _decode_launch(self, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, device, buffers,
                        has_alibi=False, kv_scaled=False):
-        cfg = decode_config(num_heads // kv_heads, head_dim, dtype, block_size, self.tuning)
         index = device.index if device.type == "cuda" else None
-        splits = num_splits(num_seqs, kv_heads, sm_count(device.type, index), self.tuning)
+        sms = sm_count(device.type, index)
+        cfg = decode_config(num_heads // kv_heads, head_dim, dtype, block_size, self.tuning,
+                            fills_waves(num_seqs, kv_heads, sms))
+        splits = num_splits(num_seqs, kv_heads, sms, self.tuning)
         return DecodeLaunch(cfg, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, splits, buffers,
                             has_alibi, kv_scaled)
 

@@ -1,11 +1,12 @@
-"""Launchers: a kernel with its grid and compile-time constants fixed, called through
-``JITFunction.run`` with no grid lambda, no per-call constexpr dict and no config lookup.
+"""Launchers: a kernel with its grid and compile-time constants fixed, with no grid lambda, no
+per-call constexpr dict and no config lookup.
 
 Each launcher has two ways in. ``bind(...)`` returns the per-layer prepared call
 ``attend(q, out)`` (or ``write(key, value)``) with the caches, the step's metadata tensors, the
-strides and the softmax constants already in its argument tuple: the eager op between CUDA-graph
-replays pays one closure frame and Triton's own binder, nothing else. ``__call__`` is the
-unprepared form for the public entry points, which reads strides per call.
+strides and the softmax constants already in its argument tuple, launched through the compiled
+kernel's own launcher (``direct.py``): the eager op between CUDA-graph replays pays one closure
+frame and the C launcher, not Triton's binder. ``__call__`` is the unprepared form for the public
+entry points, which reads strides per call and goes through ``JITFunction.run``.
 
 Optional tensors a kernel does not use (no ALiBi, an unquantized cache) are passed as another
 tensor of the call: the kernel's constexpr flags compile their loads away.
@@ -17,6 +18,7 @@ import math
 import torch
 
 from . import _mode, decode, kv_write, unified
+from .direct import make_launch
 from .config import DecodeConfig, UnifiedConfig, next_pow2, precision
 
 LOG2E = 1.4426950408889634
@@ -77,11 +79,12 @@ class KVWriteLaunch:
         kc, vc = key_cache.stride(), value_cache.stride()
         cache_strides = (kc[0], kc[1], kc[2], vc[0], vc[1], vc[2])
         k_scale, v_scale = kv_scales if kv_scales is not None else (slot_mapping, slot_mapping)
-        run, kwargs = self.run, self.kwargs
+        # key, value, their head count and strides may differ per call (a fused projection's views)
+        run = make_launch(kv_write.kv_write_kernel, self.kwargs, 18, (0, 1, 7, 8, 9, 10, 11))
 
         def write(key, value):
             run(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, key.shape[1], key.stride(0),
-                key.stride(1), value.stride(0), value.stride(1), *cache_strides, **kwargs)
+                key.stride(1), value.stride(0), value.stride(1), *cache_strides)
 
         return write
 
@@ -135,18 +138,21 @@ class DecodeLaunch:
         """``attend(q, out)`` for contiguous (tokens, num_heads, head_dim) q and out."""
         strides = (num_heads * head_dim, head_dim)
         tail = self._tail(key_cache, cu_q, seq_lens, block_table, strides, strides, alibi, kv_scales)
-        run, kwargs = self.run, self.kwargs
+        positional = 6 + len(tail)
         if self.combine_run is None:
+            run = make_launch(decode.decode_kernel, self.kwargs, positional, (0, 3, 4, 5))
+
             def attend(q, out):
-                run(q, key_cache, value_cache, out, out, out, *tail, **kwargs)
+                run(q, key_cache, value_cache, out, out, out, *tail)
             return attend
+        run = make_launch(decode.decode_kernel, self.kwargs, positional, (0, 3))
         o_part, lse_part = self.o_part, self.lse_part
-        combine, ckwargs = self.combine_run, self.combine_kwargs
+        combine = make_launch(decode.combine_kernel, self.combine_kwargs, 7, (0,))
         ctail = (o_part, lse_part, cu_q, strides[0], strides[1], self.splits)
 
         def attend_split(q, out):
-            run(q, key_cache, value_cache, out, o_part, lse_part, *tail, **kwargs)
-            combine(out, *ctail, **ckwargs)
+            run(q, key_cache, value_cache, out, o_part, lse_part, *tail)
+            combine(out, *ctail)
 
         return attend_split
 
@@ -196,9 +202,9 @@ class UnifiedLaunch:
             return lambda q, out: None
         strides = (num_heads * head_dim, head_dim)
         tail = self._tail(key_cache, cu_q, None, seq_lens, block_table, strides, strides, alibi, kv_scales)
-        run, kwargs = self.run, self.kwargs
+        run = make_launch(unified.unified_kernel, self.kwargs, 4 + len(tail), (0, 3))
 
         def attend(q, out):
-            run(q, key_cache, value_cache, out, *tail, **kwargs)
+            run(q, key_cache, value_cache, out, *tail)
 
         return attend
