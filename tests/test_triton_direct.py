@@ -47,8 +47,8 @@ class _Active:
         return 1000 + device
 
 
-def _kernel(jit, active, free=(0, 1)):
-    return direct.DirectKernel(jit, dict(grid=(3, 2), warmup=False, BLOCK=8, num_warps=4), 2, free, active)
+def _kernel(jit, active, args=(None, None), free=(0, 1)):
+    return direct.DirectKernel(jit, dict(grid=(3, 2), warmup=False, BLOCK=8, num_warps=4), args, free, active)
 
 
 def test_second_call_with_the_same_specialization_launches_directly():
@@ -57,8 +57,21 @@ def test_second_call_with_the_same_specialization_launches_directly():
     a = torch.zeros(16, dtype=torch.float16)
     launch(a, 32)
     launch(a, 48)  # 48 % 16 == 0 like 32: same kernel
-    assert len(jit.runs) == 1
-    assert jit.launches == [(3, 2, 1, 1000, "fn1", "meta", None, None, None, a, 48, 8, False)]
+    assert len(jit.runs) == 1 and jit.runs[0][0] == (a, 32)  # run gets the tensor itself
+    # the launcher gets every argument, a tensor as its address, then the constexprs
+    assert jit.launches == [(3, 2, 1, 1000, "fn1", "meta", None, None, None, a.data_ptr(), 48, 8, False)]
+
+
+def test_fixed_tensors_are_passed_by_address_and_kept_alive():
+    jit, active = _StandInJit(), _Active()
+    fixed = torch.zeros(16, dtype=torch.float16)
+    launch = _kernel(jit, active, args=(None, fixed), free=(0,))
+    assert launch.args[1] is fixed
+    a = torch.zeros(16, dtype=torch.float16)
+    launch(a)
+    launch(a)
+    assert jit.runs[0][0] == (a, fixed)
+    assert jit.launches[0][9:11] == (a.data_ptr(), fixed.data_ptr())
 
 
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "int_mod16", "int_one"])
@@ -90,16 +103,6 @@ def test_scratch_free_kernel_launches_through_the_c_entry(monkeypatch):
     assert direct._variant(kernel)[0] is launcher
 
 
-def test_fixed_positions_are_not_keyed():
-    """Only ``free`` positions are checked: the prepared calls keep the others constant."""
-    jit, active = _StandInJit(), _Active()
-    launch = _kernel(jit, active, free=(0,))
-    a = torch.zeros(16, dtype=torch.float16)
-    launch(a, 32)
-    launch(a, 32)
-    assert len(jit.runs) == 1 and len(jit.launches) == 1
-
-
 def test_active_launch_hook_goes_through_run(monkeypatch):
     jit, active = _StandInJit(), _Active()
     launch = _kernel(jit, active)
@@ -111,11 +114,13 @@ def test_active_launch_hook_goes_through_run(monkeypatch):
     assert len(jit.runs) == 3 and jit.launches == []
 
 
-def test_wrong_argument_count_raises_naming_the_kernel():
+def test_bad_arguments_raise_naming_the_kernel():
     jit, active = _StandInJit(), _Active()
+    with pytest.raises(TypeError, match="kernel: 5 positional arguments for 4 parameters"):
+        _kernel(jit, active, args=(None,) * 5)
     launch = _kernel(jit, active)
-    with pytest.raises(TypeError, match="kernel: 3 positional arguments, the launch was prepared for 2"):
-        launch(torch.zeros(16), 32, 5)
+    with pytest.raises(TypeError, match="kernel: argument 1 must be a tensor or an int, got float"):
+        launch(torch.zeros(16), 2.5)
 
 
 def test_hooks_of_this_triton_are_read():

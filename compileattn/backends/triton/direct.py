@@ -11,7 +11,7 @@ launcher with the current stream; a new specialization (or an active launch hook
 profiler's) goes through ``run``, which compiles or finds that variant, so the fast path never
 launches a kernel compiled for other arguments.
 
-Only compiled kernels take this path; under the interpreter ``make_launch`` returns ``run`` itself.
+Only compiled kernels take this path; under the interpreter ``make_launch`` calls ``run``.
 """
 from __future__ import annotations
 
@@ -56,21 +56,33 @@ def _variant(kernel) -> tuple:
 
 
 class DirectKernel:
-    """One kernel with its grid, options and constexprs fixed, called with its positional
-    arguments; ``free`` are the positions that may change from call to call (every other position
-    must hold the same value on every call: it is not part of the key). One device: the one
-    current at the first call (a prepared call serves one builder's caches)."""
+    """One kernel with its grid, options, constexprs and every positional argument fixed except
+    those at ``free``, which each call passes, in order. One device: the one current at the
+    first call (a prepared call serves one builder's caches).
 
-    __slots__ = ("jit", "kwargs", "grid", "tail", "free", "variants", "device", "current_device", "current_stream")
+    The fixed tensors are baked in as device addresses: Triton's C launcher takes an int as a
+    pointer as is, where for a tensor it calls ``data_ptr()`` and checks the address with
+    ``cuPointerGetAttribute``, a Python call and a driver call per tensor argument (a decode
+    launch has 12). A prepared call's fixed tensors are the builder's persistent buffers and the
+    KV caches, which never move while it lives (CUDA graphs rely on the same), and the launch
+    keeps them alive. The free tensors go by address too, after their key says they are CUDA
+    tensors of the compiled dtype and alignment."""
 
-    def __init__(self, jit, kwargs: dict, num_positional: int, free: tuple[int, ...], active=None):
+    __slots__ = ("jit", "kwargs", "grid", "tail", "free", "args", "addresses", "variants", "device",
+                 "current_device", "current_stream")
+
+    def __init__(self, jit, kwargs: dict, args: tuple, free: tuple[int, ...], active=None):
         self.jit = jit
         self.kwargs = kwargs
         grid = tuple(kwargs["grid"]) + (1, 1)
         self.grid = grid[:3]
         # The launcher takes every parameter in order, constexprs included (it skips them).
-        self.tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in jit.params[num_positional:])
+        if len(args) > len(jit.params):
+            raise TypeError(f"{jit.__name__}: {len(args)} positional arguments for {len(jit.params)} parameters")
+        self.tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in jit.params[len(args):])
         self.free = free
+        self.args = list(args)  # the tensors themselves: ``run`` binds them, and they stay alive
+        self.addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         #: specialization of the free arguments -> (call, prefix) (``_variant``)
         self.variants: dict[tuple, tuple] = {}
         self.device = None
@@ -79,32 +91,35 @@ class DirectKernel:
         active = active if active is not None else driver.active
         self.current_device, self.current_stream = active.get_current_device, active.get_current_stream
 
-    def __call__(self, *args) -> None:
+    def __call__(self, *values) -> None:
         # A refinement of Triton's specialization of each free argument (a tensor's dtype and
         # 16-byte alignment; an int's == 1 (a constant), % 16 and width): equal keys, same kernel.
         key = []
-        for i in self.free:
-            a = args[i]
+        args = self.addresses.copy()
+        for i, a in zip(self.free, values):
             if isinstance(a, torch.Tensor):
-                key.append((a.dtype, a.data_ptr() % 16 == 0))
+                address = a.data_ptr()
+                key.append((a.dtype, a.is_cuda, address % 16 == 0))
+                args[i] = address
             elif type(a) is int:
                 key.append((a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), a >= (1 << 63)))
+                args[i] = a
             else:
-                key.append((type(a), a))  # never a free argument of ours; keyed by value to stay exact
+                raise TypeError(f"{self.jit.__name__}: argument {i} must be a tensor or an int, got {type(a).__name__}")
         key = tuple(key)
         variant = self.variants.get(key)
         if variant is None or _hooks_active():
-            self._run(key, args)
+            self._run(key, values)
             return
         call, prefix = variant
         g0, g1, g2 = self.grid
         call(g0, g1, g2, self.current_stream(self.device), *prefix, *args, *self.tail)
 
-    def _run(self, key: tuple, args: tuple) -> None:
+    def _run(self, key: tuple, values: tuple) -> None:
         """Through ``JITFunction.run`` (compiles or finds the variant), kept for the next call."""
-        if len(args) + len(self.tail) != len(self.jit.params):
-            raise TypeError(f"{self.jit.__name__}: {len(args)} positional arguments, the launch was prepared for "
-                            f"{len(self.jit.params) - len(self.tail)}")
+        args = self.args.copy()
+        for i, a in zip(self.free, values):
+            args[i] = a
         kernel = self.jit.run(*args, **self.kwargs)
         if not _hooks_active():
             if self.device is None:
@@ -112,9 +127,16 @@ class DirectKernel:
             self.variants[key] = _variant(kernel)
 
 
-def make_launch(jit, kwargs: dict, num_positional: int, free: tuple[int, ...]) -> Callable[..., None]:
-    """``launch(*positional)``: a ``DirectKernel`` for compiled kernels, ``jit.run`` bound to
-    ``kwargs`` under the interpreter (where there is no compiled launcher)."""
-    if _mode.interpreting():
-        return functools.partial(jit.run, **kwargs)
-    return DirectKernel(jit, kwargs, num_positional, free)
+def make_launch(jit, kwargs: dict, args: tuple, free: tuple[int, ...]) -> Callable[..., None]:
+    """``launch(*values)``: ``jit`` with ``args``, the positions ``free`` replaced by ``values``.
+    A ``DirectKernel`` for compiled kernels; ``run`` under the interpreter (no compiled launcher)."""
+    if not _mode.interpreting():
+        return DirectKernel(jit, kwargs, args, free)
+    run, template = functools.partial(jit.run, **kwargs), list(args)
+
+    def launch(*values):
+        call = template.copy()
+        for i, a in zip(free, values):
+            call[i] = a
+        run(*call)
+    return launch

@@ -80,11 +80,12 @@ class KVWriteLaunch:
         cache_strides = (kc[0], kc[1], kc[2], vc[0], vc[1], vc[2])
         k_scale, v_scale = kv_scales if kv_scales is not None else (slot_mapping, slot_mapping)
         # key, value, their head count and strides may differ per call (a fused projection's views)
-        run = make_launch(kv_write.kv_write_kernel, self.kwargs, 18, (0, 1, 7, 8, 9, 10, 11))
+        run = make_launch(kv_write.kv_write_kernel, self.kwargs,
+                          (None, None, key_cache, value_cache, slot_mapping, k_scale, v_scale, None, None, None, None,
+                           None, *cache_strides), (0, 1, 7, 8, 9, 10, 11))
 
         def write(key, value):
-            run(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, key.shape[1], key.stride(0),
-                key.stride(1), value.stride(0), value.stride(1), *cache_strides)
+            run(key, value, key.shape[1], key.stride(0), key.stride(1), value.stride(0), value.stride(1))
 
         return write
 
@@ -138,21 +139,22 @@ class DecodeLaunch:
         """``attend(q, out)`` for contiguous (tokens, num_heads, head_dim) q and out."""
         strides = (num_heads * head_dim, head_dim)
         tail = self._tail(key_cache, cu_q, seq_lens, block_table, strides, strides, alibi, kv_scales)
-        positional = 6 + len(tail)
         if self.combine_run is None:
-            run = make_launch(decode.decode_kernel, self.kwargs, positional, (0, 3, 4, 5))
+            # o_part and lse_part are unused without splits: ``out`` stands in for them
+            run = make_launch(decode.decode_kernel, self.kwargs, (None, key_cache, value_cache, None, None, None, *tail),
+                              (0, 3, 4, 5))
 
             def attend(q, out):
-                run(q, key_cache, value_cache, out, out, out, *tail)
+                run(q, out, out, out)
             return attend
-        run = make_launch(decode.decode_kernel, self.kwargs, positional, (0, 3))
-        o_part, lse_part = self.o_part, self.lse_part
-        combine = make_launch(decode.combine_kernel, self.combine_kwargs, 7, (0,))
-        ctail = (o_part, lse_part, cu_q, strides[0], strides[1], self.splits)
+        run = make_launch(decode.decode_kernel, self.kwargs,
+                          (None, key_cache, value_cache, None, self.o_part, self.lse_part, *tail), (0, 3))
+        combine = make_launch(decode.combine_kernel, self.combine_kwargs,
+                              (None, self.o_part, self.lse_part, cu_q, strides[0], strides[1], self.splits), (0,))
 
         def attend_split(q, out):
-            run(q, key_cache, value_cache, out, o_part, lse_part, *tail)
-            combine(out, *ctail)
+            run(q, out)
+            combine(out)
 
         return attend_split
 
@@ -202,9 +204,9 @@ class UnifiedLaunch:
             return lambda q, out: None
         strides = (num_heads * head_dim, head_dim)
         tail = self._tail(key_cache, cu_q, None, seq_lens, block_table, strides, strides, alibi, kv_scales)
-        run = make_launch(unified.unified_kernel, self.kwargs, 4 + len(tail), (0, 3))
+        run = make_launch(unified.unified_kernel, self.kwargs, (None, key_cache, value_cache, None, *tail), (0, 3))
 
         def attend(q, out):
-            run(q, key_cache, value_cache, out, *tail)
+            run(q, out)
 
         return attend
