@@ -30,6 +30,7 @@ import latency_report as rep  # noqa: E402
 import latency_tp as ltp  # noqa: E402
 import op_overhead as op  # noqa: E402
 import op_overhead_report as opr  # noqa: E402
+import piecewise_gaps as pg  # noqa: E402
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 
@@ -898,3 +899,111 @@ def test_concat_runs_keeps_every_row_and_refuses_another_benchmark():
 def test_bench_commit_names_the_tree(monkeypatch):
     monkeypatch.setenv("BENCH_COMMIT", "abc123")
     assert common.git_commit() == "abc123 (BENCH_COMMIT)"
+
+
+# -- piecewise_gaps: the gap analysis on synthetic events ---------------------------------------------
+
+
+def test_gap_analysis_overlaps_gaps_and_order():
+    # out of order, with an overlap (b inside a's tail) and a kernel fully inside another (c in a)
+    evs = [("k3", 40.0, 5.0), ("a", 0.0, 10.0), ("b", 8.0, 4.0), ("c", 2.0, 1.0),
+           ("k2", 13.0, 20.0)]
+    r = pg.analyze_step(evs, gap_us=2.0, top=3)
+    assert r["kernels"] == 5 and r["events"] == 5
+    assert r["kernel_sum_us"] == pytest.approx(40.0)
+    assert r["span_us"] == pytest.approx(45.0)
+    # busy union: [0,12] + [13,33] + [40,45] = 37
+    assert r["busy_union_us"] == pytest.approx(37.0) and r["idle_us"] == pytest.approx(8.0)
+    assert r["gaps"] == 2 and r["gaps_over"] == 1 and r["gaps_over_us"] == pytest.approx(7.0)
+    big, small = r["largest"]
+    # the gap after the event that finished last (b, not a), before the next to start
+    assert (big["before"], big["after"], big["us"], big["at_us"]) == ("k2", "k3", pytest.approx(7.0), pytest.approx(33.0))
+    assert (small["before"], small["after"], small["us"]) == ("b", "k2", pytest.approx(1.0))
+    assert r["largest"] == pg.analyze_step(list(reversed(evs)), top=3)["largest"]  # input order does not matter
+    assert pg.analyze_step([])["span_us"] == 0.0 and pg.analyze_step([("x", 5.0, 2.0)])["idle_us"] == 0.0
+    with pytest.raises(ValueError):
+        pg.analyze_step([("x", 0.0, -1.0)])
+
+
+def test_gap_analysis_boundaries_host_wait_and_memcpy():
+    E = pg.GpuEvent
+    evs = [E("g0.k0", 0.0, 5.0, "kernel", 1, "cudaGraphLaunch", -20.0),
+           E("g0.k1", 8.0, 5.0, "kernel", 1, "cudaGraphLaunch", -20.0),  # 3 µs inside one replay
+           E("attn", 23.0, 10.0, "kernel", 2, "cuLaunchKernel", 20.0),  # 10 µs gap, 7 of them host wait
+           E("copy", 34.0, 1.0, "memcpy", 3, "cudaMemcpyAsync", 0.0),
+           E("g1.k0", 40.0, 5.0, "kernel", 4, "cudaGraphLaunch", 10.0)]  # launched long before: no wait
+    r = pg.analyze_step(evs, gap_us=2.0)
+    assert (r["kernels"], r["memcpy"]) == (4, 1) and r["kernel_sum_us"] == pytest.approx(25.0)
+    assert r["busy_sum_us"] == pytest.approx(26.0) and r["idle_us"] == pytest.approx(19.0)
+    by = r["by_boundary"]
+    assert by["in-graph"]["us"] == pytest.approx(3.0)
+    assert by["graph->eager"]["us"] == pytest.approx(10.0) and by["graph->eager"]["host_wait_us"] == pytest.approx(7.0)
+    assert by["eager->eager"]["us"] == pytest.approx(1.0) and by["eager->eager"]["over"] == 0
+    assert by["eager->graph"]["us"] == pytest.approx(5.0) and by["eager->graph"]["host_wait_us"] == 0.0
+    assert r["host_wait_us"] == pytest.approx(7.0) and r["gaps_over"] == 3
+    agg = pg.aggregate_steps([r, pg.analyze_step(evs)], gap_us=2.0)
+    assert agg["steps"] == 2 and agg["idle_us"] == pytest.approx(19.0)
+    top = agg["top_gaps"][0]
+    assert (top["boundary"], top["before"], top["after"], top["per_step"]) == ("graph->eager", "g0.k1", "attn", 1.0)
+    assert top["us_per_step"] == pytest.approx(10.0) and top["host_wait_us_per_step"] == pytest.approx(7.0)
+    assert list(agg["by_boundary"])[0] == "graph->eager"
+
+
+def test_gap_analysis_reads_a_chrome_trace_by_correlation():
+    def x(cat, name, ts, dur, corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {} if corr is None else {"correlation": corr}}
+
+    trace = {"traceEvents": [
+        x("user_annotation", "gaps_step_3", 100.0, 50.0), x("user_annotation", "gaps_step_2", 0.0, 50.0),
+        x("user_annotation", "ProfilerStep#2", 0.0, 60.0),
+        x("cuda_runtime", "cudaGraphLaunch", 1.0, 3.0, 7), x("cuda_runtime", "cudaLaunchKernel", 5.0, 2.0, 8),
+        x("cuda_runtime", "cudaGraphLaunch", 101.0, 3.0, 9),
+        x("kernel", "void gemm(int)", 10.0, 5.0, 7), x("kernel", "relu", 16.0, 2.0, 7),
+        x("kernel", "attn", 20.0, 4.0, 8), x("gpu_memset", "Memset", 25.0, 1.0, None),
+        # launched in step 3's range, so step 3's even though the GPU starts it late
+        x("kernel", "gemm2", 152.0, 3.0, 9), {"ph": "i", "name": "instant", "ts": 1.0},
+        # a corrupt head record: launched in step 2, timestamp far before its launch call
+        x("cuda_runtime", "cudaLaunchKernel", 30.0, 2.0, 10), x("kernel", "bogus", -1e8, 2.0, 10)]}
+    steps, extra = pg.step_events_from_trace(trace)
+    assert extra["dropped"] == [1, 0] and extra["window_us"] == [50.0, 50.0]
+    assert [[e.name for e in s] for s in steps] == [["void gemm(int)", "relu", "attn", "Memset"], ["gemm2"]]
+    gemm = steps[0][0]
+    assert (gemm.api, gemm.launch, gemm.launch_start_us, gemm.kind) == ("cudaGraphLaunch", 7, 1.0, "kernel")
+    assert steps[0][3].launch is None and steps[0][3].kind == "memset"
+    assert extra["launch_calls"] == [{"cudaGraphLaunch": 1, "cudaLaunchKernel": 2}, {"cudaGraphLaunch": 1}]
+    assert pg.median_calls(extra["launch_calls"]) == {"cudaGraphLaunch": 1, "cudaLaunchKernel": 1}
+    r = pg.analyze_step(steps[0])
+    assert r["by_boundary"]["graph->eager"]["us"] == pytest.approx(2.0) and r["kernels"] == 3
+    assert not pg.graph_kernels_missing(steps, {"cudaGraphLaunch": 1})
+    no_kernels = [[e for e in s if e.api != "cudaGraphLaunch"] for s in steps]
+    assert pg.graph_kernels_missing(no_kernels, {"cudaGraphLaunch": 1})
+    assert pg.short_name("void at::native::kernel<float, (int)2>(Foo<int>, int)") == "at::native::kernel<float, (int)2>"
+
+
+def test_piecewise_gaps_report_and_args(tmp_path):
+    a = pg.parse_args([])
+    assert (a.batches, a.context, a.steps, a.backend, a.budget_s) == ([1, 8], 512, 50, "flash", 90.0)
+    assert a.columns == list(pg.COLUMNS)
+    with pytest.raises(SystemExit):
+        pg.parse_args(["--columns", "eager"])
+    evs = [("a", 0.0, 10.0, "kernel", 1, "cudaGraphLaunch", -5.0), ("b", 30.0, 5.0, "kernel", 2, "cuLaunchKernel", 25.0)]
+    prof = pg.aggregate_steps([pg.analyze_step(evs)])
+    row = {"column": "ca-piecewise", "batch": 1, "context": 512, "status": "ok", "mode": "kernels",
+           "wall": {"p50_us": 600.0}, "traced_wall_p50_us": 700.0, "dropped_gpu_events": 1, "pipelined_gpu_us": 520.0, "pipelined_host_us": 400.0,
+           "launch_calls_per_step": {"cudaGraphLaunch": 13, "cuLaunchKernel": 12}, "profile": prof}
+    ref = dict(row, column="graph-inductor", wall={"p50_us": 510.0}, profile=pg.aggregate_steps([pg.analyze_step(evs[:1])]))
+    payload = {"benchmark": "piecewise_gaps", "environment": common.environment(["x"]),
+               "config": {"batches": [1], "context": 512, "gap_us": 2.0},
+               "rows": [row, ref, {"column": "ca-full", "batch": 1, "context": 512, "status": "skipped", "reason": "budget"}]}
+    md = pg.write_outputs(payload, str(tmp_path / "g"))
+    assert "Minus graph-inductor" in md and "graph->eager" in md and "| ca-full | 1 | skipped |" in md
+    assert "| ca-piecewise | 1 | +90.0 |" in md and "No gaps" in md and "1 GPU events with impossible" in md
+    assert common.read_json(tmp_path / "g.json")["rows"][0]["profile"]["kernels"] == 2
+
+
+@no_cuda
+def test_piecewise_gaps_without_cuda_says_so_and_exits_0(capsys, tmp_path):
+    assert pg.main(["--out", str(tmp_path / "x")]) == 0
+    out = capsys.readouterr().out
+    assert "piecewise_gaps.py" in out and "needs CUDA" in out
+    assert not list(tmp_path.iterdir())
