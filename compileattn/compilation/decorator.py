@@ -58,7 +58,7 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
-from . import warm_start
+from . import static_pool, warm_start
 from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
 
 log = logging.getLogger("compileattn")
@@ -252,6 +252,16 @@ class _Site:
                 stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait}
                 return self._first_call(what, loaded.function, checker, stats, start, full_args, kwargs)
 
+        if owner._backend is None:
+            _prestart_static_compiles(config, values)
+        try:
+            return self._compile_cold(fn, config, what, checker, start, path, full_args, kwargs)
+        finally:
+            static_pool.release()  # the backend releases it; this covers a trace that never reached it
+
+    def _compile_cold(self, fn: Callable, config: CompileConfig, what: str, checker: ArgChecker, start: float,
+                      path, full_args: tuple, kwargs: dict):
+        owner = self.owner
         backend = _resolve_backend(owner._backend, config)
         reason = None
         if config.debug_dump_dir is not None:
@@ -328,6 +338,16 @@ class _Site:
         self.checker = checker
         self.fast = torch.compiler.set_stance("fail_on_recompile")(compiled)
         return out
+
+
+def _prestart_static_compiles(config: CompileConfig, values: Mapping[str, Any]) -> None:
+    """Start the static-compile workers before Dynamo traces, when the backend will want them
+    (static sizes for the device of the call's tensors): their import overlaps the trace."""
+    if config.piece_compiler != "inductor":
+        return
+    device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), None)
+    if device is not None and config.resolved_compile_sizes(device.type):
+        static_pool.prestart(static_pool.worker_count(config.compile_workers))
 
 
 def _log_ready(what: str, stats: dict[str, Any]) -> None:
