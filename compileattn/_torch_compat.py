@@ -194,16 +194,21 @@ def piece_unpickle(data: bytes):
     return gm
 
 
-_CONFIG_MODULES = ("torch._inductor.config", "torch._functorch.config")
+def _config_modules() -> dict[str, Any]:
+    """The torch config modules whose settings a static-compile worker copies."""
+    return {"torch._inductor.config": resolve("torch._inductor.config"),
+            "torch._functorch.config": resolve("torch._functorch.config")}
+
+
 #: Inductor settings a worker sets itself: one compile at a time, Triton kernels compiled in-process
 #: (no pool of pools); neither changes the generated code.
 _WORKER_INDUCTOR = {"compile_threads": 1}
 
 
-def config_changes(module: str) -> dict[str, Any]:
+def config_changes(module) -> dict[str, Any]:
     """The entries of a torch config module that differ from their defaults (patches in force,
     environment overrides)."""
-    return resolve(module)._get_dict(skip_default=True)
+    return module._get_dict(skip_default=True)
 
 
 def compile_settings() -> dict[str, Any]:
@@ -211,7 +216,7 @@ def compile_settings() -> dict[str, Any]:
     non-default Inductor and AOTAutograd config, grad mode and the global numerics flags."""
     matmul = torch.backends.cuda.matmul
     return {
-        "configs": {m: config_changes(m) for m in _CONFIG_MODULES},
+        "configs": {name: config_changes(module) for name, module in _config_modules().items()},
         "grad": torch.is_grad_enabled(),
         "flags": {
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -247,12 +252,13 @@ def _set_flags(flags: dict[str, Any]) -> None:
 def compile_settings_applied(settings: dict[str, Any]):
     """In a static-compile worker: the compiling process's ``compile_settings`` around a compile."""
     _set_flags(settings["flags"])
+    modules = _config_modules()
     with contextlib.ExitStack() as stack:
-        for module, changes in settings["configs"].items():
-            if module == "torch._inductor.config":
+        for name, changes in settings["configs"].items():
+            if name == "torch._inductor.config":
                 changes = {**changes, **_WORKER_INDUCTOR}
             if changes:
-                stack.enter_context(resolve(module).patch(changes))
+                stack.enter_context(modules[name].patch(changes))
         stack.enter_context(torch.set_grad_enabled(settings["grad"]))
         yield
 

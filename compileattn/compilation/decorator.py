@@ -419,7 +419,7 @@ class CompiledFunction:
     def compile_stats(self) -> dict[str, Any]:
         """Where the first call's time went, in seconds; empty before it. ``path``: "warm" (loaded
         from the cache: ``load_s``), "cold" (``dynamo_s`` tracing, ``backend_s`` compileattn's passes
-        and piece compiles, of which ``static_s`` the static-shape ones; ``save_s`` writing the warm
+        and piece compiles, of which ``static_s`` what the static-shape ones added (``CompiledSplit.static_seconds``); ``save_s`` writing the warm
         start file) or "frame" (the frame path; its ``dynamo_s`` includes the first run);
         ``import_wait_s``: waiting for the background import of Inductor (warm: part of ``load_s``);
         ``total_s`` everything before the first run, ``first_call_s`` the first run itself (with

@@ -9,7 +9,8 @@
    compiled once, for the input shapes Dynamo traced, with the dynamic token dimension (Inductor's
    ``standalone_compile`` with the shapes of Dynamo's tracing context, or eager/aot_eager for
    debugging), and for each of
-   ``config.resolved_compile_sizes`` with static shapes, or loaded from the compile cache;
+   ``config.resolved_compile_sizes`` with static shapes (in worker processes beside the dynamic
+   compiles, ``static_pool.py``), or loaded from the compile cache;
 3. each splitting op becomes a direct call (``ops.attend_caller``): the forward-context lookup and
    the layer's prepared kernel call, skipping the dispatcher;
 4. the result (``CompiledSplit``) goes to a ``StepDispatcher`` (``dispatch.py``), which runs it step
@@ -111,7 +112,9 @@ class CompiledSplit:
     layers: dict[str, LayerSignature]
     #: index of the graph input whose dim 0 is the step's token count (None: no symbolic token dim)
     token_index: int | None
-    #: seconds the static-shape compiles (or loads) took
+    #: seconds the static-shape compiles (or loads) added to the compile: in-process compiles and
+    #: loads, sending them to worker processes, waiting for and loading the workers' artifacts
+    #: (worker time that overlapped the dynamic-shape compiles is not in it)
     static_seconds: float = 0.0
 
     def dynamic(self, name: str) -> Callable[..., Any]:

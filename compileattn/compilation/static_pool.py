@@ -256,6 +256,9 @@ def _start_worker() -> subprocess.Popen:
     root = str(Path(__file__).resolve().parents[2])  # the directory holding the compileattn package
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    # One compile at a time, its Triton kernels compiled in the worker itself: no pool of pools
+    # (the environment variable wins over a config patch, so it is set here too).
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     code = "from compileattn.compilation.static_pool import _worker_main; _worker_main()"
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                             close_fds=True)
