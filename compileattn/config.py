@@ -58,7 +58,8 @@ class CompileConfig:
     compile_sizes: Sequence[int] | Literal["auto"] = _compiled("auto")
     #: Worker processes for the static-shape compiles (``compilation/static_pool.py``): they run in
     #: parallel with each other and with the dynamic-shape compiles, and give back the same
-    #: artifacts. "auto": one less than the usable CPUs, at most 8; 0: one after another in-process.
+    #: artifacts. "auto": two less than the usable CPUs, at most 8, none under 4 CPUs; 0: one after
+    #: another in-process.
     compile_workers: int | Literal["auto"] = "auto"
     #: "auto" = "full_and_piecewise" on CUDA, "none" elsewhere.
     cudagraph_mode: CudaGraphMode = "auto"

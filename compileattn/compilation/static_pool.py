@@ -29,8 +29,9 @@ lowering is Python, so threads would share one GIL: the compiles run in worker *
 - **Failures**: a worker that does not start, answers an error or dies leaves its task to the
   compiling process, which compiles it itself (the serial path; logged at INFO with why): never a
   wrong or missing piece.
-- **Size**: ``CompileConfig.compile_workers``: "auto" is one less than the usable CPUs (fewer under
-  ``LOCAL_WORLD_SIZE`` ranks per host), at most ``MAX_AUTO_WORKERS``; 0 compiles in-process.
+- **Size**: ``CompileConfig.compile_workers``: "auto" is two less than the usable CPUs (per rank,
+  under ``LOCAL_WORLD_SIZE`` ranks per host), at most ``MAX_AUTO_WORKERS``, and none below
+  ``MIN_AUTO_WORKERS``; 0 compiles in-process.
 - **Lifetime**: ``release`` (the end of every backend call) closes the workers' stdin; they exit.
 
 Inductor's own out-of-process compile (``torch._inductor.config.fx_compile_mode``, torch 2.11-2.13)
@@ -63,6 +64,10 @@ logger = logging.getLogger("compileattn")
 #: Upper bound of compile_workers="auto": 16 static compiles (Llama shape, 4 sizes) need no more to
 #: finish in about two rounds, and every worker costs ~1 GB of host memory while it lives.
 MAX_AUTO_WORKERS = 8
+#: Fewer than this (a host of under 4 CPUs per rank) and "auto" compiles in-process: the compiling
+#: process and Inductor's own compile subprocesses need the cores, and a worker's import (5-9 s of
+#: CPU) does not pay for itself (2-core CPU box: 19.6 s vs 22.2 s idle, 32-36 s vs 29-30 s loaded).
+MIN_AUTO_WORKERS = 2
 #: Seconds ``close`` waits for an idle worker to exit before killing it.
 EXIT_WAIT_S = 5.0
 
@@ -108,7 +113,8 @@ def worker_count(setting: int | str) -> int:
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         ranks = 1
-    return max(0, min(MAX_AUTO_WORKERS, usable_cpus() // ranks - 1))
+    workers = min(MAX_AUTO_WORKERS, usable_cpus() // ranks - 2)
+    return workers if workers >= MIN_AUTO_WORKERS else 0
 
 
 @dataclasses.dataclass
