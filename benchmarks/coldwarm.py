@@ -8,7 +8,9 @@ Inductor's import in the background when a cache dir is set), builds the model, 
 run eagerly. Phases:
 
 - ``cold``: empty compileattn, Inductor and Triton cache dirs; the default config, so
-  ``compile_sizes="auto"`` compiles the distinct pieces also for the small decode sizes;
+  ``compile_sizes="auto"`` compiles the distinct pieces also for the small decode sizes (in
+  ``compile_workers`` worker processes, ``--compile-workers``; the ``in workers`` column counts
+  the static compiles they did);
 - ``warm``: a second process on the same dirs: loads Dynamo's code and the pieces, no Dynamo;
 - ``cold, dynamic only``: empty dirs again with ``compile_sizes=()``, to put the static compiles'
   cost beside the cold start (the difference of the two cold rows).
@@ -68,6 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         lambda s: common.parse_name_list(s, list(MODELS))))
     p.add_argument("--llama-layers", type=int, default=None, help="override the Llama shape's 32 layers")
     p.add_argument("--backend", default="triton", help="attention backend (default triton: capturable)")
+    p.add_argument("--compile-workers", default="auto", type=lambda v: v if v == "auto" else int(v),
+                   help="CompileConfig.compile_workers: processes for the static-shape compiles (0: in-process)")
     p.add_argument("--budget-s", type=float, default=170.0)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output prefix (PREFIX.json, PREFIX.md)")
@@ -109,6 +113,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     config = ca.CompileConfig(cache_dir=spec["cache_dir"], attention_backend=spec["backend"],
                               cudagraph_mode="piecewise" if device == "cuda" else "none",
                               **({"compile_sizes": ()} if spec["dynamic_only"] else {}),
+                              compile_workers=spec.get("compile_workers", "auto"),
                               **({} if device == "cuda" else {"piece_compiler": "eager"}))
     compiled_cls = ca.compile(type(f"Compiled{cls.__name__}", (cls,), {}),
                               dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
@@ -154,7 +159,8 @@ def run_phase(model: str, phase: str, dirs: dict[str, Path], args, budget: commo
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"), TRITON_CACHE_DIR=str(root / "triton"))
     env["PYTHONPATH"] = os.pathsep.join([str(common.ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     spec = {"model": model, "device": args.device, "backend": args.backend, "cache_dir": str(root / "compileattn"),
-            "layers": args.llama_layers if model == "llama" else None, "dynamic_only": phase.startswith("cold, dynamic")}
+            "layers": args.llama_layers if model == "llama" else None, "dynamic_only": phase.startswith("cold, dynamic"),
+            "compile_workers": args.compile_workers}
     t = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_probe", json.dumps(spec)],
@@ -185,7 +191,8 @@ def run_benchmark(args, log) -> dict[str, Any]:
     log(f"GPU {env.get('gpu')}; versions {env.get('versions')}")
     rows = [run_phase(m, phase, dirs, args, budget, log) for m, phase in PHASES if m in args.models]
     return {"benchmark": "coldwarm", "config": {"models": args.models, "backend": args.backend, "device": args.device,
-                                               "llama_layers": args.llama_layers, "tokens": TOKENS},
+                                               "llama_layers": args.llama_layers, "tokens": TOKENS,
+                                               "compile_workers": args.compile_workers},
             "runs": [{"env": env, "budget_s": args.budget_s, "elapsed_s": round(log.elapsed(), 1)}], "rows": rows}
 
 
@@ -221,11 +228,15 @@ def render(payload: dict[str, Any]) -> str:
     lines += ["Seconds, one fresh process per row (cold: empty compileattn, Inductor and Triton caches; warm: "
               "the same dirs again). `first call` = compile or load + the first run; its parts are "
               "`compile_stats`. 8-token decode step, piecewise CUDA graphs.", ""]
+    workers = payload.get("config", {}).get("compile_workers")
+    if workers is not None:
+        lines += [f"Static-shape compiles in `compile_workers={workers!r}` worker processes (`in workers`: how many "
+                  f"they did).", ""]
     if payload.get("config", {}).get("device") == "cpu":
         lines += ["**CPU plumbing run** (`--device cpu`): tiny fp32 configs, eager pieces; no number here is a "
                   "measurement of the shapes named.", ""]
     headers = ["model", "dtype", "phase", "path", "first call", *(title for _, title in BREAKDOWN), "import", "build",
-               "process", "pieces compiled", "reused", "rel. err"]
+               "process", "pieces compiled", "in workers", "reused", "rel. err"]
     table = []
     for r in rows:
         if r["status"] != "ok":
@@ -236,7 +247,7 @@ def render(payload: dict[str, Any]) -> str:
                       *(common.fmt_num(r.get(k), 2) if r.get(k) is not None else "—" for k, _ in BREAKDOWN),
                       common.fmt_num(r["import_s"], 2), common.fmt_num(r["build_s"], 2),
                       common.fmt_num(r.get("process_s"), 1), c.get("backend_compiles", "—"),
-                      c.get("piece_reuses", "—"), f"{r['rel_err']:.2g}"])
+                      c.get("static_compiles_in_workers", "—"), c.get("piece_reuses", "—"), f"{r['rel_err']:.2g}"])
     lines += [common.markdown_table(headers, table), "", "## Goals (issue 12)", "", *(goal_lines(rows) or ["- nothing measured"])]
     return "\n".join(lines) + "\n"
 

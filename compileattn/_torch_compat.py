@@ -9,11 +9,14 @@ deep inside a compile.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
+import sys
 from typing import Any, Callable
 
 import torch
+import torch.fx
 
 #: Checked on: 2.11 (the GPU machine's 2.11.0+cu130), 2.12 (2.12.0+cu130 wheel, run on the CPU), 2.13
 #: (the CPU machines' 2.13.0+cpu). "dotted.path": what compileattn uses it for.
@@ -30,6 +33,8 @@ PRIVATE_APIS = {
                                                             "can save it",
     "torch.fx._graph_pickler.GraphPickler": "saving the split graph in the warm-start artifact",
     "torch.fx._graph_pickler.Options": "GraphPickler options (custom ops allowed)",
+    "torch._inductor.config": "the settings a static-compile worker copies from the compiling process "
+                              "(ConfigModule._get_dict(skip_default=True), patch)",
     "torch._inductor.standalone_compile.AOTCompiledArtifact": "a compiled piece as bytes (aot=True) and back",
     "torch._inductor.compile_fx": "imported ahead of a warm start (the first artifact load pays Inductor's import)",
     "torch._dynamo.backends.debugging.aot_eager": "piece_compiler='aot_eager'",
@@ -41,6 +46,9 @@ PRIVATE_APIS = {
     "torch._guards.detect_fake_mode": "the fake mode of the graph's example inputs",
     "torch._subclasses.fake_tensor.unset_fake_temporarily": "compiling a piece for static shapes",
     "torch._subclasses.fake_tensor.FakeTensorMode": "fake inputs with every size fixed",
+    "torch._subclasses.fake_tensor.FakeTensor": "example values of a piece sent to a static-compile worker",
+    "torch.fx.experimental.symbolic_shapes.ShapeEnv": "the symbolic sizes of a piece a static-compile worker "
+                                                      "unpickles",
     "torch._ops.OpOverload": "matching splitting ops in FX graphs",
     "torch._ops.OpOverloadPacket": "matching splitting ops in FX graphs (Dynamo records packets)",
     "torch._C._AutoDispatchBelowAutograd": "the inference-only ops' Autograd kernel redispatches below it",
@@ -145,6 +153,127 @@ def graph_unpickle(data: bytes):
     gm = resolve("torch.fx._graph_pickler.GraphPickler").loads(data, static_fake_mode())
     gm.recompile()
     return gm
+
+
+def piece_pickle(gm) -> bytes:
+    """A piece's graph for a static-compile worker (``compilation/static_pool.py``): a copy keeping
+    of node metadata the stack traces and the example values (AOTAutograd's cache, hence a
+    serialisable artifact, needs every tensor node's ``example_value``). Dynamo's other metadata
+    (graph-argument sources, module stacks) does not pickle; an example value that is a view is
+    replaced by a fake tensor of the same sizes and strides that is not (GraphPickler cannot save
+    a view's base). Symbolic sizes travel with their ShapeEnv."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        meta = {}
+        if isinstance(node.meta.get("stack_trace"), str):
+            meta["stack_trace"] = node.meta["stack_trace"]
+        for key in ("example_value", "val"):
+            if key in node.meta:
+                meta[key] = _without_views(node.meta[key])
+        node.meta = meta
+    return graph_pickle(torch.fx.GraphModule(gm, graph))
+
+
+def _without_views(value):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_views(v) for v in value)
+    fake_tensor = resolve("torch._subclasses.fake_tensor.FakeTensor")
+    if isinstance(value, fake_tensor) and value._is_view():
+        with value.fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
+                                       requires_grad=value.requires_grad)
+    return value
+
+
+def piece_unpickle(data: bytes):
+    shape_env = resolve("torch.fx.experimental.symbolic_shapes.ShapeEnv")()
+    gm = resolve("torch.fx._graph_pickler.GraphPickler").loads(
+        data, resolve("torch._subclasses.fake_tensor.FakeTensorMode")(shape_env=shape_env))
+    gm.recompile()
+    return gm
+
+
+def _config_modules() -> dict[str, Any]:
+    """The torch config modules whose settings a static-compile worker copies."""
+    return {"torch._inductor.config": resolve("torch._inductor.config"),
+            "torch._functorch.config": resolve("torch._functorch.config")}
+
+
+#: Inductor settings a worker sets itself: one compile at a time, Triton kernels compiled in-process
+#: (no pool of pools); neither changes the generated code.
+_WORKER_INDUCTOR = {"compile_threads": 1}
+
+
+def config_changes(module) -> dict[str, Any]:
+    """The entries of a torch config module that differ from their defaults (patches in force,
+    environment overrides)."""
+    return module._get_dict(skip_default=True)
+
+
+def compile_settings() -> dict[str, Any]:
+    """What steers an Inductor compile beyond its graph, inputs and options, as plain data: the
+    non-default Inductor and AOTAutograd config, grad mode and the global numerics flags."""
+    matmul = torch.backends.cuda.matmul
+    return {
+        "configs": {name: config_changes(module) for name, module in _config_modules().items()},
+        "grad": torch.is_grad_enabled(),
+        "flags": {
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "fp16_reduction": matmul.allow_fp16_reduced_precision_reduction,
+            "bf16_reduction": matmul.allow_bf16_reduced_precision_reduction,
+            "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()),
+            "default_dtype": torch.get_default_dtype(),
+        },
+    }
+
+
+def _set_flags(flags: dict[str, Any]) -> None:
+    """Set the global flags of ``compile_settings`` that differ (a setter is only called to change
+    something: torch warns about mixing some of the old and new precision APIs)."""
+    current = compile_settings()["flags"]
+    matmul = torch.backends.cuda.matmul
+    setters = {
+        "float32_matmul_precision": torch.set_float32_matmul_precision,
+        "fp16_reduction": lambda v: setattr(matmul, "allow_fp16_reduced_precision_reduction", v),
+        "bf16_reduction": lambda v: setattr(matmul, "allow_bf16_reduced_precision_reduction", v),
+        "cudnn_tf32": lambda v: setattr(torch.backends.cudnn, "allow_tf32", v),
+        "deterministic": lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+        "default_dtype": torch.set_default_dtype,
+    }
+    for name, value in flags.items():
+        if current.get(name) != value:
+            setters[name](value)
+
+
+@contextlib.contextmanager
+def compile_settings_applied(settings: dict[str, Any]):
+    """In a static-compile worker: the compiling process's ``compile_settings`` around a compile."""
+    _set_flags(settings["flags"])
+    modules = _config_modules()
+    with contextlib.ExitStack() as stack:
+        for name, changes in settings["configs"].items():
+            if name == "torch._inductor.config":
+                changes = {**changes, **_WORKER_INDUCTOR}
+            if changes:
+                stack.enter_context(modules[name].patch(changes))
+        stack.enter_context(torch.set_grad_enabled(settings["grad"]))
+        yield
+
+
+def artifact_source(artifact) -> str | None:
+    """The Python module Inductor generated for a compiled piece (its kernels' source included),
+    or None if this torch's artifact does not expose it."""
+    inner = getattr(artifact, "inner_fn", None)
+    fn = getattr(inner, "compiled_fn", None) if inner is not None else None
+    module = sys.modules.get(getattr(getattr(fn, "current_callable", None), "__module__", None) or "")
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return None
+    with open(path) as f:
+        return f.read()
 
 
 def artifact_bytes(artifact) -> bytes:

@@ -56,6 +56,11 @@ class CompileConfig:
     #: "auto" (``resolved_compile_sizes``): the capture sizes up to ``AUTO_COMPILE_SIZES_MAX`` when
     #: pieces are compiled by Inductor for CUDA graphs on a GPU, none otherwise.
     compile_sizes: Sequence[int] | Literal["auto"] = _compiled("auto")
+    #: Worker processes for the static-shape compiles (``compilation/static_pool.py``): they run in
+    #: parallel with each other and with the dynamic-shape compiles, and give back the same
+    #: artifacts. "auto": two less than the usable CPUs, at most 8, none under 4 CPUs; 0: one after
+    #: another in-process.
+    compile_workers: int | Literal["auto"] = "auto"
     #: "auto" = "full_and_piecewise" on CUDA, "none" elsewhere.
     cudagraph_mode: CudaGraphMode = "auto"
     #: Token counts captured as CUDA graphs; None = default_capture_sizes(max_capture_size).
@@ -91,6 +96,9 @@ class CompileConfig:
                 raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
             self.cudagraph_capture_sizes = sorted({int(s) for s in sizes})
         self.splitting_ops = tuple(self.splitting_ops)
+        if self.compile_workers != "auto" and (isinstance(self.compile_workers, bool)
+                                               or not isinstance(self.compile_workers, int) or self.compile_workers < 0):
+            raise ValueError(f"compile_workers must be 'auto' or an int >= 0, got {self.compile_workers!r}")
         if isinstance(self.compile_sizes, str):
             if self.compile_sizes != "auto":
                 raise ValueError(f"compile_sizes must be 'auto' or a list of positive ints, got {self.compile_sizes!r}")

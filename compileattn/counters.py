@@ -19,6 +19,8 @@ class Counters:
     pieces: int = 0
     #: Pieces compiled by the piece compiler (Inductor etc.), not counting cache loads.
     backend_compiles: int = 0
+    #: Of those, static-shape compiles done by a worker process (compilation/static_pool.py).
+    static_compiles_in_workers: int = 0
     #: Piece compiles (dynamic or static) that took the code of an identical earlier piece of the
     #: same graph instead (compilation/piece_signature.py).
     piece_reuses: int = 0

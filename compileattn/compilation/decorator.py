@@ -58,7 +58,7 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
-from . import warm_start
+from . import static_pool, warm_start
 from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
 
 log = logging.getLogger("compileattn")
@@ -252,6 +252,16 @@ class _Site:
                 stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait}
                 return self._first_call(what, loaded.function, checker, stats, start, full_args, kwargs)
 
+        if owner._backend is None:
+            _prestart_static_compiles(config, values)
+        try:
+            return self._compile_cold(fn, config, what, checker, start, path, full_args, kwargs)
+        finally:
+            static_pool.release()  # the backend releases it; this covers a trace that never reached it
+
+    def _compile_cold(self, fn: Callable, config: CompileConfig, what: str, checker: ArgChecker, start: float,
+                      path, full_args: tuple, kwargs: dict):
+        owner = self.owner
         backend = _resolve_backend(owner._backend, config)
         reason = None
         if config.debug_dump_dir is not None:
@@ -330,6 +340,16 @@ class _Site:
         return out
 
 
+def _prestart_static_compiles(config: CompileConfig, values: Mapping[str, Any]) -> None:
+    """Start the static-compile workers before Dynamo traces, when the backend will want them
+    (static sizes for the device of the call's tensors): their import overlaps the trace."""
+    if config.piece_compiler != "inductor":
+        return
+    device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), None)
+    if device is not None and config.resolved_compile_sizes(device.type):
+        static_pool.prestart(static_pool.worker_count(config.compile_workers))
+
+
 def _log_ready(what: str, stats: dict[str, Any]) -> None:
     if stats["path"] == "warm":
         log.info("compileattn: loaded %s in %.2f s (warm start, no Dynamo); later calls skip Dynamo's guards",
@@ -399,7 +419,7 @@ class CompiledFunction:
     def compile_stats(self) -> dict[str, Any]:
         """Where the first call's time went, in seconds; empty before it. ``path``: "warm" (loaded
         from the cache: ``load_s``), "cold" (``dynamo_s`` tracing, ``backend_s`` compileattn's passes
-        and piece compiles, of which ``static_s`` the static-shape ones; ``save_s`` writing the warm
+        and piece compiles, of which ``static_s`` what the static-shape ones added (``CompiledSplit.static_seconds``); ``save_s`` writing the warm
         start file) or "frame" (the frame path; its ``dynamo_s`` includes the first run);
         ``import_wait_s``: waiting for the background import of Inductor (warm: part of ``load_s``);
         ``total_s`` everything before the first run, ``first_call_s`` the first run itself (with

@@ -9,7 +9,8 @@
    compiled once, for the input shapes Dynamo traced, with the dynamic token dimension (Inductor's
    ``standalone_compile`` with the shapes of Dynamo's tracing context, or eager/aot_eager for
    debugging), and for each of
-   ``config.resolved_compile_sizes`` with static shapes, or loaded from the compile cache;
+   ``config.resolved_compile_sizes`` with static shapes (in worker processes beside the dynamic
+   compiles, ``static_pool.py``), or loaded from the compile cache;
 3. each splitting op becomes a direct call (``ops.attend_caller``): the forward-context lookup and
    the layer's prepared kernel call, skipping the dispatcher;
 4. the result (``CompiledSplit``) goes to a ``StepDispatcher`` (``dispatch.py``), which runs it step
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import time
 from typing import Any, Callable, Sequence
 
@@ -30,6 +32,7 @@ from ..config import CompileConfig
 from ..counters import counters
 from ..passes import capture_kv_write, cleanup, hoist_shape_logic, split_graph
 from ..passes.split import Piece, is_splitting_node
+from . import static_pool
 from .cache import CompileCache, cache_key
 from .piece_signature import parametrize_layer_names, piece_signature
 
@@ -109,7 +112,9 @@ class CompiledSplit:
     layers: dict[str, LayerSignature]
     #: index of the graph input whose dim 0 is the step's token count (None: no symbolic token dim)
     token_index: int | None
-    #: seconds the static-shape compiles (or loads) took
+    #: seconds the static-shape compiles (or loads) added to the compile: in-process compiles and
+    #: loads, sending them to worker processes, waiting for and loading the workers' artifacts
+    #: (worker time that overlapped the dynamic-shape compiles is not in it)
     static_seconds: float = 0.0
 
     def dynamic(self, name: str) -> Callable[..., Any]:
@@ -180,21 +185,7 @@ def _token_input(fake_args: Sequence[Any]) -> int | None:
 
 
 def _static_example_args(args: Sequence[Any], token_symbol, size: int) -> list[Any]:
-    """The piece's fake inputs with the token count fixed to ``size``: fresh fake tensors of a
-    FakeTensorMode without a ShapeEnv (so Inductor specialises every shape), no real memory.
-    Other symbols (a lifted buffer size) take their hints."""
-    def concrete(x) -> int:
-        return _torch_compat.symbolic_size_value(x, token_symbol, size)
-
-    out = []
-    with _torch_compat.unset_fake_temporarily(), _torch_compat.static_fake_mode():
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                out.append(torch.empty_strided([concrete(d) for d in a.shape], [concrete(d) for d in a.stride()],
-                                               dtype=a.dtype, device=a.device))
-            else:
-                out.append(concrete(a) if isinstance(a, torch.SymInt) else a)
-    return out
+    return static_pool.static_args_from_specs(static_pool.static_input_specs(args, token_symbol, size))
 
 
 def _placeholder_values(piece: Piece) -> list[Any] | None:
@@ -217,10 +208,14 @@ class _PieceCompiler(torch.fx.Interpreter):
     pieces is avoided where possible: on torch 2.11 a fake ``aten.size`` call inside an op's
     decomposition (the ``@`` of RoPE's frequency product in transformers' models) turns the
     symbolic token count into a guard on its traced value, and the compile then fails with a
-    ``ConstraintViolationError`` for the dynamic dim."""
+    ``ConstraintViolationError`` for the dynamic dim.
+
+    With a ``pool`` (``static_pool.py``) the static-shape compiles of a distinct piece go to worker
+    processes as soon as its inputs are known, before its dynamic-shape compile here; ``finish``
+    compiles here what no worker took and loads the workers' artifacts."""
 
     def __init__(self, split_gm, pieces: list[Piece], config: CompileConfig, cache: CompileCache | None,
-                 token_symbol, static_sizes: tuple[int, ...]):
+                 token_symbol, static_sizes: tuple[int, ...], pool: static_pool.StaticCompilePool | None = None):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
         self.config = config
@@ -230,6 +225,11 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.code: dict[tuple[str, int | None], PieceCode] = {}
         self.signatures: dict[str, str] = {}
         self.static_seconds = 0.0
+        self.pool = pool
+        #: (signature, size) -> (task, piece, the piece's traced inputs) of the static compiles sent
+        self.tasks: dict[tuple[str, int], tuple[static_pool.Task, Piece, list[Any]]] = {}
+        self._settings: dict[str, Any] | None = None
+        self._graphs: dict[str, bytes | None] = {}
 
     def compile_all(self, fake_mode, fake_args) -> None:
         traced = {name: _placeholder_values(p) for name, p in self.pieces.items() if not p.is_splitting_op}
@@ -237,9 +237,10 @@ class _PieceCompiler(torch.fx.Interpreter):
             with fake_mode:
                 for name, args in traced.items():
                     self.compile_piece(self.pieces[name], args)
-            return
-        with fake_mode:
-            self.run(*fake_args)
+        else:
+            with fake_mode:
+                self.run(*fake_args)
+        self.finish()
 
     def call_module(self, target, args, kwargs):
         result = super().call_module(target, args, kwargs)
@@ -250,6 +251,13 @@ class _PieceCompiler(torch.fx.Interpreter):
 
     def compile_piece(self, piece: Piece, args: list[Any]) -> None:
         signature = self.signatures[piece.name] = piece_signature(piece.module, args, piece.index)
+        if self.pool is not None:
+            start = time.perf_counter()
+            for size in self.static_sizes:
+                self._send(piece, signature, args, size)
+            self.static_seconds += time.perf_counter() - start
+            self._once(piece, signature, None, lambda: args)
+            return
         self._once(piece, signature, None, lambda: args)
         for size in self.static_sizes:
             self._once(piece, signature, size, lambda size=size: _static_example_args(args, self.token_symbol, size))
@@ -263,24 +271,142 @@ class _PieceCompiler(torch.fx.Interpreter):
         if size is not None:
             self.static_seconds += time.perf_counter() - start
 
+    @property
+    def _use_cache(self) -> bool:
+        return self.cache is not None and self.config.piece_compiler == "inductor"
+
     def _compile(self, piece: Piece, signature: str, args: list[Any], size: int | None) -> PieceCode:
-        use_cache = self.cache is not None and self.config.piece_compiler == "inductor"
-        shape = "dynamic shapes" if size is None else f"{size} tokens"
-        if use_cache:
-            loaded = self.cache.load(signature, size)
-            if loaded is not None:
-                counters.cache_hits += 1
-                logger.info("loaded %s (%s) from the compile cache %s", piece.name, shape, self.cache.dir)
-                return PieceCode("inductor", loaded)
+        loaded = self._load(piece, signature, size)
+        return loaded if loaded is not None else self._compile_here(piece, signature, args, size)
+
+    def _load(self, piece: Piece, signature: str, size: int | None) -> PieceCode | None:
+        if not self._use_cache:
+            return None
+        loaded = self.cache.load(signature, size)
+        if loaded is None:
             counters.cache_misses += 1
+            return None
+        counters.cache_hits += 1
+        logger.info("loaded %s (%s) from the compile cache %s", piece.name, _shape(size), self.cache.dir)
+        return PieceCode("inductor", loaded)
+
+    def _compile_here(self, piece: Piece, signature: str, args: list[Any], size: int | None) -> PieceCode:
         start = time.perf_counter()
         compiled = _compile_piece(piece, args, self.config, static=size is not None)
         counters.backend_compiles += 1
-        logger.info("compiled %s (%s) with %s in %.2f s", piece.name, shape,
+        logger.info("compiled %s (%s) with %s in %.2f s", piece.name, _shape(size),
                     "inductor" if size is not None else self.config.piece_compiler, time.perf_counter() - start)
-        if use_cache:
+        if self._use_cache:
             self.cache.save(signature, compiled.artifact, size)
         return compiled
+
+    # -- static compiles in worker processes ---------------------------------------------------------
+
+    def _send(self, piece: Piece, signature: str, args: list[Any], size: int) -> None:
+        key = (signature, size)
+        if key in self.code or key in self.tasks:
+            counters.piece_reuses += 1
+            return
+        loaded = self._load(piece, signature, size)
+        if loaded is not None:
+            self.code[key] = loaded
+            return
+        message = self._message(piece, signature, args, size)
+        if message is None:  # cannot be sent (logged): compiled here, as without workers
+            self.code[key] = self._compile_here(piece, signature, _static_example_args(args, self.token_symbol, size),
+                                                size)
+            return
+        task = static_pool.Task(len(self.tasks), f"{piece.name} ({_shape(size)})", message)
+        self.tasks[key] = (task, piece, args)
+        self.pool.submit(task)
+
+    def _message(self, piece: Piece, signature: str, args: list[Any], size: int) -> dict[str, Any] | None:
+        if self._settings is None:
+            try:
+                settings = _torch_compat.compile_settings()
+                pickle.dumps(settings)
+                self._settings = settings
+            except Exception as exc:  # noqa: BLE001 (e.g. a custom Inductor pass object that does not pickle)
+                logger.info("compileattn: static compiles run in-process: the Inductor settings cannot be sent "
+                            "to a worker (%s: %s)", type(exc).__name__, exc)
+                self._settings = {}
+        if not self._settings:
+            return None
+        if signature not in self._graphs:
+            try:
+                self._graphs[signature] = _torch_compat.piece_pickle(piece.module)
+            except Exception as exc:  # noqa: BLE001 (an op or constant GraphPickler cannot save)
+                logger.info("compileattn: %s is compiled for static shapes in-process: its graph cannot be sent to "
+                            "a worker (%s: %s)", piece.name, type(exc).__name__, exc)
+                self._graphs[signature] = None
+        graph = self._graphs[signature]
+        if graph is None:
+            return None
+        inputs = static_pool.static_input_specs(args, self.token_symbol, size)
+        try:
+            pickle.dumps(inputs)
+        except Exception as exc:  # noqa: BLE001 (a non-tensor input that does not pickle)
+            logger.info("compileattn: %s is compiled for static shapes in-process: an input cannot be sent to a "
+                        "worker (%s: %s)", piece.name, type(exc).__name__, exc)
+            return None
+        return {"graph": graph, "inputs": inputs, "options": dict(self.config.inductor_options),
+                "settings": self._settings}
+
+    def finish(self) -> None:
+        """Wait for the static compiles sent to workers, compiling here those no worker started,
+        and load their artifacts; a task a worker failed is compiled here."""
+        if not self.tasks:
+            return
+        start = time.perf_counter()
+        by_id = {task.id: (key, piece, args) for key, (task, piece, args) in self.tasks.items()}
+
+        def here(task: static_pool.Task) -> None:
+            (signature, size), piece, args = by_id[task.id]
+            task.result = ("here", self._compile_here(piece, signature,
+                                                      _static_example_args(args, self.token_symbol, size), size))
+
+        self.pool.drain(here)
+        in_workers = 0
+        worker_seconds = 0.0
+        for key, (task, piece, args) in self.tasks.items():
+            signature, size = key
+            kind = task.result[0] if task.result is not None else "error"
+            if kind == "here":
+                self.code[key] = task.result[1]
+                continue
+            if kind == "ok":
+                _, data, seconds, pid = task.result
+                try:
+                    code = PieceCode("inductor", _torch_compat.artifact_from_bytes(data))
+                except Exception as exc:  # noqa: BLE001
+                    kind, why = "error", f"its artifact does not load here ({type(exc).__name__}: {exc})"
+                else:
+                    counters.backend_compiles += 1
+                    counters.static_compiles_in_workers += 1
+                    in_workers += 1
+                    worker_seconds += seconds
+                    logger.info("compiled %s (%s) with inductor in a worker (pid %d) in %.2f s", piece.name,
+                                _shape(size), pid, seconds)
+                    if self._use_cache:
+                        self.cache.save_bytes(signature, data, size)
+                    self.code[key] = code
+                    continue
+            else:
+                why = task.result[1] if task.result is not None else "no answer"
+                if task.result is not None and len(task.result) > 2:
+                    logger.debug("compileattn: the worker's traceback for %s:\n%s", task.label, task.result[2])
+            logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process", task.label, why)
+            self.code[key] = self._compile_here(piece, signature, _static_example_args(args, self.token_symbol, size),
+                                                size)
+        seconds = time.perf_counter() - start
+        self.static_seconds += seconds
+        logger.info("compileattn: %d static-shape compiles: %d in %d worker processes (%.2f s of compiling), %d "
+                    "in-process; waiting for and loading them took %.2f s", len(self.tasks), in_workers,
+                    self.pool.size, worker_seconds, len(self.tasks) - in_workers, seconds)
+
+
+def _shape(size: int | None) -> str:
+    return "dynamic shapes" if size is None else f"{size} tokens"
 
 
 def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig) -> CompiledSplit:
@@ -317,8 +443,14 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
         logger.info("compile_sizes %s ignored: static compiles need piece_compiler='inductor', not %r",
                     list(static_sizes), config.piece_compiler)
         static_sizes = ()
-    compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol, static_sizes)
-    compiler.compile_all(fake_mode, fake_args)
+    pool = None
+    if static_sizes:
+        pool = static_pool.acquire(static_pool.worker_count(config.compile_workers))
+    try:
+        compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol, static_sizes, pool)
+        compiler.compile_all(fake_mode, fake_args)
+    finally:
+        static_pool.release()  # also one a decorator started for a graph that turned out to need none
 
     splitting, layers = {}, {}
     for piece in pieces:

@@ -1,0 +1,408 @@
+"""Static-shape piece compiles in worker processes, beside the compiling process's own work.
+
+``compile_sizes`` compiles every distinct piece once more per size with static shapes
+(``piecewise.py``): 12 (OPT-125m shape) to 16 (Llama-3-8B shape) independent Inductor compiles of
+0.6-0.8 s each on the H200, which ran one after another and took 7-12 s of a cold start. Inductor's
+lowering is Python, so threads would share one GIL: the compiles run in worker *processes*.
+
+- **Workers** are fresh interpreters (``python -c``, never a fork: the compiling process may have
+  CUDA initialised; never multiprocessing's spawn either, which re-runs the user's ``__main__``
+  module in each child). Each imports torch, compileattn (its custom ops must be registered to
+  unpickle a piece) and Inductor, says it is ready, then compiles one piece at a time. They talk
+  to the compiling process over their stdin/stdout pipes (length-prefixed pickles); whatever a
+  worker prints goes to its stderr.
+- **Start early**: ``prestart`` (``@compileattn.compile`` calls it when its first call will compile,
+  before Dynamo traces) or, at the latest, the backend's ``acquire``; the workers' import (several
+  seconds) overlaps Dynamo's trace and the dynamic-shape compiles.
+- **A task** is one (piece, size): the piece's graph (GraphPickler, node metadata other than stack
+  traces dropped: Dynamo's metadata holds fake tensors and sources that do not pickle, and
+  Inductor's static compile re-traces the graph from the example inputs), the example inputs as
+  (shape, stride, dtype, device) from which the worker makes fake tensors exactly as the in-process
+  path does, the Inductor options, and the settings that steer Inductor: the non-default entries
+  of ``torch._inductor.config`` and ``torch._functorch.config`` (patched around the compile), grad
+  mode, float32 matmul precision, reduced-precision reductions, deterministic algorithms, the default
+  dtype. The answer is the compiled artifact's bytes, the format the compile cache and warm start
+  save, which the compiling process loads.
+- **Scheduling**: a task goes to a worker only once that worker is ready and idle; the compiling
+  process, once done with its own (dynamic-shape) compiles, takes the tasks no worker has started
+  (from the back of the queue) and compiles them itself, so slow-starting workers never hold it up.
+- **Failures**: a worker that does not start, answers an error or dies leaves its task to the
+  compiling process, which compiles it itself (the serial path; logged at INFO with why): never a
+  wrong or missing piece.
+- **Size**: ``CompileConfig.compile_workers``: "auto" is two less than the usable CPUs (per rank,
+  under ``LOCAL_WORLD_SIZE`` ranks per host), at most ``MAX_AUTO_WORKERS``, and none below
+  ``MIN_AUTO_WORKERS``; 0 compiles in-process.
+- **Lifetime**: ``release`` (the end of every backend call) closes the workers' stdin; they exit.
+
+Inductor's own out-of-process compile (``torch._inductor.config.fx_compile_mode``, torch 2.11-2.13)
+was not used: it is set process-wide from an environment variable at import, works below
+AOTAutograd on one graph at a time through a pool of one subprocess, and so compiles nothing in
+parallel.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Sequence
+
+import torch
+
+from .. import _torch_compat
+
+logger = logging.getLogger("compileattn")
+
+#: Upper bound of compile_workers="auto": 16 static compiles (Llama shape, 4 sizes) need no more to
+#: finish in about two rounds, and every worker costs ~1 GB of host memory while it lives.
+MAX_AUTO_WORKERS = 8
+#: Fewer than this (a host of under 4 CPUs per rank) and "auto" compiles in-process: the compiling
+#: process and Inductor's own compile subprocesses need the cores, and a worker's import (5-9 s of
+#: CPU) does not pay for itself (2-core CPU box: 19.6 s vs 22.2 s idle, 32-36 s vs 29-30 s loaded).
+MIN_AUTO_WORKERS = 2
+#: Seconds ``close`` waits for an idle worker to exit before killing it.
+EXIT_WAIT_S = 5.0
+
+#: The compiling process compiles the tasks no worker has started once it has nothing else to do
+#: (off in tests that must see the workers compile).
+COMPILE_UNSTARTED_HERE = True
+#: Tests only: "error" makes every worker answer each task with an error, "exit" makes it die
+#: mid-task (what a crash looks like); read when a task is sent.
+INJECT_FAILURE: str | None = None
+
+_HEADER = struct.Struct("<Q")
+
+
+def _send(stream: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: BinaryIO) -> Any:
+    head = stream.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise EOFError("compile worker pipe closed")
+    size = _HEADER.unpack(head)[0]
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("compile worker pipe closed mid-message")
+    return pickle.loads(data)
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def worker_count(setting: int | str) -> int:
+    """Workers for ``CompileConfig.compile_workers``."""
+    if setting != "auto":
+        return max(0, int(setting))
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    workers = min(MAX_AUTO_WORKERS, usable_cpus() // ranks - 2)
+    return workers if workers >= MIN_AUTO_WORKERS else 0
+
+
+@dataclasses.dataclass
+class Task:
+    """One static compile. ``message`` is what the worker gets; ``result`` is set once it is done:
+    ("ok", artifact bytes, seconds, worker pid) or ("error", why[, the worker's traceback])."""
+
+    id: int
+    label: str
+    message: dict[str, Any]
+    result: tuple | None = None
+
+
+class StaticCompilePool:
+    """Worker processes compiling ``Task``s; see the module docstring."""
+
+    def __init__(self, workers: int):
+        self.size = workers
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Task] = collections.deque()
+        self._inflight = 0
+        self._live = workers
+        self._closing = False
+        self._procs: list[subprocess.Popen] = []
+        self._started = time.perf_counter()
+        #: seconds from the pool's start to each worker's readiness (None: never became ready)
+        self.ready_after: list[float | None] = [None] * workers
+        self.failures: list[str] = []
+        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"compileattn-compile-worker-{i}",
+                                          daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    # -- the compiling process's side ------------------------------------------------------------
+
+    def submit(self, task: Task) -> None:
+        with self._cond:
+            self._pending.append(task)
+            self._cond.notify()
+
+    def drain(self, compile_here: Callable[[Task], None]) -> None:
+        """Return once every submitted task has a result: tasks no worker took are compiled here
+        (``compile_here``), the newest first, while the workers go on from the oldest (only once
+        no worker is left, if ``COMPILE_UNSTARTED_HERE`` is off)."""
+        while True:
+            with self._cond:
+                while True:
+                    if self._pending and (COMPILE_UNSTARTED_HERE or self._live == 0):
+                        task = self._pending.pop()
+                        break
+                    if not self._pending and not self._inflight:
+                        return
+                    self._cond.wait()
+            compile_here(task)
+
+    @property
+    def live_workers(self) -> int:
+        return self._live
+
+    def close(self, wait: bool = False) -> None:
+        """Tell the workers to exit (closing their stdin); ``wait``: until they have."""
+        with self._cond:
+            self._closing = True
+            self._pending.clear()
+            self._cond.notify_all()
+        if wait:
+            self.join()
+
+    def join(self, timeout: float = EXIT_WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for proc in list(self._procs):
+            if proc.poll() is None:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # -- one thread per worker ---------------------------------------------------------------------
+
+    def _next(self) -> Task | None:
+        with self._cond:
+            while not self._pending and not self._closing:
+                self._cond.wait()
+            if self._closing:
+                return None
+            self._inflight += 1
+            return self._pending.popleft()
+
+    def _done(self, task: Task, result: tuple) -> None:
+        with self._cond:
+            task.result = result
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    def _serve(self, index: int) -> None:
+        proc = None
+        try:
+            proc = _start_worker()
+            with self._cond:
+                self._procs.append(proc)
+                closing = self._closing
+            if not closing:
+                _send(proc.stdin, {"sys_path": list(sys.path)})
+                kind, pid, seconds = _receive(proc.stdout)
+                self.ready_after[index] = time.perf_counter() - self._started
+                logger.debug("compile worker %d (pid %d) ready after %.2f s (its imports %.2f s)", index, pid,
+                             self.ready_after[index], seconds)
+                while (task := self._next()) is not None:
+                    message = dict(task.message, inject=INJECT_FAILURE)
+                    try:
+                        _send(proc.stdin, message)
+                        reply = _receive(proc.stdout)
+                    except BaseException as exc:
+                        self._done(task, ("error", f"worker pid {proc.pid} died ({_exit_note(proc, exc)})"))
+                        raise
+                    self._done(task, reply)
+        except BaseException as exc:  # noqa: BLE001 (a worker that fails just stops serving)
+            why = _exit_note(proc, exc) if proc is not None else f"{type(exc).__name__}: {exc}"
+            with self._cond:
+                if not self._closing:
+                    self.failures.append(why)
+                    logger.info("compileattn: static-compile worker %d stopped (%s); the compiling process "
+                                "compiles what the workers do not", index, why)
+        finally:
+            with self._cond:
+                self._live -= 1
+                self._cond.notify_all()
+            if proc is not None:
+                _close_worker(proc)
+
+
+def _exit_note(proc: subprocess.Popen | None, exc: BaseException) -> str:
+    code = proc.poll() if proc is not None else None
+    note = f"{type(exc).__name__}: {exc}"
+    return note if code is None else f"{note}; exit status {code}"
+
+
+def _start_worker() -> subprocess.Popen:
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding the compileattn package
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    # One compile at a time, its Triton kernels compiled in the worker itself: no pool of pools
+    # (the environment variable wins over a config patch, so it is set here too).
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    code = "from compileattn.compilation.static_pool import _worker_main; _worker_main()"
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                            close_fds=True)
+
+
+def _close_worker(proc: subprocess.Popen) -> None:
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    try:
+        proc.stdout.close()
+    except OSError:
+        pass
+
+
+def static_input_specs(args: Sequence[Any], token_symbol, size: int) -> list[tuple]:
+    """The piece's inputs with the token count fixed to ``size``, as plain data: ("tensor", shape,
+    stride, dtype, device) or ("value", v). Other symbols (a lifted buffer size) take their hints."""
+    def concrete(x) -> int:
+        return _torch_compat.symbolic_size_value(x, token_symbol, size)
+
+    specs = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            specs.append(("tensor", tuple(concrete(d) for d in a.shape), tuple(concrete(d) for d in a.stride()),
+                          a.dtype, str(a.device)))
+        else:
+            specs.append(("value", concrete(a) if isinstance(a, torch.SymInt) else a))
+    return specs
+
+
+def static_args_from_specs(specs: Sequence[tuple]) -> list[Any]:
+    """Example inputs of ``static_input_specs``: fresh fake tensors of a FakeTensorMode without a
+    ShapeEnv (so Inductor specialises every shape), no real memory. A static-compile worker makes
+    them the same way."""
+    out = []
+    with _torch_compat.unset_fake_temporarily(), _torch_compat.static_fake_mode():
+        for spec in specs:
+            if spec[0] == "tensor":
+                _, shape, stride, dtype, device = spec
+                out.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+            else:
+                out.append(spec[1])
+    return out
+
+
+# -- the process-wide pool ---------------------------------------------------------------------------
+
+_pool: StaticCompilePool | None = None
+_lock = threading.Lock()
+
+
+def prestart(workers: int) -> StaticCompilePool | None:
+    """Start the workers (if none run and ``workers`` > 0): their import overlaps what the
+    compiling process does until the first static compile."""
+    global _pool
+    if workers <= 0:
+        return None
+    with _lock:
+        if _pool is None:
+            try:
+                _pool = StaticCompilePool(workers)
+            except Exception as exc:  # noqa: BLE001 (threads unavailable, ...): compile in-process
+                logger.info("compileattn: static-compile workers not started (%s: %s); compiling in-process",
+                            type(exc).__name__, exc)
+                return None
+        return _pool
+
+
+def acquire(workers: int) -> StaticCompilePool | None:
+    """The running pool (``prestart``'s), else a new one of ``workers``; None for in-process."""
+    return prestart(workers)
+
+
+def release(wait: bool = False) -> None:
+    """Stop the pool, if one runs (its workers exit once idle)."""
+    global _pool
+    with _lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.close(wait=wait)
+
+
+def current() -> StaticCompilePool | None:
+    return _pool
+
+
+# -- the worker process ------------------------------------------------------------------------------
+
+
+def _worker_main() -> None:
+    """A compile worker: stdin brings messages, the original stdout takes the answers; anything
+    else written to stdout goes to stderr."""
+    inp = sys.stdin.buffer
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    try:
+        init = _receive(inp)
+    except EOFError:
+        return
+    sys.path[:] = init["sys_path"]
+    start = time.perf_counter()
+    import compileattn  # noqa: F401  (registers compileattn's ops: pieces call them)
+
+    _torch_compat.import_inductor()
+    _send(out, ("ready", os.getpid(), time.perf_counter() - start))
+    while True:
+        try:
+            message = _receive(inp)
+        except EOFError:
+            return
+        start = time.perf_counter()
+        try:
+            if message.get("inject") == "exit":
+                os._exit(3)
+            if message.get("inject") == "error":
+                raise RuntimeError("injected failure (static_pool.INJECT_FAILURE)")
+            data = compile_message(message)
+            reply = ("ok", data, time.perf_counter() - start, os.getpid())
+        except Exception as exc:  # noqa: BLE001 (the compiling process compiles it itself)
+            first = str(exc).strip().splitlines()
+            reply = ("error", f"{type(exc).__name__}: {first[0] if first else ''}", traceback.format_exc())
+        try:
+            _send(out, reply)
+        except (BrokenPipeError, OSError):
+            return
+
+
+def compile_message(message: dict[str, Any]) -> bytes:
+    """Compile one task's piece (in a worker): the artifact's bytes."""
+    gm = _torch_compat.piece_unpickle(message["graph"])
+    args = static_args_from_specs(message["inputs"])
+    with _torch_compat.compile_settings_applied(message["settings"]):
+        artifact = _torch_compat.standalone_compile(gm, args, "from_example_inputs", dict(message["options"]))
+    return _torch_compat.artifact_bytes(artifact)

@@ -1,0 +1,127 @@
+"""Static-shape compiles in worker processes (compilation/static_pool.py), on the CPU with Inductor:
+the same code and outputs as compiling in-process, a failing or dying worker leaves its compile to
+the compiling process, and no worker outlives the compile."""
+import random
+import re
+
+import pytest
+import torch
+
+import compileattn as ca
+from compileattn import _torch_compat
+from compileattn.compilation import static_pool
+from compileattn.compilation.backend import compileattn_backend
+from compileattn.models.opt import OPTConfig, OPTForCausalLM
+from compileattn.testing import assert_matches_eager, random_step
+
+BLOCK = 4
+NUM_BLOCKS = 64
+SIZES = (2,)
+
+
+def _inputs(vocab):
+    def make(n):
+        ids = torch.randint(0, vocab, (n,))
+        pos = torch.randint(0, 40, (n,))
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        return ids, pos
+    return make
+
+
+@pytest.fixture
+def pools(monkeypatch):
+    """Every pool the backend starts in the test; the workers must compile what they are given."""
+    started = []
+    real = static_pool.StaticCompilePool
+
+    def recording(workers):
+        pool = real(workers)
+        started.append(pool)
+        return pool
+
+    monkeypatch.setattr(static_pool, "StaticCompilePool", recording)
+    monkeypatch.setattr(static_pool, "COMPILE_UNSTARTED_HERE", False)
+    yield started
+    static_pool.release()
+
+
+def _compile_and_run(workers: int):
+    """The tiny OPT compiled with static size 2, run on 2-token and 3-token steps and compared with
+    eager; the dispatcher, the outputs of the 2-token steps and the generated code of each static piece."""
+    model = OPTForCausalLM(OPTConfig.tiny(), seed=2)
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=16,
+                                          max_blocks_per_seq=8)
+    runtimes = []
+
+    def backend(gm, example_inputs):
+        runtimes.append(compileattn_backend(gm, example_inputs, options={"compile_sizes": SIZES,
+                                                                         "compile_workers": workers}))
+        return runtimes[-1]
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(7)
+    torch.manual_seed(0)
+    outs = []
+    for pad in (3, 2, 2):
+        seqs = random_step(rng, num_seqs=1, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_query_len=2,
+                           max_context_len=8)
+        outs.append(assert_matches_eager(model, compiled, builder, caches, seqs, _inputs(model.config.vocab_size),
+                                         pad_to=pad))
+    (runtime,) = runtimes
+    sources = {key: _torch_compat.artifact_source(code.artifact) for key, code in runtime.compiled.code.items()
+               if key[1] is not None}
+    return runtime, outs, sources
+
+
+def _normalized(source: str | None) -> str | None:
+    # the one process-dependent line: a per-process counter of AOTAutograd graphs
+    return None if source is None else re.sub(r"# AOT ID: \[.*\]", "# AOT ID", source)
+
+
+def test_workers_compile_the_same_code_as_the_compiling_process(pools):
+    with ca.counters.expect(static_compiles_in_workers=0):
+        serial, serial_outs, serial_sources = _compile_and_run(workers=0)
+    assert pools == []
+    distinct = len(serial_sources)
+    with ca.counters.expect(static_compiles_in_workers=distinct, backend_compiles=2 * distinct):
+        parallel, parallel_outs, parallel_sources = _compile_and_run(workers=1)
+    assert len(pools) == 1 and static_pool.current() is None
+    assert set(parallel_sources) == set(serial_sources)
+    for key, source in serial_sources.items():
+        assert source is not None and _normalized(parallel_sources[key]) == _normalized(source), key
+    for a, b in zip(serial_outs, parallel_outs):
+        assert torch.equal(a, b)
+    assert parallel.compiled.static_sizes == serial.compiled.static_sizes == SIZES
+    assert parallel.compiled.static_seconds > 0
+    # the pool is shut down with the compile: every worker has exited
+    pools[0].join(timeout=30)
+    assert pools[0].pids() and all(p.poll() is not None for p in pools[0]._procs)
+
+
+@pytest.mark.parametrize("failure", ["error", "exit"])
+def test_a_failing_worker_leaves_its_compile_to_the_compiling_process(pools, monkeypatch, caplog, failure):
+    monkeypatch.setattr(static_pool, "INJECT_FAILURE", failure)
+    with caplog.at_level("INFO", logger="compileattn"):
+        with ca.counters.expect(static_compiles_in_workers=0):
+            runtime, _, sources = _compile_and_run(workers=1)
+    assert set(sources) == {(sig, size) for sig in runtime.compiled.signatures.values() for size in SIZES}
+    assert all(s is not None for s in sources.values())
+    assert "compiling it in-process" in caplog.text
+    if failure == "exit":
+        assert "stopped" in caplog.text  # the worker's death is logged too
+    pools[0].join(timeout=30)
+    assert all(p.poll() is not None for p in pools[0]._procs)
+
+
+def test_worker_count():
+    assert static_pool.worker_count(0) == 0
+    assert static_pool.worker_count(3) == 3
+    auto = static_pool.worker_count("auto")
+    assert auto == 0 or static_pool.MIN_AUTO_WORKERS <= auto <= min(static_pool.MAX_AUTO_WORKERS,
+                                                                     static_pool.usable_cpus() - 2)
+    if static_pool.usable_cpus() < 4:
+        assert auto == 0  # small hosts compile in-process
+    with pytest.raises(ValueError, match="compile_workers"):
+        ca.CompileConfig(compile_workers=-1)
