@@ -13,6 +13,10 @@ Static-shape compiles (``CompileConfig.compile_sizes``) replace the dynamic-shap
 of exactly that size, in every mode. Identical pieces share compiled code; before running one, the
 dispatcher publishes which layers its KV-write slots stand for (``piece_signature.py``).
 
+Under ``@compileattn.compile`` a full-decode step whose graph this dispatcher has already replayed
+may not reach it at all: the decorator replays that graph itself (``replay.py``), after asking
+``full_replay_entry`` whether this step would replay it.
+
 The dispatcher is what the backend returns to Dynamo, and a ``SerializableCallable``:
 ``torch.compile(...).aot_compile`` saves it (``artifact.py``) and a warm start loads it.
 
