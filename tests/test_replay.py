@@ -6,6 +6,7 @@ on is broken once and must leave the step to the ordinary path, which raises or 
 """
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -22,11 +23,11 @@ BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 96, 16
 
 
 class Setup:
-    def __init__(self, cls=OPTForCausalLM, *, direct=True, decorate_class=False):
+    def __init__(self, cls=OPTForCausalLM, *, direct=True, decorate_class=False, **options):
         """``decorate_class``: ``@compileattn.compile`` on the model class (a bound method per
         instance); else on a function calling the model, as ``benchmarks/latency.py`` does."""
         self.config = ca.CompileConfig(cudagraph_mode="full_and_piecewise", max_capture_size=MAX_TOKENS,
-                                       piece_compiler="eager", direct_full_replay=direct)
+                                       piece_compiler="eager", direct_full_replay=direct, **options)
         dims = {"input_ids": 0, "positions": 0}
         if decorate_class:
             cls = ca.compile(type(f"Compiled{cls.__name__}", (cls,), {}), dynamic_arg_dims=dims, config=self.config)
@@ -120,6 +121,19 @@ def test_decorated_class_replays_directly(simulated_graphs):
     with ca.counters.expect(full_graph_direct_steps=1):
         s.step(s.decode(2))
     assert s.model.forward.compile_stats["direct_replay"] == "on"
+
+
+def test_warm_started_code_replays_directly(simulated_graphs, tmp_path):
+    """The code a warm start loads is Dynamo's code too, calling the loaded dispatcher."""
+    cold = Setup(decorate_class=True, cache_dir=str(tmp_path))
+    cold.warm(4)
+    assert cold.fn.forward.compile_stats["path"] == "cold"
+    warm = Setup(decorate_class=True, cache_dir=str(tmp_path))  # a fresh decoration, as in a new process
+    warm.warm(4)
+    assert warm.fn.forward.compile_stats["path"] == "warm"
+    assert warm.fn.forward.compile_stats["direct_replay"] == "on"
+    with ca.counters.expect(full_graph_direct_steps=1), torch.no_grad():
+        assert_matches_eager(warm.eager, warm.fn, warm.builder, warm.caches, warm.decode(4), warm.inputs, pad_to=4)
 
 
 def test_config_off_always_runs_dynamos_code(simulated_graphs):
@@ -315,3 +329,56 @@ def test_bytecode_check_refuses_anything_else(fn, why):
     assert graph is None and why in reason
     assert replay.graph_call_of(lambda *a: None)[0] is None
     assert "plain function" in replay.graph_call_of(torch.nn.Linear(2, 2))[1]
+
+
+@pytest.mark.cuda
+def test_cuda_direct_replays_match_eager():
+    """Real CUDA graphs (Inductor pieces, the Triton backend): direct replays from the second
+    replay of each size on, each matching eager."""
+    torch.manual_seed(0)
+    config = ca.CompileConfig(cudagraph_mode="full_and_piecewise", max_capture_size=MAX_TOKENS,
+                              attention_backend="triton")
+    model = OPTForCausalLM(OPTConfig.tiny(), dtype=torch.float16, device="cuda", seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float16, device="cuda")
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=4, device="cuda", backend="triton")
+
+    def forward(input_ids, positions):
+        return model(input_ids, positions)
+
+    fn = ca.compile(forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
+    ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device="cuda")
+    pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device="cuda")
+
+    def inputs(n):
+        ids_buf[:n].random_(0, model.config.vocab_size)
+        pos_buf[:n].random_(1, 40)
+        return ids_buf[:n], pos_buf[:n]
+
+    rng = random.Random(0)
+    direct = 0
+    with torch.no_grad():
+        for i in range(12):
+            batch = [2, 4, 8][i % 3]
+            seqs = [ca.SequenceStep(1, rng.randint(1, 40), [4 * j + k for k in range(4)]) for j in range(batch)]
+            before = ca.counters.full_graph_direct_steps
+            assert_matches_eager(model, fn, builder, caches, seqs, inputs, pad_to=batch)
+            direct += ca.counters.full_graph_direct_steps - before
+    assert fn.compile_stats["direct_replay"] == "on"
+    assert direct == 6  # 4 steps per size: capture, first replay, then two direct
+
+
+def test_host_step_benchmark_runs_on_the_cpu(tmp_path, capsys):
+    """``benchmarks/host_step.py``: both variants match eager, the direct one is taken, every row is timed."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_step.py"
+    spec = importlib.util.spec_from_file_location("host_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--calls", "20", "--rounds", "1", "-o", str(tmp_path / "hs")]) == 0
+    res = json.loads((tmp_path / "hs.json").read_text())
+    assert res["direct_replay"] == "on" and set(res["batches"]) == {"1", "8"}
+    for row in res["batches"].values():
+        assert row["direct_taken"] and set(row["us"]) == set(module.ROWS)

@@ -17,10 +17,11 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
 2. **The dispatcher would replay this full graph** (``StepDispatcher.full_replay_entry``): the
    step is a uniform decode at a size whose full graph was captured and has been replayed, through
    the same metadata builder and the same ``kv_caches`` mapping it already checked.
-3. **The arguments are where they were** when the ordinary path last replayed that graph: every
-   tensor argument has the same data pointer, shape and strides (``argcheck`` has already pinned
-   dtypes, devices and every non-tensor argument's value). Arguments of other kinds (containers,
-   objects) turn the shortcut off for the site, since Dynamo's code reads through them.
+3. **The arguments are where they were** at that graph's first replay through the ordinary path
+   (the one ``CapturedGraph.check`` compared with the capture): every tensor argument has the same
+   data pointer, shape and strides (``argcheck`` has already pinned dtypes, devices and every
+   non-tensor argument's value). Arguments of other kinds (containers, objects) keep the ordinary
+   path for the site, since Dynamo's code reads through them.
 4. **The output is the graph's**: learned from an ordinary replay of the same graph, whose result
    must be built only of the graph's static output tensors (tuples as they are; lists rebuilt per
    call, as Dynamo's code would build a new one).
