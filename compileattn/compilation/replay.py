@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import context
+from .. import _torch_compat, context
 from ..counters import counters
 from .argcheck import _VALUE_TYPES
 
@@ -74,8 +74,9 @@ def graph_call_of(fn: Callable[..., Any]) -> tuple[Any, str]:
     except _Unsupported as exc:
         return None, str(exc)
     f_globals = getattr(fn, "__globals__", {})
-    if f_globals.get(_HELPER_MODULE, torch._dynamo.utils) is not torch._dynamo.utils:
-        return None, f"{_HELPER_MODULE} is not torch._dynamo.utils"
+    utils = _torch_compat.dynamo_utils_module()
+    if f_globals.get(_HELPER_MODULE, utils) is not utils:
+        return None, f"{_HELPER_MODULE} is not {utils.__name__}"
     if name not in f_globals:
         return None, f"the graph {name} is not among the code's globals"
     return f_globals[name], ""
