@@ -77,7 +77,7 @@ def measure(args) -> dict:
     import compileattn as ca
     from compileattn.testing import simulated_cuda_graphs
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     batches = args.batches
     max_tokens = max(8, max(batches))
@@ -198,6 +198,8 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: cuda where available (cpu: simulated graphs, replays made no-ops)")
     p.add_argument("--batches", type=common.parse_int_list, default=[1, 8])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--backend", default="triton", help="attention backend (capturable: triton, flash)")
@@ -208,7 +210,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    cuda = torch.cuda.is_available()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = args.device == "cuda"
     if args.piece_compiler is None:
         args.piece_compiler = "inductor" if cuda else "eager"
     if args.calls is None:

@@ -377,7 +377,7 @@ def test_host_step_benchmark_runs_on_the_cpu(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("host_step", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--calls", "20", "--rounds", "1", "-o", str(tmp_path / "hs")]) == 0
+    assert module.main(["--device", "cpu", "--calls", "20", "--rounds", "1", "-o", str(tmp_path / "hs")]) == 0
     res = json.loads((tmp_path / "hs.json").read_text())
     assert res["direct_replay"] == "on" and set(res["batches"]) == {"1", "8"}
     for row in res["batches"].values():
