@@ -337,7 +337,8 @@ class _Site:
         graph, why = graph_call_of(fast)
         if graph is None:
             return None, why
-        if getattr(graph, "fn", graph) is not runtimes[0]:  # _UnsavedCallable wraps a test's backend result
+        graph = getattr(graph, "fn", graph)  # _UnsavedCallable wraps a test's backend result
+        if getattr(graph, "__self__", graph) is not runtimes[0]:  # or a bound __call__
             return None, "Dynamo's code calls something other than the compileattn dispatcher"
         return FullStepShortcut(runtimes[0]), "on"
 
