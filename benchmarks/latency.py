@@ -518,7 +518,8 @@ class CompileattnGroup(Group):
         rt = self.runtimes.built[-1]
         return {"capture_s": rt.capture_seconds(),
                 "graph_pool_bytes": rt.graph_pool_bytes(), "runtimes": len(self.runtimes.built),
-                "full_graphs": rt.full_graph_count(), "piece_graphs": rt.piece_graph_count(), "mode": rt.mode}
+                "full_graphs": rt.full_graph_count(), "piece_graphs": rt.piece_graph_count(), "mode": rt.mode,
+                "direct_replay": self.fn.compile_stats.get("direct_replay")}
 
     def captured_graph(self, column, num_tokens):
         """The full-decode graph the step replayed (none in piecewise mode or for a mixed step)."""

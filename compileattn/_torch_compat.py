@@ -31,6 +31,8 @@ PRIVATE_APIS = {
                                                      "serialize(), source_info()",
     "torch._dynamo.aot_compile_types.SerializableCallable": "base of what the backend returns, so aot_compile "
                                                             "can save it",
+    "torch._dynamo.utils": "the module of the helpers Dynamo's code calls around the graph (profiler markers, "
+                           "call_size): a full-decode step may skip that code only if it calls nothing else",
     "torch.fx._graph_pickler.GraphPickler": "saving the split graph in the warm-start artifact",
     "torch.fx._graph_pickler.Options": "GraphPickler options (custom ops allowed)",
     "torch._inductor.config": "the settings a static-compile worker copies from the compiling process "
@@ -91,6 +93,11 @@ def dispatch_stack_depth() -> Callable[[], int]:
     """The function counting active dispatch modes: callers resolve it once, as it sits on the eager
     op's per-call path."""
     return resolve("torch._C._len_torch_dispatch_stack")
+
+
+def dynamo_utils_module():
+    """The module Dynamo's generated code imports its helpers from (``__import_torch_dot__dynamo_dot_utils``)."""
+    return resolve("torch._dynamo.utils")
 
 
 def register_bytecode_hook(hook: Callable):

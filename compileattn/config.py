@@ -81,6 +81,9 @@ class CompileConfig:
     disable: bool = False
     #: Verify on the first replay of every size that piece inputs live where they were captured.
     check_input_addresses: bool = True
+    #: ``@compileattn.compile`` replays a full-decode graph itself, skipping Dynamo's code, where
+    #: that provably returns the same (compilation/replay.py); False always runs Dynamo's code.
+    direct_full_replay: bool = True
 
     def __post_init__(self) -> None:
         check_backend_name(self.attention_backend)

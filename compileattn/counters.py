@@ -39,6 +39,9 @@ class Counters:
     cudagraph_replays: int = 0
     #: Of those, the steps served by one CUDA graph of the whole forward (full-decode mode).
     full_graph_steps: int = 0
+    #: Of those, the steps ``@compileattn.compile`` replayed without running Dynamo's code
+    #: (compilation/replay.py).
+    full_graph_direct_steps: int = 0
     #: Forward steps that ran without CUDA graphs (too many tokens, or graphs off).
     eager_steps: int = 0
 

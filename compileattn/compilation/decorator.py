@@ -35,6 +35,12 @@ tuples/lists/dicts of those are checked for type only. Dynamic dims need size >=
 call (Dynamo specializes sizes 0 and 1; a size-1 first call is refused rather than compiled
 static); later calls may use any size, including 1.
 
+Full-decode steps (``cudagraph_mode="full_and_piecewise"``) skip Dynamo's code too, once a size's
+graph has been replayed through it: the site replays the graph itself where that provably returns
+what Dynamo's code would (``replay.py``; ``compile_stats["direct_replay"]`` says "on" or why not,
+``config.direct_full_replay=False`` turns it off). On the OPT-125m shape that cut a step's host
+Python from ~9.8 to ~2.0 µs on the CPU box below (``benchmarks/host_step.py``).
+
 Cost, measured on this repo's 2-core CPU box with a backend whose compiled function does nothing
 (``benchmarks/dispatch_overhead.py``, ``results/dispatch_overhead_cpu.md``): a decorated call of a
 32-layer Llama-shaped model ~17 µs, of which the argument check ~0.8 µs and Dynamo's generated code
@@ -60,6 +66,7 @@ from .. import _torch_compat
 from ..config import CompileConfig
 from . import static_pool, warm_start
 from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
+from .replay import MISS, FullStepShortcut, graph_call_of
 
 log = logging.getLogger("compileattn")
 
@@ -201,7 +208,7 @@ class _TimedBackend:
 class _Site:
     """Compiled state for one function or one module instance. ``fast`` is None until compiled."""
 
-    __slots__ = ("owner", "bound", "fast", "checker", "stats", "runtimes", "bound_call")
+    __slots__ = ("owner", "bound", "fast", "checker", "stats", "runtimes", "bound_call", "direct")
 
     def __init__(self, owner: "CompiledFunction", bound: bool):
         self.owner = owner
@@ -211,6 +218,8 @@ class _Site:
         self.stats: dict[str, Any] = {}
         self.runtimes: list = []  # the compileattn backend's StepDispatchers, compiled or loaded
         self.bound_call: BoundCompiledFunction | None = None
+        #: full-decode steps replayed without Dynamo's code (``replay.py``); None where not provably the same
+        self.direct: FullStepShortcut | None = None
 
     def call(self, full_args: tuple, args: tuple, kwargs: dict):
         fast = self.fast
@@ -221,6 +230,12 @@ class _Site:
                 fast = self.fast
         if self.checker is not None:
             self.checker.check(args, kwargs)
+        direct = self.direct
+        if direct is not None:
+            out = direct.step(args, kwargs)
+            if out is not MISS:
+                return out
+            return direct.run(fast, full_args, args, kwargs)
         return fast(*full_args, **kwargs)
 
     def _compile(self, full_args: tuple, args: tuple, kwargs: dict):
@@ -311,12 +326,31 @@ class _Site:
         """Install ``fast`` and run the first call through it (timed: it includes the first-call
         work of the compiled code, e.g. CUDA-graph capture)."""
         self._total(stats, start)
+        self.direct, stats["direct_replay"] = self._shortcut(fast)
         self.checker, self.stats, self.fast = checker, stats, fast
         _log_ready(what, stats)
         t = time.perf_counter()
         out = fast(*full_args, **kwargs)
         stats["first_call_s"] = time.perf_counter() - t
         return out
+
+    def _shortcut(self, fast: Callable) -> tuple[FullStepShortcut | None, str]:
+        """Full-decode steps skip Dynamo's code where that provably changes nothing (``replay.py``):
+        (the shortcut or None, "on" or why not)."""
+        runtimes = self.runtimes
+        if not self.owner._config.direct_full_replay:
+            return None, "off (config.direct_full_replay)"
+        if len(runtimes) != 1 or runtimes[0].mode != "full_and_piecewise":
+            return None, "no full-decode graphs"
+        if any(isinstance(p.default, torch.Tensor) for p in self.owner._sig.parameters.values()):
+            return None, "a parameter defaults to a tensor (not checkable per call)"
+        graph, why = graph_call_of(fast)
+        if graph is None:
+            return None, why
+        graph = getattr(graph, "fn", graph)  # _UnsavedCallable wraps a test's backend result
+        if getattr(graph, "__self__", graph) is not runtimes[0]:  # or a bound __call__
+            return None, "Dynamo's code calls something other than the compileattn dispatcher"
+        return FullStepShortcut(runtimes[0]), "on"
 
     def _compile_frame(self, fn: Callable, backend: Callable, checker: ArgChecker, start: float, what: str,
                        full_args: tuple, kwargs: dict):
@@ -332,6 +366,7 @@ class _Site:
             log.warning("compileattn: Dynamo produced no code for %s; it runs eagerly", what)
         # The frame path runs the first call inside the compile: it is part of dynamo_s here.
         self.stats = self._compile_stats(timed, path="frame")
+        self.stats["direct_replay"] = "off (frame path: Dynamo's code runs under torch.compile's frame evaluation)"
         self._total(self.stats, start)
         _log_ready(what, self.stats)
         self.runtimes = timed.dispatchers()

@@ -13,6 +13,10 @@ Static-shape compiles (``CompileConfig.compile_sizes``) replace the dynamic-shap
 of exactly that size, in every mode. Identical pieces share compiled code; before running one, the
 dispatcher publishes which layers its KV-write slots stand for (``piece_signature.py``).
 
+Under ``@compileattn.compile`` a full-decode step whose graph this dispatcher has already replayed
+may not reach it at all: the decorator replays that graph itself (``replay.py``), after asking
+``full_replay_entry`` whether this step would replay it.
+
 The dispatcher is what the backend returns to Dynamo, and a ``SerializableCallable``:
 ``torch.compile(...).aot_compile`` saves it (``artifact.py``) and a warm start loads it.
 
@@ -61,6 +65,8 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         #: builder's metadata buffers and those caches by address.
         self._graph_owner: tuple | None = None
         self._warned_grad = False
+        #: the full-graph entry the last step replayed (not captured), for ``replay.FullStepShortcut``
+        self.replayed: cudagraph.CapturedGraph | None = None
         self.pieces = compiled.pieces
         self._piece_graphs: list[cudagraph.CUDAGraphWrapper] = []
         for piece in compiled.pieces:
@@ -200,11 +206,29 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         counters.full_graph_steps += 1
         if self._full is None:
             self._full = self._graph_wrapper("full graph", self._forward)
+        entry = self._full.graphs.get(size)
         self.current_size = size  # inside the full graph, pieces run their (static) compiled code
         try:
-            return self._full.run(size, args)
+            out = self._full.run(size, args)
         finally:
             self.current_size = None
+        if entry is not None and entry.checked:
+            self.replayed = entry
+        return out
+
+    def full_replay_entry(self, ctx: context.ForwardContext) -> cudagraph.CapturedGraph | None:
+        """The full graph a step in ``ctx`` would replay with no check left to run, or None:
+        a uniform decode of capturable calls, at a size whose graph was captured and checked,
+        through the builder and caches the graphs were captured with, caches already checked
+        (``__call__``'s token-count check is the caller's, ``replay.FullStepShortcut``)."""
+        md = ctx.metadata
+        owner = self._graph_owner
+        if (self._full is None or not md.is_uniform_decode or not ctx.table.capturable
+                or ctx.kv_caches is not self._checked_caches or md.selector is not owner[0]
+                or ctx.kv_caches is not owner[1]):
+            return None
+        entry = self._full.graphs.get(md.num_tokens)
+        return entry if entry is not None and entry.checked else None
 
     # -- what tests and benchmarks read ---------------------------------------------------------
 

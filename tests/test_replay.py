@@ -1,0 +1,384 @@
+"""Full-decode steps replayed by ``@compileattn.compile`` without Dynamo's code (compilation/replay.py).
+
+With CUDA graphs simulated on the CPU, a replay re-runs the captured forward on the captured
+inputs, so a direct replay's output is checked against eager; every condition the shortcut relies
+on is broken once and must leave the step to the ordinary path, which raises or runs as before.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import compileattn as ca
+from compileattn.compilation import replay
+from compileattn.compilation.cudagraph import CudaGraphAddressError
+from compileattn.compilation.decorator import RecompileError
+from compileattn.models.opt import OPTConfig, OPTForCausalLM
+from compileattn.testing import assert_matches_eager
+
+BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 96, 16
+
+
+class Setup:
+    def __init__(self, cls=OPTForCausalLM, *, direct=True, decorate_class=False, **options):
+        """``decorate_class``: ``@compileattn.compile`` on the model class (a bound method per
+        instance); else on a function calling the model, as ``benchmarks/latency.py`` does."""
+        self.config = ca.CompileConfig(cudagraph_mode="full_and_piecewise", max_capture_size=MAX_TOKENS,
+                                       piece_compiler="eager", direct_full_replay=direct, **options)
+        dims = {"input_ids": 0, "positions": 0}
+        if decorate_class:
+            cls = ca.compile(type(f"Compiled{cls.__name__}", (cls,), {}), dynamic_arg_dims=dims, config=self.config)
+        self.model = cls(OPTConfig.tiny(), seed=0)
+        self.eager = OPTForCausalLM(OPTConfig.tiny(), seed=0)
+        self.caches = ca.allocate_kv_caches(self.model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+        self.builder = self.new_builder()
+        if decorate_class:
+            self.fn = self.model
+        else:
+            model = self.model
+
+            def forward(input_ids, positions):
+                return model(input_ids, positions)
+
+            self.fn = ca.compile(forward, dynamic_arg_dims=dims, config=self.config)
+        self.ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long)
+        self.pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long)
+
+    @staticmethod
+    def new_builder():
+        return ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                           max_blocks_per_seq=4)
+
+    def inputs(self, n):
+        self.ids_buf[:n].random_(0, self.model.config.vocab_size)
+        self.pos_buf[:n].random_(1, 40)
+        return self.ids_buf[:n], self.pos_buf[:n]
+
+    def decode(self, batch, rng=None, prefill=0):
+        rng = rng or random.Random(batch)
+        seqs = [ca.SequenceStep(1, rng.randint(1, 40), [4 * i + j for j in range(4)]) for i in range(batch)]
+        if prefill:
+            seqs.append(ca.SequenceStep(prefill, 0, [4 * batch + j for j in range(4)]))
+        return seqs
+
+    def padded(self, seqs):
+        return self.config.padded_num_tokens(sum(s.query_len for s in seqs))
+
+    def step(self, seqs, builder=None, caches=None):
+        md = (builder or self.builder).build(seqs, pad_to=self.padded(seqs))
+        ids, pos = self.inputs(md.num_tokens)
+        with torch.no_grad(), ca.set_forward_context(md, caches if caches is not None else self.caches):
+            return self.fn(ids, pos)
+
+    def warm(self, batch):
+        """Compile, capture, then the first (checked) replay: the one the shortcut learns from."""
+        for _ in range(3):
+            self.step(self.decode(batch))
+
+
+def test_decode_steps_replay_directly_and_match_eager(simulated_graphs):
+    s = Setup()
+    assert s.fn.compile_stats == {}
+    rng = random.Random(0)
+    seen: dict[int, int] = {}  # padded size -> full-graph steps so far
+    direct = 0
+    for i in range(18):
+        mixed = i % 5 == 4
+        seqs = s.decode(rng.choice([2, 3, 4, 8]), rng, prefill=3 if mixed else 0)
+        n = s.padded(seqs)
+        before = ca.counters.full_graph_direct_steps
+        assert_matches_eager(s.eager, s.fn, s.builder, s.caches, seqs, s.inputs, pad_to=n)
+        took = ca.counters.full_graph_direct_steps - before
+        if not mixed:
+            seen[n] = seen.get(n, 0) + 1
+            assert took == (seen[n] > 2), (i, n, seen[n])  # capture, learning replay, then direct
+            direct += took
+        else:
+            assert took == 0
+    assert s.fn.compile_stats["direct_replay"] == "on"
+    assert direct >= 6
+
+
+def test_a_direct_replay_returns_the_ordinary_paths_output_object(simulated_graphs):
+    s = Setup()
+    s.warm(4)
+    seqs = s.decode(4)
+    with ca.counters.expect(full_graph_direct_steps=1, full_graph_steps=1, cudagraph_replays=1, eager_steps=0):
+        out = s.step(seqs)
+    learned = s.fn._site.direct.learned[4]  # noqa: SLF001
+    assert out is learned.output()  # the graph's static output, as Dynamo's code returned it
+    with ca.counters.expect(full_graph_direct_steps=1):
+        again = s.step(seqs)
+    assert again is out
+
+
+def test_decorated_class_replays_directly(simulated_graphs):
+    s = Setup(decorate_class=True)
+    s.warm(2)
+    with ca.counters.expect(full_graph_direct_steps=1):
+        s.step(s.decode(2))
+    assert s.model.forward.compile_stats["direct_replay"] == "on"
+
+
+def test_warm_started_code_replays_directly(simulated_graphs, tmp_path):
+    """The code a warm start loads is Dynamo's code too, calling the loaded dispatcher."""
+    cold = Setup(decorate_class=True, cache_dir=str(tmp_path))
+    cold.warm(4)
+    assert cold.fn.forward.compile_stats["path"] == "cold"
+    warm = Setup(decorate_class=True, cache_dir=str(tmp_path))  # a fresh decoration, as in a new process
+    warm.warm(4)
+    assert warm.fn.forward.compile_stats["path"] == "warm"
+    assert warm.fn.forward.compile_stats["direct_replay"] == "on"
+    with ca.counters.expect(full_graph_direct_steps=1), torch.no_grad():
+        assert_matches_eager(warm.eager, warm.fn, warm.builder, warm.caches, warm.decode(4), warm.inputs, pad_to=4)
+
+
+def test_config_off_always_runs_dynamos_code(simulated_graphs):
+    s = Setup(direct=False)
+    s.warm(2)
+    with ca.counters.expect(full_graph_direct_steps=0, full_graph_steps=1):
+        s.step(s.decode(2))
+    assert s.fn.compile_stats["direct_replay"].startswith("off")
+
+
+def test_moved_inputs_take_the_ordinary_path(simulated_graphs):
+    s = Setup()
+    s.warm(4)
+    seqs = s.decode(4)
+    md = s.builder.build(seqs, pad_to=4)
+    ids, pos = s.inputs(4)
+    with torch.no_grad(), ca.set_forward_context(md, s.caches):
+        for moved in ((ids.clone(), pos), (ids, pos.clone())):
+            with ca.counters.expect(full_graph_direct_steps=0, full_graph_steps=1):
+                s.fn(*moved)
+        with ca.counters.expect(full_graph_direct_steps=1):
+            s.fn(ids, pos)
+
+
+def test_mixed_step_at_a_captured_size_is_not_a_full_replay(simulated_graphs):
+    s = Setup()
+    s.warm(4)
+    seqs = s.decode(2, prefill=2)  # 4 tokens, not a uniform decode
+    with ca.counters.expect(full_graph_direct_steps=0, full_graph_steps=0, cudagraph_replays=1), torch.no_grad():
+        assert_matches_eager(s.eager, s.fn, s.builder, s.caches, seqs, s.inputs, pad_to=4)
+
+
+def test_other_builder_or_caches_still_raise(simulated_graphs):
+    s = Setup()
+    s.warm(4)
+    with pytest.raises(CudaGraphAddressError, match="another metadata builder"):
+        s.step(s.decode(4), builder=s.new_builder())
+    with pytest.raises(CudaGraphAddressError, match="another metadata builder"):
+        s.step(s.decode(4), caches=dict(s.caches))
+    # The other mapping was the dispatcher's last checked one: its own path checks the caches again.
+    with ca.counters.expect(full_graph_direct_steps=0, full_graph_steps=1):
+        s.step(s.decode(4))
+    with ca.counters.expect(full_graph_direct_steps=1):
+        s.step(s.decode(4))
+
+
+def test_changed_arguments_still_raise_recompile_error(simulated_graphs):
+    s = Setup()
+    s.warm(4)
+    md = s.builder.build(s.decode(4), pad_to=4)
+    ids, pos = s.inputs(4)
+    with ca.set_forward_context(md, s.caches):
+        with torch.no_grad(), pytest.raises(RecompileError, match="dtype"):
+            s.fn(ids.to(torch.int32), pos)
+        with pytest.raises(RecompileError, match="grad mode"):
+            s.fn(ids, pos)
+        with torch.no_grad(), ca.counters.expect(full_graph_direct_steps=1):
+            s.fn(ids, pos)
+
+
+_log: list = []
+
+
+class Logging(OPTForCausalLM):
+    """A forward with a side effect Dynamo replays in its code after the graph."""
+
+    def forward(self, input_ids, positions):
+        _log.append(1)
+        return super().forward(input_ids, positions)
+
+
+class Returning(OPTForCausalLM):
+    """Returns an input besides the graph's output: not built of the graph's outputs alone."""
+
+    def forward(self, input_ids, positions):
+        return super().forward(input_ids, positions), positions
+
+
+class Listing(OPTForCausalLM):
+    def forward(self, input_ids, positions):
+        h = super().forward(input_ids, positions)
+        return [h, (h + 1, None)]
+
+
+def test_side_effects_keep_dynamos_code(simulated_graphs):
+    s = Setup(Logging)
+    s.warm(2)
+    assert s.fn.compile_stats["direct_replay"] != "on"
+    _log.clear()
+    with ca.counters.expect(full_graph_direct_steps=0, full_graph_steps=1):
+        s.step(s.decode(2))
+    assert _log  # Dynamo's code ran and replayed the append
+
+
+def test_output_not_built_of_graph_outputs_is_not_learned(simulated_graphs):
+    s = Setup(Returning)
+    s.warm(2)
+    assert s.fn.compile_stats["direct_replay"] == "on" and not s.fn._site.direct.learned
+    with ca.counters.expect(full_graph_direct_steps=0, full_graph_steps=1):
+        out = s.step(s.decode(2))
+    assert out[1] is s.pos_buf[:2] or out[1].data_ptr() == s.pos_buf.data_ptr()
+
+
+def test_list_outputs_are_rebuilt_per_call(simulated_graphs):
+    s = Setup(Listing)
+    s.warm(2)
+    with ca.counters.expect(full_graph_direct_steps=2):
+        a = s.step(s.decode(2))
+        b = s.step(s.decode(2))
+    assert type(a) is list and a is not b and a[0] is b[0] and a[1][0] is b[1][0] and a[1][1] is None
+    torch.testing.assert_close(a[1][0], a[0] + 1)
+
+
+# -- the bytecode check, on hand-written functions shaped like Dynamo's code ------------------------
+
+class _Utils:
+    @staticmethod
+    def record_pregraph_bytecode_enter():
+        return None
+
+    @staticmethod
+    def record_pregraph_bytecode_exit(cm):
+        return None
+
+    @staticmethod
+    def call_size(x, i):
+        return x.size(i)
+
+
+_holder = type("Holder", (), {})()
+
+
+def _gathers(x, m):
+    tmp = __import_torch_dot__dynamo_dot_utils.record_pregraph_bytecode_enter()  # noqa: F821
+    s0 = __import_torch_dot__dynamo_dot_utils.call_size(x, 0)  # noqa: F821
+    w = m._modules["lin"]._parameters["weight"]
+    __import_torch_dot__dynamo_dot_utils.record_pregraph_bytecode_exit(tmp)  # noqa: F821
+    out = __compiled_fn_1(w, s0, x)  # noqa: F821
+    return out[0], [out[1]]
+
+
+def _stores_attr(x, m):
+    out = __compiled_fn_1(x)  # noqa: F821
+    m.calls = 1
+    return out[0]
+
+
+def _calls_a_method(x, m):
+    out = __compiled_fn_1(x)  # noqa: F821
+    m.log.append(1)
+    return out[0]
+
+
+def _calls_a_global(x, m):
+    out = __compiled_fn_1(x)  # noqa: F821
+    print(out)
+    return out[0]
+
+
+def _branches(x, m):
+    out = __compiled_fn_1(x)  # noqa: F821
+    return out[0] if m else out[1]
+
+
+def _two_graphs(x, m):
+    a = __compiled_fn_1(x)  # noqa: F821
+    return __compiled_fn_2(a)  # noqa: F821
+
+
+def _no_graph(x, m):
+    return x
+
+
+def test_bytecode_check_accepts_gathering_and_one_graph_call():
+    graph = object()
+    fn = _gathers
+    fn.__globals__.update(__compiled_fn_1=graph, __import_torch_dot__dynamo_dot_utils=torch._dynamo.utils)
+    try:
+        assert replay.graph_call_of(fn) == (graph, "")
+        fn.__globals__["__import_torch_dot__dynamo_dot_utils"] = _Utils
+        assert replay.graph_call_of(fn)[0] is None  # the helpers must be torch's own
+    finally:
+        for name in ("__compiled_fn_1", "__import_torch_dot__dynamo_dot_utils"):
+            fn.__globals__.pop(name, None)
+
+
+@pytest.mark.parametrize("fn, why", [
+    (_stores_attr, "STORE_ATTR"), (_calls_a_method, "method"), (_calls_a_global, "calls something other"),
+    (_branches, "only straight-line"), (_two_graphs, "more than one graph"), (_no_graph, "calls no graph"),
+])
+def test_bytecode_check_refuses_anything_else(fn, why):
+    graph, reason = replay.graph_call_of(fn)
+    assert graph is None and why in reason
+    assert replay.graph_call_of(lambda *a: None)[0] is None
+    assert "plain function" in replay.graph_call_of(torch.nn.Linear(2, 2))[1]
+
+
+@pytest.mark.cuda
+def test_cuda_direct_replays_match_eager():
+    """Real CUDA graphs (Inductor pieces, the Triton backend): direct replays from the second
+    replay of each size on, each matching eager."""
+    torch.manual_seed(0)
+    config = ca.CompileConfig(cudagraph_mode="full_and_piecewise", max_capture_size=MAX_TOKENS,
+                              attention_backend="triton")
+    model = OPTForCausalLM(OPTConfig.tiny(), dtype=torch.float16, device="cuda", seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float16, device="cuda")
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=4, device="cuda", backend="triton")
+
+    def forward(input_ids, positions):
+        return model(input_ids, positions)
+
+    fn = ca.compile(forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
+    ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device="cuda")
+    pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device="cuda")
+
+    def inputs(n):
+        ids_buf[:n].random_(0, model.config.vocab_size)
+        pos_buf[:n].random_(1, 40)
+        return ids_buf[:n], pos_buf[:n]
+
+    rng = random.Random(0)
+    direct = 0
+    with torch.no_grad():
+        for i in range(12):
+            batch = [2, 4, 8][i % 3]
+            seqs = [ca.SequenceStep(1, rng.randint(1, 40), [4 * j + k for k in range(4)]) for j in range(batch)]
+            before = ca.counters.full_graph_direct_steps
+            assert_matches_eager(model, fn, builder, caches, seqs, inputs, pad_to=batch)
+            direct += ca.counters.full_graph_direct_steps - before
+    assert fn.compile_stats["direct_replay"] == "on"
+    assert direct == 6  # 4 steps per size: capture, first replay, then two direct
+
+
+def test_host_step_benchmark_runs_on_the_cpu(tmp_path, capsys):
+    """``benchmarks/host_step.py``: both variants match eager, the direct one is taken, every row is timed."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_step.py"
+    spec = importlib.util.spec_from_file_location("host_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--device", "cpu", "--calls", "20", "--rounds", "1", "-o", str(tmp_path / "hs")]) == 0
+    res = json.loads((tmp_path / "hs.json").read_text())
+    assert res["direct_replay"] == "on" and set(res["batches"]) == {"1", "8"}
+    for row in res["batches"].values():
+        assert row["direct_taken"] and set(row["us"]) == set(module.ROWS)
