@@ -68,8 +68,10 @@ MAX_AUTO_WORKERS = 8
 #: process and Inductor's own compile subprocesses need the cores, and a worker's import (5-9 s of
 #: CPU) does not pay for itself (2-core CPU box: 19.6 s vs 22.2 s idle, 32-36 s vs 29-30 s loaded).
 MIN_AUTO_WORKERS = 2
-#: Seconds ``close`` waits for an idle worker to exit before killing it.
-EXIT_WAIT_S = 5.0
+#: Seconds ``close`` waits for a worker to exit before killing it: an idle one exits at once on
+#: its closed stdin; one still importing would read it only seconds later, and left alone it took
+#: CPU from whatever the process (or the next one) did next.
+EXIT_WAIT_S = 0.5
 
 #: The compiling process compiles the tasks no worker has started once it has nothing else to do
 #: (off in tests that must see the workers compile).
