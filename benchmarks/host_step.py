@@ -196,6 +196,11 @@ def markdown(res: dict) -> str:
     return common.markdown_table(head, rows)
 
 
+def report(res: dict, env: dict, md: str) -> str:
+    return (f"# Full-decode step host time ({res['device']})\n\n{common.environment_markdown(env)}\n\n"
+            f"direct replay: {res['direct_replay']}\n\n{md}\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -225,9 +230,9 @@ def main(argv=None) -> int:
     print(md)
     print(json.dumps(res))
     if args.out:
-        common.write_json(args.out + ".json", {**res, "env": common.environment()})
-        common.write_text(args.out + ".md", f"# Full-decode step host time ({res['device']})\n\n"
-                          f"direct replay: {res['direct_replay']}\n\n{md}\n")
+        env = common.environment()
+        common.write_json(args.out + ".json", {**res, "env": env})
+        common.write_text(args.out + ".md", report(res, env, md))
     return 0
 
 
