@@ -13,20 +13,11 @@ from compileattn.compilation import static_pool
 from compileattn.compilation.backend import compileattn_backend
 from compileattn.models.opt import OPTConfig, OPTForCausalLM
 from compileattn.testing import assert_matches_eager, random_step
+from test_piecewise import _inputs
 
 BLOCK = 4
 NUM_BLOCKS = 64
 SIZES = (2,)
-
-
-def _inputs(vocab):
-    def make(n):
-        ids = torch.randint(0, vocab, (n,))
-        pos = torch.randint(0, 40, (n,))
-        torch._dynamo.mark_dynamic(ids, 0)
-        torch._dynamo.mark_dynamic(pos, 0)
-        return ids, pos
-    return make
 
 
 @pytest.fixture
