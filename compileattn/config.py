@@ -59,7 +59,8 @@ class CompileConfig:
     #: Worker processes for the static-shape compiles (``compilation/static_pool.py``): they run in
     #: parallel with each other and with the dynamic-shape compiles, and give back the same
     #: artifacts. "auto": two less than the usable CPUs, at most 8, none under 4 CPUs; 0: one after
-    #: another in-process.
+    #: another in-process. A worker lives for the compile and takes ~1 GB of host memory; compiling
+    #: for CUDA it may also open a CUDA context on the GPU (not measured).
     compile_workers: int | Literal["auto"] = "auto"
     #: "auto" = "full_and_piecewise" on CUDA, "none" elsewhere.
     cudagraph_mode: CudaGraphMode = "auto"

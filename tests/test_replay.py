@@ -144,15 +144,17 @@ def test_config_off_always_runs_dynamos_code(simulated_graphs):
     assert s.fn.compile_stats["direct_replay"].startswith("off")
 
 
-def test_moved_inputs_take_the_ordinary_path(simulated_graphs):
+def test_moved_inputs_raise_rather_than_replay_stale_memory(simulated_graphs):
+    """After a size's first replay the ordinary path no longer checks addresses; the shortcut
+    sees the move and refuses, naming the argument, where a replay would read the old buffer."""
     s = Setup()
     s.warm(4)
     seqs = s.decode(4)
     md = s.builder.build(seqs, pad_to=4)
     ids, pos = s.inputs(4)
     with torch.no_grad(), ca.set_forward_context(md, s.caches):
-        for moved in ((ids.clone(), pos), (ids, pos.clone())):
-            with ca.counters.expect(full_graph_direct_steps=0, full_graph_steps=1):
+        for i, moved in enumerate(((ids.clone(), pos), (ids, pos.clone()))):
+            with pytest.raises(CudaGraphAddressError, match=f"argument {i} was at 0x"):
                 s.fn(*moved)
         with ca.counters.expect(full_graph_direct_steps=1):
             s.fn(ids, pos)

@@ -3,6 +3,7 @@ the same code and outputs as compiling in-process, a failing or dying worker lea
 the compiling process, and no worker outlives the compile."""
 import random
 import re
+import time
 
 import pytest
 import torch
@@ -37,11 +38,11 @@ def pools(monkeypatch):
     static_pool.release()
 
 
-def _compile_and_run(workers: int):
+def _compile_and_run(workers: int, cache_dtype=torch.float32):
     """The tiny OPT compiled with static size 2, run on 2-token and 3-token steps and compared with
     eager; the dispatcher, the outputs of the 2-token steps and the generated code of each static piece."""
     model = OPTForCausalLM(OPTConfig.tiny(), seed=2)
-    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=cache_dtype)
     builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=16,
                                           max_blocks_per_seq=8)
     runtimes = []
@@ -116,3 +117,60 @@ def test_worker_count():
         assert auto == 0  # small hosts compile in-process
     with pytest.raises(ValueError, match="compile_workers"):
         ca.CompileConfig(compile_workers=-1)
+
+
+def test_autocast_keeps_static_compiles_in_process(pools, monkeypatch):
+    """Inductor applies the ambient autocast when it re-traces a piece, and a worker would not see
+    it: under autocast the pool is not even asked for."""
+    asked = []
+    monkeypatch.setattr(static_pool, "acquire", lambda workers: asked.append(workers))
+    assert static_pool.unsendable_context() is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert static_pool.unsendable_context() == "autocast is on for cpu"
+        with ca.counters.expect(static_compiles_in_workers=0):
+            _compile_and_run(workers=1, cache_dtype=torch.bfloat16)
+    assert asked == []
+
+
+def test_one_compile_at_a_time_claims_the_workers():
+    """Task ids are per compile and a pool serves whatever is pending, so a second thread's compile
+    gets no pool while another's holds it (it compiles in-process), and cannot close it."""
+    import threading
+
+    claimed = static_pool.acquire(1)
+    try:
+        assert claimed is not None and static_pool.current() is claimed
+        other = []
+        thread = threading.Thread(target=lambda: (other.append(static_pool.acquire(1)), static_pool.release()))
+        thread.start()
+        thread.join()
+        assert other == [None] and static_pool.current() is claimed  # not closed by the other thread
+    finally:
+        static_pool.release()
+    assert static_pool.current() is None
+    claimed.join(timeout=30)
+    assert all(p.poll() is not None for p in claimed._procs)
+
+
+def test_release_kills_a_worker_still_importing():
+    pool = static_pool.prestart(1)
+    try:
+        deadline = time.monotonic() + 10
+        while not pool.pids() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.ready_after == [None]  # torch's import takes seconds
+    finally:
+        static_pool.release()
+    proc = pool._procs[0]
+    proc.wait(timeout=5)  # killed at once, not after its import
+    assert proc.returncode is not None
+
+
+def test_a_stuck_worker_is_killed_and_its_piece_compiled_here(pools, monkeypatch, caplog):
+    monkeypatch.setattr(static_pool, "INJECT_FAILURE", "hang")
+    monkeypatch.setattr(static_pool, "TASK_TIMEOUT_S", 2.0)
+    with caplog.at_level("INFO", logger="compileattn"):
+        with ca.counters.expect(static_compiles_in_workers=0):
+            runtime, _, sources = _compile_and_run(workers=1)
+    assert all(s is not None for s in sources.values())
+    assert "killed, the compiling process compiles it" in caplog.text

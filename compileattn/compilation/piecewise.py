@@ -324,11 +324,11 @@ class _PieceCompiler(torch.fx.Interpreter):
         if self._settings is None:
             try:
                 settings = _torch_compat.compile_settings()
-                pickle.dumps(settings)
+                pickle.dumps((settings, dict(self.config.inductor_options)))
                 self._settings = settings
             except Exception as exc:  # noqa: BLE001 (e.g. a custom Inductor pass object that does not pickle)
-                logger.info("compileattn: static compiles run in-process: the Inductor settings cannot be sent "
-                            "to a worker (%s: %s)", type(exc).__name__, exc)
+                logger.info("compileattn: static compiles run in-process: the Inductor settings or options cannot "
+                            "be sent to a worker (%s: %s)", type(exc).__name__, exc)
                 self._settings = {}
         if not self._settings:
             return None
@@ -444,8 +444,12 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
                     list(static_sizes), config.piece_compiler)
         static_sizes = ()
     pool = None
-    if static_sizes:
-        pool = static_pool.acquire(static_pool.worker_count(config.compile_workers))
+    if static_sizes and static_pool.worker_count(config.compile_workers):
+        why_not = static_pool.unsendable_context()
+        if why_not is None:
+            pool = static_pool.acquire(static_pool.worker_count(config.compile_workers))
+        else:
+            logger.info("compileattn: static pieces compile in-process: %s, which workers would not see", why_not)
     try:
         compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol, static_sizes, pool)
         compiler.compile_all(fake_mode, fake_args)

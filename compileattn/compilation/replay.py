@@ -27,7 +27,9 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
    call, as Dynamo's code would build a new one).
 
 Anything that fails 2-4 on a given step runs the ordinary path, which raises or falls back as it
-always did; nothing here raises. What the ordinary path re-reads at each step and a replay ignores
+always did, with one exception: a step that would replay the same graph while an argument the graph
+reads (its address is one of the graph's inputs) has moved raises ``CudaGraphAddressError``, since
+the ordinary path, which checks addresses on a graph's first replay only, would replay stale memory. What the ordinary path re-reads at each step and a replay ignores
 anyway (parameters' addresses: a graph reads the ones it was captured with) is skipped alike.
 Attribute reads and subscripts in Dynamo's code are assumed to have no side effects (``_modules``,
 ``_parameters`` and the graph's output tuple are plain containers).
@@ -43,6 +45,7 @@ import torch
 from .. import _torch_compat, context
 from ..counters import counters
 from .argcheck import _VALUE_TYPES
+from .cudagraph import CudaGraphAddressError
 
 #: What ``FullStepShortcut.step`` returns when the step must take the ordinary path.
 MISS = object()
@@ -210,6 +213,17 @@ def _output_builder(out: Any, static: tuple) -> Callable[[], Any] | None:
     return lambda: rebuild(out)
 
 
+def _moved(entry, src, ptr: int, now: torch.Tensor) -> CudaGraphAddressError:
+    """A step that would replay ``entry`` with an argument the graph reads somewhere else: the
+    ordinary path would replay it too (it checks addresses on a graph's first replay only) and read
+    the old memory, so this is an error, as that first check makes it."""
+    return CudaGraphAddressError(
+        f"{entry.name}, size {entry.size}: argument {src!r} was at 0x{ptr:x} when this graph was first "
+        f"replayed and is now at 0x{now.data_ptr():x} (shape {tuple(now.shape)}); the graph reads the old address. "
+        f"Pass inputs that live in persistent buffers (slice views of one preallocated tensor), or turn CUDA "
+        f"graphs off.")
+
+
 class _Learned:
     __slots__ = ("entry", "nargs", "kwkeys", "tensors", "output")
 
@@ -237,13 +251,15 @@ class FullStepShortcut:
         known = self.learned.get(md.num_tokens)
         if known is None or len(args) != known.nargs or (tuple(kwargs) if kwargs else ()) != known.kwkeys:
             return MISS
-        for src, ptr, shape, stride in known.tensors:
-            t = args[src] if src.__class__ is int else kwargs[src]
-            if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
-                return MISS
         entry = self.runtime.full_replay_entry(ctx)
         if entry is not known.entry:
             return MISS
+        for src, ptr, shape, stride, read in known.tensors:
+            t = args[src] if src.__class__ is int else kwargs[src]
+            if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
+                if read:
+                    raise _moved(entry, src, ptr, t)
+                return MISS
         counters.cudagraph_replays += 1
         counters.full_graph_steps += 1
         counters.full_graph_direct_steps += 1
@@ -270,9 +286,10 @@ class FullStepShortcut:
             return
         self.tried.add(entry)
         tensors = []
+        graph_inputs = {ptr for _, ptr, _ in entry.layout}
         for src, v in [*enumerate(args), *kwargs.items()]:
             if isinstance(v, torch.Tensor):
-                tensors.append((src, v.data_ptr(), v.shape, v.stride()))
+                tensors.append((src, v.data_ptr(), v.shape, v.stride(), v.data_ptr() in graph_inputs))
             elif not isinstance(v, _VALUE_TYPES):
                 return  # read through by Dynamo's code: not pinned by argcheck, not checkable here
         output = _output_builder(out, tuple(entry.outputs) if isinstance(entry.outputs, (tuple, list))

@@ -73,11 +73,15 @@ MIN_AUTO_WORKERS = 2
 #: CPU from whatever the process (or the next one) did next.
 EXIT_WAIT_S = 0.5
 
+#: Seconds one static compile may take in a worker before the worker is killed and the compiling
+#: process compiles that piece itself (a worker alive but stuck, on a lock or a hung file system,
+#: must not hang the compile). A static piece compiles in about a second on the H200.
+TASK_TIMEOUT_S = 300.0
 #: The compiling process compiles the tasks no worker has started once it has nothing else to do
 #: (off in tests that must see the workers compile).
 COMPILE_UNSTARTED_HERE = True
 #: Tests only: "error" makes every worker answer each task with an error, "exit" makes it die
-#: mid-task (what a crash looks like); read when a task is sent.
+#: mid-task (what a crash looks like), "hang" makes it never answer; read when a task is sent.
 INJECT_FAILURE: str | None = None
 
 _HEADER = struct.Struct("<Q")
@@ -128,6 +132,8 @@ class Task:
     label: str
     message: dict[str, Any]
     result: tuple | None = None
+    #: ``time.monotonic()`` when a worker took it
+    started: float | None = None
 
 
 class StaticCompilePool:
@@ -141,6 +147,9 @@ class StaticCompilePool:
         self._live = workers
         self._closing = False
         self._procs: list[subprocess.Popen] = []
+        #: worker index -> its process, and the task it is compiling
+        self._proc_of: dict[int, subprocess.Popen] = {}
+        self._running: dict[int, Task] = {}
         self._started = time.perf_counter()
         #: seconds from the pool's start to each worker's readiness (None: never became ready)
         self.ready_after: list[float | None] = [None] * workers
@@ -169,19 +178,42 @@ class StaticCompilePool:
                         break
                     if not self._pending and not self._inflight:
                         return
-                    self._cond.wait()
+                    self._cond.wait(self._kill_overdue())
             compile_here(task)
+
+    def _kill_overdue(self) -> float:
+        """Kill the workers whose task has run past ``TASK_TIMEOUT_S`` (their threads then hand the
+        task back as failed, and ``finish`` compiles it here); seconds until the next deadline.
+        Called with ``_cond`` held."""
+        now, wait = time.monotonic(), TASK_TIMEOUT_S
+        for index, task in list(self._running.items()):
+            left = task.started + TASK_TIMEOUT_S - now
+            if left <= 0:
+                proc = self._proc_of.get(index)
+                if proc is not None and proc.poll() is None:
+                    logger.info("compileattn: static-compile worker %d (pid %d) took over %.0f s on %s; killed, "
+                                "the compiling process compiles it", index, proc.pid, TASK_TIMEOUT_S, task.label)
+                    proc.kill()
+                self._running.pop(index, None)
+            else:
+                wait = min(wait, left)
+        return max(wait, 0.05)
 
     @property
     def live_workers(self) -> int:
         return self._live
 
     def close(self, wait: bool = False) -> None:
-        """Tell the workers to exit (closing their stdin); ``wait``: until they have."""
+        """Tell the workers to exit (closing their stdin; one still importing, which would read
+        that only seconds later, is killed); ``wait``: until they have."""
         with self._cond:
             self._closing = True
             self._pending.clear()
             self._cond.notify_all()
+            unready = [proc for index, proc in self._proc_of.items() if self.ready_after[index] is None]
+        for proc in unready:
+            if proc.poll() is None:
+                proc.kill()
         if wait:
             self.join()
 
@@ -202,18 +234,23 @@ class StaticCompilePool:
 
     # -- one thread per worker ---------------------------------------------------------------------
 
-    def _next(self) -> Task | None:
+    def _next(self, index: int) -> Task | None:
         with self._cond:
             while not self._pending and not self._closing:
                 self._cond.wait()
             if self._closing:
                 return None
             self._inflight += 1
-            return self._pending.popleft()
+            task = self._pending.popleft()
+            task.started = time.monotonic()
+            self._running[index] = task
+            self._cond.notify_all()  # drain's wait now has a deadline
+            return task
 
-    def _done(self, task: Task, result: tuple) -> None:
+    def _done(self, index: int, task: Task, result: tuple) -> None:
         with self._cond:
             task.result = result
+            self._running.pop(index, None)
             self._inflight -= 1
             self._cond.notify_all()
 
@@ -223,6 +260,7 @@ class StaticCompilePool:
             proc = _start_worker()
             with self._cond:
                 self._procs.append(proc)
+                self._proc_of[index] = proc
                 closing = self._closing
             if not closing:
                 _send(proc.stdin, {"sys_path": list(sys.path)})
@@ -230,15 +268,15 @@ class StaticCompilePool:
                 self.ready_after[index] = time.perf_counter() - self._started
                 logger.debug("compile worker %d (pid %d) ready after %.2f s (its imports %.2f s)", index, pid,
                              self.ready_after[index], seconds)
-                while (task := self._next()) is not None:
+                while (task := self._next(index)) is not None:
                     message = dict(task.message, inject=INJECT_FAILURE)
                     try:
                         _send(proc.stdin, message)
                         reply = _receive(proc.stdout)
                     except BaseException as exc:
-                        self._done(task, ("error", f"worker pid {proc.pid} died ({_exit_note(proc, exc)})"))
+                        self._done(index, task, ("error", f"worker pid {proc.pid} died ({_exit_note(proc, exc)})"))
                         raise
-                    self._done(task, reply)
+                    self._done(index, task, reply)
         except BaseException as exc:  # noqa: BLE001 (a worker that fails just stops serving)
             why = _exit_note(proc, exc) if proc is not None else f"{type(exc).__name__}: {exc}"
             with self._cond:
@@ -267,7 +305,10 @@ def _start_worker() -> subprocess.Popen:
     # One compile at a time, its Triton kernels compiled in the worker itself: no pool of pools
     # (the environment variable wins over a config patch, so it is set here too).
     env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    code = "from compileattn.compilation.static_pool import _worker_main; _worker_main()"
+    # The answers' pipe is set aside before any import: whatever an import prints to stdout (a
+    # sitecustomize, a library's banner) goes to stderr and cannot be read as a message header.
+    code = ("import os; answers = os.dup(1); os.dup2(2, 1); "
+            "from compileattn.compilation.static_pool import _worker_main; _worker_main(answers)")
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                             close_fds=True)
 
@@ -319,9 +360,25 @@ def static_args_from_specs(specs: Sequence[tuple]) -> list[Any]:
     return out
 
 
+def unsendable_context() -> str | None:
+    """Why this thread's static compiles must stay in-process, or None: state that steers
+    Inductor's re-trace of a piece (it applies autocast, for one, where Dynamo's graph has no
+    casts) but is not sent to a worker."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return f"autocast is on for {device_type}"
+    if _torch_compat.dispatch_stack_depth()():
+        return "a torch dispatch mode is active"
+    return None
+
+
 # -- the process-wide pool ---------------------------------------------------------------------------
 
 _pool: StaticCompilePool | None = None
+#: The thread whose compile is using ``_pool`` (``acquire``), None while unclaimed. One compile at
+#: a time: task ids are per compile and ``drain`` takes any pending task, so two compiles (two
+#: threads making first calls) sharing the workers would get each other's pieces.
+_owner: int | None = None
 _lock = threading.Lock()
 
 
@@ -343,15 +400,32 @@ def prestart(workers: int) -> StaticCompilePool | None:
 
 
 def acquire(workers: int) -> StaticCompilePool | None:
-    """The running pool (``prestart``'s), else a new one of ``workers``; None for in-process."""
-    return prestart(workers)
+    """The running pool (``prestart``'s), else a new one of ``workers``, claimed by this thread's
+    compile; None for in-process, which is also what a compile gets while another thread's uses
+    the workers."""
+    global _owner
+    me = threading.get_ident()
+    with _lock:
+        if _owner is not None and _owner != me:
+            logger.info("compileattn: another thread's compile is using the static-compile workers; this one "
+                        "compiles its static pieces in-process")
+            return None
+    pool = prestart(workers)
+    with _lock:
+        if pool is None or _pool is not pool or (_owner is not None and _owner != me):
+            return None
+        _owner = me
+        return pool
 
 
 def release(wait: bool = False) -> None:
-    """Stop the pool, if one runs (its workers exit once idle)."""
-    global _pool
+    """Stop the pool, unless another thread's compile has claimed it (its workers exit once idle;
+    one still importing is killed)."""
+    global _pool, _owner
     with _lock:
-        pool, _pool = _pool, None
+        if _owner is not None and _owner != threading.get_ident():
+            return
+        pool, _pool, _owner = _pool, None, None
     if pool is not None:
         pool.close(wait=wait)
 
@@ -363,12 +437,11 @@ def current() -> StaticCompilePool | None:
 # -- the worker process ------------------------------------------------------------------------------
 
 
-def _worker_main() -> None:
-    """A compile worker: stdin brings messages, the original stdout takes the answers; anything
-    else written to stdout goes to stderr."""
+def _worker_main(answers_fd: int) -> None:
+    """A compile worker: stdin brings messages, ``answers_fd`` (the original stdout) takes the
+    answers; stdout itself already goes to stderr."""
     inp = sys.stdin.buffer
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    out = os.fdopen(answers_fd, "wb")
     try:
         init = _receive(inp)
     except EOFError:
@@ -388,6 +461,8 @@ def _worker_main() -> None:
         try:
             if message.get("inject") == "exit":
                 os._exit(3)
+            if message.get("inject") == "hang":
+                time.sleep(3600)
             if message.get("inject") == "error":
                 raise RuntimeError("injected failure (static_pool.INJECT_FAILURE)")
             data = compile_message(message)

@@ -34,7 +34,13 @@ _LAUNCHER_CHECKED = triton.__version__.startswith("3.6.")
 
 
 def _hooks_active() -> bool:
+    """Launch hooks are set or Triton's debug mode is on: every launch then goes through ``run``,
+    which calls the hooks and compiles debug variants. Triton's other per-call settings
+    (instrumentation mode, pre-run hooks, the check that globals a kernel read are unchanged) are
+    read by ``run`` only: a direct launch keeps what they were at its variant's first launch."""
     rt = knobs.runtime
+    if rt.debug:
+        return True
     if _HOOK_CHAINS:
         return bool(rt.launch_enter_hook.calls or rt.launch_exit_hook.calls)
     return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
