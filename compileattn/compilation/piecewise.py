@@ -251,16 +251,16 @@ class _PieceCompiler(torch.fx.Interpreter):
 
     def compile_piece(self, piece: Piece, args: list[Any]) -> None:
         signature = self.signatures[piece.name] = piece_signature(piece.module, args, piece.index)
-        if self.pool is not None:
+        if self.pool is not None:  # sent before the dynamic compile, so the workers start on them at once
             start = time.perf_counter()
             for size in self.static_sizes:
                 self._send(piece, signature, args, size)
             self.static_seconds += time.perf_counter() - start
-            self._once(piece, signature, None, lambda: args)
-            return
         self._once(piece, signature, None, lambda: args)
-        for size in self.static_sizes:
-            self._once(piece, signature, size, lambda size=size: _static_example_args(args, self.token_symbol, size))
+        if self.pool is None:
+            for size in self.static_sizes:
+                self._once(piece, signature, size,
+                           lambda size=size: _static_example_args(args, self.token_symbol, size))
 
     def _once(self, piece: Piece, signature: str, size: int | None, make_args: Callable[[], list[Any]]) -> None:
         if (signature, size) in self.code:
@@ -290,6 +290,10 @@ class _PieceCompiler(torch.fx.Interpreter):
         logger.info("loaded %s (%s) from the compile cache %s", piece.name, _shape(size), self.cache.dir)
         return PieceCode("inductor", loaded)
 
+    def _compile_static_here(self, piece: Piece, signature: str, traced_args: list[Any], size: int) -> PieceCode:
+        """A static-shape compile no worker does, from the piece's traced inputs."""
+        return self._compile_here(piece, signature, _static_example_args(traced_args, self.token_symbol, size), size)
+
     def _compile_here(self, piece: Piece, signature: str, args: list[Any], size: int | None) -> PieceCode:
         start = time.perf_counter()
         compiled = _compile_piece(piece, args, self.config, static=size is not None)
@@ -313,8 +317,7 @@ class _PieceCompiler(torch.fx.Interpreter):
             return
         message = self._message(piece, signature, args, size)
         if message is None:  # cannot be sent (logged): compiled here, as without workers
-            self.code[key] = self._compile_here(piece, signature, _static_example_args(args, self.token_symbol, size),
-                                                size)
+            self.code[key] = self._compile_static_here(piece, signature, args, size)
             return
         task = static_pool.Task(len(self.tasks), f"{piece.name} ({_shape(size)})", message)
         self.tasks[key] = (task, piece, args)
@@ -362,8 +365,7 @@ class _PieceCompiler(torch.fx.Interpreter):
 
         def here(task: static_pool.Task) -> None:
             (signature, size), piece, args = by_id[task.id]
-            task.result = ("here", self._compile_here(piece, signature,
-                                                      _static_example_args(args, self.token_symbol, size), size))
+            task.result = ("here", self._compile_static_here(piece, signature, args, size))
 
         self.pool.drain(here)
         in_workers = 0
@@ -396,8 +398,7 @@ class _PieceCompiler(torch.fx.Interpreter):
                 if task.result is not None and len(task.result) > 2:
                     logger.debug("compileattn: the worker's traceback for %s:\n%s", task.label, task.result[2])
             logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process", task.label, why)
-            self.code[key] = self._compile_here(piece, signature, _static_example_args(args, self.token_symbol, size),
-                                                size)
+            self.code[key] = self._compile_static_here(piece, signature, args, size)
         seconds = time.perf_counter() - start
         self.static_seconds += seconds
         logger.info("compileattn: %d static-shape compiles: %d in %d worker processes (%.2f s of compiling), %d "
@@ -444,10 +445,11 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
                     list(static_sizes), config.piece_compiler)
         static_sizes = ()
     pool = None
-    if static_sizes and static_pool.worker_count(config.compile_workers):
+    workers = static_pool.worker_count(config.compile_workers) if static_sizes else 0
+    if workers:
         why_not = static_pool.unsendable_context()
         if why_not is None:
-            pool = static_pool.acquire(static_pool.worker_count(config.compile_workers))
+            pool = static_pool.acquire(workers)
         else:
             logger.info("compileattn: static pieces compile in-process: %s, which workers would not see", why_not)
     try:
