@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -40,13 +39,6 @@ def test_args_defaults_quick_and_bad_values():
                  ["--compile", "inductor"], ["--num-requests", "2", "--check-prompts", "3"]):
         with pytest.raises(SystemExit):
             ps.parse_args(argv)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
-def test_without_cuda_it_says_so_and_exits_0(capsys, tmp_path):
-    assert ps.main(["--quick", "--out", str(tmp_path / "x")]) == 0
-    assert "prefix_sharing.py: needs CUDA" in capsys.readouterr().out
-    assert not list(tmp_path.iterdir())
 
 
 def test_plumbing_on_a_tiny_cpu_model(on_cpu, tmp_path):

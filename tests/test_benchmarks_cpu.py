@@ -31,6 +31,8 @@ import latency_tp as ltp  # noqa: E402
 import op_overhead as op  # noqa: E402
 import op_overhead_report as opr  # noqa: E402
 import piecewise_gaps as pg  # noqa: E402
+import prefix_sharing as ps  # noqa: E402
+import throughput as tp  # noqa: E402
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 
@@ -74,9 +76,11 @@ def test_latency_args_reject_bad_values(argv, capsys):
 
 
 @no_cuda
-@pytest.mark.parametrize("module,name", [(dec, "decode_attention.py"), (lat, "latency.py"), (op, "op_overhead.py")])
-def test_without_cuda_scripts_say_so_and_exit_0(module, name, capsys, tmp_path):
-    assert module.main(["--quick", "--out", str(tmp_path / "x")]) == 0
+@pytest.mark.parametrize("module,name,argv", [
+    (dec, "decode_attention.py", ["--quick"]), (lat, "latency.py", ["--quick"]), (op, "op_overhead.py", ["--quick"]),
+    (pg, "piecewise_gaps.py", []), (tp, "throughput.py", ["--quick"]), (ps, "prefix_sharing.py", ["--quick"])])
+def test_without_cuda_scripts_say_so_and_exit_0(module, name, argv, capsys, tmp_path):
+    assert module.main([*argv, "--out", str(tmp_path / "x")]) == 0
     out = capsys.readouterr().out
     assert name in out and "needs CUDA" in out
     assert not list(tmp_path.iterdir())  # nothing measured, nothing written
@@ -1000,10 +1004,3 @@ def test_piecewise_gaps_report_and_args(tmp_path):
     assert "| ca-piecewise | 1 | +90.0 |" in md and "No gaps" in md and "1 GPU events with impossible" in md
     assert common.read_json(tmp_path / "g.json")["rows"][0]["profile"]["kernels"] == 2
 
-
-@no_cuda
-def test_piecewise_gaps_without_cuda_says_so_and_exits_0(capsys, tmp_path):
-    assert pg.main(["--out", str(tmp_path / "x")]) == 0
-    out = capsys.readouterr().out
-    assert "piecewise_gaps.py" in out and "needs CUDA" in out
-    assert not list(tmp_path.iterdir())
