@@ -20,7 +20,7 @@ from HBM):
 Then the unified kernel alone on a prefill (4 x 1024 new tokens) and a chunked prefill (2 x 512
 new after 3584 cached), default tiles and a few neighbours, as µs and causal TFLOP/s.
 
-Host cost: CPU µs per ``backend.forward`` call (3 launches at batch 1: write, decode, combine)
+Host cost: CPU µs per ``backend.forward`` call (2 launches: write, decode; split-KV partials merge inside the decode launch)
 against an empty ``torch.add`` launch, measured back-to-back at batch 1 where the GPU is idle.
 
 Each configuration's output is checked against an fp32 attention over the same pages before its

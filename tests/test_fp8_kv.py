@@ -279,7 +279,7 @@ def test_reference_over_fp8_equals_the_oracle_over_dequantized_values(lens, scal
 @pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
 def test_triton_over_fp8_equals_the_reference(lens, dtype):
     """Under the interpreter the decode kernel splits the keys (it assumes 4 SMs), so this covers
-    the V scale through the combine as well."""
+    the V scale through the in-kernel merge as well."""
     spec = AttentionSpec(8, 2, 64, softcap=20.0)
     step = Step(spec, dtype, lens, *SCALES[1], device="cpu")
     want, ref_cache = step.run("reference")

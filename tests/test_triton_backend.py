@@ -267,7 +267,30 @@ def test_decode_scratch_is_per_builder():
                       torch.empty_like(case["q"]))
         launches.append(decode_launch(md, spec, torch.float16))
     assert launches[0].o_part.data_ptr() != launches[1].o_part.data_ptr()
+    assert launches[0].arrivals.data_ptr() != launches[1].arrivals.data_ptr()
     assert not any(key[0] == "decode" for key in be._launches), "a decode launch kept by the shared backend"
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_merge_counters_return_to_zero(splits):
+    """The last split of each (sequence, KV head) merges and resets its arrival counter: every
+    launch leaves the counters at zero, so the next launch (a graph replay, another layer, another
+    split count sharing the buffer) merges again, with the same result."""
+    spec = AttentionSpec(4, 2, 32)
+    case = make_case(spec, torch.float16, 16, DECODE_LENS)
+    md = builder(case, 16, triton_backend(num_splits=splits)).build(case["seqs"])
+    want, _, _ = run_forward(ReferenceBackend(), spec, case, 16)
+    cache = KVCache(case["kc"].clone(), case["vc"].clone(), spec)
+    launch = None
+    for _ in range(2):
+        out = torch.full_like(case["q"], 7.0)
+        layer_forward(md, cache, case["q"], case["k"], case["v"], out)
+        launch = launch or decode_launch(md, spec, torch.float16)
+        assert launch.splits == splits
+        assert launch.arrivals.shape == (len(DECODE_LENS) * spec.num_kv_heads,)
+        assert torch.all(launch.arrivals == 0)
+        torch.testing.assert_close(out, want, atol=TOL[torch.float16][0], rtol=TOL[torch.float16][1])
 
 
 @cpu_only

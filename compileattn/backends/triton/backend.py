@@ -167,16 +167,19 @@ def _softmax(spec) -> Softmax:
 
 
 def _fresh_scratch(device):
-    def scratch(rows: int, d_pad: int):
+    def scratch(rows: int, d_pad: int, pairs: int):
         return (torch.empty((rows, d_pad), dtype=torch.float32, device=device),
-                torch.empty((rows,), dtype=torch.float32, device=device))
+                torch.empty((rows,), dtype=torch.float32, device=device),
+                torch.zeros((pairs,), dtype=torch.int32, device=device))
     return scratch
 
 
 def _persistent_scratch(buffers):
-    """Split-KV partials that keep their address for the builder's lifetime (a captured graph
-    reads them). Named by size, so every capture size gets its own and none is reallocated."""
-    def scratch(rows: int, d_pad: int):
+    """Split-KV partials and arrival counters that keep their address for the builder's lifetime
+    (a captured graph reads them). Named by size, so every capture size gets its own and none is
+    reallocated; the counters start at zero and every launch leaves them at zero."""
+    def scratch(rows: int, d_pad: int, pairs: int):
         return (buffers.get(f"triton.o_part.{rows}x{d_pad}", (rows, d_pad), torch.float32),
-                buffers.get(f"triton.lse_part.{rows}", (rows,), torch.float32))
+                buffers.get(f"triton.lse_part.{rows}", (rows,), torch.float32),
+                buffers.get(f"triton.split_arrivals.{pairs}", (pairs,), torch.int32))
     return scratch

@@ -18,7 +18,7 @@ import torch
 #: head dim 128, 64-key tiles, 4 warps) the decode kernel takes 108 registers per thread and 38 KiB
 #: of shared memory, so the register file holds 4 programs per SM.
 PROGRAMS_PER_SM = 4
-#: More splits mean more combine work and programs with only a tile or two of keys each.
+#: More splits mean more merge work and programs with only a tile or two of keys each.
 MAX_SPLITS = 32
 #: Stand-in SM count under the interpreter, small so default CPU tests exercise split-KV.
 INTERPRETER_SM_COUNT = 4

@@ -1,4 +1,4 @@
-"""Paged decode (one query token per sequence) with GQA packing and split-KV, plus the combine.
+"""Paged decode (one query token per sequence) with GQA packing and split-KV, merged in-kernel.
 
 Grid ``(num_seqs, num_kv_heads, num_splits)``. A program owns every query head of its KV head:
 the GROUP query rows (padded to BLOCK_M >= 16, the smallest tl.dot M) form the A operand, so each
@@ -8,10 +8,16 @@ tensor-core issue slots, which are idle anyway.
 
 Split-KV: with few sequences, ``num_seqs * num_kv_heads`` programs cannot keep every SM's memory
 pipeline busy, so each sequence's tiles are dealt out evenly over ``num_splits`` programs which
-write fp32 partial outputs and their log2-sum-exp; ``combine_kernel`` merges them. The split count
-is a launch-time constant chosen from the batch shape alone (see config.py); each program loops to
-its own sequence's length (read from ``seq_lens`` on the device), so a CUDA graph captured once
-per batch size serves every context length.
+write fp32 partial outputs and their log2-sum-exp. The split count is a launch-time constant chosen
+from the batch shape alone (see config.py); each program loops to its own sequence's length (read
+from ``seq_lens`` on the device), so a CUDA graph captured once per batch size serves every context
+length.
+
+The merge runs in the same launch: each split, after writing its partials, takes a ticket from a
+per-(sequence, KV head) arrival counter, and the last to arrive merges all the splits and resets
+the counter to zero for the next launch (the threadfence-reduction pattern). A separate combine
+kernel, as FlashAttention and FlashInfer launch, costs a second launch per layer: the kernel's own
+few microseconds, the gap before it in a graph, and one more launch of host time in an eager op.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from .tile import attend_range, finish_rows, head_constants, key_ranges
 
 
 @triton.jit
-def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, cu_q, seq_lens, block_table,
+def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, arrivals, cu_q, seq_lens, block_table,
                   alibi_ptr, k_scale_ptr, v_scale_ptr,
                   stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_kb, stride_kp, stride_kh, stride_bt,
@@ -76,41 +82,45 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, cu_q, seq_
                                  PRECISION, NUM_STAGES, TAIL_STAGES, INTERPRET)
 
     o = finish_rows(acc, l_i, v_scale)
+    out_rows = out_ptr + tok64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     if SPLIT:
         # A split that saw no key weighs nothing; a NaN sum (a NaN score) gives a NaN lse, which
-        # makes every weight of the combine, and so the row, NaN.
+        # makes every weight of the merge, and so the row, NaN.
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        part = ((seq * num_heads + heads) * num_splits + split).to(tl.int64)
-        tl.store(lse_part + part, lse, mask=offs_m < GROUP)
-        tl.store(o_part + part[:, None] * D_PAD + offs_d[None, :], o, mask=(offs_m < GROUP)[:, None])
+        rows = ((seq * num_heads + heads) * num_splits).to(tl.int64)
+        group_ok = offs_m < GROUP
+        tl.store(lse_part + rows + split, lse, mask=group_ok)
+        tl.store(o_part + (rows + split)[:, None] * D_PAD + offs_d[None, :], o, mask=group_ok[:, None])
+        # Every thread's partials are written before the ticket (acq_rel, GPU scope) is taken; the
+        # last split reads the others' through L2 (.cg), never a stale L1 line.
+        tl.debug_barrier()
+        ticket = arrivals + seq * tl.num_programs(1) + kvh
+        if tl.atomic_add(ticket, 1, sem="acq_rel") == num_splits - 1:
+            tl.store(ticket, 0)
+            # while, not range: the interpreter's num_programs is a 1-element array, no loop bound
+            m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+            s = 0
+            while s < num_splits:
+                m = tl.maximum(m, tl.load(lse_part + rows + s, mask=group_ok, other=float("-inf"),
+                                          cache_modifier=".cg"))
+                s += 1
+            m = tl.where(m == float("-inf"), 0.0, m)
+            merged = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            s = 0
+            while s < num_splits:
+                w = tl.exp2(tl.load(lse_part + rows + s, mask=group_ok, other=float("-inf"), cache_modifier=".cg")
+                            - m)
+                part = tl.load(o_part + (rows + s)[:, None] * D_PAD + offs_d[None, :], mask=group_ok[:, None],
+                               other=0.0, cache_modifier=".cg")
+                merged += part * w[:, None]
+                total += w
+                s += 1
+            total = tl.where(total == 0.0, 1.0, total)  # no key in any split: zeros; NaN stays NaN
+            tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
     else:
-        tl.store(out_ptr + tok64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def combine_kernel(out_ptr, o_part, lse_part, cu_q, stride_ot, stride_oh, num_splits,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Grid (num_seqs, num_heads): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    num_heads = tl.num_programs(1)
-    tok = tl.load(cu_q + seq)
-    if tl.load(cu_q + seq + 1) > tok:
-        offs_s = tl.arange(0, SPLITS_PAD)
-        offs_d = tl.arange(0, D_PAD)
-        s_ok = offs_s < num_splits
-        base = ((seq * num_heads + head) * num_splits).to(tl.int64)
-        lse = tl.load(lse_part + base + offs_s, mask=s_ok, other=float("-inf"))
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)
-        o = tl.load(o_part + (base + offs_s)[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-        total = tl.sum(w, 0)
-        total = tl.where(total == 0.0, 1.0, total)  # NaN stays NaN
-        res = tl.sum(o * w[:, None], 0) / total
-        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-                 res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 #: The mode the kernels above were decorated in (see _mode.sync_interpreter_mode).
 INTERPRETED = bool(triton.knobs.runtime.interpret)

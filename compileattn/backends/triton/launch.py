@@ -91,9 +91,10 @@ class KVWriteLaunch:
 
 
 class DecodeLaunch:
-    """Decode kernel (and the combine when the keys are split) for one layer shape and batch shape."""
+    """The decode kernel for one layer shape and batch shape (split or not: the merge of split
+    partials runs in the same launch, see decode.py)."""
 
-    __slots__ = ("run", "kwargs", "combine_run", "combine_kwargs", "splits", "sm", "o_part", "lse_part")
+    __slots__ = ("run", "kwargs", "splits", "sm", "o_part", "lse_part", "arrivals")
 
     def __init__(self, cfg: DecodeConfig, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, sm: Softmax, splits: int, scratch, has_alibi: bool = False,
@@ -108,55 +109,37 @@ class DecodeLaunch:
             HAS_WINDOW=sm.has_window, HAS_SOFTCAP=sm.has_softcap, HAS_ALIBI=has_alibi, KV_SCALED=kv_scaled,
             PRECISION=precision(dtype), NUM_STAGES=cfg.num_stages, TAIL_STAGES=cfg.tail_stages,
             INTERPRET=_mode.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        self.combine_run = self.combine_kwargs = self.o_part = self.lse_part = None
+        self.o_part = self.lse_part = self.arrivals = None
         if splits > 1:
-            self.o_part, self.lse_part = scratch(num_seqs * num_heads * splits, d_pad)
-            self.combine_run = decode.combine_kernel.run
-            self.combine_kwargs = _launch_kwargs((num_seqs, num_heads), HEAD_DIM=head_dim, D_PAD=d_pad,
-                                                 SPLITS_PAD=next_pow2(splits),
-                                                 num_warps=4 if d_pad * splits <= 4096 else 8)
+            self.o_part, self.lse_part, self.arrivals = scratch(num_seqs * num_heads * splits, d_pad,
+                                                                num_seqs * num_kv_heads)
 
     def _tail(self, key_cache, cu_q, seq_lens, block_table, q_strides, out_strides, alibi, kv_scales) -> tuple:
-        """Arguments after (q, k_cache, v_cache, out, o_part, lse_part): ``value_cache`` must have
-        ``key_cache``'s strides (one row offset serves both)."""
+        """Arguments after (q, k_cache, v_cache, out): ``value_cache`` must have ``key_cache``'s
+        strides (one row offset serves both). Without splits ``cu_q`` stands in for the unused
+        partials and counters (the SPLIT flag compiles their accesses away)."""
         sk = key_cache.stride()
         k_scale, v_scale = kv_scales if kv_scales is not None else (cu_q, cu_q)
-        return (cu_q, seq_lens, block_table, _or(alibi, cu_q), k_scale, v_scale, q_strides[0], q_strides[1],
-                out_strides[0], out_strides[1], sk[0], sk[1], sk[2], block_table.stride(0), *self.sm.args())
+        scratch = (cu_q, cu_q, cu_q) if self.o_part is None else (self.o_part, self.lse_part, self.arrivals)
+        return (*scratch, cu_q, seq_lens, block_table, _or(alibi, cu_q), k_scale, v_scale, q_strides[0],
+                q_strides[1], out_strides[0], out_strides[1], sk[0], sk[1], sk[2], block_table.stride(0),
+                *self.sm.args())
 
     def __call__(self, q, key_cache, value_cache, out, cu_q, seq_lens, block_table, alibi=None,
                  kv_scales=None) -> None:
         tail = self._tail(key_cache, cu_q, seq_lens, block_table, q.stride(), out.stride(), alibi, kv_scales)
-        if self.combine_run is None:
-            self.run(q, key_cache, value_cache, out, out, out, *tail, **self.kwargs)
-        else:
-            self.run(q, key_cache, value_cache, out, self.o_part, self.lse_part, *tail, **self.kwargs)
-            self.combine_run(out, self.o_part, self.lse_part, cu_q, out.stride(0), out.stride(1), self.splits,
-                             **self.combine_kwargs)
+        self.run(q, key_cache, value_cache, out, *tail, **self.kwargs)
 
     def bind(self, key_cache, value_cache, cu_q, seq_lens, block_table, num_heads: int, head_dim: int,
              alibi=None, kv_scales=None):
         """``attend(q, out)`` for contiguous (tokens, num_heads, head_dim) q and out."""
         strides = (num_heads * head_dim, head_dim)
         tail = self._tail(key_cache, cu_q, seq_lens, block_table, strides, strides, alibi, kv_scales)
-        if self.combine_run is None:
-            # o_part and lse_part are unused without splits: ``out`` stands in for them
-            run = make_launch(decode.decode_kernel, self.kwargs, (None, key_cache, value_cache, None, None, None, *tail),
-                              (0, 3, 4, 5))
+        run = make_launch(decode.decode_kernel, self.kwargs, (None, key_cache, value_cache, None, *tail), (0, 3))
 
-            def attend(q, out):
-                run(q, out, out, out)
-            return attend
-        run = make_launch(decode.decode_kernel, self.kwargs,
-                          (None, key_cache, value_cache, None, self.o_part, self.lse_part, *tail), (0, 3))
-        combine = make_launch(decode.combine_kernel, self.combine_kwargs,
-                              (None, self.o_part, self.lse_part, cu_q, strides[0], strides[1], self.splits), (0,))
-
-        def attend_split(q, out):
+        def attend(q, out):
             run(q, out)
-            combine(out)
-
-        return attend_split
+        return attend
 
 
 class UnifiedLaunch:
