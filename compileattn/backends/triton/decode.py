@@ -26,6 +26,9 @@ import triton.language as tl
 
 from .tile import attend_range, finish_rows, head_constants, key_ranges
 
+#: Splits the merge reads per step (their loads in flight together).
+MERGE_UNROLL = tl.constexpr(4)
+
 
 @triton.jit
 def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, arrivals, cu_q, seq_lens, block_table,
@@ -97,25 +100,28 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, arrivals, 
         ticket = arrivals + seq * tl.num_programs(1) + kvh
         if tl.atomic_add(ticket, 1, sem="acq_rel") == num_splits - 1:
             tl.store(ticket, 0)
-            # while, not range: the interpreter's num_programs is a 1-element array, no loop bound
+            # One pass with a running maximum, MERGE_UNROLL splits per step: their loads do not
+            # depend on each other, so they are in flight together (a split costs one L2 round
+            # trip, ~0.2 µs, when merged one at a time). while, not range: the interpreter's
+            # num_programs is a 1-element array, which is no loop bound.
             m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-            s = 0
-            while s < num_splits:
-                m = tl.maximum(m, tl.load(lse_part + rows + s, mask=group_ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
-                s += 1
-            m = tl.where(m == float("-inf"), 0.0, m)
             merged = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
             total = tl.zeros([BLOCK_M], dtype=tl.float32)
-            s = 0
-            while s < num_splits:
-                w = tl.exp2(tl.load(lse_part + rows + s, mask=group_ok, other=float("-inf"), cache_modifier=".cg")
-                            - m)
-                part = tl.load(o_part + (rows + s)[:, None] * D_PAD + offs_d[None, :], mask=group_ok[:, None],
-                               other=0.0, cache_modifier=".cg")
-                merged += part * w[:, None]
-                total += w
-                s += 1
+            s0 = 0
+            while s0 < num_splits:
+                for u in tl.static_range(MERGE_UNROLL):
+                    ok = group_ok & (s0 + u < num_splits)
+                    lse_s = tl.load(lse_part + rows + s0 + u, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    part = tl.load(o_part + (rows + s0 + u)[:, None] * D_PAD + offs_d[None, :], mask=ok[:, None],
+                                   other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m, lse_s)
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: weights 0, not NaN
+                    alpha = tl.exp2(m - m_ref)
+                    w = tl.exp2(lse_s - m_ref)
+                    merged = merged * alpha[:, None] + part * w[:, None]
+                    total = total * alpha + w
+                    m = m_new
+                s0 += MERGE_UNROLL
             total = tl.where(total == 0.0, 1.0, total)  # no key in any split: zeros; NaN stays NaN
             tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & d_ok[None, :])
