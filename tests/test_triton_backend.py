@@ -25,7 +25,7 @@ from compileattn.backends.triton import _mode
 from compileattn.backends.triton.backend import TritonBackend
 from compileattn.backends.triton.launch import DecodeLaunch
 from compileattn.backends.triton.config import (
-    MAX_SPLITS, PROGRAMS_PER_SM, Tuning, decode_config, fills_waves, num_splits, unified_config,
+    MAX_SPLITS, MAX_SPLITS_MERGED_IN_KERNEL, PROGRAMS_PER_SM, Tuning, decode_config, fills_waves, num_splits, unified_config,
 )
 
 
@@ -228,7 +228,7 @@ DECODE_LENS = [(1, 150), (1, 0), (1, 37), (1, 97)]
 @cpu_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("block_size,block_n", [(1, 16), (16, 16), (16, 64), (64, 32), (5, 16)])
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, 3, 6])  # unsplit, merged in the launch, merged by the combine kernel
 def test_decode_matches_reference(dtype, block_size, block_n, splits):
     spec = AttentionSpec(4, 2, 32)
     be, md = check_forward(spec, dtype, block_size, DECODE_LENS, pad_to=6, decode_block_n=block_n, num_splits=splits)
@@ -272,24 +272,29 @@ def test_decode_scratch_is_per_builder():
 
 
 @cpu_only
-@pytest.mark.parametrize("splits", [2, 5])
-def test_split_merge_counters_return_to_zero(splits):
-    """The last split of each (sequence, KV head) merges and resets its arrival counter: every
-    launch leaves the counters at zero, so the next launch (a graph replay, another layer, another
-    split count sharing the buffer) merges again, with the same result."""
+@pytest.mark.parametrize("splits", [2, 4, 5, 32])
+def test_split_merge_in_launch_or_by_combine(splits):
+    """Up to MAX_SPLITS_MERGED_IN_KERNEL splits the last split of each (sequence, KV head) merges
+    and resets its arrival counter, so every launch leaves the counters at zero and the next one
+    (a graph replay, another layer sharing the buffer) merges again; above it the combine kernel
+    merges. Both give the reference's output, twice."""
     spec = AttentionSpec(4, 2, 32)
     case = make_case(spec, torch.float16, 16, DECODE_LENS)
     md = builder(case, 16, triton_backend(num_splits=splits)).build(case["seqs"])
     want, _, _ = run_forward(ReferenceBackend(), spec, case, 16)
     cache = KVCache(case["kc"].clone(), case["vc"].clone(), spec)
-    launch = None
+    in_launch = splits <= MAX_SPLITS_MERGED_IN_KERNEL
     for _ in range(2):
         out = torch.full_like(case["q"], 7.0)
         layer_forward(md, cache, case["q"], case["k"], case["v"], out)
-        launch = launch or decode_launch(md, spec, torch.float16)
+        launch = decode_launch(md, spec, torch.float16)
         assert launch.splits == splits
-        assert launch.arrivals.shape == (len(DECODE_LENS) * spec.num_kv_heads,)
-        assert torch.all(launch.arrivals == 0)
+        assert (launch.combine_run is None) == in_launch
+        if in_launch:
+            assert launch.arrivals.shape == (len(DECODE_LENS) * spec.num_kv_heads,)
+            assert torch.all(launch.arrivals == 0)
+        else:
+            assert launch.arrivals is None
         torch.testing.assert_close(out, want, atol=TOL[torch.float16][0], rtol=TOL[torch.float16][1])
 
 

@@ -86,7 +86,7 @@ class TritonBackend(AttentionBackend):
                                    key_cache.device, self.tuning),
                                   lambda: self._decode_launch(shape.num_seqs, spec.num_heads, spec.num_kv_heads,
                                                               spec.head_dim, shape.block_size, dtype, _softmax(spec),
-                                                              key_cache.device, _persistent_scratch(buffers),
+                                                              key_cache.device, _PersistentScratch(buffers),
                                                               has_alibi, scaled))
         else:
             launch = self._memo(("unified", spec, dtype, scaled, shape.num_tokens, shape.num_seqs, shape.block_size,
@@ -141,7 +141,7 @@ class TritonBackend(AttentionBackend):
         kv_scales = (k_scale, v_scale) if k_scale is not None else None
         if paged and max_seqlen_q == 1:
             launch = self._decode_launch(num_seqs, num_heads, kv_heads, head_dim, k.shape[1], q.dtype, sm,
-                                         q.device, _fresh_scratch(q.device), has_alibi, kv_scales is not None)
+                                         q.device, _FreshScratch(q.device), has_alibi, kv_scales is not None)
             launch(q, k, v, out, cu_seqlens_q, seqused_k, block_table, alibi_slopes, kv_scales)
         else:
             cfg = unified_config(num_heads // kv_heads, head_dim, q.dtype, self.tuning)
@@ -166,20 +166,31 @@ def _softmax(spec) -> Softmax:
     return Softmax(spec.scale, spec.softcap, spec.sliding_window)
 
 
-def _fresh_scratch(device):
-    def scratch(rows: int, d_pad: int, pairs: int):
-        return (torch.empty((rows, d_pad), dtype=torch.float32, device=device),
-                torch.empty((rows,), dtype=torch.float32, device=device),
-                torch.zeros((pairs,), dtype=torch.int32, device=device))
-    return scratch
+class _FreshScratch:
+    """Split-KV scratch made per call (the public functional API; not the per-layer hot path)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def partials(self, rows: int, d_pad: int):
+        return (torch.empty((rows, d_pad), dtype=torch.float32, device=self.device),
+                torch.empty((rows,), dtype=torch.float32, device=self.device))
+
+    def arrivals(self, pairs: int):
+        return torch.zeros((pairs,), dtype=torch.int32, device=self.device)
 
 
-def _persistent_scratch(buffers):
+class _PersistentScratch:
     """Split-KV partials and arrival counters that keep their address for the builder's lifetime
     (a captured graph reads them). Named by size, so every capture size gets its own and none is
     reallocated; the counters start at zero and every launch leaves them at zero."""
-    def scratch(rows: int, d_pad: int, pairs: int):
-        return (buffers.get(f"triton.o_part.{rows}x{d_pad}", (rows, d_pad), torch.float32),
-                buffers.get(f"triton.lse_part.{rows}", (rows,), torch.float32),
-                buffers.get(f"triton.split_arrivals.{pairs}", (pairs,), torch.int32))
-    return scratch
+
+    def __init__(self, buffers):
+        self.buffers = buffers
+
+    def partials(self, rows: int, d_pad: int):
+        return (self.buffers.get(f"triton.o_part.{rows}x{d_pad}", (rows, d_pad), torch.float32),
+                self.buffers.get(f"triton.lse_part.{rows}", (rows,), torch.float32))
+
+    def arrivals(self, pairs: int):
+        return self.buffers.get(f"triton.split_arrivals.{pairs}", (pairs,), torch.int32)

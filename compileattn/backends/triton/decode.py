@@ -1,4 +1,4 @@
-"""Paged decode (one query token per sequence) with GQA packing and split-KV, merged in-kernel.
+"""Paged decode (one query token per sequence) with GQA packing and split-KV, and the merge of splits.
 
 Grid ``(num_seqs, num_kv_heads, num_splits)``. A program owns every query head of its KV head:
 the GROUP query rows (padded to BLOCK_M >= 16, the smallest tl.dot M) form the A operand, so each
@@ -13,11 +13,12 @@ from the batch shape alone (see config.py); each program loops to its own sequen
 from ``seq_lens`` on the device), so a CUDA graph captured once per batch size serves every context
 length.
 
-The merge runs in the same launch: each split, after writing its partials, takes a ticket from a
-per-(sequence, KV head) arrival counter, and the last to arrive merges all the splits and resets
-the counter to zero for the next launch (the threadfence-reduction pattern). A separate combine
-kernel, as FlashAttention and FlashInfer launch, costs a second launch per layer: the kernel's own
-few microseconds, the gap before it in a graph, and one more launch of host time in an eager op.
+Merging the partials: with few splits (``config.merges_in_kernel``) in the same launch: each split,
+after writing its partials, takes a ticket from a per-(sequence, KV head) arrival counter, and the
+last to arrive merges all the splits and resets the counter to zero for the next launch (the
+threadfence-reduction pattern), which saves the second launch per layer. With many splits one
+program's merge of every split is slower than ``combine_kernel``, which spreads it over one
+program per (sequence, query head): measured on the H200 in config.py.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, arrivals, 
                   stride_kb, stride_kp, stride_kh, stride_bt,
                   qk_scale, cap, window,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   KV_SCALED: tl.constexpr, PRECISION: tl.constexpr,
                   NUM_STAGES: tl.constexpr, TAIL_STAGES: tl.constexpr, INTERPRET: tl.constexpr):
@@ -94,39 +95,72 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, arrivals, 
         group_ok = offs_m < GROUP
         tl.store(lse_part + rows + split, lse, mask=group_ok)
         tl.store(o_part + (rows + split)[:, None] * D_PAD + offs_d[None, :], o, mask=group_ok[:, None])
-        # Every thread's partials are written before the ticket (acq_rel, GPU scope) is taken; the
-        # last split reads the others' through L2 (.cg), never a stale L1 line.
-        tl.debug_barrier()
-        ticket = arrivals + seq * tl.num_programs(1) + kvh
-        if tl.atomic_add(ticket, 1, sem="acq_rel") == num_splits - 1:
-            tl.store(ticket, 0)
-            # One pass with a running maximum, MERGE_UNROLL splits per step: their loads do not
-            # depend on each other, so they are in flight together (a split costs one L2 round
-            # trip, ~0.2 µs, when merged one at a time). while, not range: the interpreter's
-            # num_programs is a 1-element array, which is no loop bound.
-            m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-            merged = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-            total = tl.zeros([BLOCK_M], dtype=tl.float32)
-            s0 = 0
-            while s0 < num_splits:
-                for u in tl.static_range(MERGE_UNROLL):
-                    ok = group_ok & (s0 + u < num_splits)
-                    lse_s = tl.load(lse_part + rows + s0 + u, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                    part = tl.load(o_part + (rows + s0 + u)[:, None] * D_PAD + offs_d[None, :], mask=ok[:, None],
-                                   other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m, lse_s)
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: weights 0, not NaN
-                    alpha = tl.exp2(m - m_ref)
-                    w = tl.exp2(lse_s - m_ref)
-                    merged = merged * alpha[:, None] + part * w[:, None]
-                    total = total * alpha + w
-                    m = m_new
-                s0 += MERGE_UNROLL
-            total = tl.where(total == 0.0, 1.0, total)  # no key in any split: zeros; NaN stays NaN
-            tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & d_ok[None, :])
+        if MERGE:
+            merge_splits(out_rows, o_part, lse_part, arrivals + seq * tl.num_programs(1) + kvh, rows, num_splits,
+                         group_ok, row_ok[:, None] & d_ok[None, :], offs_d, BLOCK_M, D_PAD)
     else:
         tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def merge_splits(out_rows, o_part, lse_part, ticket, rows, num_splits, group_ok, out_ok, offs_d,
+                 BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
+    """Called by every split of one (sequence, KV head) after writing its partials; the last one
+    to arrive merges them into ``out_rows``."""
+    # Every thread's partials are written before the ticket (acq_rel, GPU scope) is taken; the
+    # last split reads the others' through L2 (.cg), never a stale L1 line.
+    tl.debug_barrier()
+    if tl.atomic_add(ticket, 1, sem="acq_rel") == num_splits - 1:
+        tl.store(ticket, 0)
+        # One pass with a running maximum, MERGE_UNROLL splits per step: their loads do not
+        # depend on each other, so they are in flight together (a split costs one L2 round
+        # trip, ~0.2 µs, when merged one at a time). while, not range: the interpreter's
+        # num_programs is a 1-element array, which is no loop bound.
+        m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        merged = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        s0 = 0
+        while s0 < num_splits:
+            for u in tl.static_range(MERGE_UNROLL):
+                ok = group_ok & (s0 + u < num_splits)
+                lse_s = tl.load(lse_part + rows + s0 + u, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(o_part + (rows + s0 + u)[:, None] * D_PAD + offs_d[None, :], mask=ok[:, None],
+                               other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, lse_s)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: weights 0, not NaN
+                alpha = tl.exp2(m - m_ref)
+                w = tl.exp2(lse_s - m_ref)
+                merged = merged * alpha[:, None] + part * w[:, None]
+                total = total * alpha + w
+                m = m_new
+            s0 += MERGE_UNROLL
+        total = tl.where(total == 0.0, 1.0, total)  # no key in any split: zeros; NaN stays NaN
+        tl.store(out_rows, (merged / total[:, None]).to(out_rows.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def combine_kernel(out_ptr, o_part, lse_part, cu_q, stride_ot, stride_oh, num_splits,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Grid (num_seqs, num_heads): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    tok = tl.load(cu_q + seq)
+    if tl.load(cu_q + seq + 1) > tok:
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        s_ok = offs_s < num_splits
+        base = ((seq * num_heads + head) * num_splits).to(tl.int64)
+        lse = tl.load(lse_part + base + offs_s, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)
+        o = tl.load(o_part + (base + offs_s)[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        total = tl.sum(w, 0)
+        total = tl.where(total == 0.0, 1.0, total)  # NaN stays NaN
+        res = tl.sum(o * w[:, None], 0) / total
+        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+                 res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 #: The mode the kernels above were decorated in (see _mode.sync_interpreter_mode).
 INTERPRETED = bool(triton.knobs.runtime.interpret)

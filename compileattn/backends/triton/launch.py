@@ -19,7 +19,7 @@ import torch
 
 from . import _mode, decode, kv_write, unified
 from .direct import make_launch
-from .config import DecodeConfig, UnifiedConfig, next_pow2, precision
+from .config import DecodeConfig, UnifiedConfig, merges_in_kernel, next_pow2, precision
 
 LOG2E = 1.4426950408889634
 
@@ -91,10 +91,11 @@ class KVWriteLaunch:
 
 
 class DecodeLaunch:
-    """The decode kernel for one layer shape and batch shape (split or not: the merge of split
-    partials runs in the same launch, see decode.py)."""
+    """The decode kernel for one layer shape and batch shape; with split keys, the merge of the
+    partials either inside that launch or in the combine kernel after it (``merges_in_kernel``)."""
 
-    __slots__ = ("run", "kwargs", "splits", "sm", "o_part", "lse_part", "arrivals")
+    __slots__ = ("run", "kwargs", "combine_run", "combine_kwargs", "splits", "sm", "o_part", "lse_part",
+                 "arrivals")
 
     def __init__(self, cfg: DecodeConfig, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, sm: Softmax, splits: int, scratch, has_alibi: bool = False,
@@ -103,24 +104,31 @@ class DecodeLaunch:
         self.splits = splits
         self.sm = sm
         self.run = decode.decode_kernel.run
+        merged = merges_in_kernel(splits)
         self.kwargs = _launch_kwargs(
             (num_seqs, num_kv_heads, splits), GROUP=num_heads // num_kv_heads, BLOCK_M=cfg.block_m,
-            HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=block_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
+            HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=block_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1, MERGE=merged,
             HAS_WINDOW=sm.has_window, HAS_SOFTCAP=sm.has_softcap, HAS_ALIBI=has_alibi, KV_SCALED=kv_scaled,
             PRECISION=precision(dtype), NUM_STAGES=cfg.num_stages, TAIL_STAGES=cfg.tail_stages,
             INTERPRET=_mode.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        self.o_part = self.lse_part = self.arrivals = None
+        self.o_part = self.lse_part = self.arrivals = self.combine_run = self.combine_kwargs = None
         if splits > 1:
-            self.o_part, self.lse_part, self.arrivals = scratch(num_seqs * num_heads * splits, d_pad,
-                                                                num_seqs * num_kv_heads)
+            self.o_part, self.lse_part = scratch.partials(num_seqs * num_heads * splits, d_pad)
+        if merged:
+            self.arrivals = scratch.arrivals(num_seqs * num_kv_heads)
+        elif splits > 1:
+            self.combine_run = decode.combine_kernel.run
+            self.combine_kwargs = _launch_kwargs((num_seqs, num_heads), HEAD_DIM=head_dim, D_PAD=d_pad,
+                                                 SPLITS_PAD=next_pow2(splits),
+                                                 num_warps=4 if d_pad * splits <= 4096 else 8)
 
     def _tail(self, key_cache, cu_q, seq_lens, block_table, q_strides, out_strides, alibi, kv_scales) -> tuple:
         """Arguments after (q, k_cache, v_cache, out): ``value_cache`` must have ``key_cache``'s
-        strides (one row offset serves both). Without splits ``cu_q`` stands in for the unused
-        partials and counters (the SPLIT flag compiles their accesses away)."""
+        strides (one row offset serves both). ``cu_q`` stands in for scratch a launch does not
+        use (the SPLIT and MERGE flags compile those accesses away)."""
         sk = key_cache.stride()
         k_scale, v_scale = kv_scales if kv_scales is not None else (cu_q, cu_q)
-        scratch = (cu_q, cu_q, cu_q) if self.o_part is None else (self.o_part, self.lse_part, self.arrivals)
+        scratch = (_or(self.o_part, cu_q), _or(self.lse_part, cu_q), _or(self.arrivals, cu_q))
         return (*scratch, cu_q, seq_lens, block_table, _or(alibi, cu_q), k_scale, v_scale, q_strides[0],
                 q_strides[1], out_strides[0], out_strides[1], sk[0], sk[1], sk[2], block_table.stride(0),
                 *self.sm.args())
@@ -129,6 +137,9 @@ class DecodeLaunch:
                  kv_scales=None) -> None:
         tail = self._tail(key_cache, cu_q, seq_lens, block_table, q.stride(), out.stride(), alibi, kv_scales)
         self.run(q, key_cache, value_cache, out, *tail, **self.kwargs)
+        if self.combine_run is not None:
+            self.combine_run(out, self.o_part, self.lse_part, cu_q, out.stride(0), out.stride(1), self.splits,
+                             **self.combine_kwargs)
 
     def bind(self, key_cache, value_cache, cu_q, seq_lens, block_table, num_heads: int, head_dim: int,
              alibi=None, kv_scales=None):
@@ -136,10 +147,18 @@ class DecodeLaunch:
         strides = (num_heads * head_dim, head_dim)
         tail = self._tail(key_cache, cu_q, seq_lens, block_table, strides, strides, alibi, kv_scales)
         run = make_launch(decode.decode_kernel, self.kwargs, (None, key_cache, value_cache, None, *tail), (0, 3))
+        if self.combine_run is None:
+            def attend(q, out):
+                run(q, out)
+            return attend
+        combine = make_launch(decode.combine_kernel, self.combine_kwargs,
+                              (None, self.o_part, self.lse_part, cu_q, strides[0], strides[1], self.splits), (0,))
 
-        def attend(q, out):
+        def attend_split(q, out):
             run(q, out)
-        return attend
+            combine(out)
+
+        return attend_split
 
 
 class UnifiedLaunch:
