@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Where a piecewise decode step's extra time goes: GPU idle gaps, extra kernels, host-bound stretches.
 
-For the OPT-125m shape of ``latency.py`` (fp16, 12 layers, same model, caches, metadata and decode
-steps: this script imports ``latency``'s ``Bench``, cells and column groups), and for the columns
+For a model shape of ``latency.py`` (``--model``: OPT-125m, fp16, 12 layers, by default, or the
+Llama-3-8B shape, bf16, 32 layers; same model, caches, metadata and decode steps: this script
+imports ``latency``'s ``Bench``, cells and column groups), and for the columns
 ``ca-piecewise``, ``ca-full`` and ``graph-inductor`` at each batch (default 1 and 8, context 512):
 
 1. warm-up (compile + capture), then the output is compared with eager's (a column that disagrees
@@ -54,13 +55,15 @@ for _p in (str(_HERE), str(_HERE.parent)):
         sys.path.insert(0, _p)
 
 import common  # noqa: E402
+from latency_report import MODELS  # noqa: E402
 
 COLUMNS = ("ca-piecewise", "ca-full", "graph-inductor")
 #: latency.py's column group of each column; groups run in latency.py's order (so the compiled
 #: objects are built in the same sequence as for its table).
 GROUP_OF = {"ca-piecewise": "ca-piecewise", "graph-inductor": "inductor", "ca-full": "ca-full"}
 GROUP_ORDER = ("ca-piecewise", "ca-full", "inductor")
-#: Budget seconds a column group needs left to be started (OPT compiles: piecewise ~14 s, Inductor ~6 s).
+#: Budget seconds a column group needs left to be started (OPT compiles: piecewise ~14 s, Inductor ~6 s;
+#: the Llama shape's take longer: raise --budget-s).
 GROUP_RESERVE_S = 15.0
 STEP_PREFIX = "gaps_step_"
 GPU_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
@@ -317,6 +320,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=ints, default=[1, 8], help="decode batch sizes (default 1,8)")
+    p.add_argument("--model", default="opt", choices=sorted(MODELS), help="latency.py's model shape (default opt)")
+    p.add_argument("--llama-layers", type=int, default=None, help="override the Llama shape's 32 layers")
     p.add_argument("--context", type=int, default=512, help="tokens already cached per sequence (default 512)")
     p.add_argument("--columns", type=common.argparse_type(lambda s: common.parse_name_list(s, COLUMNS)),
                    default=list(COLUMNS), help=f"subset of {','.join(COLUMNS)}")
@@ -335,7 +340,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace-dir", default=None, help="keep each cell's chrome trace here (default: not kept)")
     p.add_argument("--budget-s", type=float, default=90.0,
                    help="wall-clock budget; work past it is reported as skipped (0 = none)")
-    p.add_argument("--tolerance", type=float, default=None, help="norm-relative error to eager allowed (default fp16 0.05)")
+    p.add_argument("--tolerance", type=float, default=None, help="norm-relative error to eager allowed (default per dtype: fp16 0.05, bf16 0.1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output prefix: writes PREFIX.json and PREFIX.md")
     args = p.parse_args(argv)
@@ -343,7 +348,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--steps, --wall-steps, --pipelined-steps and --warmup must be >= 1")
     if args.context < 1 or args.gap_us < 0:
         p.error("--context must be >= 1 and --gap-us >= 0")
-    args.llama_layers = None  # what latency.Bench reads
     return args
 
 
@@ -517,14 +521,14 @@ def run(args, log: common.Log, checkpoint: Callable[[dict], None]) -> dict[str, 
     log(f"GPU {env['gpu']}; versions {env['versions']}")
     rows: list[dict[str, Any]] = []
     payload = {"benchmark": "piecewise_gaps", "environment": env,
-               "config": {"model": "opt", "batches": args.batches, "context": args.context, "columns": args.columns,
+               "config": {"model": args.model, "batches": args.batches, "context": args.context, "columns": args.columns,
                           "steps": args.steps, "wall_steps": args.wall_steps, "pipelined_steps": args.pipelined_steps,
                           "warmup": args.warmup, "backend": args.backend, "compile_sizes": args.compile_sizes,
                           "gap_us": args.gap_us, "budget_s": args.budget_s},
                "rows": rows}
     cells = sorted((lat.Cell("decode", b, args.context) for b in args.batches), key=lambda c: -c.tokens)
     try:
-        bench = lat.Bench("opt", cells, args, log)
+        bench = lat.Bench(args.model, cells, args, log)
         payload["decode_backend"] = sorted({b.name for b in lat.decode_backends(bench)})
         log(f"decode attention backend(s) after selection: {payload['decode_backend']}")
         for cell in cells:
@@ -603,7 +607,9 @@ def markdown(payload: dict[str, Any]) -> str:
     cfg = payload.get("config", {})
     rows = payload.get("rows", [])
     gap = cfg.get("gap_us", 2.0)
-    lines = [f"# Piecewise decode step: where the GPU time goes (OPT-125m shape, fp16, context {cfg.get('context')})",
+    model = MODELS.get(cfg.get("model", "opt"), MODELS["opt"])
+    lines = [f"# Piecewise decode step: where the GPU time goes ({model['label']}, {model['dtype']}, "
+             f"context {cfg.get('context')})",
              "", common.environment_markdown(payload.get("environment", {})),
              f"- Backend: {cfg.get('backend')} (decode runs on {', '.join(payload.get('decode_backend') or ['?'])}); "
              f"profiled steps per cell {cfg.get('steps')}, untraced {cfg.get('wall_steps')} (synchronized) + "

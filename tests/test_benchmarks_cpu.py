@@ -987,9 +987,14 @@ def test_gap_analysis_reads_a_chrome_trace_by_correlation():
 def test_piecewise_gaps_report_and_args(tmp_path):
     a = pg.parse_args([])
     assert (a.batches, a.context, a.steps, a.backend, a.budget_s) == ([1, 8], 512, 50, "flash", 90.0)
+    assert (a.model, a.llama_layers) == ("opt", None)
     assert a.columns == list(pg.COLUMNS)
+    b = pg.parse_args(["--model", "llama", "--llama-layers", "4"])
+    assert (b.model, b.llama_layers) == ("llama", 4)
     with pytest.raises(SystemExit):
         pg.parse_args(["--columns", "eager"])
+    with pytest.raises(SystemExit):
+        pg.parse_args(["--model", "gpt2"])
     evs = [("a", 0.0, 10.0, "kernel", 1, "cudaGraphLaunch", -5.0), ("b", 30.0, 5.0, "kernel", 2, "cuLaunchKernel", 25.0)]
     prof = pg.aggregate_steps([pg.analyze_step(evs)])
     row = {"column": "ca-piecewise", "batch": 1, "context": 512, "status": "ok", "mode": "kernels",
@@ -1003,4 +1008,7 @@ def test_piecewise_gaps_report_and_args(tmp_path):
     assert "Minus graph-inductor" in md and "graph->eager" in md and "| ca-full | 1 | skipped |" in md
     assert "| ca-piecewise | 1 | +90.0 |" in md and "No gaps" in md and "1 GPU events with impossible" in md
     assert common.read_json(tmp_path / "g.json")["rows"][0]["profile"]["kernels"] == 2
+    assert md.startswith("# Piecewise decode step: where the GPU time goes (OPT-125m shape, float16")
+    llama = pg.markdown(dict(payload, config=dict(payload["config"], model="llama")))
+    assert llama.startswith("# Piecewise decode step: where the GPU time goes (Llama-3-8B shape, bfloat16")
 
