@@ -19,7 +19,9 @@ The table gives the first call (``first call s``: what the goals measure, compil
 the first run) and its parts from ``compile_stats``: Dynamo, backend (of which static-shape
 pieces), saving, loading, waiting for the background Inductor import, the first run itself (of
 which CUDA-graph capture), and outside the first call the process's import and model build.
-Goals: warm start <= 2 s (Llama-8B shape), cold <= 10 s (OPT-125m) and <= 15 s (Llama-8B).
+Each row's timeline (compileattn's log records during the first call, DEBUG included: when each
+static-compile worker became ready, each compile or load, where it ran and how long it took, each
+capture, each Triton kernel variant compiled at its first launch) follows the table. Goals: warm start <= 2 s (Llama-8B shape), cold <= 10 s (OPT-125m) and <= 15 s (Llama-8B).
 
     PYTHONPATH=. python benchmarks/coldwarm.py --out $OUT/coldwarm     # ~2-3 min on an H200
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -129,8 +132,9 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     build_s = time.perf_counter() - t
     with ca.set_forward_context(md, caches), torch.no_grad():
         t = time.perf_counter()
-        out = model(ids, pos).float()
-        common.synchronize()
+        with TimelineRecorder(t) as timeline:
+            out = model(ids, pos).float()
+            common.synchronize()
         first = time.perf_counter() - t
         t = time.perf_counter()
         model(ids, pos)
@@ -144,7 +148,32 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
             "run_s": stats.get("first_call_s"),
             "capture_s": sum(rt.capture_seconds() for rt in runtimes),
             "rel_err": common.rel_error(out, ref), "dtype": str(dtype).replace("torch.", ""),
-            "counters": ca.counters.snapshot(), "torch": torch.__version__}
+            "counters": ca.counters.snapshot(), "torch": torch.__version__, "timeline": timeline.events}
+
+
+class TimelineRecorder(logging.Handler):
+    """compileattn's log records during the first call, DEBUG included (worker readiness, each
+    compile and where it ran), as (seconds since ``start``, message): where a cold start's
+    seconds go, piece by piece."""
+
+    def __init__(self, start: float):
+        super().__init__(logging.DEBUG)
+        self.start = start
+        self.events: list[tuple[float, str]] = []
+        self._logger = logging.getLogger("compileattn")
+        self._level = self._logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.events.append((round(time.perf_counter() - self.start, 3), record.getMessage()[:240]))
+
+    def __enter__(self) -> "TimelineRecorder":
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.DEBUG)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
 
 
 def run_phase(model: str, phase: str, dirs: dict[str, Path], args, budget: common.Budget, log) -> dict[str, Any]:
@@ -249,7 +278,22 @@ def render(payload: dict[str, Any]) -> str:
                       common.fmt_num(r.get("process_s"), 1), c.get("backend_compiles", "—"),
                       c.get("static_compiles_in_workers", "—"), c.get("piece_reuses", "—"), f"{r['rel_err']:.2g}"])
     lines += [common.markdown_table(headers, table), "", "## Goals (issue 12)", "", *(goal_lines(rows) or ["- nothing measured"])]
+    lines += timeline_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def timeline_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Each row's compileattn log during the first call (seconds from its start)."""
+    out = []
+    for r in rows:
+        events = r.get("timeline") if r["status"] == "ok" else None
+        if not events:
+            continue
+        out += ["", f"## Timeline: {MODELS[r['model']]}, {r['phase']}", "",
+                "compileattn's log during the first call (DEBUG included), seconds from its start:", "", "```"]
+        out += [f"{t:8.2f}  {message}" for t, message in events]
+        out += ["```"]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

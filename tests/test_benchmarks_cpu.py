@@ -4,9 +4,11 @@ driver's plumbing on a tiny model. No timing is asserted (there is no GPU here).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -571,6 +573,27 @@ def test_coldwarm_plumbing_on_the_cpu(tmp_path):
     assert rows["warm"]["counters"]["backend_compiles"] == 0 and rows["warm"]["load_s"] > 0
     md = (tmp_path / "cw.md").read_text()
     assert "CPU plumbing run" in md and "warm start ≤ 2 s" in md
+    # each row's first call, as compileattn logged it (DEBUG included), in time order
+    times = [t for t, _ in rows["cold"]["timeline"]]
+    assert times == sorted(times) and times[0] >= 0
+    assert any(message.startswith("compiled ") for _, message in rows["cold"]["timeline"])
+    assert any("warm start" in message for _, message in rows["warm"]["timeline"])
+    for phase in ("cold\n", "warm\n", "cold, dynamic only\n"):
+        assert f"## Timeline: OPT-125m shape, {phase}" in md
+
+
+def test_coldwarm_timeline_recorder_takes_debug_and_restores_the_level():
+    log = logging.getLogger("compileattn")
+    before = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        with coldwarm.TimelineRecorder(time.perf_counter()) as rec:
+            log.debug("worker %d ready", 3)
+        log.debug("after the first call")
+        assert [m for _, m in rec.events] == ["worker 3 ready"] and rec.events[0][0] >= 0
+        assert log.level == logging.WARNING and rec not in log.handlers
+    finally:
+        log.setLevel(before)
 
 
 def test_coldwarm_report_marks_failures_and_skips():

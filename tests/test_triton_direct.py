@@ -74,6 +74,22 @@ def test_fixed_tensors_are_passed_by_address_and_kept_alive():
     assert jit.launches[0][9:11] == (a.data_ptr(), fixed.data_ptr())
 
 
+def test_a_slow_first_launch_is_logged_at_debug(monkeypatch, caplog):
+    """A variant's first launch that compiles (or loads from disk) shows in a cold start's DEBUG
+    log; a fast one (found in memory) does not."""
+    jit, active = _StandInJit(), _Active()
+    launch = _kernel(jit, active)
+    a = torch.zeros(16, dtype=torch.float16)
+    ticks = iter([10.0, 10.0 + 2 * direct.COMPILE_LOG_S, 20.0, 20.0 + direct.COMPILE_LOG_S / 10])
+    monkeypatch.setattr(direct.time, "perf_counter", lambda: next(ticks))
+    with caplog.at_level("DEBUG", logger="compileattn"):
+        launch(a, 32)  # slow: logged
+        launch(a[1:], 32)  # another variant, fast: not logged
+    messages = [r.getMessage() for r in caplog.records if r.name == "compileattn"]
+    assert messages == ["triton kernel: a new variant's first launch took 0.002 s (compiled, or loaded from "
+                        "Triton's cache)"]
+
+
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "int_mod16", "int_one"])
 def test_a_new_specialization_goes_through_run(change):
     jit, active = _StandInJit(), _Active()

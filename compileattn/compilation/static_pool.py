@@ -248,6 +248,8 @@ class StaticCompilePool:
             return task
 
     def _done(self, index: int, task: Task, result: tuple) -> None:
+        logger.debug("compile worker %d finished %s (%s) after %.2f s", index, task.label, result[0],
+                     time.monotonic() - task.started)
         with self._cond:
             task.result = result
             self._running.pop(index, None)

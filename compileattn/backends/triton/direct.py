@@ -16,6 +16,8 @@ Only compiled kernels take this path; under the interpreter ``make_launch`` call
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from typing import Callable
 
 import torch
@@ -25,6 +27,11 @@ from triton.runtime import driver
 
 from . import _mode
 
+logger = logging.getLogger("compileattn")
+
+#: A variant's first launch slower than this (a compile, or a load from Triton's disk cache) is
+#: logged at DEBUG: where a cold start's first run goes. Finding a compiled variant takes tens of µs.
+COMPILE_LOG_S = 1e-3
 
 #: Triton 3.6 keeps launch hooks in ``HookChain``s (always set, empty when unused); earlier
 #: versions in plain attributes that are None when unused.
@@ -126,7 +133,12 @@ class DirectKernel:
         args = self.args.copy()
         for i, a in zip(self.free, values):
             args[i] = a
+        start = time.perf_counter()
         kernel = self.jit.run(*args, **self.kwargs)
+        seconds = time.perf_counter() - start
+        if seconds >= COMPILE_LOG_S:
+            logger.debug("triton %s: a new variant's first launch took %.3f s (compiled, or loaded from Triton's "
+                         "cache)", self.jit.__name__, seconds)
         if not _hooks_active():
             if self.device is None:
                 self.device = self.current_device()
