@@ -21,7 +21,8 @@ pieces), saving, loading, waiting for the background Inductor import, the first 
 which CUDA-graph capture), and outside the first call the process's import and model build.
 Each row's timeline (compileattn's log records during the first call, DEBUG included: when each
 static-compile worker became ready, each compile or load, where it ran and how long it took, each
-capture, each Triton kernel variant compiled at its first launch) follows the table. Goals: warm start <= 2 s (Llama-8B shape), cold <= 10 s (OPT-125m) and <= 15 s (Llama-8B).
+capture, each Triton kernel variant a prepared call compiled at its first launch) follows the
+table. Goals: warm start <= 2 s (Llama-8B shape), cold <= 10 s (OPT-125m) and <= 15 s (Llama-8B).
 
     PYTHONPATH=. python benchmarks/coldwarm.py --out $OUT/coldwarm     # ~2-3 min on an H200
 

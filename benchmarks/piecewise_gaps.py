@@ -340,7 +340,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace-dir", default=None, help="keep each cell's chrome trace here (default: not kept)")
     p.add_argument("--budget-s", type=float, default=90.0,
                    help="wall-clock budget; work past it is reported as skipped (0 = none)")
-    p.add_argument("--tolerance", type=float, default=None, help="norm-relative error to eager allowed (default per dtype: fp16 0.05, bf16 0.1)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="norm-relative error to eager allowed (default per dtype: fp16 0.05, bf16 0.1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output prefix: writes PREFIX.json and PREFIX.md")
     args = p.parse_args(argv)
@@ -521,7 +522,8 @@ def run(args, log: common.Log, checkpoint: Callable[[dict], None]) -> dict[str, 
     log(f"GPU {env['gpu']}; versions {env['versions']}")
     rows: list[dict[str, Any]] = []
     payload = {"benchmark": "piecewise_gaps", "environment": env,
-               "config": {"model": args.model, "batches": args.batches, "context": args.context, "columns": args.columns,
+               "config": {"model": args.model, "llama_layers": args.llama_layers, "batches": args.batches,
+                          "context": args.context, "columns": args.columns,
                           "steps": args.steps, "wall_steps": args.wall_steps, "pipelined_steps": args.pipelined_steps,
                           "warmup": args.warmup, "backend": args.backend, "compile_sizes": args.compile_sizes,
                           "gap_us": args.gap_us, "budget_s": args.budget_s},
@@ -608,7 +610,8 @@ def markdown(payload: dict[str, Any]) -> str:
     rows = payload.get("rows", [])
     gap = cfg.get("gap_us", 2.0)
     model = MODELS.get(cfg.get("model", "opt"), MODELS["opt"])
-    lines = [f"# Piecewise decode step: where the GPU time goes ({model['label']}, {model['dtype']}, "
+    layers = f" with {cfg['llama_layers']} layers" if cfg.get("model") == "llama" and cfg.get("llama_layers") else ""
+    lines = [f"# Piecewise decode step: where the GPU time goes ({model['label']}{layers}, {model['dtype']}, "
              f"context {cfg.get('context')})",
              "", common.environment_markdown(payload.get("environment", {})),
              f"- Backend: {cfg.get('backend')} (decode runs on {', '.join(payload.get('decode_backend') or ['?'])}); "

@@ -20,8 +20,9 @@ from HBM):
 Then the unified kernel alone on a prefill (4 x 1024 new tokens) and a chunked prefill (2 x 512
 new after 3584 cached), default tiles and a few neighbours, as µs and causal TFLOP/s.
 
-Host cost: CPU µs per ``backend.forward`` call (2 launches: write, decode; split-KV partials merge inside the decode launch)
-against an empty ``torch.add`` launch, measured back-to-back at batch 1 where the GPU is idle.
+Host cost: CPU µs per ``backend.forward`` call (write, decode, and at batch 1, with more than 4
+splits, the combine) against an empty ``torch.add`` launch, measured back-to-back at batch 1 where
+the GPU is idle.
 
 Each configuration's output is checked against an fp32 attention over the same pages before its
 time is kept (``FAIL`` otherwise). Prints markdown; ``--json PATH`` also writes every number.
@@ -117,14 +118,10 @@ def time_launch(torch, step, launch_fn):
 
 
 def decode_launcher(torch, step, cfg, splits):
-    from compileattn.backends.triton.launch import DecodeLaunch, Softmax
-
-    def scratch(rows, d_pad):
-        return (torch.empty((rows, d_pad), device=DEV, dtype=torch.float32),
-                torch.empty((rows,), device=DEV, dtype=torch.float32))
+    from compileattn.backends.triton.launch import DecodeLaunch, FreshScratch, Softmax
 
     launch = DecodeLaunch(cfg, step.batch, H, KVH, D, step.page, step.q.dtype, Softmax(D ** -0.5, 0.0, -1),
-                          splits, scratch)
+                          splits, FreshScratch(DEV))
     return lambda table: launch(step.q, step.kc, step.vc, step.out, step.cu_q, step.seq_lens, table)
 
 

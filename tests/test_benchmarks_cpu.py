@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ import op_overhead_report as opr  # noqa: E402
 import piecewise_gaps as pg  # noqa: E402
 import prefix_sharing as ps  # noqa: E402
 import throughput as tp  # noqa: E402
+import triton_decode_quick as tdq  # noqa: E402
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 
@@ -396,6 +398,26 @@ def test_paged_attention_baseline_equals_the_oracle(variant, heads, page, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
     assert (out[3] == 0).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter check (the GPU runs the script itself)")
+@pytest.mark.parametrize("splits", [1, 3, 8])  # unsplit, merged in the launch, by the combine kernel
+def test_triton_decode_quick_launcher_equals_the_oracle(monkeypatch, splits):
+    """The sweep's decode launcher (``triton_decode_quick.decode_launcher``) at any split count."""
+    from compileattn.backends.triton.config import decode_config
+
+    heads = (8, 2, 64)
+    monkeypatch.setattr(tdq, "DEV", "cpu")
+    monkeypatch.setattr(tdq, "H", heads[0])
+    monkeypatch.setattr(tdq, "KVH", heads[1])
+    monkeypatch.setattr(tdq, "D", heads[2])
+    lens = [37, 100, 64]
+    q, kc, vc, bt, seq_lens, want = _paged_problem(lens, 16, heads, torch.float16)
+    step = types.SimpleNamespace(batch=len(lens), page=16, q=q, kc=kc, vc=vc, out=torch.full_like(q, 7.0),
+                                 cu_q=torch.arange(len(lens) + 1, dtype=torch.int32), seq_lens=seq_lens)
+    launch = tdq.decode_launcher(torch, step, decode_config(heads[0] // heads[1], heads[2], torch.float16), splits)
+    launch(bt)
+    torch.testing.assert_close(step.out.double(), want, atol=2e-3, rtol=2e-3)
 
 
 def test_paged_attention_baseline_refuses_bad_partitions():
@@ -1034,4 +1056,6 @@ def test_piecewise_gaps_report_and_args(tmp_path):
     assert md.startswith("# Piecewise decode step: where the GPU time goes (OPT-125m shape, float16")
     llama = pg.markdown(dict(payload, config=dict(payload["config"], model="llama")))
     assert llama.startswith("# Piecewise decode step: where the GPU time goes (Llama-3-8B shape, bfloat16")
+    four = pg.markdown(dict(payload, config=dict(payload["config"], model="llama", llama_layers=4)))
+    assert four.startswith("# Piecewise decode step: where the GPU time goes (Llama-3-8B shape with 4 layers, ")
 

@@ -25,7 +25,8 @@ from compileattn.backends.triton import _mode
 from compileattn.backends.triton.backend import TritonBackend
 from compileattn.backends.triton.launch import DecodeLaunch
 from compileattn.backends.triton.config import (
-    MAX_SPLITS, MAX_SPLITS_MERGED_IN_KERNEL, PROGRAMS_PER_SM, Tuning, decode_config, fills_waves, num_splits, unified_config,
+    MAX_SPLITS, MAX_SPLITS_MERGED_IN_KERNEL, PROGRAMS_PER_SM, Tuning, decode_config, fills_waves, num_splits,
+    unified_config,
 )
 
 
@@ -275,9 +276,10 @@ def test_decode_scratch_is_per_builder():
 @pytest.mark.parametrize("splits", [2, 4, 5, 32])
 def test_split_merge_in_launch_or_by_combine(splits):
     """Up to MAX_SPLITS_MERGED_IN_KERNEL splits the last split of each (sequence, KV head) merges
-    and resets its arrival counter, so every launch leaves the counters at zero and the next one
-    (a graph replay, another layer sharing the buffer) merges again; above it the combine kernel
-    merges. Both give the reference's output, twice."""
+    and resets its arrival counter, so a launch leaves the counters at zero and the next launch
+    merges again; above it the combine kernel merges. Both give the reference's output, twice.
+    (The interpreter runs one program after another; concurrent splits, graph replays and a
+    counter buffer shared by two layer shapes: test_cuda_split_merge_under_load.)"""
     spec = AttentionSpec(4, 2, 32)
     case = make_case(spec, torch.float16, 16, DECODE_LENS)
     md = builder(case, 16, triton_backend(num_splits=splits)).build(case["seqs"])
@@ -470,7 +472,9 @@ CUDA_MIXED_SHAPES = ([(16, h, d) for h, d in (((8, 2), 64), ((4, 1), 128), ((16,
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
 @pytest.mark.parametrize("block_size,heads,head_dim", CUDA_DECODE_SHAPES)
-@pytest.mark.parametrize("splits", [None, 1])  # None: the heuristic, which splits this small batch
+# None: the heuristic, which splits this small batch past MAX_SPLITS_MERGED_IN_KERNEL (combine
+# kernel); 4: merged in the launch; 1: unsplit
+@pytest.mark.parametrize("splits", [None, 1, 4])
 def test_cuda_decode(dtype, block_size, heads, head_dim, splits):
     spec = AttentionSpec(heads[0], heads[1], head_dim)
     lens = [(1, 700), (1, 0), (1, 33), (1, 1500), (1, 64)]
@@ -517,7 +521,7 @@ def test_cuda_forward_never_syncs():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", CUDA_DTYPES)
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("kind,splits", [("decode", None), ("decode", 1), ("mixed", None)])
+@pytest.mark.parametrize("kind,splits", [("decode", None), ("decode", 1), ("decode", 3), ("mixed", None)])
 def test_cuda_graph_replay_with_new_metadata(dtype, block_size, kind, splits):
     """Capture a step, then change lengths and block tables in the persistent buffers (by building
     the next step's metadata) and replay: the graph must follow the new contents. Decode steps
@@ -573,6 +577,66 @@ def test_cuda_graph_replay_with_new_metadata(dtype, block_size, kind, splits):
         torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
         n = case["num_blocks"]
         torch.testing.assert_close(cache.key_cache[:n], ref_cache.key_cache, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [2, 4])
+def test_cuda_split_merge_under_load(splits):
+    """Thousands of split programs at once (192 sequences x 8 KV heads x splits, several waves),
+    two layer shapes sharing one arrival-counter buffer (same sequences x KV heads), eager and
+    replayed from one graph, three times: every merge equals the reference and every counter is
+    back at zero. The interpreter runs programs one after another, so only the GPU can show a
+    merge that reads another split's partials before they are visible."""
+    specs = {"wide": AttentionSpec(64, 8, 128), "narrow": AttentionSpec(16, 8, 64)}
+    g = torch.Generator().manual_seed(3)
+    lens = [(1, int(n)) for n in torch.randint(1, 2000, (192,), generator=g)]
+    be = triton_backend(num_splits=splits)
+    # one seed: the same page tables for both shapes (one step's metadata serves both layers)
+    cases = {name: make_case(spec, torch.bfloat16, 16, lens) for name, spec in specs.items()}
+    nb = max(c["num_blocks"] for c in cases.values())
+    mb = max(c["max_blocks"] for c in cases.values())
+    b = AttentionMetadataBuilder(block_size=16, num_blocks=nb, max_num_tokens=len(lens), max_blocks_per_seq=mb,
+                                 device=DEVICE, backend=be)
+    md = b.build(cases["wide"]["seqs"])
+    caches, outs, wants = {}, {}, {}
+    for name, spec in specs.items():
+        c = cases[name]
+        assert [s.block_table for s in c["seqs"]] == [s.block_table for s in cases["wide"]["seqs"]]
+        caches[name] = KVCache(c["kc"].clone(), c["vc"].clone(), spec)
+        outs[name] = torch.empty_like(c["q"])
+        wants[name], _, _ = run_forward(ReferenceBackend(), spec, c, 16)
+
+    def step():
+        with set_forward_context(md, caches):
+            for name in specs:
+                c = cases[name]
+                torch.ops.compileattn.attention(c["q"], c["k"], c["v"], outs[name], name)
+
+    def check():
+        torch.cuda.synchronize()
+        for name in specs:
+            torch.testing.assert_close(outs[name], wants[name], **dict(zip(("atol", "rtol"), TOL[torch.bfloat16])))
+            launch = decode_launch(md, specs[name], torch.bfloat16)
+            assert launch.splits == splits and launch.combine_run is None
+            assert torch.all(launch.arrivals == 0)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    check()
+    a, b_ = (decode_launch(md, spec, torch.bfloat16).arrivals for spec in specs.values())
+    assert a.data_ptr() == b_.data_ptr(), "the two layer shapes were meant to share one counter buffer"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        for name in specs:
+            outs[name].fill_(float("nan"))
+        graph.replay()
+        check()
 
 
 @pytest.mark.cuda

@@ -24,7 +24,7 @@ from ..base import AttentionBackend
 from ..kv_write import write_kv_padded
 from . import _mode
 from .config import Tuning, decode_config, fills_waves, num_splits, sm_count, unified_config
-from .launch import DecodeLaunch, KVWriteLaunch, Softmax, UnifiedLaunch
+from .launch import DecodeLaunch, FreshScratch, KVWriteLaunch, Softmax, UnifiedLaunch
 
 _MEMO_SIZE = 512
 
@@ -141,7 +141,7 @@ class TritonBackend(AttentionBackend):
         kv_scales = (k_scale, v_scale) if k_scale is not None else None
         if paged and max_seqlen_q == 1:
             launch = self._decode_launch(num_seqs, num_heads, kv_heads, head_dim, k.shape[1], q.dtype, sm,
-                                         q.device, _FreshScratch(q.device), has_alibi, kv_scales is not None)
+                                         q.device, FreshScratch(q.device), has_alibi, kv_scales is not None)
             launch(q, k, v, out, cu_seqlens_q, seqused_k, block_table, alibi_slopes, kv_scales)
         else:
             cfg = unified_config(num_heads // kv_heads, head_dim, q.dtype, self.tuning)
@@ -166,24 +166,12 @@ def _softmax(spec) -> Softmax:
     return Softmax(spec.scale, spec.softcap, spec.sliding_window)
 
 
-class _FreshScratch:
-    """Split-KV scratch made per call (the public functional API; not the per-layer hot path)."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def partials(self, rows: int, d_pad: int):
-        return (torch.empty((rows, d_pad), dtype=torch.float32, device=self.device),
-                torch.empty((rows,), dtype=torch.float32, device=self.device))
-
-    def arrivals(self, pairs: int):
-        return torch.zeros((pairs,), dtype=torch.int32, device=self.device)
-
-
 class _PersistentScratch:
     """Split-KV partials and arrival counters that keep their address for the builder's lifetime
     (a captured graph reads them). Named by size, so every capture size gets its own and none is
-    reallocated; the counters start at zero and every launch leaves them at zero."""
+    reallocated; the counters start at zero and every launch leaves them at zero. Launches that
+    share a buffer must run in stream order (they do: one builder's layers run on one stream); two
+    at once would mix their partials and, through the counters, every later merge."""
 
     def __init__(self, buffers):
         self.buffers = buffers

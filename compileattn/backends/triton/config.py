@@ -22,10 +22,11 @@ PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
 #: Up to this many splits the decode launch merges its own partials (decode.merge_splits); above
 #: it the separate combine kernel does. H200, bf16, page 16, head dim 128, GPU µs per call, the
-#: in-kernel merge against the combine kernel in one run (S6-3): 4 splits (GQA 64/8 batch 16, MHA
-#: 32/32 batch 4) 25.3 vs 27.7 and 71.6 vs 73.4 (GQA), 23.8 vs 24.8 and 69.9 vs 70.2 (MHA), but 16
-#: splits 15.9 vs 13.0 (GQA batch 4) and 14.7 vs 12.6 (MHA batch 1), 32 splits 16.5 vs 9.3 (GQA
-#: batch 1): one program merging 32 splits of 8 heads is slower than 64 programs of one head each.
+#: in-kernel merge against the combine kernel (benchmarks/results/decode_merge_S6.md): 4 splits
+#: (GQA 64/8 batch 16, MHA 32/32 batch 4) 25.3 vs 27.7 and 71.6 vs 73.4 (GQA), 23.8 vs 24.8 and
+#: 69.9 vs 70.2 (MHA), but 16 splits 15.9 vs 13.0 (GQA batch 4) and 14.7 vs 12.6 (MHA batch 1), 32
+#: splits 16.5 vs 9.3 (GQA batch 1): one program merging 32 splits of 8 heads is slower than 64
+#: programs of one head each.
 MAX_SPLITS_MERGED_IN_KERNEL = 4
 #: Stand-in SM count under the interpreter, small so default CPU tests exercise split-KV.
 INTERPRETER_SM_COUNT = 4

@@ -90,9 +90,26 @@ class KVWriteLaunch:
         return write
 
 
+class FreshScratch:
+    """Split-KV scratch for ``DecodeLaunch``, made per call: ``partials(rows, d_pad)`` -> (fp32
+    partial outputs, their log2-sum-exp), ``arrivals(pairs)`` -> int32 counters, zero (the public
+    functional API and benchmarks; a prepared call uses the builder's persistent buffers)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def partials(self, rows: int, d_pad: int):
+        return (torch.empty((rows, d_pad), dtype=torch.float32, device=self.device),
+                torch.empty((rows,), dtype=torch.float32, device=self.device))
+
+    def arrivals(self, pairs: int):
+        return torch.zeros((pairs,), dtype=torch.int32, device=self.device)
+
+
 class DecodeLaunch:
     """The decode kernel for one layer shape and batch shape; with split keys, the merge of the
-    partials either inside that launch or in the combine kernel after it (``merges_in_kernel``)."""
+    partials either inside that launch or in the combine kernel after it (``merges_in_kernel``).
+    ``scratch``: a ``FreshScratch`` or anything with its two methods."""
 
     __slots__ = ("run", "kwargs", "combine_run", "combine_kwargs", "splits", "sm", "o_part", "lse_part",
                  "arrivals")
@@ -148,9 +165,7 @@ class DecodeLaunch:
         tail = self._tail(key_cache, cu_q, seq_lens, block_table, strides, strides, alibi, kv_scales)
         run = make_launch(decode.decode_kernel, self.kwargs, (None, key_cache, value_cache, None, *tail), (0, 3))
         if self.combine_run is None:
-            def attend(q, out):
-                run(q, out)
-            return attend
+            return run  # attend(q, out) itself: no frame in between
         combine = make_launch(decode.combine_kernel, self.combine_kwargs,
                               (None, self.o_part, self.lse_part, cu_q, strides[0], strides[1], self.splits), (0,))
 
