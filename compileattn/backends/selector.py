@@ -19,7 +19,8 @@ op_overhead.md): the Triton decode kernel is 0.87-1.10x FlashInfer's GPU time an
 than FlashAttention-4, which has no split-KV on Hopper (13.2 vs 59.0 us at batch 1 / context 4096);
 uniform decode is captured whole in the full-graph mode, so Triton's host launch cost is not paid
 per step there. Mixed/prefill steps run attention eagerly between pieces, where FA4's ~7 us prepared
-call beats Triton's ~12 us (two launches with split-KV; op_overhead_direct.md).
+call beats Triton's ~12 us (op_overhead_direct.md, measured with two launches at split-KV; a launch of
+up to 4 splits now merges its own partials).
 """
 from __future__ import annotations
 
