@@ -28,6 +28,7 @@ from compileattn.backends.kv_write import write_kv_masked, write_kv_padded
 from compileattn.backends.reference import ReferenceBackend
 from compileattn.kv_cache import FP8_E4M3_MAX, FP8_REL_ERROR_BOUND
 from compileattn.models.attention import Attention
+from compileattn.testing import warm_up_for_capture
 
 FP8 = torch.float8_e4m3fn
 CUDA = torch.cuda.is_available()
@@ -409,11 +410,7 @@ def test_cuda_graph_replays_fp8_decode_with_new_metadata():
 
     load(steps[0])
     md = b.build(steps[0].seqs, pad_to=n)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward(md)  # compile, bind
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(lambda: forward(md))  # compile, bind
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward(md)

@@ -20,6 +20,7 @@ import torch
 import compileattn
 from compileattn.backends import selector
 from compileattn.kv_cache import FP8_E4M3_MAX
+from compileattn.testing import warm_up_for_capture
 
 CUDA = torch.cuda.is_available()
 cpu_only = pytest.mark.skipif(CUDA, reason="interpreter tests (the GPU runs the compiled kernels)")
@@ -384,11 +385,7 @@ def test_cuda_graph_replays_with_new_cache_seqlens(paged):
                                             block_table=s.block_table, causal=True, out=out, backend="triton",
                                             validate=False)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(step)  # compile
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()

@@ -28,6 +28,7 @@ from compileattn.backends.triton.config import (
     MAX_SPLITS, MAX_SPLITS_MERGED_IN_KERNEL, PROGRAMS_PER_SM, Tuning, decode_config, fills_waves, num_splits,
     unified_config,
 )
+from compileattn.testing import warm_up_for_capture
 
 
 def _interpreter_usable() -> bool:
@@ -554,11 +555,7 @@ def test_cuda_graph_replay_with_new_metadata(dtype, block_size, kind, splits):
 
     load(cases[0])
     md = b.build(cases[0]["seqs"], pad_to=pad)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer_forward(md, cache, q, k, v, out)  # warm-up: compile, bind, allocate scratch
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(lambda: layer_forward(md, cache, q, k, v, out))  # compile, bind, allocate scratch
     load(cases[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -620,15 +617,10 @@ def test_cuda_split_merge_under_load(splits):
             assert launch.splits == splits and launch.combine_run is None
             assert torch.all(launch.arrivals == 0)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(step, times=3)
     check()
-    a, b_ = (decode_launch(md, spec, torch.bfloat16).arrivals for spec in specs.values())
-    assert a.data_ptr() == b_.data_ptr(), "the two layer shapes were meant to share one counter buffer"
+    wide, narrow = (decode_launch(md, spec, torch.bfloat16).arrivals for spec in specs.values())
+    assert wide.data_ptr() == narrow.data_ptr(), "the two layer shapes were meant to share one counter buffer"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
