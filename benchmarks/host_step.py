@@ -97,7 +97,7 @@ def measure(args) -> dict:
         for direct in (True, False):
             config = ca.CompileConfig(cudagraph_mode="full_and_piecewise", attention_backend=args.backend,
                                       max_capture_size=max_tokens, piece_compiler=args.piece_compiler,
-                                      direct_full_replay=direct)
+                                      direct_full_replay=direct, background_static_compiles=False)
             fns[direct] = ca.compile(forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
 
         results = {"device": device, "torch": torch.__version__, "python": sys.version.split()[0],

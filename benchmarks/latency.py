@@ -498,7 +498,8 @@ class CompileattnGroup(Group):
         # piece_compiler: latency_tp.py's CPU smoke run compiles pieces eagerly (seconds, not minutes)
         self.config = ca.CompileConfig(cudagraph_mode=mode, attention_backend=bench.args.backend,
                                        max_capture_size=bench.pad_config.max_capture_size, compile_sizes=sizes,
-                                       piece_compiler=getattr(bench.args, "piece_compiler", "inductor"))
+                                       piece_compiler=getattr(bench.args, "piece_compiler", "inductor"),
+                                       background_static_compiles=False)  # time the static pieces, not the wait
         self.runtimes = RecordingBackend(config=self.config)
         self.fn = ca.compile(make_forward(bench.model), dynamic_arg_dims={"input_ids": 0, "positions": 0},
                              config=self.config, backend=self.runtimes)

@@ -62,6 +62,14 @@ class CompileConfig:
     #: another in-process. A worker lives for the compile and takes ~1 GB of host memory; compiling
     #: for CUDA it may also open a CUDA context on the GPU (not measured).
     compile_workers: int | Literal["auto"] = "auto"
+    #: With workers, return from the compile once the dynamic-shape pieces are ready and let the
+    #: static-shape ones land when the workers finish them (``compilation/landing.py``): until a
+    #: size's static pieces land, its steps run the dynamic-shape pieces (correct, slower), and its
+    #: CUDA graphs are captured again once they do. On the H200 a worker was ready only 12-16 s
+    #: after it started (a fresh interpreter importing torch), so waiting for them took the OPT-125m
+    #: shape's cold start from 7.6 s to 20.4 s. False waits for every static piece (what a server
+    #: that captures its graphs once at start-up wants: ``compileattn.LLM`` does).
+    background_static_compiles: bool = True
     #: "auto" = "full_and_piecewise" on CUDA, "none" elsewhere.
     cudagraph_mode: CudaGraphMode = "auto"
     #: Token counts captured as CUDA graphs; None = default_capture_sizes(max_capture_size).

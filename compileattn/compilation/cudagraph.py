@@ -33,7 +33,7 @@ def _tensor_layout(args: Sequence[Any]) -> list[tuple[int, int, tuple[int, ...]]
 
 
 class CapturedGraph:
-    __slots__ = ("graph", "outputs", "layout", "checked", "name", "size")
+    __slots__ = ("graph", "outputs", "layout", "checked", "name", "size", "dropped", "__weakref__")
 
     def __init__(self, graph, outputs, layout, name: str, size: int):
         self.graph = graph
@@ -42,6 +42,8 @@ class CapturedGraph:
         self.checked = False
         self.name = name
         self.size = size
+        #: its wrapper let it go (``CUDAGraphWrapper.forget``): whoever kept it must not replay it
+        self.dropped = False
 
     def check(self, args: Sequence[Any]) -> None:
         """Inputs must sit where, and be shaped as, they were at capture: a replay reads them there."""
@@ -163,6 +165,12 @@ class CUDAGraphWrapper:
         self.pool = pool
         self.check_addresses = check_addresses
         self.graphs: dict[int, CapturedGraph] = {}
+
+    def forget(self, size: int) -> None:
+        """Drop the graph of ``size`` (its code changed): the next ``run`` of that size captures anew."""
+        entry = self.graphs.pop(size, None)
+        if entry is not None:
+            entry.dropped = True
 
     def run(self, size: int, args: Sequence[Any], fn: Callable[..., Any] | None = None):
         """Replay the graph of ``size``; capture it first, from ``fn`` (default: this wrapper's)."""

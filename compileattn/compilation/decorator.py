@@ -49,6 +49,7 @@ under a guarded ``torch.compile`` took 77-135 µs against 25-40 µs decorated.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import logging
@@ -72,6 +73,11 @@ log = logging.getLogger("compileattn")
 
 #: Set to 1 to run every ``@compileattn.compile`` function eagerly (read at each site's first call).
 DISABLE_ENV = "COMPILEATTN_DISABLE"
+#: At most this long, a process that ends while static pieces still compile in the background waits
+#: for them to save its warm start file (only with ``cache_dir``).
+EXIT_WAIT_FOR_STATIC_S = 120.0
+#: ``atexit``'s register/unregister (tests run the registered wait themselves).
+_at_exit = atexit
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -295,11 +301,16 @@ class _Site:
             else:
                 stats = self._compile_stats(timed, path="cold")
                 stats["import_wait_s"] = import_wait
-                if path is not None and timed.dispatchers():
-                    saved = warm_start.save(path, aot_fn, what)
+                self.runtimes = timed.dispatchers()
+                save = (lambda: warm_start.save(path, aot_fn, what)) if path is not None and self.runtimes else None
+                late = [d for d in self.runtimes if d.pending_static_compiles()]
+                if late:
+                    stats["static_pending"] = sum(d.pending_static_compiles() for d in late)
+                    _when_all_settled(late, start, stats, save)
+                elif save is not None:
+                    saved = save()
                     if saved is not None:
                         stats["save_s"] = saved
-                self.runtimes = timed.dispatchers()
                 return self._first_call(what, _torch_compat.aot_function(aot_fn), checker, stats, start, full_args,
                                         kwargs)
         log.info("compileattn: compiling %s through torch.compile's frame evaluation: %s", what, reason)
@@ -373,6 +384,47 @@ class _Site:
         self.checker = checker
         self.fast = torch.compiler.set_stance("fail_on_recompile")(compiled)
         return out
+
+
+def _wait_for_static_pieces(runtimes: list, timeout: float | None) -> bool:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for runtime in runtimes:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not runtime.wait_for_static_pieces(left):
+            return False
+    return True
+
+
+def _when_all_settled(dispatchers: list, start: float, stats: dict[str, Any], save: Callable[[], Any] | None) -> None:
+    """Once the static pieces still compiling in the background have all landed (or been given
+    up), record when (``static_landed_s``, from the call's start) and save the warm start: a file
+    saved before would hold only the dynamic-shape pieces, and a warm start has no workers to
+    compile the rest. A process that ends first waits for them at exit (at most
+    ``EXIT_WAIT_FOR_STATIC_S``) so that its warm start file is written: a short script would
+    otherwise never leave one."""
+    left = [len(dispatchers)]
+
+    def at_exit() -> None:
+        pending = sum(d.pending_static_compiles() for d in dispatchers)
+        log.info("compileattn: waiting up to %.0f s at exit for %d static-shape compiles, to save the warm start",
+                 EXIT_WAIT_FOR_STATIC_S, pending)
+        _wait_for_static_pieces(dispatchers, EXIT_WAIT_FOR_STATIC_S)
+
+    def settled() -> None:
+        left[0] -= 1
+        if left[0]:
+            return
+        stats["static_landed_s"] = time.perf_counter() - start
+        if save is not None:
+            _at_exit.unregister(at_exit)
+            saved = save()
+            if saved is not None:
+                stats["late_save_s"] = saved
+
+    if save is not None:
+        _at_exit.register(at_exit)
+    for d in dispatchers:
+        d.when_static_settled(settled)
 
 
 def _prestart_static_compiles(config: CompileConfig, values: Mapping[str, Any]) -> None:
@@ -456,6 +508,9 @@ class CompiledFunction:
         from the cache: ``load_s``), "cold" (``dynamo_s`` tracing, ``backend_s`` compileattn's passes
         and piece compiles, of which ``static_s`` what the static-shape ones added (``CompiledSplit.static_seconds``); ``save_s`` writing the warm
         start file) or "frame" (the frame path; its ``dynamo_s`` includes the first run);
+        ``static_pending``: static compiles still running in the background when the first call
+        began, ``static_landed_s`` when the last of them landed (from the call's start; the warm
+        start file is saved then, ``late_save_s``);
         ``import_wait_s``: waiting for the background import of Inductor (warm: part of ``load_s``);
         ``total_s`` everything before the first run, ``first_call_s`` the first run itself (with
         any CUDA-graph capture). For a method, the most recently called instance's (``instance.forward.compile_stats``
@@ -469,6 +524,12 @@ class CompiledFunction:
         site (graphs, pool, capture time: what tests and benchmarks read)."""
         site = self._last._site if self._last is not None else self._site
         return list(site.runtimes)
+
+    def wait_for_static_pieces(self, timeout: float | None = None) -> bool:
+        """Block until the static-shape pieces still compiling in the background have landed
+        (``CompileConfig.background_static_compiles``), installed now; False on timeout."""
+        site = self._last._site if self._last is not None else self._site
+        return _wait_for_static_pieces(site.runtimes, timeout)
 
     def _disabled(self) -> bool:
         return os.environ.get(DISABLE_ENV, "0") not in ("", "0") or bool(getattr(self._config, "disable", False))
@@ -527,6 +588,10 @@ class BoundCompiledFunction:
     @property
     def runtimes(self) -> list:
         return list(self._site.runtimes)
+
+    def wait_for_static_pieces(self, timeout: float | None = None) -> bool:
+        """See ``CompiledFunction.wait_for_static_pieces``."""
+        return _wait_for_static_pieces(self._site.runtimes, timeout)
 
     @property
     def __self__(self) -> Any:

@@ -10,8 +10,11 @@ mode, ``cudagraph.CUDAGraphWrapper`` only captures, checks and replays):
 - **none**: anything larger, or graphs off: the compiled pieces run as they are.
 
 Static-shape compiles (``CompileConfig.compile_sizes``) replace the dynamic-shape piece for steps
-of exactly that size, in every mode. Identical pieces share compiled code; before running one, the
-dispatcher publishes which layers its KV-write slots stand for (``piece_signature.py``).
+of exactly that size, in every mode. Those still compiling in workers when the compile returned
+land between two steps (``landing.py``): the dispatcher installs them at the start of a step and
+drops the CUDA graphs of their sizes, which the next step of that size captures again. Identical
+pieces share compiled code; before running one, the dispatcher publishes which layers its KV-write
+slots stand for (``piece_signature.py``).
 
 Under ``@compileattn.compile`` a full-decode step whose graph this dispatcher has already replayed
 may not reach it at all: the decorator replays that graph itself (``replay.py``), after asking
@@ -56,6 +59,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self.capture_sizes = frozenset(config.capture_sizes)
         self.pool = None
         self.static = {name: compiled.static(name) for name in compiled.signatures if compiled.static_sizes}
+        self._landing = compiled.landing
+        #: when the last static piece landed, seconds after the landing started (None: none landed late)
+        self.static_settled_after: float | None = None
         #: the step's token count while the split graph runs, when pieces need it (graphs or static)
         self.current_size: int | None = None
         self.graphs_on = False
@@ -104,7 +110,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                       slots: dict[str, str] | None) -> Callable[..., Any]:
         """The callable the split graph calls for a piece. ``slots``: the layers its KV writes
         stand for, published before the piece runs (and so also when it is captured)."""
-        if self.mode == "none" and not static:
+        if self.mode == "none" and not static and self._landing is None:
             if slots is None:
                 return fn
 
@@ -155,6 +161,8 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self._checked_caches = caches
 
     def __call__(self, *args):
+        if self._landing is not None and self._landing.changed:
+            self._land()
         ctx = context._current
         if ctx is not None:
             self._check_step(ctx, args)
@@ -221,6 +229,8 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         a uniform decode of capturable calls, at a size whose graph was captured and checked,
         through the builder and caches the graphs were captured with, caches already checked
         (``__call__``'s token-count check is the caller's, ``replay.FullStepShortcut``)."""
+        if self._landing is not None and self._landing.changed:
+            return None  # the ordinary path installs the static pieces first
         md = ctx.metadata
         owner = self._graph_owner
         if (self._full is None or not md.is_uniform_decode or not ctx.table.capturable
@@ -229,6 +239,65 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             return None
         entry = self._full.graphs.get(md.num_tokens)
         return entry if entry is not None and entry.checked else None
+
+    # -- static pieces that land after the compile --------------------------------------------
+
+    def _land(self) -> None:
+        """Install the static pieces that landed since the last step and drop the graphs of their
+        sizes; once none is left out, stop the workers and run what waited for it."""
+        landing = self._landing
+        sizes = set()
+        for key, task in landing.take():
+            fn = self.compiled.adopt_landed(key, task)
+            if fn is None:
+                continue
+            signature, size = key
+            for name, sig in self.compiled.signatures.items():
+                if sig == signature:
+                    self.static[name][size] = fn
+            sizes.add(size)
+        for size in sorted(sizes):
+            for graphs in self._piece_graphs:
+                graphs.forget(size)
+            if self._full is not None:
+                self._full.forget(size)
+        if sizes:
+            self.replayed = None
+            counters.static_landings += len(sizes)
+        if landing.settled:
+            self._landing = None
+            self.static_settled_after = landing.settled_after
+            logger.info("compileattn: static-shape pieces in place %.2f s after the compile returned",
+                        landing.settled_after)
+            landing.finish()
+
+    def pending_static_compiles(self) -> int:
+        """Static compiles not yet installed (0 once every one has landed or been given up)."""
+        return self._landing.pending if self._landing is not None else 0
+
+    def wait_for_static_pieces(self, timeout: float | None = None) -> bool:
+        """Block until every static compile still out has finished and install them now (on the
+        thread that runs the model, between steps); False on timeout."""
+        landing = self._landing
+        if landing is None:
+            return True
+        if not landing.wait(timeout):
+            return False
+        self._land()
+        return True
+
+    def when_static_settled(self, callback: Callable[[], Any]) -> None:
+        """Run ``callback`` once no static compile is out (now, if none is)."""
+        if self._landing is None:
+            callback()
+        else:
+            self._landing.when_settled(callback)
+
+    def close(self) -> None:
+        """Stop workers still compiling static pieces for this dispatcher."""
+        if self._landing is not None:
+            self._landing.close()
+            self._landing = None
 
     # -- what tests and benchmarks read ---------------------------------------------------------
 

@@ -34,6 +34,7 @@ from ..passes import capture_kv_write, cleanup, hoist_shape_logic, split_graph
 from ..passes.split import Piece, is_splitting_node
 from . import static_pool
 from .cache import CompileCache, cache_key
+from .landing import StaticLanding
 from .piece_signature import parametrize_layer_names, piece_signature
 
 logger = logging.getLogger("compileattn")
@@ -116,6 +117,21 @@ class CompiledSplit:
     #: loads, sending them to worker processes, waiting for and loading the workers' artifacts
     #: (worker time that overlapped the dynamic-shape compiles is not in it)
     static_seconds: float = 0.0
+    #: static compiles still running in workers (``background_static_compiles``; not saved)
+    landing: StaticLanding | None = None
+    #: where a landed static piece is saved (None: no compile cache)
+    cache: CompileCache | None = None
+
+    def adopt_landed(self, key: tuple[str, int], task: static_pool.Task) -> Callable[..., Any] | None:
+        """Install a static compile that landed after the compile returned: its callable, or None
+        (logged) when it failed and the size keeps the dynamic-shape piece."""
+        code = adopt(task, key[0], key[1], self.cache)
+        if not isinstance(code, PieceCode):
+            logger.info("compileattn: the static compile of %s did not land (%s); steps of %d tokens keep the "
+                        "dynamic-shape piece", task.label, code, key[1])
+            return None
+        self.code[key] = code
+        return code.callable()
 
     def dynamic(self, name: str) -> Callable[..., Any]:
         return self.code[(self.signatures[name], None)].callable()
@@ -230,6 +246,8 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.tasks: dict[tuple[str, int], tuple[static_pool.Task, Piece, list[Any]]] = {}
         self._settings: dict[str, Any] | None = None
         self._graphs: dict[str, bytes | None] = {}
+        #: the static compiles left to land after the compile (``finish``)
+        self.landing: StaticLanding | None = None
 
     def compile_all(self, fake_mode, fake_args) -> None:
         traced = {name: _placeholder_values(p) for name, p in self.pieces.items() if not p.is_splitting_op}
@@ -357,10 +375,15 @@ class _PieceCompiler(torch.fx.Interpreter):
 
     def finish(self) -> None:
         """Wait for the static compiles sent to workers, compiling here those no worker started,
-        and load their artifacts; a task a worker failed is compiled here."""
+        and load their artifacts; a task a worker failed is compiled here. With
+        ``background_static_compiles``, keep what has finished and leave the rest to land later
+        (``landing.py``): ``self.landing``."""
         if not self.tasks:
             return
         start = time.perf_counter()
+        if self.config.background_static_compiles and self._leave_to_land():
+            self.static_seconds += time.perf_counter() - start
+            return
         by_id = {task.id: (key, piece, args) for key, (task, piece, args) in self.tasks.items()}
 
         def here(task: static_pool.Task) -> None:
@@ -372,38 +395,65 @@ class _PieceCompiler(torch.fx.Interpreter):
         worker_seconds = 0.0
         for key, (task, piece, args) in self.tasks.items():
             signature, size = key
-            kind = task.result[0] if task.result is not None else "error"
-            if kind == "here":
+            if task.result is not None and task.result[0] == "here":
                 self.code[key] = task.result[1]
                 continue
-            if kind == "ok":
-                _, data, seconds, pid = task.result
-                try:
-                    code = PieceCode("inductor", _torch_compat.artifact_from_bytes(data))
-                except Exception as exc:  # noqa: BLE001
-                    kind, why = "error", f"its artifact does not load here ({type(exc).__name__}: {exc})"
-                else:
-                    counters.backend_compiles += 1
-                    counters.static_compiles_in_workers += 1
-                    in_workers += 1
-                    worker_seconds += seconds
-                    logger.info("compiled %s (%s) with inductor in a worker (pid %d) in %.2f s", piece.name,
-                                _shape(size), pid, seconds)
-                    if self._use_cache:
-                        self.cache.save_bytes(signature, data, size)
-                    self.code[key] = code
-                    continue
-            else:
-                why = task.result[1] if task.result is not None else "no answer"
-                if task.result is not None and len(task.result) > 2:
-                    logger.debug("compileattn: the worker's traceback for %s:\n%s", task.label, task.result[2])
-            logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process", task.label, why)
+            code = adopt(task, signature, size, self.cache if self._use_cache else None)
+            if isinstance(code, PieceCode):
+                self.code[key] = code
+                in_workers += 1
+                worker_seconds += task.result[2]
+                continue
+            logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process", task.label,
+                        code)
             self.code[key] = self._compile_static_here(piece, signature, args, size)
         seconds = time.perf_counter() - start
         self.static_seconds += seconds
         logger.info("compileattn: %d static-shape compiles: %d in %d worker processes (%.2f s of compiling), %d "
                     "in-process; waiting for and loading them took %.2f s", len(self.tasks), in_workers,
                     self.pool.size, worker_seconds, len(self.tasks) - in_workers, seconds)
+
+    def _leave_to_land(self) -> bool:
+        """Adopt the static compiles already done and hand the pool, with the others, to a
+        landing; False (nothing done) if the pool cannot be handed over."""
+        waiting = {key: task for key, (task, _, _) in self.tasks.items() if task.result is None}
+        pool = static_pool.detach() if waiting else None
+        if waiting and pool is None:
+            return False
+        for key, (task, _, _) in self.tasks.items():
+            if key not in waiting:
+                code = adopt(task, key[0], key[1], self.cache if self._use_cache else None)
+                if isinstance(code, PieceCode):
+                    self.code[key] = code
+                else:
+                    logger.info("compileattn: the static compile of %s failed (%s); steps of %d tokens run the "
+                                "dynamic-shape piece", task.label, code, key[1])
+        if waiting:
+            self.landing = StaticLanding(pool, waiting)
+            logger.info("compileattn: %d of %d static-shape compiles left to land in the background (%d worker "
+                        "processes); until they do, their sizes run the dynamic-shape pieces", len(waiting),
+                        len(self.tasks), pool.size)
+        return True
+
+
+def adopt(task: static_pool.Task, signature: str, size: int, cache: CompileCache | None) -> PieceCode | str:
+    """A worker's answer to a static compile as code (saved to ``cache``), or why there is none."""
+    if task.result is None or task.result[0] != "ok":
+        why = task.result[1] if task.result is not None else "no answer"
+        if task.result is not None and len(task.result) > 2:
+            logger.debug("compileattn: the worker's traceback for %s:\n%s", task.label, task.result[2])
+        return why
+    _, data, seconds, pid = task.result
+    try:
+        code = PieceCode("inductor", _torch_compat.artifact_from_bytes(data))
+    except Exception as exc:  # noqa: BLE001
+        return f"its artifact does not load here ({type(exc).__name__}: {exc})"
+    counters.backend_compiles += 1
+    counters.static_compiles_in_workers += 1
+    logger.info("compiled %s with inductor in a worker (pid %d) in %.2f s", task.label, pid, seconds)
+    if cache is not None:
+        cache.save_bytes(signature, data, size)
+    return code
 
 
 def _shape(size: int | None) -> str:
@@ -468,4 +518,5 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     logger.info("%d pieces (%d distinct, %d splitting ops, static sizes %s) ready in %.2f s", len(compiler.signatures),
                 distinct, len(splitting), list(static_sizes) or "none", time.perf_counter() - start)
     return CompiledSplit(split_gm, pieces, compiler.code, compiler.signatures, static_sizes, layer_slots, splitting,
-                         layers, token_index, compiler.static_seconds)
+                         layers, token_index, compiler.static_seconds, compiler.landing,
+                         cache if compiler._use_cache else None)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dis
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -240,7 +241,7 @@ class FullStepShortcut:
     def __init__(self, runtime):
         self.runtime = runtime
         self.learned: dict[int, _Learned] = {}
-        self.tried: set = set()  # graphs learned from, or found unfit, once each
+        self.tried = weakref.WeakSet()  # graphs learned from, or found unfit, once each
 
     def step(self, args: tuple, kwargs: dict):
         """Replay and return the step's output, or ``MISS``."""
@@ -253,6 +254,8 @@ class FullStepShortcut:
             return MISS
         entry = self.runtime.full_replay_entry(ctx)
         if entry is not known.entry:
+            if known.entry.dropped:  # captured again (static pieces landed): learn it anew
+                del self.learned[md.num_tokens]
             return MISS
         for src, ptr, shape, stride, read in known.tensors:
             t = args[src] if src.__class__ is int else kwargs[src]

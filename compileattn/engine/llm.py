@@ -213,9 +213,11 @@ class LLM:
             if device.type != "cuda":
                 return None
             # Decode steps of up to max_num_seqs tokens replay full graphs; mixed steps up to 256
-            # tokens replay piecewise ones.
+            # tokens replay piecewise ones. A server captures its graphs once while warming up:
+            # it waits for the static pieces rather than capture again mid-serving.
             return CompileConfig(attention_backend=attention_backend,
-                                 max_capture_size=min(max(256, max_num_seqs), max_num_batched_tokens))
+                                 max_capture_size=min(max(256, max_num_seqs), max_num_batched_tokens),
+                                 background_static_compiles=False)
         if compile_config is not None and not isinstance(compile_config, CompileConfig):
             raise TypeError(f"compile_config must be a CompileConfig, 'auto' or None, got {compile_config!r}")
         return compile_config

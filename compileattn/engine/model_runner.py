@@ -151,6 +151,9 @@ class ModelRunner:
         may not write a slot twice): captured kernels' grids depend only on the token and sequence
         counts, and nothing is served yet, so what the dummies write is never read."""
         start = time.perf_counter()
+        wait = getattr(self.forward, "wait_for_static_pieces", None)
+        if wait is not None:  # graphs captured before their static pieces land would be captured again mid-serving
+            wait()
         bs = self.builder.block_size
 
         def table(tokens: int) -> list[int]:

@@ -1,0 +1,111 @@
+"""Static-shape pieces that land after the compile returned (``background_static_compiles``).
+
+The static compiles of a cold start run in worker processes (``static_pool.py``), and a worker is
+ready only after a fresh interpreter has imported torch: 12-16 s after it started on the H200's
+host, longer than the whole dynamic-shape compile of the OPT-125m shape (7.6 s cold start without
+static pieces, 20.4 s waiting for them). So the compile returns once the dynamic-shape pieces are
+ready, and the static ones land while the model already runs:
+
+- the workers' threads set each task's result and flag ``changed`` (one attribute the dispatcher
+  reads per step, ``StepDispatcher._land``), so loading an artifact and swapping it in happen on the
+  thread that runs the model, between two steps, never under a running step;
+- until a size's static pieces land its steps run the dynamic-shape pieces: the same results within
+  the dtype's tolerance, only slower;
+- a piece that lands makes the dispatcher drop the CUDA graphs of its size (each piece's and the
+  full graph): they were captured with the dynamic-shape code, and the next step of that size
+  captures them again, in order, as a first capture would;
+- a task a worker fails (or that no worker is left to take) keeps the dynamic-shape piece for that
+  size, logged: never a wrong or missing piece;
+- once every task has settled the pool's workers exit and whoever waits for the landing (the warm
+  start's save, ``wait``) goes on.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from typing import Any, Callable
+
+from . import static_pool
+
+
+class StaticLanding:
+    """The static compiles still out in a detached pool: ``tasks`` maps each (signature, size) to
+    its ``static_pool.Task``."""
+
+    def __init__(self, pool: static_pool.StaticCompilePool, tasks: dict[tuple[str, int], static_pool.Task]):
+        self.pool = pool
+        self.started = time.perf_counter()
+        self._cond = threading.Condition()
+        self._waiting = dict(tasks)
+        #: Set by the pool's threads when a result arrived that ``take`` has not handed out; read
+        #: once per step (a plain attribute: no lock on the step path).
+        self.changed = False
+        #: seconds from the landing's start until every task had settled (None before)
+        self.settled_after: float | None = None
+        self._on_settled: list[Callable[[], Any]] = []
+        pool.on_result = self._result_arrived
+        # A process that ends with compiles still out must not leave workers behind compiling.
+        atexit.register(self.close)
+        self._result_arrived()  # results that came before the hand-over
+
+    @property
+    def pending(self) -> int:
+        return len(self._waiting)
+
+    def _result_arrived(self) -> None:
+        """Called on a pool thread (and once here): a task finished, or a worker stopped. The
+        workers are stopped as soon as every task has its answer, whether or not the model runs
+        another step to install them."""
+        if self.pool.live_workers == 0:
+            self.pool.fail_pending("no static-compile worker is left to compile it")
+        with self._cond:
+            self.changed = True
+            self._cond.notify_all()
+            done = all(task.result is not None for task in self._waiting.values())
+        if done:
+            self.pool.close()
+
+    def take(self) -> list[tuple[tuple[str, int], static_pool.Task]]:
+        """The tasks that have settled since the last call (on the thread that runs the model)."""
+        with self._cond:
+            self.changed = False
+            done = [(key, task) for key, task in self._waiting.items() if task.result is not None]
+            for key, _ in done:
+                del self._waiting[key]
+            if not self._waiting and self.settled_after is None:
+                self.settled_after = time.perf_counter() - self.started
+        return done
+
+    @property
+    def settled(self) -> bool:
+        return self.settled_after is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every task has a result (not yet installed: the next step installs them);
+        False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while any(task.result is None for task in self._waiting.values()):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left if left is not None else 1.0)
+        return True
+
+    def when_settled(self, callback: Callable[[], Any]) -> None:
+        """Run ``callback`` on the model's thread once every task has been installed or given up."""
+        self._on_settled.append(callback)
+
+    def finish(self) -> None:
+        """Every task is taken: run the callbacks (the workers are already stopped)."""
+        atexit.unregister(self.close)
+        callbacks, self._on_settled = self._on_settled, []
+        for callback in callbacks:
+            callback()
+
+    def close(self) -> None:
+        """Give up on what has not landed (the model is gone, or the process ends): stop the
+        workers now, compiling or not."""
+        atexit.unregister(self.close)
+        self.pool.close(kill=True)

@@ -1,0 +1,293 @@
+"""Static-shape pieces that land after the compile returned (``background_static_compiles``,
+compilation/landing.py), on the CPU with Inductor and simulated CUDA graphs.
+
+A held pool stands in for the worker processes, so each test decides when a task's answer arrives
+(compiled for real, in-process, from the message a worker would get): before the landing, steps of
+a static size run the dynamic-shape pieces; the step after it installs the static ones and captures
+that size's graphs again; a failed task keeps the dynamic piece; the warm start file is written
+only once nothing is left out. One test runs real workers end to end.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import compileattn as ca
+from compileattn.compilation import static_pool
+from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
+from compileattn.testing import RecordingBackend, assert_matches_eager, random_step
+
+BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 256, 32
+CAPTURE = [1, 2, 4, 8]
+STATIC = 4
+
+
+class HeldPool:
+    """``StaticCompilePool``'s interface without processes: tasks wait for ``answer``."""
+
+    made: list["HeldPool"] = []
+
+    def __init__(self, workers: int):
+        self.size = workers
+        self.tasks: list[static_pool.Task] = []
+        self.on_result = None
+        self.closed = False
+        self.live = workers
+        HeldPool.made.append(self)
+
+    @property
+    def live_workers(self) -> int:
+        return self.live
+
+    def submit(self, task) -> None:
+        self.tasks.append(task)
+
+    def fail_pending(self, why: str) -> None:
+        for task in self.tasks:
+            if task.result is None:
+                task.result = ("error", why)
+
+    def close(self, wait: bool = False, kill: bool = False) -> None:
+        self.closed = True
+
+    def answer(self, task, error: str | None = None) -> None:
+        task.result = (("error", error) if error else
+                       ("ok", static_pool.compile_message(task.message), 0.0, os.getpid()))
+        self.on_result()
+
+
+@pytest.fixture
+def held(monkeypatch):
+    HeldPool.made = []
+    monkeypatch.setattr(static_pool, "StaticCompilePool", HeldPool)
+    yield HeldPool.made
+    static_pool.release()
+
+
+def _setup(device: str = "cpu", **config):
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    backend = "triton" if device == "cuda" else "auto"
+    model = LlamaForCausalLM(LlamaConfig.tiny(num_layers=2, head_dim=64), dtype=dtype, device=device, seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=dtype, device=device)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=8, device=device, backend=backend)
+    ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device=device)
+    pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device=device)
+    config.setdefault("attention_backend", backend)
+
+    def make_inputs(n):  # persistent buffers: graphs read their inputs where they were captured
+        ids_buf[:n].random_(0, model.config.vocab_size)
+        pos_buf[:n].random_(0, 100)
+        ids, pos = ids_buf[:n], pos_buf[:n]
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        return ids, pos
+
+    cfg = ca.CompileConfig(**{"cudagraph_mode": "full_and_piecewise", "cudagraph_capture_sizes": CAPTURE,
+                              "compile_sizes": (STATIC,), "compile_workers": 1, **config})
+    return model, caches, builder, make_inputs, cfg
+
+
+def _step(rng, model, compiled, builder, caches, make_inputs, *, decode: bool, tokens: int = STATIC):
+    if decode:
+        seqs = random_step(rng, num_seqs=tokens, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_context_len=40,
+                           decode_fraction=1.0)
+    else:  # one 2-token prefill chunk and decodes: a mixed step of ``tokens`` tokens (piecewise graphs)
+        seqs = random_step(rng, num_seqs=tokens - 1, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_context_len=40,
+                           decode_fraction=1.0)
+        last = seqs[-1]
+        seqs[-1] = last._replace(query_len=2, context_len=min(last.context_len, len(last.block_table) * BLOCK - 2))
+    assert sum(s.query_len for s in seqs) == tokens
+    return assert_matches_eager(model, compiled, builder, caches, seqs, make_inputs, pad_to=tokens)
+
+
+def test_static_pieces_land_between_steps_and_their_graphs_are_captured_again(held, simulated_graphs):
+    model, caches, builder, make_inputs, cfg = _setup()
+    backend = RecordingBackend(config=cfg)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(0)
+    with ca.counters.expect(static_landings=0, static_compiles_in_workers=0):
+        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+    (runtime,) = backend.built
+    (pool,) = held
+    distinct = len(set(runtime.compiled.signatures.values()))
+    assert len(pool.tasks) == distinct and runtime.pending_static_compiles() == distinct
+    assert all(not by_size for by_size in runtime.static.values())  # size 4 runs the dynamic pieces
+    _step(rng, model, compiled, builder, caches, make_inputs, decode=False)  # piecewise graphs of size 4
+    assert runtime.full_graph_count() == 1
+    piece_graphs = runtime.piece_graph_count()
+    assert piece_graphs > 0
+
+    for task in pool.tasks:
+        pool.answer(task)
+    assert not pool.closed or runtime.pending_static_compiles() == distinct  # installed by the next step only
+    captures = ca.counters.cudagraph_captures
+    with ca.counters.expect(static_landings=1, static_compiles_in_workers=distinct, full_graph_steps=1):
+        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+    assert runtime.pending_static_compiles() == 0 and pool.closed
+    assert runtime.static_settled_after is not None
+    assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
+    assert ca.counters.cudagraph_captures == captures + 1  # the full graph of size 4, captured again
+    assert runtime.piece_graph_count() == 0  # the piecewise graphs of size 4 were dropped ...
+    _step(rng, model, compiled, builder, caches, make_inputs, decode=False)
+    assert runtime.piece_graph_count() == piece_graphs  # ... and captured again at the next mixed step
+    with ca.counters.expect(cudagraph_captures=0, static_landings=0):  # nothing more to land or capture
+        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+        _step(rng, model, compiled, builder, caches, make_inputs, decode=False)
+
+
+def test_a_failed_static_compile_keeps_the_dynamic_piece(held, simulated_graphs, caplog):
+    model, caches, builder, make_inputs, cfg = _setup()
+    backend = RecordingBackend(config=cfg)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(1)
+    _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+    (runtime,) = backend.built
+    (pool,) = held
+    failed, *others = pool.tasks
+    pool.answer(failed, error="RuntimeError: injected")
+    for task in others:
+        pool.answer(task)
+    with caplog.at_level("INFO", logger="compileattn"):
+        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+    assert "did not land (RuntimeError: injected)" in caplog.text
+    assert runtime.pending_static_compiles() == 0
+    signatures = runtime.compiled.signatures
+    failed_sig = next(sig for (sig, size), task in _tasks_by_key(runtime, pool).items() if task is failed)
+    for name, by_size in runtime.static.items():
+        assert (STATIC in by_size) == (signatures[name] != failed_sig), name
+    _step(rng, model, compiled, builder, caches, make_inputs, decode=False)
+
+
+def _tasks_by_key(runtime, pool):
+    labels = {task.label: task for task in pool.tasks}
+    out = {}
+    for name, sig in runtime.compiled.signatures.items():
+        task = labels.get(f"{name} ({STATIC} tokens)")
+        if task is not None:
+            out[(sig, STATIC)] = task
+    return out
+
+
+def test_no_worker_left_gives_up_the_rest(held, simulated_graphs):
+    model, caches, builder, make_inputs, cfg = _setup()
+    backend = RecordingBackend(config=cfg)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(2)
+    _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+    (runtime,) = backend.built
+    (pool,) = held
+    pool.live = 0
+    pool.on_result()  # what a stopping worker's thread does
+    with ca.counters.expect(static_landings=0):
+        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+    assert runtime.pending_static_compiles() == 0 and pool.closed
+    assert all(not by_size for by_size in runtime.static.values())
+
+
+def test_wait_for_static_pieces_installs_them(held):
+    model, caches, builder, make_inputs, cfg = _setup(cudagraph_mode="none")
+    backend = RecordingBackend(config=cfg)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(3)
+    _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+    (runtime,) = backend.built
+    (pool,) = held
+    assert runtime.wait_for_static_pieces(timeout=0.05) is False
+    for task in pool.tasks:
+        pool.answer(task)
+    assert runtime.wait_for_static_pieces(timeout=5) is True
+    assert runtime.pending_static_compiles() == 0
+    assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
+    _step(rng, model, compiled, builder, caches, make_inputs, decode=True)  # mode "none": the static code runs
+
+
+def test_the_warm_start_file_waits_for_the_landing(held, simulated_graphs, tmp_path):
+    model, caches, builder, make_inputs, cfg = _setup(cache_dir=str(tmp_path / "cache"))
+    forward = ca.compile(model.forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=cfg)
+    rng = random.Random(4)
+    _step(rng, model, forward, builder, caches, make_inputs, decode=True)
+    (pool,) = held
+    saved = lambda: sorted((tmp_path / "cache").glob("**/warm_start/*.bin"))  # noqa: E731
+    assert saved() == []  # it would hold only the dynamic-shape pieces
+    stats = forward.compile_stats
+    assert stats["static_pending"] == len(pool.tasks) and "static_landed_s" not in stats
+    for task in pool.tasks:
+        pool.answer(task)
+    _step(rng, model, forward, builder, caches, make_inputs, decode=True)
+    assert len(saved()) == 1
+    stats = forward.compile_stats
+    assert stats["static_landed_s"] > 0 and stats["late_save_s"] > 0
+
+
+def test_real_workers_land_in_the_background():
+    """End to end with one worker process: the compile returns, the worker's static pieces land,
+    the next step installs them, and the worker exits."""
+    model, caches, builder, make_inputs, cfg = _setup(cudagraph_mode="none")
+    backend = RecordingBackend(config=cfg)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(5)
+    try:
+        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+        (runtime,) = backend.built
+        pool = runtime._landing.pool if runtime._landing is not None else None
+        assert runtime.wait_for_static_pieces(timeout=600)
+        assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
+        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+        if pool is not None:  # (the worker may already have finished inside the compile)
+            pool.join(timeout=30)
+            assert all(p.poll() is not None for p in pool._procs)
+    finally:
+        static_pool.release()
+
+
+def test_a_process_ending_before_the_landing_waits_for_it_to_save(held, simulated_graphs, tmp_path, monkeypatch):
+    """A short script exits before the workers finish: at exit it waits for them (bounded) and
+    writes the warm start file, which would otherwise never exist."""
+    import threading
+    from compileattn.compilation import decorator
+
+    registered = []
+
+    class Exit:
+        register = staticmethod(registered.append)
+        unregister = staticmethod(registered.remove)
+
+    monkeypatch.setattr(decorator, "_at_exit", Exit)
+    model, caches, builder, make_inputs, cfg = _setup(cache_dir=str(tmp_path / "cache"))
+    forward = ca.compile(model.forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=cfg)
+    _step(random.Random(6), model, forward, builder, caches, make_inputs, decode=True)
+    (pool,) = held
+    (at_exit,) = registered
+    answering = threading.Thread(target=lambda: [pool.answer(task) for task in pool.tasks])
+    answering.start()
+    at_exit()  # what the interpreter runs at exit
+    answering.join()
+    assert len(sorted((tmp_path / "cache").glob("**/warm_start/*.bin"))) == 1
+    assert registered == [] and forward.compile_stats["late_save_s"] > 0
+
+
+@pytest.mark.cuda
+def test_cuda_static_pieces_land_and_real_graphs_are_captured_again(held):
+    """The CPU test above with real CUDA graphs and Triton attention: the graphs of the landed
+    size are captured again from the static code and replay right, before and after."""
+    model, caches, builder, make_inputs, cfg = _setup("cuda")
+    backend = RecordingBackend(config=cfg)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(7)
+    for decode in (True, False, True):
+        _step(rng, model, compiled, builder, caches, make_inputs, decode=decode)
+    (runtime,) = backend.built
+    (pool,) = held
+    assert runtime.pending_static_compiles() == len(pool.tasks) > 0
+    for task in pool.tasks:
+        pool.answer(task)
+    with ca.counters.expect(static_landings=1):
+        for decode in (True, False, True, False):
+            _step(rng, model, compiled, builder, caches, make_inputs, decode=decode)
+    assert runtime.pending_static_compiles() == 0
+    assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
+    assert runtime.full_graph_count() == 1 and runtime.piece_graph_count() > 0
