@@ -132,6 +132,7 @@ def test_static_pieces_land_between_steps_and_their_graphs_are_captured_again(he
     assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
     assert ca.counters.cudagraph_captures == captures + 1  # the full graph of size 4, captured again
     assert runtime.piece_graph_count() == 0  # the piecewise graphs of size 4 were dropped ...
+    assert len(runtime.pool.retired) == piece_graphs + 1  # ... kept by the pool (a real pool dies without them)
     _step(rng, model, compiled, builder, caches, make_inputs, decode=False)
     assert runtime.piece_graph_count() == piece_graphs  # ... and captured again at the next mixed step
     with ca.counters.expect(cudagraph_captures=0, static_landings=0):  # nothing more to land or capture
@@ -205,7 +206,8 @@ def test_wait_for_static_pieces_installs_them(held):
     _step(rng, model, compiled, builder, caches, make_inputs, decode=True)  # mode "none": the static code runs
 
 
-def test_the_warm_start_file_waits_for_the_landing(held, simulated_graphs, tmp_path):
+def test_the_warm_start_file_waits_for_the_landing(held, simulated_graphs, tmp_path, caplog):
+    caplog.set_level("INFO", logger="compileattn")
     model, caches, builder, make_inputs, cfg = _setup(cache_dir=str(tmp_path / "cache"))
     forward = ca.compile(model.forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=cfg)
     rng = random.Random(4)
@@ -218,7 +220,7 @@ def test_the_warm_start_file_waits_for_the_landing(held, simulated_graphs, tmp_p
     for task in pool.tasks:
         pool.answer(task)
     _step(rng, model, forward, builder, caches, make_inputs, decode=True)
-    assert len(saved()) == 1
+    assert len(saved()) == 1, caplog.text[-3000:]
     stats = forward.compile_stats
     assert stats["static_landed_s"] > 0 and stats["late_save_s"] > 0
 
@@ -291,3 +293,33 @@ def test_cuda_static_pieces_land_and_real_graphs_are_captured_again(held):
     assert runtime.pending_static_compiles() == 0
     assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
     assert runtime.full_graph_count() == 1 and runtime.piece_graph_count() > 0
+
+
+def test_a_loaded_split_deserializes_a_static_size_when_it_first_runs():
+    """A warm start loads each static size's pieces at that size's first step, not all up front."""
+    from compileattn.compilation import artifact
+    from compileattn.compilation.backend import compileattn_backend
+
+    model, caches, builder, make_inputs, _ = _setup()
+    loaded = []
+
+    def backend(gm, example_inputs):
+        compiled = compileattn_backend(gm, example_inputs, options={"compile_sizes": (2, STATIC),
+                                                                    "compile_workers": 0})
+        loaded.append(artifact.loads(artifact.dumps(getattr(compiled, "__self__", compiled))))
+        return loaded[-1]
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    rng = random.Random(8)
+    _step(rng, model, compiled, builder, caches, make_inputs, decode=True, tokens=3)  # neither static size
+    (runtime,) = loaded
+    codes = runtime.compiled.code
+    assert all(not codes[key].loaded for key in codes if key[1] is not None)
+    assert all(codes[key].loaded for key in codes if key[1] is None)
+    _step(rng, model, compiled, builder, caches, make_inputs, decode=True)  # size 4: its pieces load now
+    assert all(codes[key].loaded == (key[1] == STATIC) for key in codes if key[1] is not None)
+    for by_size in runtime.static.values():
+        assert type(by_size[STATIC]).__name__ != "_LoadOnFirstCall"  # replaced by the loaded code
+        assert type(by_size[2]).__name__ == "_LoadOnFirstCall"
+    _step(rng, model, compiled, builder, caches, make_inputs, decode=True, tokens=2)
+    assert all(code.loaded for code in codes.values())

@@ -5,7 +5,8 @@ One pickle of plain data (the "mega artifact" of vLLM PR #37198): the split grap
 artifact's bytes, or for ``piece_compiler="eager"`` the piece's graph), the signature of every
 piece, the KV-write slots, how each splitting op is called, the layers' signatures and the index
 of the token-count input. Loading it builds a ``StepDispatcher`` with no tracing, splitting or
-compiling; CUDA graphs are captured lazily as after a cold compile.
+compiling; CUDA graphs are captured lazily as after a cold compile, and each static size's pieces
+are deserialized when that size first runs.
 
 The run-time settings (CUDA-graph mode and sizes, kernel choice) come from the loading process's
 ``CompileConfig`` when the loader provides one (``loading(config)``): they are not part of the
@@ -76,15 +77,16 @@ def _top_level(compiled: CompiledSplit) -> torch.fx.GraphModule:
 
 def _code_bytes(code: PieceCode) -> bytes:
     if code.kind == "inductor":
-        return _torch_compat.artifact_bytes(code.artifact)
+        return _torch_compat.artifact_bytes(code.artifact) if code.loaded else code.data
     if code.kind == "eager":
         return _torch_compat.graph_pickle(_clean_copy(code.artifact))
     raise NotSaveable(f"piece_compiler={code.kind!r} pieces cannot be saved")
 
 
-def _code_from_bytes(kind: str, data: bytes) -> PieceCode:
+def _code_from_bytes(kind: str, data: bytes, static: bool) -> PieceCode:
+    """A static size's Inductor piece is deserialized when that size first runs (``PieceCode.data``)."""
     if kind == "inductor":
-        return PieceCode(kind, _torch_compat.artifact_from_bytes(data))
+        return PieceCode(kind, None, data) if static else PieceCode(kind, _torch_compat.artifact_from_bytes(data))
     return PieceCode(kind, _torch_compat.graph_unpickle(data))
 
 
@@ -115,7 +117,7 @@ def loads(data: bytes):
         raise ValueError(f"not a compileattn compiled split of format {FORMAT}")
     split_gm = _torch_compat.graph_unpickle(state["graph"])
     pieces = [Piece(name, index, is_split, getattr(split_gm, name)) for name, index, is_split in state["pieces"]]
-    code = {key: _code_from_bytes(kind, blob) for key, (kind, blob) in state["code"].items()}
+    code = {key: _code_from_bytes(kind, blob, key[1] is not None) for key, (kind, blob) in state["code"].items()}
     compiled = CompiledSplit(split_gm, pieces, code, state["signatures"], state["static_sizes"], state["layer_slots"],
                              state["splitting"], state["layers"], state["token_index"])
     context = getattr(_loading, "state", None)

@@ -70,6 +70,8 @@ class GraphPool:
         self.device = device
         self.handle = torch.cuda.graph_pool_handle()
         self.capture_seconds = 0.0
+        #: Graphs dropped for good (``retire``), kept so the pool stays alive.
+        self._retired: list = []
 
     def capture(self, fn: Callable[..., Any], args: Sequence[Any], name: str, size: int) -> CapturedGraph:
         """Warm up once (JIT compiles, allocator settles), capture, then replay so this call's
@@ -91,6 +93,13 @@ class GraphPool:
                     elapsed * 1e3, self.pool_bytes() / 2**20)
         # Unchecked until its first replay: that is when a caller's moved input would bite.
         return CapturedGraph(graph, outputs, _tensor_layout(args), name, size)
+
+    def retire(self, graph) -> None:
+        """Keep a graph that will never replay again: PyTorch frees a private pool when the last
+        graph using it is destroyed, and a later capture into the same handle then fails an
+        internal assert ("it->second->use_count > 0", CUDACachingAllocator, torch 2.11 on the
+        H200). The retired graph holds no tensors; its freed blocks serve the next captures."""
+        self._retired.append(graph)
 
     def pool_bytes(self) -> int:
         """Bytes reserved in this pool's segments (from the caching allocator's snapshot)."""
@@ -128,6 +137,10 @@ class SimulatedGraphPool:
     def __init__(self, device: torch.device):
         self.device = device
         self.capture_seconds = 0.0
+        self.retired: list = []
+
+    def retire(self, graph) -> None:
+        self.retired.append(graph)
 
     def capture(self, fn: Callable[..., Any], args: Sequence[Any], name: str, size: int) -> CapturedGraph:
         outputs = fn(*args)
@@ -171,6 +184,8 @@ class CUDAGraphWrapper:
         entry = self.graphs.pop(size, None)
         if entry is not None:
             entry.dropped = True
+            self.pool.retire(entry.graph)
+            entry.graph = entry.outputs = None  # its outputs' memory goes back to the pool
 
     def run(self, size: int, args: Sequence[Any], fn: Callable[..., Any] | None = None):
         """Replay the graph of ``size``; capture it first, from ``fn`` (default: this wrapper's)."""
