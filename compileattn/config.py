@@ -59,15 +59,16 @@ class CompileConfig:
     #: Worker processes for the static-shape compiles (``compilation/static_pool.py``): they run in
     #: parallel with each other and with the dynamic-shape compiles, and give back the same
     #: artifacts. "auto": two less than the usable CPUs, at most 8, none under 4 CPUs; 0: one after
-    #: another in-process. A worker lives for the compile and takes ~1 GB of host memory; compiling
-    #: for CUDA it may also open a CUDA context on the GPU (not measured).
+    #: another in-process. A worker lives until its compiles are done (past the compile, with
+    #: ``background_static_compiles``) and takes ~1 GB of host memory; compiling for CUDA it may
+    #: also open a CUDA context on the GPU (not measured).
     compile_workers: int | Literal["auto"] = "auto"
     #: With workers, return from the compile once the dynamic-shape pieces are ready and let the
     #: static-shape ones land when the workers finish them (``compilation/landing.py``): until a
     #: size's static pieces land, its steps run the dynamic-shape pieces (correct, slower), and its
-    #: CUDA graphs are captured again once they do. On the H200 a worker was ready only 12-16 s
-    #: after it started (a fresh interpreter importing torch), so waiting for them took the OPT-125m
-    #: shape's cold start from 7.6 s to 20.4 s. False waits for every static piece (what a server
+    #: CUDA graphs are captured again once they do. On the H200 a worker was ready only 11.9-15.6 s
+    #: after it started (a fresh interpreter importing torch), and waiting for them made the OPT-125m
+    #: shape's cold start 20.4 s against 7.6 s with dynamic shapes only (benchmarks/results/coldwarm_S7-1.md). False waits for every static piece (what a server
     #: that captures its graphs once at start-up wants: ``compileattn.LLM`` does).
     background_static_compiles: bool = True
     #: "auto" = "full_and_piecewise" on CUDA, "none" elsewhere.

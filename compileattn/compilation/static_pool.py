@@ -92,7 +92,8 @@ INJECT_FAILURE: str | None = None
 #: Workers run at this niceness: the compiling process's Dynamo trace and dynamic-shape compiles
 #: (and, with background static compiles, the model's first steps) are what the user waits for.
 #: H200 host, 16 CPUs, 8 workers importing torch at normal priority: Dynamo's trace of the OPT-125m
-#: shape took 3.6 s instead of 1.3 s, the Llama-3-8B shape's 6.9 s instead of 4.4 s.
+#: shape took 3.6 s instead of 1.3 s without workers, the Llama-3-8B shape's 6.9 s instead of 4.4 s
+#: (run S7-1); niced, 1.5 s against 1.3 and 4.2 s against 3.9 (S7-3).
 WORKER_NICENESS = 10
 
 _HEADER = struct.Struct("<Q")
