@@ -104,19 +104,31 @@ def _step(rng, model, compiled, builder, caches, make_inputs, *, decode: bool, t
     return assert_matches_eager(model, compiled, builder, caches, seqs, make_inputs, pad_to=tokens)
 
 
+class _Compiled:
+    """The tiny Llama compiled through the backend by a first 4-token decode step (checked against
+    eager), and what the tests drive next: ``step``, the dispatcher ``runtime``."""
+
+    def __init__(self, seed: int, device: str = "cpu", **config):
+        self.model, self.caches, self.builder, self.make_inputs, cfg = _setup(device, **config)
+        backend = RecordingBackend(config=cfg)
+        self.compiled = torch.compile(self.model, backend=backend, fullgraph=True)
+        self.rng = random.Random(seed)
+        self.step(decode=True)
+        (self.runtime,) = backend.built
+
+    def step(self, decode: bool, tokens: int = STATIC):
+        return _step(self.rng, self.model, self.compiled, self.builder, self.caches, self.make_inputs,
+                     decode=decode, tokens=tokens)
+
+
 def test_static_pieces_land_between_steps_and_their_graphs_are_captured_again(held, simulated_graphs):
-    model, caches, builder, make_inputs, cfg = _setup()
-    backend = RecordingBackend(config=cfg)
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    rng = random.Random(0)
     with ca.counters.expect(static_landings=0, static_compiles_in_workers=0):
-        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
-    (runtime,) = backend.built
-    (pool,) = held
+        run = _Compiled(0)
+    runtime, (pool,) = run.runtime, held
     distinct = len(set(runtime.compiled.signatures.values()))
     assert len(pool.tasks) == distinct and runtime.pending_static_compiles() == distinct
     assert all(not by_size for by_size in runtime.static.values())  # size 4 runs the dynamic pieces
-    _step(rng, model, compiled, builder, caches, make_inputs, decode=False)  # piecewise graphs of size 4
+    run.step(decode=False)  # piecewise graphs of size 4
     assert runtime.full_graph_count() == 1
     piece_graphs = runtime.piece_graph_count()
     assert piece_graphs > 0
@@ -126,41 +138,36 @@ def test_static_pieces_land_between_steps_and_their_graphs_are_captured_again(he
     assert not pool.closed or runtime.pending_static_compiles() == distinct  # installed by the next step only
     captures = ca.counters.cudagraph_captures
     with ca.counters.expect(static_landings=1, static_compiles_in_workers=distinct, full_graph_steps=1):
-        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+        run.step(decode=True)
     assert runtime.pending_static_compiles() == 0 and pool.closed
     assert runtime.static_settled_after is not None
     assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
     assert ca.counters.cudagraph_captures == captures + 1  # the full graph of size 4, captured again
     assert runtime.piece_graph_count() == 0  # the piecewise graphs of size 4 were dropped ...
     assert len(runtime.pool.retired) == piece_graphs + 1  # ... kept by the pool (a real pool dies without them)
-    _step(rng, model, compiled, builder, caches, make_inputs, decode=False)
+    run.step(decode=False)
     assert runtime.piece_graph_count() == piece_graphs  # ... and captured again at the next mixed step
     with ca.counters.expect(cudagraph_captures=0, static_landings=0):  # nothing more to land or capture
-        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
-        _step(rng, model, compiled, builder, caches, make_inputs, decode=False)
+        run.step(decode=True)
+        run.step(decode=False)
 
 
 def test_a_failed_static_compile_keeps_the_dynamic_piece(held, simulated_graphs, caplog):
-    model, caches, builder, make_inputs, cfg = _setup()
-    backend = RecordingBackend(config=cfg)
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    rng = random.Random(1)
-    _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
-    (runtime,) = backend.built
-    (pool,) = held
+    run = _Compiled(1)
+    runtime, (pool,) = run.runtime, held
     failed, *others = pool.tasks
     pool.answer(failed, error="RuntimeError: injected")
     for task in others:
         pool.answer(task)
     with caplog.at_level("INFO", logger="compileattn"):
-        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+        run.step(decode=True)
     assert "did not land (RuntimeError: injected)" in caplog.text
     assert runtime.pending_static_compiles() == 0
     signatures = runtime.compiled.signatures
     failed_sig = next(sig for (sig, size), task in _tasks_by_key(runtime, pool).items() if task is failed)
     for name, by_size in runtime.static.items():
         assert (STATIC in by_size) == (signatures[name] != failed_sig), name
-    _step(rng, model, compiled, builder, caches, make_inputs, decode=False)
+    run.step(decode=False)
 
 
 def _tasks_by_key(runtime, pool):
@@ -174,36 +181,26 @@ def _tasks_by_key(runtime, pool):
 
 
 def test_no_worker_left_gives_up_the_rest(held, simulated_graphs):
-    model, caches, builder, make_inputs, cfg = _setup()
-    backend = RecordingBackend(config=cfg)
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    rng = random.Random(2)
-    _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
-    (runtime,) = backend.built
-    (pool,) = held
+    run = _Compiled(2)
+    runtime, (pool,) = run.runtime, held
     pool.live = 0
     pool.on_result()  # what a stopping worker's thread does
     with ca.counters.expect(static_landings=0):
-        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+        run.step(decode=True)
     assert runtime.pending_static_compiles() == 0 and pool.closed
     assert all(not by_size for by_size in runtime.static.values())
 
 
 def test_wait_for_static_pieces_installs_them(held):
-    model, caches, builder, make_inputs, cfg = _setup(cudagraph_mode="none")
-    backend = RecordingBackend(config=cfg)
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    rng = random.Random(3)
-    _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
-    (runtime,) = backend.built
-    (pool,) = held
+    run = _Compiled(3, cudagraph_mode="none")
+    runtime, (pool,) = run.runtime, held
     assert runtime.wait_for_static_pieces(timeout=0.05) is False
     for task in pool.tasks:
         pool.answer(task)
     assert runtime.wait_for_static_pieces(timeout=5) is True
     assert runtime.pending_static_compiles() == 0
     assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
-    _step(rng, model, compiled, builder, caches, make_inputs, decode=True)  # mode "none": the static code runs
+    run.step(decode=True)  # mode "none": the static code runs
 
 
 def test_the_warm_start_file_waits_for_the_landing(held, simulated_graphs, tmp_path, caplog):
@@ -228,17 +225,13 @@ def test_the_warm_start_file_waits_for_the_landing(held, simulated_graphs, tmp_p
 def test_real_workers_land_in_the_background():
     """End to end with one worker process: the compile returns, the worker's static pieces land,
     the next step installs them, and the worker exits."""
-    model, caches, builder, make_inputs, cfg = _setup(cudagraph_mode="none")
-    backend = RecordingBackend(config=cfg)
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    rng = random.Random(5)
     try:
-        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
-        (runtime,) = backend.built
+        run = _Compiled(5, cudagraph_mode="none")
+        runtime = run.runtime
         pool = runtime._landing.pool if runtime._landing is not None else None
         assert runtime.wait_for_static_pieces(timeout=600)
         assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
-        _step(rng, model, compiled, builder, caches, make_inputs, decode=True)
+        run.step(decode=True)
         if pool is not None:  # (the worker may already have finished inside the compile)
             pool.join(timeout=30)
             assert all(p.poll() is not None for p in pool._procs)
@@ -276,20 +269,16 @@ def test_a_process_ending_before_the_landing_waits_for_it_to_save(held, simulate
 def test_cuda_static_pieces_land_and_real_graphs_are_captured_again(held):
     """The CPU test above with real CUDA graphs and Triton attention: the graphs of the landed
     size are captured again from the static code and replay right, before and after."""
-    model, caches, builder, make_inputs, cfg = _setup("cuda")
-    backend = RecordingBackend(config=cfg)
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    rng = random.Random(7)
-    for decode in (True, False, True):
-        _step(rng, model, compiled, builder, caches, make_inputs, decode=decode)
-    (runtime,) = backend.built
-    (pool,) = held
+    run = _Compiled(7, "cuda")
+    runtime, (pool,) = run.runtime, held
+    for decode in (False, True):
+        run.step(decode=decode)
     assert runtime.pending_static_compiles() == len(pool.tasks) > 0
     for task in pool.tasks:
         pool.answer(task)
     with ca.counters.expect(static_landings=1):
         for decode in (True, False, True, False):
-            _step(rng, model, compiled, builder, caches, make_inputs, decode=decode)
+            run.step(decode=decode)
     assert runtime.pending_static_compiles() == 0
     assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
     assert runtime.full_graph_count() == 1 and runtime.piece_graph_count() > 0
