@@ -312,3 +312,34 @@ def test_a_loaded_split_deserializes_a_static_size_when_it_first_runs():
         assert type(by_size[2]).__name__ == "_LoadOnFirstCall"
     _step(rng, model, compiled, builder, caches, make_inputs, decode=True, tokens=2)
     assert all(code.loaded for code in codes.values())
+
+
+EXIT_SCRIPT = """
+import random, sys, time
+sys.path.insert(0, sys.argv[2])
+import compileattn as ca
+from compileattn.compilation import static_pool
+from test_static_landing import _setup, _step
+start_worker = static_pool._start_worker
+static_pool._start_worker = lambda: (time.sleep(5), start_worker())[1]  # still out when the first call returns
+model, caches, builder, make_inputs, cfg = _setup(cudagraph_mode="none", cache_dir=sys.argv[1])
+forward = ca.compile(model.forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=cfg)
+_step(random.Random(9), model, forward, builder, caches, make_inputs, decode=True)
+print("PENDING", forward.compile_stats.get("static_pending", 0), flush=True)
+"""
+
+
+def test_a_real_process_exit_waits_for_the_workers_and_writes_the_warm_start(tmp_path):
+    """The at-exit wait at a real interpreter exit, with a real worker: the script ends right after
+    its first step and the warm start file exists once it has exited."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(tests).parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path / "cache"), tests], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split("PENDING")[-1].split()[0]) > 0  # the file was not written before the exit
+    assert len(sorted((tmp_path / "cache").glob("**/warm_start/*.bin"))) == 1, proc.stderr[-3000:]
