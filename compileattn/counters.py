@@ -24,8 +24,9 @@ class Counters:
     #: Piece compiles (dynamic or static) that took the code of an identical earlier piece of the
     #: same graph instead (compilation/piece_signature.py).
     piece_reuses: int = 0
-    #: Static sizes whose pieces landed after the compile returned (compilation/landing.py); each
-    #: drops that size's CUDA graphs, captured again at its next step.
+    #: Times a static size's CUDA graphs were dropped because its static pieces landed after the
+    #: compile returned (compilation/landing.py): once per size per step that installed some of
+    #: them; the size's next step captures them again.
     static_landings: int = 0
     #: Pieces loaded from the compile cache instead of compiled.
     cache_hits: int = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -52,6 +53,14 @@ class HeldPool:
 
     def close(self, wait: bool = False, kill: bool = False) -> None:
         self.closed = True
+
+    def watch(self) -> None:
+        pass
+
+    def drain(self, here) -> None:  # what StaticCompilePool.drain does once no worker takes a task
+        for task in self.tasks:
+            if task.result is None:
+                here(task)
 
     def answer(self, task, error: str | None = None) -> None:
         task.result = (("error", error) if error else
@@ -135,7 +144,7 @@ def test_static_pieces_land_between_steps_and_their_graphs_are_captured_again(he
 
     for task in pool.tasks:
         pool.answer(task)
-    assert not pool.closed or runtime.pending_static_compiles() == distinct  # installed by the next step only
+    assert pool.closed and runtime.pending_static_compiles() == distinct  # answered, installed by the next step only
     captures = ca.counters.cudagraph_captures
     with ca.counters.expect(static_landings=1, static_compiles_in_workers=distinct, full_graph_steps=1):
         run.step(decode=True)
@@ -152,52 +161,61 @@ def test_static_pieces_land_between_steps_and_their_graphs_are_captured_again(he
         run.step(decode=False)
 
 
-def test_a_failed_static_compile_keeps_the_dynamic_piece(held, simulated_graphs, caplog):
+def test_a_failed_static_compile_is_compiled_in_process_when_it_lands(held, simulated_graphs, caplog):
     run = _Compiled(1)
     runtime, (pool,) = run.runtime, held
     failed, *others = pool.tasks
     pool.answer(failed, error="RuntimeError: injected")
     for task in others:
         pool.answer(task)
-    with caplog.at_level("INFO", logger="compileattn"):
+    with caplog.at_level("INFO", logger="compileattn"), \
+            ca.counters.expect(static_compiles_in_workers=len(others), backend_compiles=len(pool.tasks)):
         run.step(decode=True)
-    assert "did not land (RuntimeError: injected)" in caplog.text
+    assert f"failed {failed.label} (RuntimeError: injected); compiling it in-process" in caplog.text
     assert runtime.pending_static_compiles() == 0
-    signatures = runtime.compiled.signatures
-    failed_sig = next(sig for (sig, size), task in _tasks_by_key(runtime, pool).items() if task is failed)
-    for name, by_size in runtime.static.items():
-        assert (STATIC in by_size) == (signatures[name] != failed_sig), name
+    assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
     run.step(decode=False)
 
 
-def _tasks_by_key(runtime, pool):
-    labels = {task.label: task for task in pool.tasks}
-    out = {}
-    for name, sig in runtime.compiled.signatures.items():
-        task = labels.get(f"{name} ({STATIC} tokens)")
-        if task is not None:
-            out[(sig, STATIC)] = task
-    return out
+def test_a_static_compile_that_cannot_be_compiled_here_either_keeps_the_dynamic_piece(held, simulated_graphs,
+                                                                                    caplog, monkeypatch):
+    run = _Compiled(10)
+    runtime, (pool,) = run.runtime, held
+    landing = runtime._landing
+    monkeypatch.setattr(landing, "compile_here", lambda key: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    failed, *others = pool.tasks
+    pool.answer(failed, error="RuntimeError: injected")
+    for task in others:
+        pool.answer(task)
+    with caplog.at_level("INFO", logger="compileattn"):
+        run.step(decode=True)
+    assert f"the static compile of {failed.label} did not land (RuntimeError: no compiler)" in caplog.text
+    failed_name = failed.label.split()[0]
+    failed_sig = runtime.compiled.signatures[failed_name]
+    for name, by_size in runtime.static.items():
+        assert (STATIC in by_size) == (runtime.compiled.signatures[name] != failed_sig), name
+    run.step(decode=False)
 
 
-def test_no_worker_left_gives_up_the_rest(held, simulated_graphs):
+def test_tasks_no_worker_is_left_to_take_are_compiled_here(held, simulated_graphs):
     run = _Compiled(2)
     runtime, (pool,) = run.runtime, held
     pool.live = 0
     pool.on_result()  # what a stopping worker's thread does
-    with ca.counters.expect(static_landings=0):
-        run.step(decode=True)
+    with ca.counters.expect(static_landings=1, static_compiles_in_workers=0, backend_compiles=len(pool.tasks)):
+        run.step(decode=True)  # every task failed: compiled here
     assert runtime.pending_static_compiles() == 0 and pool.closed
-    assert all(not by_size for by_size in runtime.static.values())
+    assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
 
 
 def test_wait_for_static_pieces_installs_them(held):
     run = _Compiled(3, cudagraph_mode="none")
     runtime, (pool,) = run.runtime, held
     assert runtime.wait_for_static_pieces(timeout=0.05) is False
-    for task in pool.tasks:
-        pool.answer(task)
-    assert runtime.wait_for_static_pieces(timeout=5) is True
+    first, *others = pool.tasks
+    pool.answer(first)
+    with ca.counters.expect(static_compiles_in_workers=1, backend_compiles=len(pool.tasks)):
+        assert runtime.wait_for_static_pieces() is True  # no timeout: what no worker took is compiled here
     assert runtime.pending_static_compiles() == 0
     assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
     run.step(decode=True)  # mode "none": the static code runs
@@ -222,21 +240,62 @@ def test_the_warm_start_file_waits_for_the_landing(held, simulated_graphs, tmp_p
     assert stats["static_landed_s"] > 0 and stats["late_save_s"] > 0
 
 
-def test_real_workers_land_in_the_background():
+def test_real_workers_land_in_the_background(slow_workers):
     """End to end with one worker process: the compile returns, the worker's static pieces land,
     the next step installs them, and the worker exits."""
     try:
         run = _Compiled(5, cudagraph_mode="none")
         runtime = run.runtime
-        pool = runtime._landing.pool if runtime._landing is not None else None
+        pool = runtime._landing.pool
+        assert runtime.pending_static_compiles() > 0
         assert runtime.wait_for_static_pieces(timeout=600)
         assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
         run.step(decode=True)
-        if pool is not None:  # (the worker may already have finished inside the compile)
-            pool.join(timeout=30)
-            assert all(p.poll() is not None for p in pool._procs)
+        pool.join(timeout=30)
+        assert all(p.poll() is not None for p in pool._procs)
     finally:
         static_pool.release()
+
+
+@pytest.fixture
+def slow_workers(monkeypatch):
+    """Real workers that start 5 s late: still out when the first call returns."""
+    start_worker = static_pool._start_worker
+    monkeypatch.setattr(static_pool, "_start_worker", lambda: (time.sleep(5), start_worker())[1])
+
+
+def test_a_worker_stuck_in_the_background_is_killed_and_its_pieces_compiled_here(slow_workers, monkeypatch, caplog):
+    """Nobody drains a landing in the background, so its watchdog enforces the task timeout."""
+    monkeypatch.setattr(static_pool, "INJECT_FAILURE", "hang")
+    monkeypatch.setattr(static_pool, "TASK_TIMEOUT_S", 2.0)
+    with caplog.at_level("INFO", logger="compileattn"):
+        run = _Compiled(11, cudagraph_mode="none")
+        runtime = run.runtime
+        pool = runtime._landing.pool
+        assert runtime.wait_for_static_pieces(timeout=120)
+    assert "killed, the compiling process compiles it" in caplog.text
+    assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
+    run.step(decode=True)
+    pool.join(timeout=30)
+    assert all(p.poll() is not None for p in pool._procs)
+
+
+def test_closing_a_pool_answers_the_tasks_it_still_held():
+    pool = static_pool.StaticCompilePool(0)
+    task = static_pool.Task(0, "piece (2 tokens)", {})
+    pool.submit(task)
+    pool.close()
+    assert task.result == ("error", "the static-compile pool was closed")
+
+
+def test_a_static_artifact_that_does_not_load_falls_back_to_the_dynamic_piece(caplog):
+    from compileattn.compilation.piecewise import PieceCode, _LoadOnFirstCall
+
+    table = {}
+    table[2] = _LoadOnFirstCall(table, 2, PieceCode("inductor", None, b"not an artifact"), lambda x: x + 1)
+    with caplog.at_level("WARNING", logger="compileattn"):
+        assert table[2](1) == 2
+    assert table[2](5) == 6 and "does not load" in caplog.text
 
 
 def test_a_process_ending_before_the_landing_waits_for_it_to_save(held, simulated_graphs, tmp_path, monkeypatch):

@@ -185,7 +185,7 @@ class CUDAGraphWrapper:
         if entry is not None:
             entry.dropped = True
             self.pool.retire(entry.graph)
-            entry.graph = entry.outputs = None  # its outputs' memory goes back to the pool
+            entry.graph = entry.outputs = None  # its outputs' memory returns to the pool once nothing else holds them
 
     def run(self, size: int, args: Sequence[Any], fn: Callable[..., Any] | None = None):
         """Replay the graph of ``size``; capture it first, from ``fn`` (default: this wrapper's)."""

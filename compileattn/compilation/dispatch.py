@@ -244,11 +244,11 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
 
     def _land(self) -> None:
         """Install the static pieces that landed since the last step and drop the graphs of their
-        sizes; once none is left out, stop the workers and run what waited for it."""
+        sizes; once none is left out, run what waited for it."""
         landing = self._landing
         sizes = set()
         for key, task in landing.take():
-            fn = self.compiled.adopt_landed(key, task)
+            fn = self.compiled.adopt_landed(key, task, landing.compile_here)
             if fn is None:
                 continue
             signature, size = key
@@ -277,11 +277,15 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
 
     def wait_for_static_pieces(self, timeout: float | None = None) -> bool:
         """Block until every static compile still out has finished and install them now (on the
-        thread that runs the model, between steps); False on timeout."""
+        thread that runs the model, between steps). Without a ``timeout`` the tasks no worker has
+        started are compiled here meanwhile, as a compile that waits would; with one, False if
+        they are not all done in time."""
         landing = self._landing
         if landing is None:
             return True
-        if not landing.wait(timeout):
+        if timeout is None:
+            landing.drain()
+        elif not landing.wait(timeout):
             return False
         self._land()
         return True
@@ -292,12 +296,6 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             callback()
         else:
             self._landing.when_settled(callback)
-
-    def close(self) -> None:
-        """Stop workers still compiling static pieces for this dispatcher."""
-        if self._landing is not None:
-            self._landing.close()
-            self._landing = None
 
     # -- what tests and benchmarks read ---------------------------------------------------------
 

@@ -14,27 +14,36 @@ ready, and the static ones land while the model already runs:
 - a piece that lands makes the dispatcher drop the CUDA graphs of its size (each piece's and the
   full graph): they were captured with the dynamic-shape code, and the next step of that size
   captures them again, in order, as a first capture would;
-- a task a worker fails (or that no worker is left to take) keeps the dynamic-shape piece for that
-  size, logged: never a wrong or missing piece;
-- once every task has settled the pool's workers exit and whoever waits for the landing (the warm
-  start's save, ``wait``) goes on.
+- a task a worker fails (an error, a death, ``static_pool.TASK_TIMEOUT_S``, or no worker left to
+  take it) is compiled in-process when it lands (``compile_here``, logged): a hitch of a second or
+  two in that step, and never a wrong or missing piece (a warm start saved after it has them all);
+- ``drain`` (a caller that blocks anyway, such as an engine about to capture its graphs) also
+  compiles in-process the tasks no worker has started, as a compile that waits would;
+- once every task has its answer the pool's workers are told to exit (on the pool's thread), and
+  whoever waits for the landing (the warm start's save, ``wait``) goes on.
 """
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 from typing import Any, Callable
 
 from . import static_pool
 
+logger = logging.getLogger("compileattn")
+
 
 class StaticLanding:
     """The static compiles still out in a detached pool: ``tasks`` maps each (signature, size) to
     its ``static_pool.Task``."""
 
-    def __init__(self, pool: static_pool.StaticCompilePool, tasks: dict[tuple[str, int], static_pool.Task]):
+    def __init__(self, pool: static_pool.StaticCompilePool, tasks: dict[tuple[str, int], static_pool.Task],
+                 compile_here: Callable[[tuple[str, int]], Any]):
         self.pool = pool
+        #: (signature, size) -> the piece's code, compiled in this process (a task that failed)
+        self.compile_here = compile_here
         self.started = time.perf_counter()
         self._cond = threading.Condition()
         self._waiting = dict(tasks)
@@ -45,6 +54,7 @@ class StaticLanding:
         self.settled_after: float | None = None
         self._on_settled: list[Callable[[], Any]] = []
         pool.on_result = self._result_arrived
+        pool.watch()
         # A process that ends with compiles still out must not leave workers behind compiling.
         atexit.register(self.close)
         self._result_arrived()  # results that came before the hand-over
@@ -93,19 +103,36 @@ class StaticLanding:
                 self._cond.wait(left if left is not None else 1.0)
         return True
 
+    def drain(self) -> None:
+        """Block until every task has an answer, compiling here those no worker has started (the
+        newest first, as ``StaticCompilePool.drain`` does while a compile waits)."""
+        keys = {task.id: key for key, task in self._waiting.items()}
+
+        def here(task: static_pool.Task) -> None:
+            task.result = ("here", self.compile_here(keys[task.id]))
+
+        self.pool.drain(here)
+        self.wait()
+
     def when_settled(self, callback: Callable[[], Any]) -> None:
         """Run ``callback`` on the model's thread once every task has been installed or given up."""
         self._on_settled.append(callback)
 
     def finish(self) -> None:
-        """Every task is taken: run the callbacks (the workers are already stopped)."""
+        """Every task is taken: run the callbacks, each on its own (one that fails is logged and
+        the others still run: they run inside a model step)."""
         atexit.unregister(self.close)
+        self.compile_here = None
         callbacks, self._on_settled = self._on_settled, []
         for callback in callbacks:
-            callback()
+            try:
+                callback()
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("compileattn: after the static pieces landed, %r failed (%s: %s)", callback,
+                               type(exc).__name__, exc)
 
     def close(self) -> None:
-        """Give up on what has not landed (the model is gone, or the process ends): stop the
-        workers now, compiling or not."""
+        """Give up on what has not landed (the process ends): stop the workers now, compiling or
+        not; what was out is answered with an error."""
         atexit.unregister(self.close)
         self.pool.close(kill=True)

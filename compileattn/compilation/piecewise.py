@@ -104,15 +104,21 @@ class PieceCode:
 class _LoadOnFirstCall:
     """A static piece whose artifact is not loaded yet: loads it on the first call and puts the
     loaded code in its place in ``table`` (the dispatcher's per-size table), so later steps call
-    the code directly."""
+    the code directly. An artifact that does not load leaves the size to ``fallback`` (the
+    dynamic-shape piece), logged: a warm start checks its file when loading, this is later."""
 
-    __slots__ = ("table", "size", "code")
+    __slots__ = ("table", "size", "code", "fallback")
 
-    def __init__(self, table: dict[int, Any], size: int, code: PieceCode):
-        self.table, self.size, self.code = table, size, code
+    def __init__(self, table: dict[int, Any], size: int, code: PieceCode, fallback: Callable[..., Any]):
+        self.table, self.size, self.code, self.fallback = table, size, code, fallback
 
     def __call__(self, *args):
-        fn = self.code.callable()
+        try:
+            fn = self.code.callable()
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("compileattn: a static piece for %d tokens does not load (%s: %s); the dynamic-shape "
+                           "piece serves that size", self.size, type(exc).__name__, exc)
+            fn = self.fallback
         self.table[self.size] = fn
         return fn(*args)
 
@@ -148,14 +154,24 @@ class CompiledSplit:
     #: where a landed static piece is saved (None: no compile cache)
     cache: CompileCache | None = None
 
-    def adopt_landed(self, key: tuple[str, int], task: static_pool.Task) -> Callable[..., Any] | None:
-        """Install a static compile that landed after the compile returned: its callable, or None
-        (logged) when it failed and the size keeps the dynamic-shape piece."""
-        code = adopt(task, key[0], key[1], self.cache)
-        if not isinstance(code, PieceCode):
-            logger.info("compileattn: the static compile of %s did not land (%s); steps of %d tokens keep the "
-                        "dynamic-shape piece", task.label, code, key[1])
-            return None
+    def adopt_landed(self, key: tuple[str, int], task: static_pool.Task,
+                     compile_here: Callable[[tuple[str, int]], PieceCode]) -> Callable[..., Any] | None:
+        """Install a static compile that landed after the compile returned: its callable. One a
+        worker failed is compiled here (``compile_here``); None (logged) only if that fails too,
+        and the size keeps the dynamic-shape piece."""
+        if task.result[0] == "here":
+            code = task.result[1]
+        else:
+            code = adopt(task, key[0], key[1], self.cache)
+            if not isinstance(code, PieceCode):
+                logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process", task.label,
+                            code)
+                try:
+                    code = compile_here(key)
+                except Exception as exc:  # noqa: BLE001 (a step must not fail for a faster piece)
+                    logger.warning("compileattn: the static compile of %s did not land (%s: %s); steps of %d tokens "
+                                   "keep the dynamic-shape piece", task.label, type(exc).__name__, exc, key[1])
+                    return None
         self.code[key] = code
         return code.callable()
 
@@ -169,7 +185,8 @@ class CompiledSplit:
         for size in self.static_sizes:
             code = self.code.get((sig, size))
             if code is not None:
-                table[size] = code.callable() if code.loaded else _LoadOnFirstCall(table, size, code)
+                table[size] = (code.callable() if code.loaded
+                               else _LoadOnFirstCall(table, size, code, self.dynamic(name)))
         return table
 
     def token_count(self) -> Callable[[Sequence[Any]], int] | None:
@@ -445,6 +462,11 @@ class _PieceCompiler(torch.fx.Interpreter):
                     "in-process; waiting for and loading them took %.2f s", len(self.tasks), in_workers,
                     self.pool.size, worker_seconds, len(self.tasks) - in_workers, seconds)
 
+    def _compile_later(self, key: tuple[str, int]) -> PieceCode:
+        """A static compile a worker failed after the compile returned, compiled here."""
+        _, piece, args = self.tasks[key]
+        return self._compile_static_here(piece, key[0], args, key[1])
+
     def _leave_to_land(self) -> bool:
         """Adopt the static compiles already done and hand the pool, with the others, to a
         landing; False (nothing done) if the pool cannot be handed over."""
@@ -452,16 +474,16 @@ class _PieceCompiler(torch.fx.Interpreter):
         pool = static_pool.detach() if waiting else None
         if waiting and pool is None:
             return False
-        for key, (task, _, _) in self.tasks.items():
+        for key, (task, piece, args) in self.tasks.items():
             if key not in waiting:
                 code = adopt(task, key[0], key[1], self.cache if self._use_cache else None)
-                if isinstance(code, PieceCode):
-                    self.code[key] = code
-                else:
-                    logger.info("compileattn: the static compile of %s failed (%s); steps of %d tokens run the "
-                                "dynamic-shape piece", task.label, code, key[1])
+                if not isinstance(code, PieceCode):
+                    logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process",
+                                task.label, code)
+                    code = self._compile_static_here(piece, key[0], args, key[1])
+                self.code[key] = code
         if waiting:
-            self.landing = StaticLanding(pool, waiting)
+            self.landing = StaticLanding(pool, waiting, self._compile_later)
             logger.info("compileattn: %d of %d static-shape compiles left to land in the background (%d worker "
                         "processes); until they do, their sizes run the dynamic-shape pieces", len(waiting),
                         len(self.tasks), pool.size)

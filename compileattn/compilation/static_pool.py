@@ -27,9 +27,11 @@ lowering is Python, so threads would share one GIL: the compiles run in worker *
   compile waits for the static pieces, the compiling process, once done with its own
   (dynamic-shape) compiles, takes the tasks no worker has started (from the back of the queue) and
   compiles them itself, so slow-starting workers never hold it up.
-- **Failures**: a worker that does not start, answers an error or dies leaves its task to the
-  compiling process, which compiles it itself (the serial path; logged at INFO with why): never a
-  wrong or missing piece.
+- **Failures**: a worker that does not start, answers an error, dies or runs past
+  ``TASK_TIMEOUT_S`` leaves its task to the compiling process, which compiles it itself (the
+  serial path; logged at INFO with why), at once while the compile waits, at the next step when the
+  pieces land in the background (``landing.py``; a watchdog, ``watch``, then enforces the timeouts):
+  never a wrong or missing piece.
 - **Size**: ``CompileConfig.compile_workers``: "auto" is two less than the usable CPUs (per rank,
   under ``LOCAL_WORLD_SIZE`` ranks per host), at most ``MAX_AUTO_WORKERS``, and none below
   ``MIN_AUTO_WORKERS``; 0 compiles in-process.
@@ -80,8 +82,13 @@ EXIT_WAIT_S = 0.5
 
 #: Seconds one static compile may take in a worker before the worker is killed and the compiling
 #: process compiles that piece itself (a worker alive but stuck, on a lock or a hung file system,
-#: must not hang the compile). A static piece compiles in about a second on the H200.
+#: must not hang the compile, nor a landing in the background). A static piece compiles in 1-5 s
+#: in a worker on the H200.
 TASK_TIMEOUT_S = 300.0
+#: Seconds a worker may take to become ready before the watchdog of a landing in the background
+#: kills it (``watch``); ready after 10-16 s on the H200. While the compile waits, the compiling
+#: process takes the tasks no worker started instead.
+READY_TIMEOUT_S = 300.0
 #: The compiling process compiles the tasks no worker has started once it has nothing else to do
 #: (off in tests that must see the workers compile).
 COMPILE_UNSTARTED_HERE = True
@@ -224,6 +231,33 @@ class StaticCompilePool:
                 self._pending.popleft().result = ("error", why)
             self._cond.notify_all()
 
+    def watch(self) -> None:
+        """Enforce ``TASK_TIMEOUT_S`` and ``READY_TIMEOUT_S`` from a thread of its own until the
+        pool closes: with nobody in ``drain`` (static pieces landing in the background), a worker
+        stuck on a task or in its import would otherwise hold its tasks for good."""
+        threading.Thread(target=self._watch, name="compileattn-compile-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._closing:
+                wait = min(self._kill_overdue(), self._kill_unready())
+                self._cond.wait(wait)
+
+    def _kill_unready(self) -> float:
+        """Kill the workers not ready ``READY_TIMEOUT_S`` after the pool started (their threads
+        then stop serving); seconds until the next such deadline. Called with ``_cond`` held."""
+        left = READY_TIMEOUT_S - (time.perf_counter() - self._started)
+        unready = [(i, proc) for i, proc in self._proc_of.items() if self.ready_after[i] is None and proc.poll() is None]
+        if not unready:
+            return READY_TIMEOUT_S
+        if left > 0:
+            return max(left, 0.05)
+        for index, proc in unready:
+            logger.info("compileattn: static-compile worker %d (pid %d) not ready after %.0f s; killed", index,
+                        proc.pid, READY_TIMEOUT_S)
+            proc.kill()
+        return READY_TIMEOUT_S
+
     def _notify(self) -> None:
         callback = self.on_result
         if callback is not None:
@@ -232,10 +266,11 @@ class StaticCompilePool:
     def close(self, wait: bool = False, kill: bool = False) -> None:
         """Tell the workers to exit (closing their stdin; one still importing, which would read
         that only seconds later, is killed, and with ``kill`` one still compiling too); ``wait``:
-        until they have."""
+        until they have. Tasks no worker took are answered with an error."""
         with self._cond:
             self._closing = True
-            self._pending.clear()
+            while self._pending:
+                self._pending.popleft().result = ("error", "the static-compile pool was closed")
             self._cond.notify_all()
             unready = [proc for index, proc in self._proc_of.items()
                        if kill or self.ready_after[index] is None]
