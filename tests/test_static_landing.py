@@ -202,10 +202,11 @@ def test_tasks_no_worker_is_left_to_take_are_compiled_here(held, simulated_graph
     runtime, (pool,) = run.runtime, held
     pool.live = 0
     pool.on_result()  # what a stopping worker's thread does
-    with ca.counters.expect(static_landings=1, static_compiles_in_workers=0, backend_compiles=len(pool.tasks)):
-        run.step(decode=True)  # every task failed: compiled here
-    assert runtime.pending_static_compiles() == 0 and pool.closed
-    assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
+    for left in range(len(pool.tasks) - 1, -1, -1):  # every task failed: compiled here, one per step
+        with ca.counters.expect(static_landings=1, static_compiles_in_workers=0, backend_compiles=1):
+            run.step(decode=True)
+        assert runtime.pending_static_compiles() == left
+    assert pool.closed and all(set(by_size) == {STATIC} for by_size in runtime.static.values())
 
 
 def test_wait_for_static_pieces_installs_them(held):
@@ -402,3 +403,79 @@ def test_a_real_process_exit_waits_for_the_workers_and_writes_the_warm_start(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split("PENDING")[-1].split()[0]) > 0  # the file was not written before the exit
     assert len(sorted((tmp_path / "cache").glob("**/warm_start/*.bin"))) == 1, proc.stderr[-3000:]
+
+
+def test_a_task_failed_before_the_hand_over_is_compiled_at_once(held, simulated_graphs, monkeypatch):
+    """A worker answered an error before the compile returned: the compile compiles it itself."""
+    submit = HeldPool.submit
+
+    def submit_failing_first(pool, task):
+        submit(pool, task)
+        if len(pool.tasks) == 1:
+            task.result = ("error", "RuntimeError: injected")
+
+    monkeypatch.setattr(HeldPool, "submit", submit_failing_first)
+    with ca.counters.expect(static_compiles_in_workers=0):
+        run = _Compiled(12)
+    runtime, (pool,) = run.runtime, held
+    first = pool.tasks[0].label.split()[0]
+    assert runtime.pending_static_compiles() == len(pool.tasks) - 1
+    assert [name for name, by_size in runtime.static.items() if by_size] == [first]
+
+
+def test_a_drain_that_cannot_compile_a_task_still_settles(held, simulated_graphs, monkeypatch, caplog):
+    run = _Compiled(13, cudagraph_mode="none")
+    runtime, (pool,) = run.runtime, held
+    monkeypatch.setattr(runtime._landing, "compile_here",
+                        lambda key: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    with caplog.at_level("INFO", logger="compileattn"):
+        assert runtime.wait_for_static_pieces() is True
+    assert runtime.pending_static_compiles() == 0 and pool.closed
+    assert all(not by_size for by_size in runtime.static.values())
+    assert "did not land (RuntimeError: no compiler)" in caplog.text
+    assert runtime.wait_for_static_pieces() is True  # and again: nothing left to wait for
+    run.step(decode=True)
+
+
+def test_a_failing_callback_after_the_landing_does_not_stop_the_others(held, simulated_graphs, caplog):
+    run = _Compiled(14)
+    runtime, (pool,) = run.runtime, held
+    ran = []
+    runtime.when_static_settled(lambda: 1 / 0)
+    runtime.when_static_settled(lambda: ran.append(True))
+    for task in pool.tasks:
+        pool.answer(task)
+    with caplog.at_level("WARNING", logger="compileattn"):
+        run.step(decode=True)
+    assert ran == [True] and "ZeroDivisionError" in caplog.text
+
+
+def test_waiting_compiles_here_what_slow_workers_did_not_start_and_the_workers_exit(slow_workers):
+    """The engine's wait before capturing: nothing is left for the workers, which exit, with the
+    watchdog, rather than idle for the rest of the process."""
+    import threading
+
+    try:
+        run = _Compiled(15, cudagraph_mode="none")
+        runtime = run.runtime
+        pool = runtime._landing.pool
+        with ca.counters.expect(static_compiles_in_workers=0):
+            assert runtime.wait_for_static_pieces() is True
+        assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
+        pool.join(timeout=30)
+        assert all(p.poll() is not None for p in pool._procs)
+        deadline = time.monotonic() + 10
+        while any(t.name == "compileattn-compile-watchdog" for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the watchdog outlived its pool"
+            time.sleep(0.05)
+    finally:
+        static_pool.release()
+
+
+def test_a_worker_that_never_gets_ready_is_killed_in_the_background(slow_workers, monkeypatch, caplog):
+    monkeypatch.setattr(static_pool, "READY_TIMEOUT_S", 1.0)
+    with caplog.at_level("INFO", logger="compileattn"):
+        run = _Compiled(16, cudagraph_mode="none")
+        assert run.runtime.wait_for_static_pieces(timeout=120)
+    assert "not ready after 1 s; killed" in caplog.text
+    assert all(set(by_size) == {STATIC} for by_size in run.runtime.static.values())

@@ -242,12 +242,13 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
 
     # -- static pieces that land after the compile --------------------------------------------
 
-    def _land(self) -> None:
-        """Install the static pieces that landed since the last step and drop the graphs of their
-        sizes; once none is left out, run what waited for it."""
+    def _land(self, max_failed: int | None = 1) -> None:
+        """Install the static pieces that landed since the last step (of the failed ones, which are
+        compiled here, ``max_failed``) and drop the graphs of their sizes; once none is left out,
+        run what waited for it."""
         landing = self._landing
         sizes = set()
-        for key, task in landing.take():
+        for key, task in landing.take(max_failed):
             fn = self.compiled.adopt_landed(key, task, landing.compile_here)
             if fn is None:
                 continue
@@ -287,7 +288,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             landing.drain()
         elif not landing.wait(timeout):
             return False
-        self._land()
+        self._land(max_failed=None)  # the caller waits anyway: every failed task is compiled now
         return True
 
     def when_static_settled(self, callback: Callable[[], Any]) -> None:

@@ -15,8 +15,8 @@ ready, and the static ones land while the model already runs:
   full graph): they were captured with the dynamic-shape code, and the next step of that size
   captures them again, in order, as a first capture would;
 - a task a worker fails (an error, a death, ``static_pool.TASK_TIMEOUT_S``, or no worker left to
-  take it) is compiled in-process when it lands (``compile_here``, logged): a hitch of a second or
-  two in that step, and never a wrong or missing piece (a warm start saved after it has them all);
+  take it) is compiled in-process when it lands (``compile_here``, logged), one per step: a hitch of
+  1-5 s in that step, and never a wrong or missing piece (a warm start saved after it has them all);
 - ``drain`` (a caller that blocks anyway, such as an engine about to capture its graphs) also
   compiles in-process the tasks no worker has started, as a compile that waits would;
 - once every task has its answer the pool's workers are told to exit (on the pool's thread), and
@@ -76,11 +76,22 @@ class StaticLanding:
         if done:
             self.pool.close()
 
-    def take(self) -> list[tuple[tuple[str, int], static_pool.Task]]:
-        """The tasks that have settled since the last call (on the thread that runs the model)."""
+    def take(self, max_failed: int | None = 1) -> list[tuple[tuple[str, int], static_pool.Task]]:
+        """The tasks that have settled since the last call (on the thread that runs the model), of
+        which at most ``max_failed`` failed ones: each is compiled in-process by the step that
+        installs it, so a step pays for one, and the others wait for the next steps."""
         with self._cond:
             self.changed = False
-            done = [(key, task) for key, task in self._waiting.items() if task.result is not None]
+            done, failed = [], 0
+            for key, task in self._waiting.items():
+                if task.result is None:
+                    continue
+                if task.result[0] not in ("ok", "here", "here-failed"):
+                    if max_failed is not None and failed >= max_failed:
+                        self.changed = True  # more for the next step
+                        continue
+                    failed += 1
+                done.append((key, task))
             for key, _ in done:
                 del self._waiting[key]
             if not self._waiting and self.settled_after is None:
@@ -109,9 +120,13 @@ class StaticLanding:
         keys = {task.id: key for key, task in self._waiting.items()}
 
         def here(task: static_pool.Task) -> None:
-            task.result = ("here", self.compile_here(keys[task.id]))
+            try:
+                task.result = ("here", self.compile_here(keys[task.id]))
+            except Exception as exc:  # noqa: BLE001 (the task must be answered: the landing waits for it)
+                task.result = ("here-failed", f"{type(exc).__name__}: {exc}")
 
         self.pool.drain(here)
+        self._result_arrived()  # closes the pool when every task is answered (those compiled here too)
         self.wait()
 
     def when_settled(self, callback: Callable[[], Any]) -> None:
@@ -122,6 +137,7 @@ class StaticLanding:
         """Every task is taken: run the callbacks, each on its own (one that fails is logged and
         the others still run: they run inside a model step)."""
         atexit.unregister(self.close)
+        self.pool.close()  # answered already; also after a drain whose last tasks were compiled here
         self.compile_here = None
         callbacks, self._on_settled = self._on_settled, []
         for callback in callbacks:
@@ -135,4 +151,5 @@ class StaticLanding:
         """Give up on what has not landed (the process ends): stop the workers now, compiling or
         not; what was out is answered with an error."""
         atexit.unregister(self.close)
+        self.compile_here = None  # what was out is given up, not compiled here at shutdown
         self.pool.close(kill=True)

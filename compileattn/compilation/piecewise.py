@@ -161,6 +161,10 @@ class CompiledSplit:
         and the size keeps the dynamic-shape piece."""
         if task.result[0] == "here":
             code = task.result[1]
+        elif task.result[0] == "here-failed" or compile_here is None:
+            logger.warning("compileattn: the static compile of %s did not land (%s); steps of %d tokens keep the "
+                           "dynamic-shape piece", task.label, task.result[1], key[1])
+            return None
         else:
             code = adopt(task, key[0], key[1], self.cache)
             if not isinstance(code, PieceCode):
@@ -463,7 +467,10 @@ class _PieceCompiler(torch.fx.Interpreter):
                     self.pool.size, worker_seconds, len(self.tasks) - in_workers, seconds)
 
     def _compile_later(self, key: tuple[str, int]) -> PieceCode:
-        """A static compile a worker failed after the compile returned, compiled here."""
+        """A static compile a worker failed after the compile returned, compiled here. It runs
+        under the process's Inductor settings and matmul precision of that moment, which a program
+        that changed them since the compile would see in this piece (the workers get the compile's;
+        ``_torch_compat.compile_settings_applied`` sets process-wide flags, fit for a worker only)."""
         _, piece, args = self.tasks[key]
         return self._compile_static_here(piece, key[0], args, key[1])
 
