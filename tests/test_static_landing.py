@@ -4,8 +4,9 @@ compilation/landing.py), on the CPU with Inductor and simulated CUDA graphs.
 A held pool stands in for the worker processes, so each test decides when a task's answer arrives
 (compiled for real, in-process, from the message a worker would get): before the landing, steps of
 a static size run the dynamic-shape pieces; the step after it installs the static ones and captures
-that size's graphs again; a failed task keeps the dynamic piece; the warm start file is written
-only once nothing is left out. One test runs real workers end to end.
+that size's graphs again; a failed task is compiled in-process, one per step; the warm start file is written
+only once nothing is left out. Five tests run real worker processes (held back 5 s where the test
+needs them still out when the first call returns).
 """
 from __future__ import annotations
 
