@@ -68,8 +68,10 @@ class CompileConfig:
     #: size's static pieces land, its steps run the dynamic-shape pieces (correct, slower), and its
     #: CUDA graphs are captured again once they do. On the H200 a worker was ready only 11.9-15.6 s
     #: after it started (a fresh interpreter importing torch), and waiting for them made the OPT-125m
-    #: shape's cold start 20.4 s against 7.6 s with dynamic shapes only (benchmarks/results/coldwarm_S7-1.md). False waits for every static piece (what a server
-    #: that captures its graphs once at start-up wants: ``compileattn.LLM`` does).
+    #: shape's cold start 20.4 s against 7.6 s with dynamic shapes only (benchmarks/results/coldwarm_S7-1.md).
+    #: False waits for every static piece (what a server that captures its graphs once at start-up
+    #: wants: ``compileattn.LLM`` does). Pieces holding collectives (tensor parallelism) always wait:
+    #: every rank must capture their graphs at the same step.
     background_static_compiles: bool = True
     #: "auto" = "full_and_piecewise" on CUDA, "none" elsewhere.
     cudagraph_mode: CudaGraphMode = "auto"

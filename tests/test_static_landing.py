@@ -480,3 +480,16 @@ def test_a_worker_that_never_gets_ready_is_killed_in_the_background(slow_workers
         assert run.runtime.wait_for_static_pieces(timeout=120)
     assert "not ready after 1 s; killed" in caplog.text
     assert all(set(by_size) == {STATIC} for by_size in run.runtime.static.values())
+
+
+def test_pieces_with_collectives_wait_for_their_static_pieces(held, simulated_graphs, monkeypatch, caplog):
+    """Tensor-parallel pieces hold all-reduces: a rank recapturing after a landing would run them
+    twice while the others run them once. So their compile waits (every rank captures in step)."""
+    from compileattn.passes.split import Piece
+
+    monkeypatch.setattr(Piece, "collectives", lambda self: 1)
+    with caplog.at_level("INFO", logger="compileattn"):
+        run = _Compiled(17)
+    assert "hold collectives" in caplog.text
+    assert run.runtime.pending_static_compiles() == 0
+    assert all(set(by_size) == {STATIC} for by_size in run.runtime.static.values())

@@ -284,8 +284,11 @@ class _PieceCompiler(torch.fx.Interpreter):
     compiles here what no worker took and loads the workers' artifacts."""
 
     def __init__(self, split_gm, pieces: list[Piece], config: CompileConfig, cache: CompileCache | None,
-                 token_symbol, static_sizes: tuple[int, ...], pool: static_pool.StaticCompilePool | None = None):
+                 token_symbol, static_sizes: tuple[int, ...], pool: static_pool.StaticCompilePool | None = None,
+                 background: bool = False):
         super().__init__(split_gm)
+        #: leave the static compiles still out to land after the compile (``landing.py``)
+        self.background = background
         self.pieces = {p.name: p for p in pieces}
         self.config = config
         self.cache = cache
@@ -434,7 +437,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         if not self.tasks:
             return
         start = time.perf_counter()
-        if self.config.background_static_compiles and self._leave_to_land():
+        if self.background and self._leave_to_land():
             self.static_seconds += time.perf_counter() - start
             return
         by_id = {task.id: (key, piece, args) for key, (task, piece, args) in self.tasks.items()}
@@ -532,7 +535,8 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     split_gm, pieces = split_graph(gm, config.splitting_ops)
     layer_slots = {p.name: parametrize_layer_names(p.module) for p in pieces if not p.is_splitting_op}
     counters.pieces += sum(not p.is_splitting_op for p in pieces)
-    counters.collectives_in_pieces += sum(p.collectives() for p in pieces if not p.is_splitting_op)
+    collectives_in_pieces = sum(p.collectives() for p in pieces if not p.is_splitting_op)
+    counters.collectives_in_pieces += collectives_in_pieces
     counters.collectives_at_splits += sum(p.collectives() for p in pieces if p.is_splitting_op)
     if config.debug_dump_dir:
         from .debug import dump_graph
@@ -563,8 +567,17 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
             pool = static_pool.acquire(workers)
         else:
             logger.info("compileattn: static pieces compile in-process: %s, which workers would not see", why_not)
+    background = config.background_static_compiles
+    if pool is not None and background and collectives_in_pieces:
+        # A landing drops and recaptures a size's graphs at a step that differs from rank to rank
+        # (each rank's workers finish when they do), and a capture runs the forward twice (warm-up,
+        # then the replay that makes its outputs real): its collectives would meet the other
+        # ranks' single replay and hang. Ranks capture in lockstep only if nothing lands late.
+        logger.info("compileattn: static pieces are waited for, not left to land in the background: the pieces "
+                    "hold collectives, whose CUDA graphs every rank must capture at the same step")
+        background = False
     try:
-        compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol, static_sizes, pool)
+        compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol, static_sizes, pool, background)
         compiler.compile_all(fake_mode, fake_args)
     finally:
         static_pool.release()  # also one a decorator started for a graph that turned out to need none
