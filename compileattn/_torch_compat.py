@@ -393,3 +393,11 @@ def symbolic_size_value(size, symbol, value: int) -> int:
 def symbol_of(size):
     """The sympy expression of a SymInt size."""
     return size.node.expr
+
+
+def distributed_world_size() -> int:
+    """Ranks in the default process group (1 without torch.distributed or before its init)."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()

@@ -490,6 +490,59 @@ def test_pieces_with_collectives_wait_for_their_static_pieces(held, simulated_gr
     monkeypatch.setattr(Piece, "collectives", lambda self: 1)
     with caplog.at_level("INFO", logger="compileattn"):
         run = _Compiled(17)
-    assert "hold collectives" in caplog.text
+    assert "holds collectives" in caplog.text
     assert run.runtime.pending_static_compiles() == 0
     assert all(set(by_size) == {STATIC} for by_size in run.runtime.static.values())
+
+
+@pytest.mark.parametrize("where", ["splits", "ranks"])
+def test_collectives_at_splits_or_several_ranks_also_wait(held, simulated_graphs, monkeypatch, where):
+    from compileattn import _torch_compat
+    from compileattn.passes.split import Piece
+
+    if where == "splits":
+        monkeypatch.setattr(Piece, "collectives", lambda self: int(self.is_splitting_op))
+    else:
+        monkeypatch.setattr(_torch_compat, "distributed_world_size", lambda: 2)
+    run = _Compiled(18)
+    assert run.runtime.pending_static_compiles() == 0
+    assert all(set(by_size) == {STATIC} for by_size in run.runtime.static.values())
+
+
+def test_a_failed_hand_over_stops_the_workers(held, monkeypatch):
+    from compileattn.compilation import piecewise
+
+    submit = HeldPool.submit
+
+    def submit_failing_first(pool, task):
+        submit(pool, task)
+        if len(pool.tasks) == 1:
+            task.result = ("error", "RuntimeError: injected")
+
+    monkeypatch.setattr(HeldPool, "submit", submit_failing_first)
+    monkeypatch.setattr(piecewise._PieceCompiler, "_compile_static_here",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("cannot compile here either")))
+    with pytest.raises(Exception, match="cannot compile here either"):
+        _Compiled(19, cudagraph_mode="none")
+    (pool,) = held
+    assert pool.closed
+
+
+def test_no_warm_start_file_when_a_static_piece_never_landed(held, simulated_graphs, tmp_path, monkeypatch, caplog):
+    model, caches, builder, make_inputs, cfg = _setup(cache_dir=str(tmp_path / "cache"))
+    forward = ca.compile(model.forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=cfg)
+    rng = random.Random(20)
+    _step(rng, model, forward, builder, caches, make_inputs, decode=True)
+    (pool,) = held
+    (runtime,) = forward.runtimes
+    monkeypatch.setattr(runtime._landing, "compile_here",
+                        lambda key: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    failed, *others = pool.tasks
+    pool.answer(failed, error="RuntimeError: injected")
+    for task in others:
+        pool.answer(task)
+    with caplog.at_level("WARNING", logger="compileattn"):
+        _step(rng, model, forward, builder, caches, make_inputs, decode=True)
+    assert runtime.pending_static_compiles() == 0 and runtime.static_incomplete
+    assert sorted((tmp_path / "cache").glob("**/warm_start/*.bin")) == []
+    assert "no warm start file saved" in caplog.text

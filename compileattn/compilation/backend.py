@@ -21,7 +21,12 @@ def compileattn_backend(gm, example_inputs, options: dict[str, Any] | None = Non
     config = CompileConfig.from_options(options)
     compiled = split_and_compile(gm, example_inputs, config)
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    dispatcher = StepDispatcher(compiled, config, device)
+    try:
+        dispatcher = StepDispatcher(compiled, config, device)
+    except BaseException:
+        if compiled.landing is not None:  # nobody will install what it brings
+            compiled.landing.close()
+        raise
     if config.debug_dump_dir:
         from .debug import expect_transformed_code
 

@@ -295,6 +295,8 @@ class _Site:
             try:
                 aot_fn = _torch_compat.aot_compile(fn, full_args, kwargs, timed)
             except Exception as exc:
+                for d in timed.dispatchers():
+                    d.abandon_static_compiles()  # its compile is discarded
                 if timed.failed:
                     raise  # the backend itself failed: the frame path would only fail again
                 reason = f"aot_compile failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
@@ -406,8 +408,8 @@ def _when_all_settled(dispatchers: list, start: float, stats: dict[str, Any], sa
 
     def at_exit() -> None:
         pending = sum(d.pending_static_compiles() for d in dispatchers)
-        log.info("compileattn: waiting up to %.0f s at exit for %d static-shape compiles, to save the warm start",
-                 EXIT_WAIT_FOR_STATIC_S, pending)
+        log.warning("compileattn: waiting up to %.0f s at exit for %d static-shape compiles, to save the warm start",
+                    EXIT_WAIT_FOR_STATIC_S, pending)
         _wait_for_static_pieces(dispatchers, EXIT_WAIT_FOR_STATIC_S)
 
     def settled() -> None:
@@ -417,6 +419,10 @@ def _when_all_settled(dispatchers: list, start: float, stats: dict[str, Any], sa
         stats["static_landed_s"] = time.perf_counter() - start
         if save is not None:
             _at_exit.unregister(at_exit)
+            if any(d.static_incomplete for d in dispatchers):
+                log.warning("compileattn: no warm start file saved: a static piece could not be compiled (logged "
+                            "above), and a warm start would never compile it")
+                return
             saved = save()
             if saved is not None:
                 stats["late_save_s"] = saved

@@ -62,6 +62,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self._landing = compiled.landing
         #: when the last static piece landed, seconds after the landing started (None: none landed late)
         self.static_settled_after: float | None = None
+        #: a static piece that could be compiled neither by a worker nor here (its size keeps the
+        #: dynamic piece; a warm start file would lack it, so none is written)
+        self.static_incomplete = False
         #: the step's token count while the split graph runs, when pieces need it (graphs or static)
         self.current_size: int | None = None
         self.graphs_on = False
@@ -251,6 +254,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         for key, task in landing.take(max_failed):
             fn = self.compiled.adopt_landed(key, task, landing.compile_here)
             if fn is None:
+                self.static_incomplete = True
                 continue
             signature, size = key
             for name, sig in self.compiled.signatures.items():
@@ -290,6 +294,13 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             return False
         self._land(max_failed=None)  # the caller waits anyway: every failed task is compiled now
         return True
+
+    def abandon_static_compiles(self) -> None:
+        """Stop the workers of static compiles nobody will install (the compile that made this
+        dispatcher is being discarded)."""
+        if self._landing is not None:
+            self._landing.close()
+            self._landing = None
 
     def when_static_settled(self, callback: Callable[[], Any]) -> None:
         """Run ``callback`` once no static compile is out (now, if none is)."""

@@ -1,9 +1,10 @@
 """Static-shape pieces that land after the compile returned (``background_static_compiles``).
 
 The static compiles of a cold start run in worker processes (``static_pool.py``), and a worker is
-ready only after a fresh interpreter has imported torch: 12-16 s after it started on the H200's
-host, longer than the whole dynamic-shape compile of the OPT-125m shape (7.6 s cold start without
-static pieces, 20.4 s waiting for them). So the compile returns once the dynamic-shape pieces are
+ready only after a fresh interpreter has imported torch: 8.5-15.6 s after it started on the H200's
+host (runs S7-1, S7-3, S7-4), longer than the whole dynamic-shape compile of the OPT-125m shape
+(S7-1: 7.6 s cold start without static pieces, 20.4 s waiting for them; S7-3/S7-4: 7.0/11.0 s
+landing in the background, 14.7/17.5 s waiting). So the compile returns once the dynamic-shape pieces are
 ready, and the static ones land while the model already runs:
 
 - the workers' threads set each task's result and flag ``changed`` (one attribute the dispatcher
@@ -16,7 +17,8 @@ ready, and the static ones land while the model already runs:
   captures them again, in order, as a first capture would;
 - a task a worker fails (an error, a death, ``static_pool.TASK_TIMEOUT_S``, or no worker left to
   take it) is compiled in-process when it lands (``compile_here``, logged), one per step: a hitch of
-  1-5 s in that step, and never a wrong or missing piece (a warm start saved after it has them all);
+  1-5 s in that step. Never a wrong piece; one that cannot be compiled here either keeps the
+  dynamic-shape piece for its size (logged), and then no warm start file is written;
 - ``drain`` (a caller that blocks anyway, such as an engine about to capture its graphs) also
   compiles in-process the tasks no worker has started, as a compile that waits would;
 - once every task has its answer the pool's workers are told to exit (on the pool's thread), and

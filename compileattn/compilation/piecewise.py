@@ -484,14 +484,19 @@ class _PieceCompiler(torch.fx.Interpreter):
         pool = static_pool.detach() if waiting else None
         if waiting and pool is None:
             return False
-        for key, (task, piece, args) in self.tasks.items():
-            if key not in waiting:
-                code = adopt(task, key[0], key[1], self.cache if self._use_cache else None)
-                if not isinstance(code, PieceCode):
-                    logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process",
-                                task.label, code)
-                    code = self._compile_static_here(piece, key[0], args, key[1])
-                self.code[key] = code
+        try:
+            for key, (task, piece, args) in self.tasks.items():
+                if key not in waiting:
+                    code = adopt(task, key[0], key[1], self.cache if self._use_cache else None)
+                    if not isinstance(code, PieceCode):
+                        logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process",
+                                    task.label, code)
+                        code = self._compile_static_here(piece, key[0], args, key[1])
+                    self.code[key] = code
+        except BaseException:
+            if pool is not None:  # detached: nobody else would stop its workers
+                pool.close(kill=True)
+            raise
         if waiting:
             self.landing = StaticLanding(pool, waiting, self._compile_later)
             logger.info("compileattn: %d of %d static-shape compiles left to land in the background (%d worker "
@@ -537,7 +542,8 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     counters.pieces += sum(not p.is_splitting_op for p in pieces)
     collectives_in_pieces = sum(p.collectives() for p in pieces if not p.is_splitting_op)
     counters.collectives_in_pieces += collectives_in_pieces
-    counters.collectives_at_splits += sum(p.collectives() for p in pieces if p.is_splitting_op)
+    collectives_at_splits = sum(p.collectives() for p in pieces if p.is_splitting_op)
+    counters.collectives_at_splits += collectives_at_splits
     if config.debug_dump_dir:
         from .debug import dump_graph
 
@@ -568,13 +574,15 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
         else:
             logger.info("compileattn: static pieces compile in-process: %s, which workers would not see", why_not)
     background = config.background_static_compiles
-    if pool is not None and background and collectives_in_pieces:
+    if pool is not None and background and (collectives_in_pieces or collectives_at_splits
+                                            or _torch_compat.distributed_world_size() > 1):
         # A landing drops and recaptures a size's graphs at a step that differs from rank to rank
         # (each rank's workers finish when they do), and a capture runs the forward twice (warm-up,
         # then the replay that makes its outputs real): its collectives would meet the other
         # ranks' single replay and hang. Ranks capture in lockstep only if nothing lands late.
-        logger.info("compileattn: static pieces are waited for, not left to land in the background: the pieces "
-                    "hold collectives, whose CUDA graphs every rank must capture at the same step")
+        logger.info("compileattn: static pieces are waited for, not left to land in the background: the graph "
+                    "holds collectives (or runs on several ranks), whose CUDA graphs every rank must capture at the "
+                    "same step")
         background = False
     try:
         compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol, static_sizes, pool, background)

@@ -2,7 +2,8 @@
 
 ``compile_sizes`` compiles every distinct piece once more per size with static shapes
 (``piecewise.py``): 12 (OPT-125m shape) to 16 (Llama-3-8B shape) independent Inductor compiles of
-0.6-0.8 s each on the H200, which ran one after another and took 7-12 s of a cold start. Inductor's
+0.8-1.8 s each in the compiling process on the H200 (run S7-1), which one after another took 7-12 s
+of a cold start. Inductor's
 lowering is Python, so threads would share one GIL: the compiles run in worker *processes*.
 
 - **Workers** are fresh interpreters (``python -c``, never a fork: the compiling process may have
@@ -31,7 +32,7 @@ lowering is Python, so threads would share one GIL: the compiles run in worker *
   ``TASK_TIMEOUT_S`` leaves its task to the compiling process, which compiles it itself (the
   serial path; logged at INFO with why), at once while the compile waits, at the next step when the
   pieces land in the background (``landing.py``; a watchdog, ``watch``, then enforces the timeouts):
-  never a wrong or missing piece.
+  never a wrong piece (one that fails here too keeps the dynamic-shape piece, logged).
 - **Size**: ``CompileConfig.compile_workers``: "auto" is two less than the usable CPUs (per rank,
   under ``LOCAL_WORLD_SIZE`` ranks per host), at most ``MAX_AUTO_WORKERS``, and none below
   ``MIN_AUTO_WORKERS``; 0 compiles in-process.

@@ -103,6 +103,9 @@ class ModelRunner:
         is only read up to what its sequence wrote)."""
         self.execute([SequenceStep(2, 0, list(range(-(-2 // self.builder.block_size))))], [0, 0], [0, 1])
         logger.info("compiled the model's forward on a %d-token warm-up step", self.last_metadata.num_tokens)
+        # Served steps run the static pieces from the first one, graphs captured or not: tokens do
+        # not depend on when a piece landed.
+        self.forward.wait_for_static_pieces()
 
     def prepare(self, seqs: Sequence[SequenceStep], input_ids, positions) -> PreparedStep:
         """Host side of a step: metadata (and the backend's plan), inputs copied into the persistent
