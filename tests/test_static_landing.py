@@ -406,8 +406,10 @@ def test_a_real_process_exit_waits_for_the_workers_and_writes_the_warm_start(tmp
     assert len(sorted((tmp_path / "cache").glob("**/warm_start/*.bin"))) == 1, proc.stderr[-3000:]
 
 
-def test_a_task_failed_before_the_hand_over_is_compiled_at_once(held, simulated_graphs, monkeypatch):
-    """A worker answered an error before the compile returned: the compile compiles it itself."""
+@pytest.fixture
+def first_task_fails(monkeypatch):
+    """The held pool's first task is answered with an error as soon as it is sent: failed before
+    the compile hands the pool over."""
     submit = HeldPool.submit
 
     def submit_failing_first(pool, task):
@@ -416,6 +418,10 @@ def test_a_task_failed_before_the_hand_over_is_compiled_at_once(held, simulated_
             task.result = ("error", "RuntimeError: injected")
 
     monkeypatch.setattr(HeldPool, "submit", submit_failing_first)
+
+
+def test_a_task_failed_before_the_hand_over_is_compiled_at_once(held, first_task_fails, simulated_graphs):
+    """A worker answered an error before the compile returned: the compile compiles it itself."""
     with ca.counters.expect(static_compiles_in_workers=0):
         run = _Compiled(12)
     runtime, (pool,) = run.runtime, held
@@ -509,17 +515,9 @@ def test_collectives_at_splits_or_several_ranks_also_wait(held, simulated_graphs
     assert all(set(by_size) == {STATIC} for by_size in run.runtime.static.values())
 
 
-def test_a_failed_hand_over_stops_the_workers(held, monkeypatch):
+def test_a_failed_hand_over_stops_the_workers(held, first_task_fails, monkeypatch):
     from compileattn.compilation import piecewise
 
-    submit = HeldPool.submit
-
-    def submit_failing_first(pool, task):
-        submit(pool, task)
-        if len(pool.tasks) == 1:
-            task.result = ("error", "RuntimeError: injected")
-
-    monkeypatch.setattr(HeldPool, "submit", submit_failing_first)
     monkeypatch.setattr(piecewise._PieceCompiler, "_compile_static_here",
                         lambda *a, **k: (_ for _ in ()).throw(RuntimeError("cannot compile here either")))
     with pytest.raises(Exception, match="cannot compile here either"):
