@@ -173,3 +173,28 @@ def warm_up_for_capture(step: Callable[[], Any], times: int = 1) -> None:
         for _ in range(times):
             step()
     torch.cuda.current_stream().wait_stream(side)
+
+
+class PersistentInputs:
+    """``inputs(n)``: random token ids and positions for an ``n``-token step, written into two
+    buffers allocated once (``ids``, ``positions``) and returned as views of them. A CUDA graph
+    reads its inputs at the addresses it was captured with, so a model replayed from graphs must be
+    fed slices of persistent buffers, as an engine does. ``mark_dynamic``: dim 0 of each view is
+    marked dynamic for ``torch.compile``."""
+
+    def __init__(self, vocab_size: int, max_tokens: int, positions: tuple[int, int] = (0, 200),
+                 device: str | torch.device = "cpu", mark_dynamic: bool = True):
+        self.vocab_size = vocab_size
+        self.low, self.high = positions
+        self.mark_dynamic = mark_dynamic
+        self.ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+
+    def __call__(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ids[:n].random_(0, self.vocab_size)
+        self.positions[:n].random_(self.low, self.high)
+        ids, pos = self.ids[:n], self.positions[:n]
+        if self.mark_dynamic:
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch._dynamo.mark_dynamic(pos, 0)
+        return ids, pos

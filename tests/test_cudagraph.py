@@ -8,7 +8,7 @@ import torch
 import compileattn as ca
 from compileattn.compilation.cudagraph import CudaGraphAddressError
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
-from compileattn.testing import RecordingBackend, assert_matches_eager, random_step
+from compileattn.testing import PersistentInputs, RecordingBackend, assert_matches_eager, random_step
 
 pytestmark = pytest.mark.cuda
 
@@ -21,18 +21,7 @@ def _setup(dtype, backend="auto", layers=2):
     caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=dtype, device="cuda")
     builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
                                           max_blocks_per_seq=16, device="cuda", backend=backend)
-    ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device="cuda")
-    pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device="cuda")
-
-    def make_inputs(n):
-        ids_buf[:n].random_(0, model.config.vocab_size)
-        pos_buf[:n].random_(0, 200)
-        ids, pos = ids_buf[:n], pos_buf[:n]
-        torch._dynamo.mark_dynamic(ids, 0)
-        torch._dynamo.mark_dynamic(pos, 0)
-        return ids, pos
-
-    return model, caches, builder, make_inputs
+    return model, caches, builder, PersistentInputs(model.config.vocab_size, MAX_TOKENS, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

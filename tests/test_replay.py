@@ -17,7 +17,7 @@ from compileattn.compilation import replay
 from compileattn.compilation.cudagraph import CudaGraphAddressError
 from compileattn.compilation.decorator import RecompileError
 from compileattn.models.opt import OPTConfig, OPTForCausalLM
-from compileattn.testing import assert_matches_eager
+from compileattn.testing import PersistentInputs, assert_matches_eager
 
 BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 96, 16
 
@@ -44,18 +44,13 @@ class Setup:
                 return model(input_ids, positions)
 
             self.fn = ca.compile(forward, dynamic_arg_dims=dims, config=self.config)
-        self.ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long)
-        self.pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long)
+        self.inputs = PersistentInputs(self.model.config.vocab_size, MAX_TOKENS, positions=(1, 40),
+                                       mark_dynamic=False)
 
     @staticmethod
     def new_builder():
         return ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
                                            max_blocks_per_seq=4)
-
-    def inputs(self, n):
-        self.ids_buf[:n].random_(0, self.model.config.vocab_size)
-        self.pos_buf[:n].random_(1, 40)
-        return self.ids_buf[:n], self.pos_buf[:n]
 
     def decode(self, batch, rng=None, prefill=0):
         rng = rng or random.Random(batch)
@@ -236,7 +231,7 @@ def test_output_not_built_of_graph_outputs_is_not_learned(simulated_graphs):
     assert s.fn.compile_stats["direct_replay"] == "on" and not s.fn._site.direct.learned
     with ca.counters.expect(full_graph_direct_steps=0, full_graph_steps=1):
         out = s.step(s.decode(2))
-    assert out[1] is s.pos_buf[:2] or out[1].data_ptr() == s.pos_buf.data_ptr()
+    assert out[1] is s.inputs.positions[:2] or out[1].data_ptr() == s.inputs.positions.data_ptr()
 
 
 def test_list_outputs_are_rebuilt_per_call(simulated_graphs):
@@ -349,13 +344,8 @@ def test_cuda_direct_replays_match_eager():
         return model(input_ids, positions)
 
     fn = ca.compile(forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
-    ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device="cuda")
-    pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device="cuda")
-
-    def inputs(n):
-        ids_buf[:n].random_(0, model.config.vocab_size)
-        pos_buf[:n].random_(1, 40)
-        return ids_buf[:n], pos_buf[:n]
+    inputs = PersistentInputs(model.config.vocab_size, MAX_TOKENS, positions=(1, 40), device="cuda",
+                              mark_dynamic=False)
 
     rng = random.Random(0)
     direct = 0

@@ -14,7 +14,7 @@ import torch
 
 import compileattn as ca
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
-from compileattn.testing import RecordingBackend, assert_matches_eager, random_step
+from compileattn.testing import PersistentInputs, RecordingBackend, assert_matches_eager, random_step
 
 BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 512, 64
 SIZES = [1, 2, 4, 8, 16, 24, 32]
@@ -25,15 +25,7 @@ def _setup():
     caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
     builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
                                           max_blocks_per_seq=16)
-    ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long)
-    pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long)
-
-    def make_inputs(n):
-        ids_buf[:n].random_(0, model.config.vocab_size)
-        pos_buf[:n].random_(0, 200)
-        return ids_buf[:n], pos_buf[:n]
-
-    return model, caches, builder, make_inputs
+    return model, caches, builder, PersistentInputs(model.config.vocab_size, MAX_TOKENS, mark_dynamic=False)
 
 
 def _mark(make_inputs):
@@ -87,12 +79,7 @@ def test_shared_piece_code_is_captured_per_layer(simulated_graphs):
     caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
     builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
                                           max_blocks_per_seq=16)
-    ids_buf, pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long), torch.zeros(MAX_TOKENS, dtype=torch.long)
-
-    def make_inputs(n):
-        ids_buf[:n].random_(0, model.config.vocab_size)
-        pos_buf[:n].random_(0, 200)
-        return ids_buf[:n], pos_buf[:n]
+    make_inputs = PersistentInputs(model.config.vocab_size, MAX_TOKENS, mark_dynamic=False)
 
     cfg = ca.CompileConfig(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=SIZES, piece_compiler="eager")
     compiled = torch.compile(model, backend=RecordingBackend(config=cfg), fullgraph=True)

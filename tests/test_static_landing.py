@@ -20,7 +20,7 @@ import torch
 import compileattn as ca
 from compileattn.compilation import static_pool
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
-from compileattn.testing import RecordingBackend, assert_matches_eager, random_step
+from compileattn.testing import PersistentInputs, RecordingBackend, assert_matches_eager, random_step
 
 BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 256, 32
 CAPTURE = [1, 2, 4, 8]
@@ -84,17 +84,8 @@ def _setup(device: str = "cpu", **config):
     caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=dtype, device=device)
     builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
                                           max_blocks_per_seq=8, device=device, backend=backend)
-    ids_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device=device)
-    pos_buf = torch.zeros(MAX_TOKENS, dtype=torch.long, device=device)
+    make_inputs = PersistentInputs(model.config.vocab_size, MAX_TOKENS, positions=(0, 100), device=device)
     config.setdefault("attention_backend", backend)
-
-    def make_inputs(n):  # persistent buffers: graphs read their inputs where they were captured
-        ids_buf[:n].random_(0, model.config.vocab_size)
-        pos_buf[:n].random_(0, 100)
-        ids, pos = ids_buf[:n], pos_buf[:n]
-        torch._dynamo.mark_dynamic(ids, 0)
-        torch._dynamo.mark_dynamic(pos, 0)
-        return ids, pos
 
     cfg = ca.CompileConfig(**{"cudagraph_mode": "full_and_piecewise", "cudagraph_capture_sizes": CAPTURE,
                               "compile_sizes": (STATIC,), "compile_workers": 1, **config})
@@ -178,12 +169,24 @@ def test_a_failed_static_compile_is_compiled_in_process_when_it_lands(held, simu
     run.step(decode=False)
 
 
+def _no_compiling_here(monkeypatch, landing):
+    """The landing adopts workers' artifacts as before, but compiling a piece here fails."""
+    resolve = landing.resolve
+
+    def adopt_only(key, task):
+        if task.result is not None and task.result[0] == "ok":
+            return resolve(key, task)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(landing, "resolve", adopt_only)
+
+
 def test_a_static_compile_that_cannot_be_compiled_here_either_keeps_the_dynamic_piece(held, simulated_graphs,
                                                                                     caplog, monkeypatch):
     run = _Compiled(10)
     runtime, (pool,) = run.runtime, held
     landing = runtime._landing
-    monkeypatch.setattr(landing, "compile_here", lambda key: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    _no_compiling_here(monkeypatch, landing)
     failed, *others = pool.tasks
     pool.answer(failed, error="RuntimeError: injected")
     for task in others:
@@ -433,8 +436,7 @@ def test_a_task_failed_before_the_hand_over_is_compiled_at_once(held, first_task
 def test_a_drain_that_cannot_compile_a_task_still_settles(held, simulated_graphs, monkeypatch, caplog):
     run = _Compiled(13, cudagraph_mode="none")
     runtime, (pool,) = run.runtime, held
-    monkeypatch.setattr(runtime._landing, "compile_here",
-                        lambda key: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    _no_compiling_here(monkeypatch, runtime._landing)
     with caplog.at_level("INFO", logger="compileattn"):
         assert runtime.wait_for_static_pieces() is True
     assert runtime.pending_static_compiles() == 0 and pool.closed
@@ -533,8 +535,7 @@ def test_no_warm_start_file_when_a_static_piece_never_landed(held, simulated_gra
     _step(rng, model, forward, builder, caches, make_inputs, decode=True)
     (pool,) = held
     (runtime,) = forward.runtimes
-    monkeypatch.setattr(runtime._landing, "compile_here",
-                        lambda key: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    _no_compiling_here(monkeypatch, runtime._landing)
     failed, *others = pool.tasks
     pool.answer(failed, error="RuntimeError: injected")
     for task in others:

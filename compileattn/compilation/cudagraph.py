@@ -71,7 +71,7 @@ class GraphPool:
         self.handle = torch.cuda.graph_pool_handle()
         self.capture_seconds = 0.0
         #: Graphs dropped for good (``retire``), kept so the pool stays alive.
-        self._retired: list = []
+        self.retired: list = []
 
     def capture(self, fn: Callable[..., Any], args: Sequence[Any], name: str, size: int) -> CapturedGraph:
         """Warm up once (JIT compiles, allocator settles), capture, then replay so this call's
@@ -99,7 +99,7 @@ class GraphPool:
         graph using it is destroyed, and a later capture into the same handle then fails an
         internal assert ("it->second->use_count > 0", CUDACachingAllocator, torch 2.11 on the
         H200). The retired graph holds no tensors; its freed blocks serve the next captures."""
-        self._retired.append(graph)
+        self.retired.append(graph)
 
     def pool_bytes(self) -> int:
         """Bytes reserved in this pool's segments (from the caching allocator's snapshot)."""

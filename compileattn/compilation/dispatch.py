@@ -252,7 +252,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         landing = self._landing
         sizes = set()
         for key, task in landing.take(max_failed):
-            fn = self.compiled.adopt_landed(key, task, landing.compile_here)
+            fn = self.compiled.adopt_landed(key, task, landing.resolve)
             if fn is None:
                 self.static_incomplete = True
                 continue

@@ -16,7 +16,7 @@ ready, and the static ones land while the model already runs:
   full graph): they were captured with the dynamic-shape code, and the next step of that size
   captures them again, in order, as a first capture would;
 - a task a worker fails (an error, a death, ``static_pool.TASK_TIMEOUT_S``, or no worker left to
-  take it) is compiled in-process when it lands (``compile_here``, logged), one per step: a hitch of
+  take it) is compiled in-process when it lands (``resolve``, logged), one per step: a hitch of
   1-5 s in that step. Never a wrong piece; one that cannot be compiled here either keeps the
   dynamic-shape piece for its size (logged), and then no warm start file is written;
 - ``drain`` (a caller that blocks anyway, such as an engine about to capture its graphs) also
@@ -42,10 +42,11 @@ class StaticLanding:
     its ``static_pool.Task``."""
 
     def __init__(self, pool: static_pool.StaticCompilePool, tasks: dict[tuple[str, int], static_pool.Task],
-                 compile_here: Callable[[tuple[str, int]], Any]):
+                 resolve: Callable[[tuple[str, int], static_pool.Task], Any]):
         self.pool = pool
-        #: (signature, size) -> the piece's code, compiled in this process (a task that failed)
-        self.compile_here = compile_here
+        #: ((signature, size), task) -> the piece's code: the worker's artifact, or compiled in this
+        #: process (a task that failed, or that no worker started)
+        self.resolve = resolve
         self.started = time.perf_counter()
         self._cond = threading.Condition()
         self._waiting = dict(tasks)
@@ -88,7 +89,7 @@ class StaticLanding:
             for key, task in self._waiting.items():
                 if task.result is None:
                     continue
-                if task.result[0] not in ("ok", "here", "here-failed"):
+                if task.result[0] == "error":  # compiled here when installed
                     if max_failed is not None and failed >= max_failed:
                         self.changed = True  # more for the next step
                         continue
@@ -123,7 +124,7 @@ class StaticLanding:
 
         def here(task: static_pool.Task) -> None:
             try:
-                task.result = ("here", self.compile_here(keys[task.id]))
+                task.result = ("here", self.resolve(keys[task.id], task))
             except Exception as exc:  # noqa: BLE001 (the task must be answered: the landing waits for it)
                 task.result = ("here-failed", f"{type(exc).__name__}: {exc}")
 
@@ -140,7 +141,7 @@ class StaticLanding:
         the others still run: they run inside a model step)."""
         atexit.unregister(self.close)
         self.pool.close()  # answered already; also after a drain whose last tasks were compiled here
-        self.compile_here = None
+        self.resolve = None
         callbacks, self._on_settled = self._on_settled, []
         for callback in callbacks:
             try:
@@ -153,5 +154,5 @@ class StaticLanding:
         """Give up on what has not landed (the process ends): stop the workers now, compiling or
         not; what was out is answered with an error."""
         atexit.unregister(self.close)
-        self.compile_here = None  # what was out is given up, not compiled here at shutdown
+        self.resolve = None  # what was out is given up, not compiled here at shutdown
         self.pool.close(kill=True)

@@ -155,27 +155,25 @@ class CompiledSplit:
     cache: CompileCache | None = None
 
     def adopt_landed(self, key: tuple[str, int], task: static_pool.Task,
-                     compile_here: Callable[[tuple[str, int]], PieceCode]) -> Callable[..., Any] | None:
-        """Install a static compile that landed after the compile returned: its callable. One a
-        worker failed is compiled here (``compile_here``); None (logged) only if that fails too,
-        and the size keeps the dynamic-shape piece."""
+                     resolve: Callable[[tuple[str, int], static_pool.Task], PieceCode] | None
+                     ) -> Callable[..., Any] | None:
+        """Install a static compile that landed after the compile returned: its callable. A
+        worker's answer goes through ``resolve`` (``_PieceCompiler.code_for``: its artifact, or the
+        piece compiled here when it failed); None (logged) only if that fails too, or the landing
+        was given up, and the size keeps the dynamic-shape piece."""
         if task.result[0] == "here":
             code = task.result[1]
-        elif task.result[0] == "here-failed" or compile_here is None:
+        elif task.result[0] == "here-failed" or resolve is None:
             logger.warning("compileattn: the static compile of %s did not land (%s); steps of %d tokens keep the "
                            "dynamic-shape piece", task.label, task.result[1], key[1])
             return None
         else:
-            code = adopt(task, key[0], key[1], self.cache)
-            if not isinstance(code, PieceCode):
-                logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process", task.label,
-                            code)
-                try:
-                    code = compile_here(key)
-                except Exception as exc:  # noqa: BLE001 (a step must not fail for a faster piece)
-                    logger.warning("compileattn: the static compile of %s did not land (%s: %s); steps of %d tokens "
-                                   "keep the dynamic-shape piece", task.label, type(exc).__name__, exc, key[1])
-                    return None
+            try:
+                code = resolve(key, task)
+            except Exception as exc:  # noqa: BLE001 (a step must not fail for a faster piece)
+                logger.warning("compileattn: the static compile of %s did not land (%s: %s); steps of %d tokens "
+                               "keep the dynamic-shape piece", task.label, type(exc).__name__, exc, key[1])
+                return None
         self.code[key] = code
         return code.callable()
 
@@ -440,42 +438,46 @@ class _PieceCompiler(torch.fx.Interpreter):
         if self.background and self._leave_to_land():
             self.static_seconds += time.perf_counter() - start
             return
-        by_id = {task.id: (key, piece, args) for key, (task, piece, args) in self.tasks.items()}
+        keys = {task.id: key for key, (task, _, _) in self.tasks.items()}
 
         def here(task: static_pool.Task) -> None:
-            (signature, size), piece, args = by_id[task.id]
-            task.result = ("here", self._compile_static_here(piece, signature, args, size))
+            task.result = ("here", self.code_for(keys[task.id], task))
 
         self.pool.drain(here)
         in_workers = 0
         worker_seconds = 0.0
-        for key, (task, piece, args) in self.tasks.items():
-            signature, size = key
-            if task.result is not None and task.result[0] == "here":
+        for key, (task, _, _) in self.tasks.items():
+            if task.result[0] == "here":
                 self.code[key] = task.result[1]
                 continue
-            code = adopt(task, signature, size, self.cache if self._use_cache else None)
-            if isinstance(code, PieceCode):
-                self.code[key] = code
+            self.code[key], from_worker = self._worker_code_or_here(key, task)
+            if from_worker:
                 in_workers += 1
                 worker_seconds += task.result[2]
-                continue
-            logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process", task.label,
-                        code)
-            self.code[key] = self._compile_static_here(piece, signature, args, size)
         seconds = time.perf_counter() - start
         self.static_seconds += seconds
         logger.info("compileattn: %d static-shape compiles: %d in %d worker processes (%.2f s of compiling), %d "
                     "in-process; waiting for and loading them took %.2f s", len(self.tasks), in_workers,
                     self.pool.size, worker_seconds, len(self.tasks) - in_workers, seconds)
 
-    def _compile_later(self, key: tuple[str, int]) -> PieceCode:
-        """A static compile a worker failed after the compile returned, compiled here. It runs
-        under the process's Inductor settings and matmul precision of that moment, which a program
-        that changed them since the compile would see in this piece (the workers get the compile's;
+    def code_for(self, key: tuple[str, int], task: static_pool.Task) -> PieceCode:
+        """A static compile's code: the worker's artifact, else (no answer, or a failed one, logged)
+        the piece compiled here. After the compile returned (a landing's task) it runs under the
+        process's Inductor settings and matmul precision of that moment, which a program that
+        changed them since would see in this piece (the workers get the compile's;
         ``_torch_compat.compile_settings_applied`` sets process-wide flags, fit for a worker only)."""
+        return self._worker_code_or_here(key, task)[0]
+
+    def _worker_code_or_here(self, key: tuple[str, int], task: static_pool.Task) -> tuple[PieceCode, bool]:
+        """``code_for``, and whether the code is the worker's."""
         _, piece, args = self.tasks[key]
-        return self._compile_static_here(piece, key[0], args, key[1])
+        if task.result is not None:
+            code = adopt(task, key[0], key[1], self.cache if self._use_cache else None)
+            if isinstance(code, PieceCode):
+                return code, True
+            logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process", task.label,
+                        code)
+        return self._compile_static_here(piece, key[0], args, key[1]), False
 
     def _leave_to_land(self) -> bool:
         """Adopt the static compiles already done and hand the pool, with the others, to a
@@ -485,20 +487,15 @@ class _PieceCompiler(torch.fx.Interpreter):
         if waiting and pool is None:
             return False
         try:
-            for key, (task, piece, args) in self.tasks.items():
+            for key, (task, _, _) in self.tasks.items():
                 if key not in waiting:
-                    code = adopt(task, key[0], key[1], self.cache if self._use_cache else None)
-                    if not isinstance(code, PieceCode):
-                        logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process",
-                                    task.label, code)
-                        code = self._compile_static_here(piece, key[0], args, key[1])
-                    self.code[key] = code
+                    self.code[key] = self.code_for(key, task)
         except BaseException:
             if pool is not None:  # detached: nobody else would stop its workers
                 pool.close(kill=True)
             raise
         if waiting:
-            self.landing = StaticLanding(pool, waiting, self._compile_later)
+            self.landing = StaticLanding(pool, waiting, self.code_for)
             logger.info("compileattn: %d of %d static-shape compiles left to land in the background (%d worker "
                         "processes); until they do, their sizes run the dynamic-shape pieces", len(waiting),
                         len(self.tasks), pool.size)

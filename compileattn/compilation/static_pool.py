@@ -228,9 +228,13 @@ class StaticCompilePool:
     def fail_pending(self, why: str) -> None:
         """Answer every task no worker has taken with an error (no worker is left to take it)."""
         with self._cond:
-            while self._pending:
-                self._pending.popleft().result = ("error", why)
+            self._fail_pending(why)
             self._cond.notify_all()
+
+    def _fail_pending(self, why: str) -> None:
+        """``fail_pending`` with ``_cond`` held."""
+        while self._pending:
+            self._pending.popleft().result = ("error", why)
 
     def watch(self) -> None:
         """Enforce ``TASK_TIMEOUT_S`` and ``READY_TIMEOUT_S`` from a thread of its own until the
@@ -270,8 +274,7 @@ class StaticCompilePool:
         until they have. Tasks no worker took are answered with an error."""
         with self._cond:
             self._closing = True
-            while self._pending:
-                self._pending.popleft().result = ("error", "the static-compile pool was closed")
+            self._fail_pending("the static-compile pool was closed")
             self._cond.notify_all()
             unready = [proc for index, proc in self._proc_of.items()
                        if kill or self.ready_after[index] is None]
