@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from . import _torch_compat
 from .context import set_forward_context
 from .kv_cache import KVCache
 from .metadata import AttentionMetadataBuilder, SequenceStep
@@ -195,6 +196,6 @@ class PersistentInputs:
         self.positions[:n].random_(self.low, self.high)
         ids, pos = self.ids[:n], self.positions[:n]
         if self.mark_dynamic:
-            torch._dynamo.mark_dynamic(ids, 0)
-            torch._dynamo.mark_dynamic(pos, 0)
+            _torch_compat.mark_dynamic(ids, 0)
+            _torch_compat.mark_dynamic(pos, 0)
         return ids, pos
