@@ -6,6 +6,10 @@ Run under torchrun, one process per GPU (see benchmarks/README.md)::
 
     timeout 450 torchrun --nproc-per-node 2 benchmarks/latency_tp.py --out $OUT/latency_tp --log-dir $OUT
 
+Benches: ``llama8b-tp1``, ``llama8b-tp2`` (small all-reduces by the algorithm ``init_tp`` chose:
+one-shot over symmetric memory where every rank can, see compileattn/parallel/comm.py),
+``llama8b-tp2-nccl`` (the same model and cache with every all-reduce on NCCL), ``llama70b-tp2``.
+
 Columns (latency.py's, same code): ``ca-piecewise`` and ``ca-full`` (compileattn with piecewise /
 full-decode CUDA graphs; at TP=2 every row-parallel all-reduce is inside the captured pieces) and
 ``reduce-overhead`` (torch.compile's CUDA-graph trees; the all-reduce is the same functional
@@ -47,7 +51,12 @@ import latency_report as report  # noqa: E402
 
 COLUMNS = ["ca-piecewise", "ca-full", "reduce-overhead"]
 #: (bench key, model, TP size); TP=1 runs on rank 0 alone.
-BENCHES = [("llama8b-tp1", "llama8b", 1), ("llama8b-tp2", "llama8b", 2), ("llama70b-tp2", "llama70b", 2)]
+BENCHES = [("llama8b-tp1", "llama8b", 1), ("llama8b-tp2", "llama8b", 2), ("llama8b-tp2-nccl", "llama8b", 2),
+           ("llama70b-tp2", "llama70b", 2)]
+#: Benches whose small all-reduces run on NCCL even where the group set up the one-shot algorithm
+#: (compileattn/parallel/comm.py): the same TP=2 model and cache as the bench named here, so the
+#: two algorithms are compared in one run.
+NCCL_ONLY = {"llama8b-tp2-nccl": "llama8b-tp2"}
 LABELS = {"llama8b": "Llama-3-8B shape", "llama70b": "Llama-3-70B shape"}
 GOAL_RATIO = 0.6
 DEFAULT_OUT = common.RESULTS_DIR / "latency_tp"
@@ -164,6 +173,8 @@ def make_group(column: str, bench):
 def run(args, tp, log: RankLog, payload: dict[str, Any], checkpoint) -> None:
     """Every task; results go into ``payload``'s rows/checks/stats as they finish (so a run that
     fails half-way still reports what it measured), ``checkpoint()`` after each task."""
+    from compileattn.parallel import comm
+
     budget = common.Budget(args.budget_s)
     cells = sorted((lat.Cell("decode", b, args.context) for b in args.batches), key=lambda c: -c.tokens)
     rows, checks, stats = payload["rows"], payload["checks"], payload["stats"]
@@ -174,7 +185,9 @@ def run(args, tp, log: RankLog, payload: dict[str, Any], checkpoint) -> None:
             continue
         if size not in (1, tp.world_size):
             raise ValueError(f"{key} needs {size} ranks; this run has {tp.world_size}")
-        if (key, model, size) in mine:
+        if (key, model, size) in mine and key in NCCL_ONLY and NCCL_ONLY[key] in benches:
+            benches[key] = benches[NCCL_ONLY[key]]
+        elif (key, model, size) in mine:
             t = time.monotonic()
             bench = lat.Bench(key, cells, args, log, model=build(model, size, tp, args))
             if size > 1:
@@ -205,13 +218,15 @@ def run(args, tp, log: RankLog, payload: dict[str, Any], checkpoint) -> None:
             rows += [dict(base(key, cell, column, size), status="skipped", reason=budget.reason()) for cell in cells]
             continue
         if key in benches:
+            if size > 1:
+                comm.set_one_shot(tp.group_name, key not in NCCL_ONLY)
             with graphs_context(args):
                 rows += measure_task(benches[key], key, column, size, cells, args, tp, budget, log, stats)
         tp.barrier()
         lat._reset_compilers()
         if tp.is_driver:
             checkpoint()
-    for bench in benches.values():
+    for bench in {id(b): b for b in benches.values()}.values():
         bench.close()
     benches.clear()
     gc.collect()
@@ -313,7 +328,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
     for key in benches:
         layers = payload.get("layers", {}).get(key, "?")
         tp_size = next(s for b, _, s in BENCHES if b == key)
-        out += [f"## {LABELS[key.split('-')[0]]}, {layers} layers, TP={tp_size}", ""]
+        suffix = ", every all-reduce on NCCL" if key in NCCL_ONLY else ""
+        out += [f"## {LABELS[key.split('-')[0]]}, {layers} layers, TP={tp_size}{suffix}", ""]
         cols = [c for c in COLUMNS if any(r["bench"] == key and r["column"] == c for r in rows)]
         table = []
         for b in batches:
@@ -324,13 +340,15 @@ def render_markdown(payload: dict[str, Any]) -> str:
                                                  if r and r.get("rank1_p50_us") is not None else ""))
             table.append(line)
         out += [common.markdown_table(["batch"] + cols, table), ""]
-    if any(r["bench"] == "llama8b-tp1" for r in rows) and any(r["bench"] == "llama8b-tp2" for r in rows):
-        out += ["## TP=2 ÷ TP=1, Llama-3-8B shape (p50)", ""]
+    for two_key, what in (("llama8b-tp2", ""), ("llama8b-tp2-nccl", ", every all-reduce on NCCL")):
+        if not (any(r["bench"] == "llama8b-tp1" for r in rows) and any(r["bench"] == two_key for r in rows)):
+            continue
+        out += [f"## TP=2 ÷ TP=1, Llama-3-8B shape (p50){what}", ""]
         table = []
         for b in batches:
             line = [b]
             for c in COLUMNS:
-                one, two = _p50(rows, "llama8b-tp1", c, b), _p50(rows, "llama8b-tp2", c, b)
+                one, two = _p50(rows, "llama8b-tp1", c, b), _p50(rows, two_key, c, b)
                 line.append(common.fmt_num(two / one, 2) if one and two else "—")
             table.append(line)
         out += [common.markdown_table(["batch"] + COLUMNS, table), ""]

@@ -26,9 +26,11 @@ def is_splitting_node(node: torch.fx.Node, splitting_ops: Sequence[str]) -> bool
 
 
 def is_collective(node: torch.fx.Node) -> bool:
-    """A functional collective (``_c10d_functional::all_reduce`` etc.), not counting its wait."""
+    """A collective: compileattn's all-reduce, or a functional collective
+    (``_c10d_functional::all_reduce`` etc., not counting its wait)."""
     return node.op == "call_function" and any(
-        name.startswith("_c10d_functional::") and not name.startswith("_c10d_functional::wait_tensor")
+        name.startswith("compileattn::all_reduce")
+        or (name.startswith("_c10d_functional::") and not name.startswith("_c10d_functional::wait_tensor"))
         for name in op_names(node.target))
 
 

@@ -348,8 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         hang_guard(args.hang_timeout_s, "check")
     t = time.perf_counter()
     tp = init_tp(device=args.device, timeout=datetime.timedelta(seconds=args.timeout_s))
-    logger.info("TP group ready in %.1f s: rank %d of %d on %s", time.perf_counter() - t, tp.rank, tp.world_size,
-                tp.device)
+    logger.info("TP group ready in %.1f s: rank %d of %d on %s, small all-reduces: %s", time.perf_counter() - t,
+                tp.rank, tp.world_size, tp.device, tp.all_reduce)
     try:
         results = check_hf(tp, args) if args.model == "hf-llama" else check_model(tp, args)
     except Exception as exc:  # noqa: BLE001  (reported, then every rank agrees on the verdict)
@@ -358,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = [p for m in results.get("modes", {}).values() for p in m["problems"]]
     if "error" in results:
         problems.append(results["error"])
-    results.update(rank=tp.rank, world_size=tp.world_size, torch=torch.__version__, ok=not problems)
+    results.update(rank=tp.rank, world_size=tp.world_size, torch=torch.__version__, all_reduce=tp.all_reduce,
+                   ok=not problems)
     logger.info("TPCHECK %s", json.dumps(results, default=str))
     verdicts = tp.all_gather_object(not problems)  # every rank, failed or not, so none waits alone
     hang_guard(None)

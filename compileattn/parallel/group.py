@@ -76,6 +76,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import comm
+
 logger = logging.getLogger("compileattn")
 
 #: Environment every process that joins a TP group on the lent GPUs must keep (see point 7).
@@ -94,6 +96,9 @@ class TPGroup:
     group: Any = None
     #: gloo group for host-side agreement; None for a one-rank group.
     cpu_group: Any = None
+    #: How small all-reduces (a decode step's) run: "one-shot" (symmetric memory, see
+    #: ``comm.py``) or "nccl" (gloo on CPUs); larger ones always take NCCL.
+    all_reduce: str = "nccl"
 
     @property
     def group_name(self) -> str:
@@ -158,14 +163,22 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
-def init_tp(tp_size: int | None = None, *, device: str | None = None,
+ALL_REDUCE_CHOICES = ("auto", "one-shot", "nccl")
+
+
+def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce: str = "auto",
             timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> TPGroup:
     """Join the process group torchrun set up and make it the TP group (idempotent).
 
     ``tp_size`` must equal ``WORLD_SIZE`` when given. ``device``: "cuda" (NCCL, one GPU per
     process: ``LOCAL_RANK``) or "cpu" (gloo); default cuda when available. The NCCL communicator
     is created eagerly and warmed up with one functional all-reduce before this returns.
+    ``all_reduce``: the algorithm of small all-reduces on GPUs (``comm.py``): "auto" (one-shot
+    over symmetric memory where every rank can, else NCCL), "one-shot" (an error where it cannot)
+    or "nccl".
     """
+    if all_reduce not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"all_reduce must be one of {ALL_REDUCE_CHOICES}, got {all_reduce!r}")
     global _tp
     if _tp is not None:
         if tp_size is not None and tp_size != _tp.world_size:
@@ -207,18 +220,23 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None,
                          f"with RANK/WORLD_SIZE ({rank}/{world})")
     tp = TPGroup(rank, world, dev, dist.group.WORLD, cpu_group)
     _warm_up(tp)
+    if dev.type == "cuda" and all_reduce != "nccl":
+        if comm.enable_one_shot(tp.group_name, dev, cpu_group):
+            tp = dataclasses.replace(tp, all_reduce="one-shot")
+        elif all_reduce == "one-shot":
+            raise ValueError("all_reduce='one-shot' but symmetric-memory one-shot all-reduce is not available on "
+                             "every rank (the log says why); use 'auto' or 'nccl'")
     _tp = tp
-    logger.info("TP group: rank %d of %d on %s (%s)", rank, world, dev, dist.get_backend())
+    logger.info("TP group: rank %d of %d on %s (%s, small all-reduces: %s)", rank, world, dev,
+                dist.get_backend(), tp.all_reduce)
     return tp
 
 
 def _warm_up(tp: TPGroup) -> None:
     """One all-reduce through the op the compiled pieces use, synchronised: the communicator is
     connected (and its first-use allocations made) before anything can be captured."""
-    from .comm import all_reduce
-
     x = torch.ones(1, device=tp.device)
-    total = all_reduce(x, tp.group_name)
+    total = comm.all_reduce(x, tp.group_name)
     if tp.device.type == "cuda":
         torch.cuda.synchronize(tp.device)
     if int(total.item()) != tp.world_size:
@@ -233,6 +251,8 @@ def shutdown_tp(timeout_s: float = 30.0) -> bool:
     process rather than wait."""
     global _tp
     if _tp is not None:
+        if _tp.group is not None:
+            comm.forget(_tp.group_name)
         _tp.release()
     _tp = None
     if not dist.is_initialized():

@@ -6,14 +6,17 @@ Each step runs under a hang guard (``logs.hang_guard``): a step that does not fi
 ``--step-timeout-s`` writes every thread's traceback to the rank's log and exits, so a hang costs
 seconds and says where. The steps are exactly what serving does with a TP group:
 
-1. ``init_tp``: eager communicator, warm-up all-reduce (group.py, point 1);
-2. an eager functional all-reduce;
+1. ``init_tp``: eager communicator, warm-up all-reduce (group.py, point 1), and on GPUs the
+   one-shot all-reduce's symmetric buffers (comm.py);
+2. an eager all-reduce, and ``torch.library.opcheck`` of ``compileattn::all_reduce``;
 3. capture ``all_reduce(x @ w)`` with compileattn's own ``GraphPool`` (the runtime's capture:
    warm-up run, capture on the side stream, thread-local mode), then replay with new inputs;
 4. interleave, several times: eager all-reduce (``dist.all_reduce``), replay, a gloo broadcast
    of a Python object (how rank 0 sends the schedule), replay;
 5. capture a second graph of another size after those eager collectives, and replay both;
-6. bounded shutdown.
+6. capture a graph holding a small all-reduce (one-shot on GPUs) and one past
+   ``comm.ONE_SHOT_MAX_BYTES`` (NCCL), and replay it;
+7. bounded shutdown.
 
 Every result is checked against the value it must have; the exit status is 0 only if all steps
 passed on this rank.
@@ -35,7 +38,7 @@ logger = logging.getLogger("compileattn")
 
 def main(argv: Sequence[str] | None = None) -> int:
     from ..compilation.cudagraph import GraphPool, SimulatedGraphPool
-    from .comm import all_reduce
+    from .comm import ONE_SHOT_MAX_BYTES, algorithm, all_reduce
     from .group import init_tp, shutdown_tp
     from .logs import hang_guard, setup_rank_logging
 
@@ -55,8 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     step("init_tp (eager NCCL communicator + warm-up all-reduce)")
     tp = init_tp(device=args.device)
     cuda = tp.device.type == "cuda"
-    logger.info("smoke: rank %d of %d on %s; torch %s, NCCL %s", tp.rank, tp.world_size, tp.device, torch.__version__,
-                ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-")
+    logger.info("smoke: rank %d of %d on %s; torch %s, NCCL %s; small all-reduces: %s", tp.rank, tp.world_size,
+                tp.device, torch.__version__, ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
+                tp.all_reduce)
     dev, name, n = tp.device, tp.group_name, tp.world_size
     expected_sum = n * (n + 1) / 2  # sum over ranks of (rank + 1)
     failures: list[str] = []
@@ -68,10 +72,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             failures.append(f"{what}: got {got.float().flatten()[:4].tolist()}..., expected {value}")
             logger.error("smoke: %s WRONG", what)
 
-    step("eager functional all-reduce")
+    step("eager all-reduce")
     dtype = torch.bfloat16 if cuda else torch.float32
     x = torch.full((8, 256), float(tp.rank + 1), device=dev, dtype=dtype)
-    expect("eager functional all-reduce", all_reduce(x, name), expected_sum)
+    expect(f"eager all-reduce ({algorithm(x, name)})", all_reduce(x, name), expected_sum)
+
+    step("opcheck compileattn::all_reduce")
+    try:
+        torch.library.opcheck(torch.ops.compileattn.all_reduce.default, (x, name))
+    except Exception as exc:  # noqa: BLE001  (a failure is this step's verdict)
+        failures.append(f"opcheck: {type(exc).__name__}: {exc}")
 
     w = torch.eye(256, device=dev, dtype=dtype)
     pool = GraphPool(dev) if cuda else SimulatedGraphPool(dev)
@@ -107,6 +117,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     g16.graph.replay()
     expect("second graph", g16.outputs, expected_sum + 1)
     expect("first graph after the second capture", g8.outputs, expected_sum + 1)
+
+    step("capture a graph with a small and a large all-reduce, replay it")
+    rows = ONE_SHOT_MAX_BYTES // (256 * x.element_size()) + 8
+    big = torch.full((rows, 256), float(tp.rank + 1), device=dev, dtype=dtype)
+
+    def two_sizes(inp: torch.Tensor, large: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return all_reduce(inp @ w, name) + 1, all_reduce(large, name)
+
+    mixed = pool.capture(two_sizes, (x, big), "smoke mixed", 8)
+    logger.info("smoke: mixed graph: small %s, large %s", algorithm(x, name), algorithm(big, name))
+    x.fill_(float(tp.rank + 2))
+    big.fill_(float(tp.rank + 3))
+    mixed.graph.replay()
+    expect("mixed graph, small all-reduce", mixed.outputs[0], expected_sum + n + 1)
+    expect("mixed graph, large all-reduce", mixed.outputs[1], expected_sum + 2 * n)
 
     step("agree on the verdict (gloo)")
     verdicts = tp.all_gather_object(not failures)
