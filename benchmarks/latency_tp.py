@@ -6,8 +6,8 @@ Run under torchrun, one process per GPU (see benchmarks/README.md)::
 
     timeout 450 torchrun --nproc-per-node 2 benchmarks/latency_tp.py --out $OUT/latency_tp --log-dir $OUT
 
-Benches: ``llama8b-tp1``, ``llama8b-tp2`` (small all-reduces by the algorithm ``init_tp`` chose:
-one-shot over symmetric memory where every rank can, see compileattn/parallel/comm.py),
+Benches: ``llama8b-tp1``, ``llama8b-tp2`` (small all-reduces by the algorithms ``init_tp`` chose:
+one-shot / two-shot over symmetric memory where every rank can, see compileattn/parallel/comm.py),
 ``llama8b-tp2-nccl`` (the same model and cache with every all-reduce on NCCL), ``llama70b-tp2``.
 
 Columns (latency.py's, same code): ``ca-piecewise`` and ``ca-full`` (compileattn with piecewise /
@@ -53,8 +53,8 @@ COLUMNS = ["ca-piecewise", "ca-full", "reduce-overhead"]
 #: (bench key, model, TP size); TP=1 runs on rank 0 alone.
 BENCHES = [("llama8b-tp1", "llama8b", 1), ("llama8b-tp2", "llama8b", 2), ("llama8b-tp2-nccl", "llama8b", 2),
            ("llama70b-tp2", "llama70b", 2)]
-#: Benches whose small all-reduces run on NCCL even where the group set up the one-shot algorithm
-#: (compileattn/parallel/comm.py): the same TP=2 model and cache as the bench named here, so the
+#: Benches whose small all-reduces run on NCCL even where the group set up symmetric memory
+#: (one-shot / two-shot, compileattn/parallel/comm.py): the same TP=2 model and cache as the bench named here, so the
 #: two algorithms are compared in one run.
 NCCL_ONLY = {"llama8b-tp2-nccl": "llama8b-tp2"}
 LABELS = {"llama8b": "Llama-3-8B shape", "llama70b": "Llama-3-70B shape"}
@@ -219,7 +219,7 @@ def run(args, tp, log: RankLog, payload: dict[str, Any], checkpoint) -> None:
             continue
         if key in benches:
             if size > 1:
-                comm.set_one_shot(tp.group_name, key not in NCCL_ONLY)
+                comm.set_symmetric_memory(tp.group_name, key not in NCCL_ONLY)
             with graphs_context(args):
                 rows += measure_task(benches[key], key, column, size, cells, args, tp, budget, log, stats)
         tp.barrier()

@@ -96,8 +96,8 @@ class TPGroup:
     group: Any = None
     #: gloo group for host-side agreement; None for a one-rank group.
     cpu_group: Any = None
-    #: How small all-reduces (a decode step's) run: "one-shot" (symmetric memory, see
-    #: ``comm.py``) or "nccl" (gloo on CPUs); larger ones always take NCCL.
+    #: How small all-reduces (a decode step's) run: "symmetric-memory" (one-shot / two-shot by
+    #: size, see ``comm.py``) or "nccl" (gloo on CPUs); prefill-sized ones always take NCCL.
     all_reduce: str = "nccl"
 
     @property
@@ -163,7 +163,7 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
-ALL_REDUCE_CHOICES = ("auto", "one-shot", "nccl")
+ALL_REDUCE_CHOICES = ("auto", "symmetric-memory", "nccl")
 
 
 def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce: str = "auto",
@@ -173,9 +173,9 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
     ``tp_size`` must equal ``WORLD_SIZE`` when given. ``device``: "cuda" (NCCL, one GPU per
     process: ``LOCAL_RANK``) or "cpu" (gloo); default cuda when available. The NCCL communicator
     is created eagerly and warmed up with one functional all-reduce before this returns.
-    ``all_reduce``: the algorithm of small all-reduces on GPUs (``comm.py``): "auto" (one-shot
-    over symmetric memory where every rank can, else NCCL), "one-shot" (an error where it cannot)
-    or "nccl".
+    ``all_reduce``: the algorithms of small all-reduces on GPUs (``comm.py``): "auto" (over
+    symmetric memory where every rank can, else NCCL), "symmetric-memory" (an error where it
+    cannot) or "nccl".
     """
     if all_reduce not in ALL_REDUCE_CHOICES:
         raise ValueError(f"all_reduce must be one of {ALL_REDUCE_CHOICES}, got {all_reduce!r}")
@@ -221,11 +221,11 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
     tp = TPGroup(rank, world, dev, dist.group.WORLD, cpu_group)
     _warm_up(tp)
     if dev.type == "cuda" and all_reduce != "nccl":
-        if comm.enable_one_shot(tp.group_name, dev, cpu_group):
-            tp = dataclasses.replace(tp, all_reduce="one-shot")
-        elif all_reduce == "one-shot":
-            raise ValueError("all_reduce='one-shot' but symmetric-memory one-shot all-reduce is not available on "
-                             "every rank (the log says why); use 'auto' or 'nccl'")
+        if comm.enable_symmetric_memory(tp.group_name, dev, cpu_group):
+            tp = dataclasses.replace(tp, all_reduce="symmetric-memory")
+        elif all_reduce == "symmetric-memory":
+            raise ValueError("all_reduce='symmetric-memory' but symmetric memory is not available on every rank "
+                             "(the log says why); use 'auto' or 'nccl'")
     _tp = tp
     logger.info("TP group: rank %d of %d on %s (%s, small all-reduces: %s)", rank, world, dev,
                 dist.get_backend(), tp.all_reduce)

@@ -7,15 +7,15 @@ Each step runs under a hang guard (``logs.hang_guard``): a step that does not fi
 seconds and says where. The steps are exactly what serving does with a TP group:
 
 1. ``init_tp``: eager communicator, warm-up all-reduce (group.py, point 1), and on GPUs the
-   one-shot all-reduce's symmetric buffers (comm.py);
+   symmetric buffers of the one-shot / two-shot all-reduces (comm.py);
 2. an eager all-reduce, and ``torch.library.opcheck`` of ``compileattn::all_reduce``;
 3. capture ``all_reduce(x @ w)`` with compileattn's own ``GraphPool`` (the runtime's capture:
    warm-up run, capture on the side stream, thread-local mode), then replay with new inputs;
 4. interleave, several times: eager all-reduce (``dist.all_reduce``), replay, a gloo broadcast
    of a Python object (how rank 0 sends the schedule), replay;
 5. capture a second graph of another size after those eager collectives, and replay both;
-6. capture a graph holding a small all-reduce (one-shot on GPUs) and one past
-   ``comm.ONE_SHOT_MAX_BYTES`` (NCCL), and replay it;
+6. capture a graph holding all-reduces of three sizes (on GPUs: one-shot, two-shot and NCCL),
+   and replay it;
 7. bounded shutdown.
 
 Every result is checked against the value it must have; the exit status is 0 only if all steps
@@ -38,7 +38,7 @@ logger = logging.getLogger("compileattn")
 
 def main(argv: Sequence[str] | None = None) -> int:
     from ..compilation.cudagraph import GraphPool, SimulatedGraphPool
-    from .comm import ONE_SHOT_MAX_BYTES, algorithm, all_reduce
+    from .comm import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, algorithm, all_reduce
     from .group import init_tp, shutdown_tp
     from .logs import hang_guard, setup_rank_logging
 
@@ -118,20 +118,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     expect("second graph", g16.outputs, expected_sum + 1)
     expect("first graph after the second capture", g8.outputs, expected_sum + 1)
 
-    step("capture a graph with a small and a large all-reduce, replay it")
-    rows = ONE_SHOT_MAX_BYTES // (256 * x.element_size()) + 8
-    big = torch.full((rows, 256), float(tp.rank + 1), device=dev, dtype=dtype)
+    step("capture a graph with all-reduces of three sizes, replay it")
+    medium = torch.full((ONE_SHOT_MAX_BYTES // (256 * x.element_size()) + 8 * n, 256), float(tp.rank + 1),
+                        device=dev, dtype=dtype)
+    large = torch.full((TWO_SHOT_MAX_BYTES // (256 * x.element_size()) + 8 * n, 256), float(tp.rank + 1),
+                       device=dev, dtype=dtype)
 
-    def two_sizes(inp: torch.Tensor, large: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return all_reduce(inp @ w, name) + 1, all_reduce(large, name)
+    def three_sizes(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return all_reduce(inputs[0] @ w, name) + 1, all_reduce(inputs[1], name), all_reduce(inputs[2], name)
 
-    mixed = pool.capture(two_sizes, (x, big), "smoke mixed", 8)
-    logger.info("smoke: mixed graph: small %s, large %s", algorithm(x, name), algorithm(big, name))
+    mixed = pool.capture(three_sizes, (x, medium, large), "smoke mixed", 8)
+    logger.info("smoke: mixed graph: %s", ", ".join(algorithm(t, name) for t in (x, medium, large)))
     x.fill_(float(tp.rank + 2))
-    big.fill_(float(tp.rank + 3))
+    medium.fill_(float(tp.rank + 3))
+    large.fill_(float(tp.rank + 4))
     mixed.graph.replay()
     expect("mixed graph, small all-reduce", mixed.outputs[0], expected_sum + n + 1)
-    expect("mixed graph, large all-reduce", mixed.outputs[1], expected_sum + 2 * n)
+    expect("mixed graph, medium all-reduce", mixed.outputs[1], expected_sum + 2 * n)
+    expect("mixed graph, large all-reduce", mixed.outputs[2], expected_sum + 3 * n)
 
     step("agree on the verdict (gloo)")
     verdicts = tp.all_gather_object(not failures)
