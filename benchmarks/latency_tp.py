@@ -314,7 +314,7 @@ def _p50(rows, key, column, batch):
 def render_markdown(payload: dict[str, Any]) -> str:
     rows = payload["rows"]
     cfg = payload.get("config", {})
-    out = ["# Decode-step latency under tensor parallelism (µs per step, rank 0, p50 / p99)", ""]
+    out = ["# Decode-step latency under tensor parallelism (µs per step, rank 0, p50 / p90 / p99)", ""]
     if cfg.get("cpu_smoke"):
         out += ["**CPU smoke run** (tiny shapes, gloo, simulated CUDA graphs): it checks the script, its "
                 "numbers measure nothing.", ""]
@@ -326,7 +326,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
     benches = [b for b, _, _ in BENCHES if any(r["bench"] == b for r in rows)]
     batches = sorted({r["batch"] for r in rows})
     for key in benches:
-        layers = payload.get("layers", {}).get(key, "?")
+        layers = payload.get("layers", {}).get(NCCL_ONLY.get(key, key), "?")
         tp_size = next(s for b, _, s in BENCHES if b == key)
         suffix = ", every all-reduce on NCCL" if key in NCCL_ONLY else ""
         out += [f"## {LABELS[key.split('-')[0]]}, {layers} layers, TP={tp_size}{suffix}", ""]

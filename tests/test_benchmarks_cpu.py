@@ -24,6 +24,8 @@ if not torch.cuda.is_available():
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import allreduce_tp as art  # noqa: E402
+import tp_step_profile as tsp  # noqa: E402
 import coldwarm  # noqa: E402
 import common  # noqa: E402
 import decode_attention as dec  # noqa: E402
@@ -82,12 +84,38 @@ def test_latency_args_reject_bad_values(argv, capsys):
 @no_cuda
 @pytest.mark.parametrize("module,name,argv", [
     (dec, "decode_attention.py", ["--quick"]), (lat, "latency.py", ["--quick"]), (op, "op_overhead.py", ["--quick"]),
-    (pg, "piecewise_gaps.py", []), (tp, "throughput.py", ["--quick"]), (ps, "prefix_sharing.py", ["--quick"])])
+    (pg, "piecewise_gaps.py", []), (tp, "throughput.py", ["--quick"]), (ps, "prefix_sharing.py", ["--quick"]),
+    (art, "allreduce_tp.py", []), (tsp, "tp_step_profile.py", [])])
 def test_without_cuda_scripts_say_so_and_exit_0(module, name, argv, capsys, tmp_path):
     assert module.main([*argv, "--out", str(tmp_path / "x")]) == 0
     out = capsys.readouterr().out
     assert name in out and "needs CUDA" in out
     assert not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+def test_allreduce_report_names_the_fastest_algorithm_per_size():
+    ok = lambda us: {"status": "ok", "us": us, "rel_err": 0.0, "graph_vs_eager": 0.0}  # noqa: E731
+    payload = {"benchmark": "allreduce_tp", "world_size": 2, "nccl": "2.28.9", "env": {},
+               "config": {"hidden": 4096, "chain": 64, "replays": 20},
+               "rows": [{"rows": 1, "bytes": 8192, "chosen": "one-shot", "nccl": ok(11.0), "one-shot": ok(5.5),
+                         "two-shot": ok(9.9)},
+                        {"rows": 1024, "bytes": 8 << 20, "chosen": "nccl", "nccl": ok(60.0),
+                         "one-shot": {"status": "skipped"}, "two-shot": {"status": "error", "reason": "boom"}}]}
+    md = art.render_markdown(payload)
+    assert "| 1 | 8 KiB | 11.00 | 5.50 | 9.90 | one-shot (0.50× NCCL) | one-shot |" in md
+    assert "| 1024 | 8192 KiB | 60.00 | skipped | error | nccl | nccl |" in md
+    assert "1024 rows, two-shot: error: boom" in md
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT", "matmul"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "matmul"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all-reduce"),
+    ("void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>", "all-reduce"),
+    ("decode_kernel", "attention"), ("combine_kernel", "attention"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "other"), ("kv_write_kernel", "other")])
+def test_tp_profile_sorts_kernels_by_kind(name, kind):
+    assert tsp.kernel_kind(name) == kind
 
 
 # -- statistics and files ----------------------------------------------------------------------------

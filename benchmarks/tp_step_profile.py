@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Where a tensor-parallel decode step's GPU time goes: kernel time by kind in the full-decode
+CUDA graph of the Llama-3-8B shape at TP=1 and TP=2 (symmetric-memory all-reduces, and the same
+TP=2 model with every all-reduce on NCCL).
+
+Run under torchrun, one process per GPU (on nvidia-h200-x2)::
+
+    timeout 300 torchrun --nproc-per-node 2 benchmarks/tp_step_profile.py --out $OUT/tp_step_profile --log-dir $OUT
+
+Models, caches and steps are latency_tp.py's (same seeds, same check against eager first). For
+each bench and batch the captured graph is replayed ``--replays`` times under torch.profiler
+(CUDA activity only); kernels are grouped by name into matmul (cuBLAS/cuBLASLt GEMV/GEMM and
+their split-K reductions), all-reduce (NCCL and symmetric-memory kernels), attention (the decode
+and combine kernels), and other (norms, rotary, activation, copies); ``idle`` is the graph's GPU
+time (CUDA events, untraced) minus the sum of its kernels' times: the GPU waiting between
+kernels. Rank 0's numbers are reported.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+
+_HERE = Path(__file__).resolve().parent
+for _p in (str(_HERE), str(_HERE.parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import common  # noqa: E402
+
+KINDS = ("matmul", "all-reduce", "attention", "other")
+#: (bench, latency_tp bench it builds, TP size, all-reduces over symmetric memory)
+BENCHES = [("tp1", "llama8b-tp1", 1, False), ("tp2", "llama8b-tp2", 2, True), ("tp2-nccl", "llama8b-tp2", 2, False)]
+DEFAULT_OUT = common.RESULTS_DIR / "tp_step_profile"
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n or "all_reduce" in n or "allreduce" in n:
+        return "all-reduce"
+    if any(k in n for k in ("gemv", "gemm", "nvjet", "cutlass", "splitk", "sm90_xmma")):
+        return "matmul"
+    if any(k in n for k in ("decode_kernel", "combine_kernel", "attn", "attention", "flash")):
+        return "attention"
+    return "other"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ints = common.argparse_type(common.parse_int_list)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=ints, default=[8, 1], help="the first must be >= 2 (it compiles)")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--replays", type=int, default=5)
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--hang-timeout-s", type=float, default=280.0)
+    return p.parse_args(argv)
+
+
+def profile_graph(graph, replays: int) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import latency as lat
+
+    gpu_us = lat.replay_gpu_us(graph)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    counts = dict.fromkeys(KINDS, 0.0)
+    top: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        kind = kernel_kind(e.name)
+        by_kind[kind] += e.device_time / replays
+        counts[kind] += 1 / replays
+        top.setdefault(e.name, [0.0, 0.0])
+        top[e.name][0] += e.device_time / replays
+        top[e.name][1] += 1 / replays
+    busy = sum(by_kind.values())
+    return {"graph_gpu_us": gpu_us, "kernel_us": {k: round(v, 1) for k, v in by_kind.items()},
+            "kernels": {k: round(v) for k, v in counts.items()}, "idle_us": round(gpu_us - busy, 1),
+            "top": [[n[:100], round(t, 1), round(c)] for n, (t, c) in sorted(top.items(), key=lambda kv: -kv[1][0])[:10]]}
+
+
+def run(args, tp, log) -> list[dict[str, Any]]:
+    import latency as lat
+    import latency_tp as ltp
+
+    from compileattn.parallel import comm
+
+    largs = ltp.parse_args(["--batches", ",".join(map(str, args.batches)), "--context", str(args.context),
+                            "--columns", "ca-full"])
+    cells = [lat.Cell("decode", b, args.context) for b in args.batches]
+    rows = []
+    built: dict[str, Any] = {}
+    for name, key, size, symmetric in BENCHES:
+        mine = size == tp.world_size or (size == 1 and tp.is_driver)
+        if mine:
+            if size > 1:
+                comm.set_symmetric_memory(tp.group_name, symmetric)
+            try:
+                bench = built.get(key)
+                if bench is None:
+                    bench = built[key] = lat.Bench(key, cells, largs, log, model=ltp.build("llama8b", size, tp, largs))
+                    if size > 1:
+                        ltp.fill_cache_slices(bench, largs, tp)
+                    for c in cells:
+                        bench.reference[c] = lat.eager_reference(bench, c)
+                group = lat.CompileattnGroup(bench, "ca-full")
+                for c in cells:
+                    row = {**ltp.base(key, c, "ca-full", size), "bench": name, "padded_tokens": bench.padded(c)}
+                    lat.measure_cell(bench, group, "ca-full", c, row, largs, log)
+                    graph = group.captured_graph("ca-full", bench.padded(c)) if row["status"] == "ok" else None
+                    if graph is not None:
+                        row.update(profile_graph(graph, args.replays))
+                        log(f"{name} b{c.batch}: graph {row['graph_gpu_us']:.0f} µs, kernels {row['kernel_us']}, "
+                            f"idle {row['idle_us']:.0f} µs")
+                    if size > 1:
+                        tp.barrier()
+                    rows.append(row)
+                del group
+                lat._reset_compilers()
+            except Exception:  # noqa: BLE001
+                log(traceback.format_exc(limit=8))
+        tp.barrier()
+    return rows
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    out = ["# Tensor-parallel decode step: GPU time by kernel kind (Llama-3-8B shape, full-decode graph, rank 0)",
+           "", common.environment_markdown(payload.get("env", {})),
+           f"- ranks {payload.get('world_size')}; context {payload['config']['context']}; "
+           f"{payload['config']['replays']} traced replays per cell; `idle` = the graph's GPU time (CUDA events, "
+           "untraced) minus its kernels' summed time.", ""]
+    table = []
+    for r in payload["rows"]:
+        if r.get("status") != "ok" or "kernel_us" not in r:
+            table.append([r["bench"], r["batch"], r.get("status", "?"), "", "", "", "", "", ""])
+            continue
+        k = r["kernel_us"]
+        table.append([r["bench"], r["batch"], f"{r['p50_us']:.0f}", f"{r['graph_gpu_us']:.0f}",
+                      *(f"{k[kind]:.0f} ({r['kernels'][kind]})" for kind in KINDS), f"{r['idle_us']:.0f}"])
+    out.append(common.markdown_table(["bench", "batch", "step p50", "graph GPU", *(f"{k} µs (kernels)" for k in KINDS),
+                                      "idle µs"], table))
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    missing = common.cuda_missing_message("tp_step_profile.py")
+    if missing:
+        print(missing, flush=True)
+        return 0
+    from compileattn.parallel import init_tp, shutdown_tp
+    from compileattn.parallel.logs import hang_guard, setup_rank_logging
+
+    setup_rank_logging(args.log_dir, int(os.environ.get("RANK", "0")))
+    log = common.Log()
+    tp = init_tp(device="cuda")
+    payload: dict[str, Any] = {"benchmark": "tp_step_profile", "world_size": tp.world_size, "all_reduce": tp.all_reduce,
+                               "config": {k: v for k, v in vars(args).items() if k not in ("out", "log_dir")},
+                               "env": common.environment(), "rows": []}
+    hang_guard(args.hang_timeout_s, "tp_step_profile")
+    try:
+        payload["rows"] = run(args, tp, log)
+    except Exception as exc:  # noqa: BLE001
+        payload["error"] = common.short_error(exc)
+        log(traceback.format_exc(limit=8))
+    hang_guard(None)
+    if tp.is_driver:
+        print(common.write_outputs(payload, args.out, True, log, render_markdown(payload), None, "tp_step_profile"))
+    if not shutdown_tp(timeout_s=20):
+        os._exit(0)
+    return 0 if "error" not in payload else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
