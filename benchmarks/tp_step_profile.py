@@ -9,11 +9,12 @@ Run under torchrun, one process per GPU (on nvidia-h200-x2)::
 
 Models, caches and steps are latency_tp.py's (same seeds, same check against eager first). For
 each bench and batch the captured graph is replayed ``--replays`` times under torch.profiler
-(CUDA activity only); kernels are grouped by name into matmul (cuBLAS/cuBLASLt GEMV/GEMM and
-their split-K reductions), all-reduce (NCCL and symmetric-memory kernels), attention (the decode
-and combine kernels), and other (norms, rotary, activation, copies); ``idle`` is the graph's GPU
-time (CUDA events, untraced) minus the sum of its kernels' times: the GPU waiting between
-kernels. Rank 0's numbers are reported.
+(CUDA activity only), the ranks lined up first; kernels are grouped by name into matmul
+(cuBLAS/cuBLASLt GEMV/GEMM and their split-K reductions), all-reduce (NCCL and symmetric-memory
+kernels, their waits for the peer included), attention (the decode and combine kernels), and
+other (norms, rotary, activation, copies). ``idle`` is the traced replays' GPU span minus the time some kernel was running (the GPU
+waiting between kernels), per replay; ``graph GPU`` is the untraced replay's time (CUDA events),
+for scale: tracing adds a little to each kernel. Rank 0's numbers are reported.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _HERE = Path(__file__).resolve().parent
 for _p in (str(_HERE), str(_HERE.parent)):
@@ -60,13 +61,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def profile_graph(graph, replays: int) -> dict[str, Any]:
+def busy_union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: time some kernel was running."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def profile_graph(graph, replays: int, line_up: Callable[[], None] | None) -> dict[str, Any]:
+    """Kernel time by kind per replay, and idle = the traced replays' GPU span minus the time some
+    kernel ran, per replay. The ranks line up first: a symmetric-memory or NCCL kernel waits for
+    its peers, and a rank that starts tracing early would count that wait as all-reduce time
+    (``line_up``: the TP group's barrier; None on one rank)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     import latency as lat
 
     gpu_us = lat.replay_gpu_us(graph)
+    torch.cuda.synchronize()
+    if line_up is not None:
+        line_up()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
@@ -74,6 +93,7 @@ def profile_graph(graph, replays: int) -> dict[str, Any]:
     by_kind = dict.fromkeys(KINDS, 0.0)
     counts = dict.fromkeys(KINDS, 0.0)
     top: dict[str, list[float]] = {}
+    intervals = []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -83,9 +103,11 @@ def profile_graph(graph, replays: int) -> dict[str, Any]:
         top.setdefault(e.name, [0.0, 0.0])
         top[e.name][0] += e.device_time / replays
         top[e.name][1] += 1 / replays
-    busy = sum(by_kind.values())
+        intervals.append((e.time_range.start, e.time_range.end))
+    span = (max(i[1] for i in intervals) - min(i[0] for i in intervals)) if intervals else 0.0
     return {"graph_gpu_us": gpu_us, "kernel_us": {k: round(v, 1) for k, v in by_kind.items()},
-            "kernels": {k: round(v) for k, v in counts.items()}, "idle_us": round(gpu_us - busy, 1),
+            "kernels": {k: round(v) for k, v in counts.items()},
+            "traced_us": round(span / replays, 1), "idle_us": round((span - busy_union_us(intervals)) / replays, 1),
             "top": [[n[:100], round(t, 1), round(c)] for n, (t, c) in sorted(top.items(), key=lambda kv: -kv[1][0])[:10]]}
 
 
@@ -119,11 +141,11 @@ def run(args, tp, log) -> list[dict[str, Any]]:
                     lat.measure_cell(bench, group, "ca-full", c, row, largs, log)
                     graph = group.captured_graph("ca-full", bench.padded(c)) if row["status"] == "ok" else None
                     if graph is not None:
-                        row.update(profile_graph(graph, args.replays))
+                        row.update(profile_graph(graph, args.replays, tp.barrier if size > 1 else None))
                         log(f"{name} b{c.batch}: graph {row['graph_gpu_us']:.0f} µs, kernels {row['kernel_us']}, "
                             f"idle {row['idle_us']:.0f} µs")
-                    if size > 1:
-                        tp.barrier()
+                    elif size > 1:
+                        tp.barrier()  # the peer's profile_graph lines up with this one
                     rows.append(row)
                 del group
                 lat._reset_compilers()
@@ -137,17 +159,17 @@ def render_markdown(payload: dict[str, Any]) -> str:
     out = ["# Tensor-parallel decode step: GPU time by kernel kind (Llama-3-8B shape, full-decode graph, rank 0)",
            "", common.environment_markdown(payload.get("env", {})),
            f"- ranks {payload.get('world_size')}; context {payload['config']['context']}; "
-           f"{payload['config']['replays']} traced replays per cell; `idle` = the graph's GPU time (CUDA events, "
-           "untraced) minus its kernels' summed time.", ""]
+           f"{payload['config']['replays']} traced replays per cell; `graph GPU`: an untraced replay (CUDA events); "
+           "`traced`: a traced replay's GPU span; `idle`: that span minus the time some kernel ran.", ""]
     table = []
     for r in payload["rows"]:
         if r.get("status") != "ok" or "kernel_us" not in r:
-            table.append([r["bench"], r["batch"], r.get("status", "?"), "", "", "", "", "", ""])
+            table.append([r["bench"], r["batch"], r.get("status", "?"), "", "", "", "", "", "", ""])
             continue
         k = r["kernel_us"]
-        table.append([r["bench"], r["batch"], f"{r['p50_us']:.0f}", f"{r['graph_gpu_us']:.0f}",
+        table.append([r["bench"], r["batch"], f"{r['p50_us']:.0f}", f"{r['graph_gpu_us']:.0f}", f"{r['traced_us']:.0f}",
                       *(f"{k[kind]:.0f} ({r['kernels'][kind]})" for kind in KINDS), f"{r['idle_us']:.0f}"])
-    out.append(common.markdown_table(["bench", "batch", "step p50", "graph GPU", *(f"{k} µs (kernels)" for k in KINDS),
+    out.append(common.markdown_table(["bench", "batch", "step p50", "graph GPU", "traced", *(f"{k} µs (kernels)" for k in KINDS),
                                       "idle µs"], table))
     return "\n".join(out) + "\n"
 

@@ -118,6 +118,12 @@ def test_tp_profile_sorts_kernels_by_kind(name, kind):
     assert tsp.kernel_kind(name) == kind
 
 
+def test_tp_profile_idle_counts_overlapping_kernels_once():
+    # two overlapping kernels (0-12 busy), a gap of 8, two nested ones (20-25 busy)
+    assert tsp.busy_union_us([(20, 25), (0, 10), (5, 12), (21, 22)]) == 17
+    assert tsp.busy_union_us([]) == 0
+
+
 # -- statistics and files ----------------------------------------------------------------------------
 
 

@@ -274,17 +274,20 @@ def test_gpu_smoke_script_runs_on_cpu(tmp_path):
 def test_latency_tp_benchmark_plumbing_on_cpu(tmp_path):
     """The benchmark's rank coordination (rank 0's budget decisions, TP=1 on rank 0 alone, rows
     merged over ranks, the TP=2-vs-TP=1 check) on tiny shapes with simulated graphs."""
-    rc, out = torchrun(2, ["benchmarks/latency_tp.py", "--cpu-smoke", "--benches", "llama8b-tp1,llama8b-tp2",
+    rc, out = torchrun(2, ["benchmarks/latency_tp.py", "--cpu-smoke", "--benches", "llama8b-tp1,llama8b-tp2,llama8b-tp2-nccl",
                            "--batches", "2", "--steps", "2", "--warmup", "1", "--no-plot", "--out",
                            str(tmp_path / "ltp")], tmp_path, 240)
     assert rc == 0, out[-4000:]
     payload = json.loads((tmp_path / "ltp.json").read_text())
     by = {(r["bench"], r["column"]): r for r in payload["rows"]}
-    assert set(by) == {(b, c) for b in ("llama8b-tp1", "llama8b-tp2") for c in ("ca-piecewise", "ca-full")}
+    assert set(by) == {(b, c) for b in ("llama8b-tp1", "llama8b-tp2", "llama8b-tp2-nccl")
+                       for c in ("ca-piecewise", "ca-full")}
     assert all(r["status"] == "ok" for r in by.values()), [r["reason"] for r in by.values()]
     assert by[("llama8b-tp2", "ca-full")]["rank1_p50_us"] > 0 and "rank1_p50_us" not in by[("llama8b-tp1", "ca-full")]
     assert [c["ok"] for c in payload["checks"]] == [True]
-    assert "TP=2 ÷ TP=1" in (tmp_path / "ltp.md").read_text()
+    md = (tmp_path / "ltp.md").read_text()
+    assert "TP=2 ÷ TP=1" in md and "TP=2 ÷ TP=1, Llama-3-8B shape (p50), every all-reduce on NCCL" in md
+    assert "2 layers, TP=2, every all-reduce on NCCL" in md  # the shared model's layer count
 
 
 @pytest.mark.cuda

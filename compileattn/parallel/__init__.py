@@ -9,7 +9,8 @@ in each process::
     caches = allocate_kv_caches(model.attention_specs(), ...)      # this rank's KV heads
 
 ``group.py`` explains what CUDA-graph capture of NCCL collectives needs and where each point is
-met.
+met; ``comm.py`` which all-reduce algorithm runs when (NCCL, or one-shot / two-shot over
+symmetric memory).
 """
 from .comm import all_reduce
 from .driver import StepPlan, TPEngine

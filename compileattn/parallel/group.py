@@ -7,8 +7,9 @@ Tensor parallelism spans the whole world: pipeline or data parallel groups do no
 
 Two process groups, two jobs:
 
-- ``group``: NCCL on GPUs (gloo on CPUs). Carries the all-reduce of every row-parallel layer,
-  inside the compiled pieces and inside their CUDA graphs (``comm.all_reduce``).
+- ``group``: NCCL on GPUs (gloo on CPUs). Names the all-reduce of every row-parallel layer,
+  inside the compiled pieces and inside their CUDA graphs (``comm.all_reduce``), which runs on
+  NCCL or, for decode-sized tensors on GPUs, over the group's symmetric memory (``comm.py``).
 - ``cpu_group``: gloo. Carries host-side agreement (the step rank 0 scheduled, budget decisions,
   barriers) so no eager NCCL call ever sits between captured ones for the host's sake.
 
