@@ -16,12 +16,12 @@ Three algorithms, all plain ``torch.distributed``, chosen by size (``algorithm``
   ``wait_tensor``, for everything else (prefill-sized tensors, CPUs, groups without symmetric
   memory).
 
-Measured on 2 x H200 (NVLink, run S8-2; 64 dependent all-reduces in one CUDA graph, bf16, µs per
-all-reduce including a 1.2 µs multiply): 8 KiB NCCL 12.4 / one-shot 7.6 / two-shot 11.0; 512 KiB
-16.4 / 12.1 / 14.4; 1 MiB 20.1 / 16.3 / 17.0; 2 MiB 35.0 / 23.4 / 20.7; 4 MiB 41.2 / 38.1 /
-29.0. On the Llama-3-8B shape (TP=2, batch 1, full-decode graph) one-shot took the step from
-3943 to 3415 µs. The symmetric buffers are set up by ``enable_symmetric_memory`` (``init_tp``
-does it on GPUs).
+Measured on 2 x H200 (NVLink; ``benchmarks/allreduce_tp.py``, run S8-4: 64 dependent bf16
+all-reduces in one CUDA graph, GPU µs per all-reduce, NCCL / one-shot / two-shot): 8 KiB 11.1 /
+6.8 / 10.3; 512 KiB 15.0 / 11.6 / 13.6; 1 MiB 19.6 / 15.5 / 16.7; 2 MiB 33.6 / 23.1 / 20.2;
+4 MiB 39.8 / 37.3 / 28.5; 8 MiB NCCL 61.0. On the Llama-3-8B shape (TP=2, batch 1, full-decode
+graph, S8-2) they took the step from 3943 to 3415 µs. The symmetric buffers are set up by
+``enable_symmetric_memory`` (``init_tp`` does it on GPUs).
 
 Why one opaque custom op and not the functional pair in the graph: the same piece runs decode
 sizes and prefill sizes (dynamic shapes), so the choice is per call, by size; and Inductor's own
@@ -49,7 +49,7 @@ import torch
 
 logger = logging.getLogger("compileattn")
 
-#: Largest tensor (bytes) the one-shot algorithm takes (the crossover with two-shot in S8-2's
+#: Largest tensor (bytes) the one-shot algorithm takes (the crossover with two-shot in the
 #: measurements above). A decode step's hidden state is batch x hidden x 2 bytes: 1 MiB is batch
 #: 128 of the 8B shape, 64 of the 70B shape.
 ONE_SHOT_MAX_BYTES = 1 << 20
@@ -57,7 +57,7 @@ ONE_SHOT_MAX_BYTES = 1 << 20
 #: ones (prefill) go to NCCL.
 TWO_SHOT_MAX_BYTES = 4 << 20
 #: dtypes torch's symm_mem kernels reduce (float and bfloat16; float16 raises "not implemented
-#: for 'Half'", S8-2): float16 all-reduces take NCCL.
+#: for 'Half'" on torch 2.11): float16 all-reduces take NCCL.
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
 #: The kernels load 16-byte vectors; two-shot gives each rank an equal, 16-byte-aligned part.
 _ALIGN_BYTES = 16
