@@ -10,7 +10,7 @@ For each size (rows of ``--hidden`` bf16 values: a decode step's hidden state ha
 sequence) and algorithm, ``--chain`` dependent all-reduces (each followed by a multiply, as a
 layer's matmul would follow it) are captured in one CUDA graph; the graph is replayed
 ``--replays`` times back to back and the GPU time per all-reduce is reported, the multiply's own
-time (a graph of multiplies alone) subtracted. Before timing, each algorithm's eager result is
+time (a graph of the same multiplies alone, at the same size) subtracted. Before timing, each algorithm's eager result is
 checked against the sum computed from every rank's seeded input, and the graph's against eager.
 The thresholds in comm.py (``ONE_SHOT_MAX_BYTES``, ``TWO_SHOT_MAX_BYTES``) come from this table.
 An algorithm a size cannot take (two-shot needs 16-byte parts per rank) is reported as skipped.
@@ -75,12 +75,47 @@ def graph_us_per_call(fn: Callable[[Any], Any], x, chain: int, replays: int, tp)
     return start.elapsed_time(end) * 1e3 / replays / chain, captured.outputs
 
 
+def _stage(what: Callable[[], Any], log) -> tuple[Any, str | None]:
+    try:
+        return what(), None
+    except Exception as exc:  # noqa: BLE001  (one algorithm failing must not cost the table)
+        log("".join(traceback.format_exc(limit=6)))
+        return None, common.short_error(exc)
+
+
+def measure_one(fn, x, expected, mul_us: float, args, tp, log) -> dict[str, Any]:
+    """One algorithm at one size: the eager result and an eager chain, then (only if every rank
+    got that far: the graph's all-reduces wait for their peers) the graph, timed and compared."""
+    import torch
+
+    def eager():
+        err = common.rel_error(fn(x).float(), expected)
+        chain = x
+        for _ in range(args.chain):
+            chain = fn(chain) * 0.5
+        torch.cuda.synchronize()
+        return err, chain
+
+    done, why = _stage(eager, log)
+    failed = [r for r, reason in enumerate(tp.all_gather_object(why)) if reason]
+    if failed:
+        return {"status": "error", "reason": why or f"rank(s) {failed} failed the eager stage"}
+    err, chain = done
+    timed, why = _stage(lambda: graph_us_per_call(fn, x.clone(), args.chain, args.replays, tp), log)
+    if why:
+        return {"status": "error", "reason": why}
+    us, graph_out = timed
+    graph_err = common.rel_error(graph_out.float(), chain.float())
+    ok = err <= 1e-2 and graph_err <= 1e-2
+    return {"status": "ok" if ok else "FAILED", "us": round(us - mul_us, 2), "rel_err": err, "graph_vs_eager": graph_err}
+
+
 def measure(args, tp, log) -> list[dict[str, Any]]:
     import torch
 
     from compileattn.parallel import comm
 
-    sym = comm._symmetric.get(tp.group_name)
+    sym = comm.symmetric_buffers(tp.group_name)
     if sym is None:
         raise RuntimeError("symmetric memory is not set up on this group (the log of init_tp says why)")
 
@@ -89,8 +124,6 @@ def measure(args, tp, log) -> list[dict[str, Any]]:
         return torch.ops._c10d_functional.wait_tensor(out)
 
     impls = {"nccl": nccl, "one-shot": sym.one_shot, "two-shot": sym.two_shot}
-    mul_us, _ = graph_us_per_call(lambda y: y, torch.ones(1, args.hidden, dtype=torch.bfloat16, device=tp.device),
-                                  args.chain, args.replays, tp)
     rows = []
     for n in args.rows:
         nbytes = n * args.hidden * 2
@@ -103,6 +136,7 @@ def measure(args, tp, log) -> list[dict[str, Any]]:
         x = seeded(tp.rank)
         expected = sum(seeded(r).float() for r in range(tp.world_size))
         row["chosen"] = comm.algorithm(x, tp.group_name)
+        mul_us, _ = graph_us_per_call(lambda y: y, x.clone(), args.chain, args.replays, tp)  # the multiplies alone
         for name, fn in impls.items():
             if nbytes > comm.TWO_SHOT_MAX_BYTES and name != "nccl":
                 row[name] = {"status": "skipped", "reason": "larger than the symmetric buffer"}
@@ -110,21 +144,7 @@ def measure(args, tp, log) -> list[dict[str, Any]]:
             if name == "two-shot" and nbytes % (16 * tp.world_size):
                 row[name] = {"status": "skipped", "reason": "no equal 16-byte parts per rank"}
                 continue
-            try:
-                got = fn(x)
-                torch.cuda.synchronize()
-                err = common.rel_error(got.float(), expected)
-                eager_chain = x
-                for _ in range(args.chain):
-                    eager_chain = fn(eager_chain) * 0.5
-                us, graph_out = graph_us_per_call(fn, x.clone(), args.chain, args.replays, tp)
-                graph_err = common.rel_error(graph_out.float(), eager_chain.float())
-                ok = err <= 1e-2 and graph_err <= 1e-2
-                row[name] = {"status": "ok" if ok else "FAILED", "us": round(us - mul_us, 2), "rel_err": err,
-                             "graph_vs_eager": graph_err}
-            except Exception as exc:  # noqa: BLE001  (one algorithm failing must not cost the table)
-                row[name] = {"status": "error", "reason": common.short_error(exc)}
-                log("".join(traceback.format_exc(limit=6)))
+            row[name] = measure_one(fn, x, expected, mul_us, args, tp, log)
             tp.barrier()
         log(f"{n:5d} rows ({nbytes >> 10:6d} KiB): " + "  ".join(
             f"{a} {row[a]['us']:.2f} µs" if row[a].get("status") == "ok" else f"{a} {row[a]['status']}"

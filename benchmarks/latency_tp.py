@@ -326,7 +326,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
     benches = [b for b, _, _ in BENCHES if any(r["bench"] == b for r in rows)]
     batches = sorted({r["batch"] for r in rows})
     for key in benches:
-        layers = payload.get("layers", {}).get(NCCL_ONLY.get(key, key), "?")
+        layers = payload.get("layers", {})
+        layers = layers.get(key) or layers.get(NCCL_ONLY.get(key, key), "?")
         tp_size = next(s for b, _, s in BENCHES if b == key)
         suffix = ", every all-reduce on NCCL" if key in NCCL_ONLY else ""
         out += [f"## {LABELS[key.split('-')[0]]}, {layers} layers, TP={tp_size}{suffix}", ""]

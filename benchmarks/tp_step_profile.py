@@ -136,36 +136,59 @@ def run(args, tp, log) -> list[dict[str, Any]]:
     tp.barrier()
     rows = []
     built: dict[str, Any] = {}
-    for name, key, size, symmetric in BENCHES:
-        mine = size == tp.world_size or (size == 1 and tp.is_driver)
-        if mine:
+    for i, (name, key, size, symmetric) in enumerate(BENCHES):
+        if size == tp.world_size or (size == 1 and tp.is_driver):
             if size > 1:
                 comm.set_symmetric_memory(tp.group_name, symmetric)
-            try:
-                bench = built.get(key)
-                if bench is None:
-                    bench = built[key] = lat.Bench(key, cells, largs, log, model=ltp.build("llama8b", size, tp, largs))
-                    if size > 1:
-                        ltp.fill_cache_slices(bench, largs, tp)
-                    for c in cells:
-                        bench.reference[c] = lat.eager_reference(bench, c)
-                group = lat.CompileattnGroup(bench, "ca-full")
-                for c in cells:
-                    row = {**ltp.base(key, c, "ca-full", size), "bench": name, "padded_tokens": bench.padded(c)}
-                    lat.measure_cell(bench, group, "ca-full", c, row, largs, log)
-                    graph = group.captured_graph("ca-full", bench.padded(c)) if row["status"] == "ok" else None
-                    if graph is not None:
-                        row.update(profile_graph(graph, args.replays, tp.barrier if size > 1 else None))
-                        log(f"{name} b{c.batch}: graph {row['graph_gpu_us']:.0f} µs, kernels {row['kernel_us']}, "
-                            f"idle {row['idle_us']:.0f} µs")
-                    elif size > 1:
-                        tp.barrier()  # the peer's profile_graph lines up with this one
-                    rows.append(row)
-                del group
-                lat._reset_compilers()
-            except Exception:  # noqa: BLE001
-                log(traceback.format_exc(limit=8))
+            rows += profile_bench(name, key, size, symmetric, built, cells, largs, args, tp, log)
+            if key in built and all(later[1] != key for later in BENCHES[i + 1:]):
+                built.pop(key).close()
         tp.barrier()
+    return rows
+
+
+def profile_bench(name, key, size, symmetric, built, cells, largs, args, tp, log) -> list[dict[str, Any]]:
+    """One bench's cells. On several ranks, every step that runs collectives (the compile's and
+    capture's, the replays) is entered only once every rank got that far: a rank that failed
+    before must not leave its peer's all-reduces waiting."""
+    import latency as lat
+    import latency_tp as ltp
+
+    def everyone(ok: bool) -> bool:
+        return all(tp.all_gather_object(ok)) if size > 1 else ok
+
+    def build():
+        bench = lat.Bench(key, cells, largs, log, model=ltp.build("llama8b", size, tp, largs))
+        if size > 1:
+            ltp.fill_cache_slices(bench, largs, tp)
+        for c in cells:
+            bench.reference[c] = lat.eager_reference(bench, c)
+        return bench
+
+    try:
+        bench = built.get(key) or built.setdefault(key, build())
+        group = lat.CompileattnGroup(bench, "ca-full")
+        ready = True
+    except Exception:  # noqa: BLE001
+        log(traceback.format_exc(limit=8))
+        ready = False
+    if not everyone(ready):
+        return []
+    label = ("symmetric-memory" if symmetric else "nccl") if size > 1 else "—"
+    rows = []
+    for c in cells:
+        row = {**ltp.base(key, c, "ca-full", size), "bench": name, "all_reduce": label,
+               "padded_tokens": bench.padded(c)}
+        lat.measure_cell(bench, group, "ca-full", c, row, largs, log)
+        graph = group.captured_graph("ca-full", bench.padded(c)) if row["status"] == "ok" else None
+        if everyone(graph is not None):
+            row.update(profile_graph(graph, args.replays, tp.barrier if size > 1 else None))
+            log(f"{name} b{c.batch}: graph {row['graph_gpu_us']:.0f} µs, kernels {row['kernel_us']}, "
+                f"idle {row['idle_us']:.0f} µs")
+        del graph
+        rows.append(row)
+    del group
+    lat._reset_compilers()
     return rows
 
 
@@ -200,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_rank_logging(args.log_dir, int(os.environ.get("RANK", "0")))
     log = common.Log()
     tp = init_tp(device="cuda")
-    payload: dict[str, Any] = {"benchmark": "tp_step_profile", "world_size": tp.world_size, "all_reduce": tp.all_reduce,
+    payload: dict[str, Any] = {"benchmark": "tp_step_profile", "world_size": tp.world_size,
                                "config": {k: v for k, v in vars(args).items() if k not in ("out", "log_dir")},
                                "env": common.environment(), "rows": []}
     hang_guard(args.hang_timeout_s, "tp_step_profile")

@@ -29,8 +29,9 @@ one-shot lowering (``enable_symm_mem_for_group``) plans the input into symmetric
 time, which the static-compile workers (processes without the group) cannot do. Dynamo and the
 split pass see one op (``passes/split.is_collective`` counts it; only attention splits);
 Inductor calls it as an extern kernel. Every rank makes the same choice for the same call: it
-depends only on the tensor's size and dtype and on the group's set-up, which
-``enable_symmetric_memory`` makes on all ranks or on none.
+depends only on the tensor's size, dtype, device and contiguity (the same on every rank, whose
+pieces are the same) and on the group's set-up, which ``enable_symmetric_memory`` makes on all
+ranks or on none.
 
 CUDA-graph capture records the one-shot kernel like any other, with the buffer addresses baked
 in; its barriers pair up exactly when every rank replays the same graphs in the same order, the
@@ -59,7 +60,9 @@ TWO_SHOT_MAX_BYTES = 4 << 20
 #: dtypes torch's symm_mem kernels reduce (float and bfloat16; float16 raises "not implemented
 #: for 'Half'" on torch 2.11): float16 all-reduces take NCCL.
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
-#: The kernels load 16-byte vectors; two-shot gives each rank an equal, 16-byte-aligned part.
+#: A conservative rule of ours, not torch's: tensors whose size is a multiple of 16 bytes (and for
+#: two-shot, of 16 bytes per rank), the sizes the kernels' 16-byte vector loads were measured
+#: with; anything else takes NCCL.
 _ALIGN_BYTES = 16
 
 _lib = torch.library.Library("compileattn", "FRAGMENT")  # noqa: TOR901 (an op library, not a test)
@@ -76,12 +79,12 @@ class SymmetricBuffers:
     buffers: dict[torch.dtype, torch.Tensor]
 
     def one_shot(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
+        out = _fresh_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(self._staging(x), x, "sum", self.group_name, out)
         return out
 
     def two_shot(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
+        out = _fresh_like(x)
         staging = self._staging(x)
         staging.copy_(x)
         torch.ops.symm_mem.two_shot_all_reduce_out(staging, "sum", self.group_name, out)
@@ -89,6 +92,12 @@ class SymmetricBuffers:
 
     def _staging(self, x: torch.Tensor) -> torch.Tensor:
         return self.buffers[x.dtype][: x.numel()].view_as(x)
+
+
+def _fresh_like(x: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor shaped like ``x``: what the fake function promises (``empty_like``
+    would copy odd strides of size-1 dimensions)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 _symmetric: dict[str, SymmetricBuffers] = {}
@@ -99,7 +108,7 @@ def algorithm(x: torch.Tensor, group_name: str) -> str:
     """"one-shot", "two-shot" or "nccl" (gloo on CPUs): the choice ``all_reduce`` makes for ``x``
     (the one place it is made)."""
     sym = _symmetric.get(group_name)
-    if sym is None or not x.is_cuda or x.dtype not in sym.buffers or not x.is_contiguous():
+    if sym is None or not x.is_cuda or x.dtype not in sym.buffers or not x.is_contiguous() or x.numel() == 0:
         return "nccl"
     nbytes = x.numel() * x.element_size()
     if nbytes <= ONE_SHOT_MAX_BYTES and nbytes % _ALIGN_BYTES == 0:
@@ -120,7 +129,7 @@ def _all_reduce_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 def _all_reduce_fake(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _fresh_like(x)
 
 
 _lib.impl("all_reduce", _all_reduce_impl, "CompositeExplicitAutograd")
@@ -138,11 +147,11 @@ def enable_symmetric_memory(group_name: str, device: torch.device, cpu_group: An
     if on.
 
     Collective over the group (every rank must call it, before anything is captured: the buffers
-    are allocated and exchanged here, which a capture forbids). Each rank first checks what it
-    can (the ops exist, its device reaches every peer's); the ranks agree over ``cpu_group``
-    (gloo) before any symmetric allocation, so a rank that cannot never leaves the others waiting
-    in a rendezvous. An all-reduce of a known value by each algorithm is then checked on every
-    rank.
+    are allocated and exchanged here, which a capture forbids). The ranks agree over ``cpu_group``
+    (gloo) after each stage (what each can: the ops exist, its device reaches every peer's; the
+    local allocation; the rendezvous; an all-reduce of a known value by each algorithm), and any
+    rank's failure makes every rank return False (NCCL). A rank that raises inside the collective
+    rendezvous itself can still leave its peers waiting there until the group's timeout.
     """
     import torch.distributed as dist
 
@@ -160,25 +169,46 @@ def enable_symmetric_memory(group_name: str, device: torch.device, cpu_group: An
         return False
     from torch.distributed import _symmetric_memory as symm_mem
 
-    buffers = {}
-    for dtype in dtypes:
-        numel = TWO_SHOT_MAX_BYTES // torch.empty((), dtype=dtype).element_size()
-        buf = symm_mem.empty(numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(buf, group_name)
-        buffers[dtype] = buf
+    def agree(ok: bool, what: str) -> bool:
+        votes: list[Any] = [None] * world
+        dist.all_gather_object(votes, ok, group=cpu_group)
+        if not all(votes):
+            logger.warning("TP all-reduce: NCCL (%s on ranks %s)", what, [r for r, v in enumerate(votes) if not v])
+        return all(votes)
+
+    buffers: dict[torch.dtype, torch.Tensor] = {}
+    try:  # local: every rank reports before anyone enters the collective rendezvous
+        for dtype in dtypes:
+            numel = TWO_SHOT_MAX_BYTES // torch.empty((), dtype=dtype).element_size()
+            buffers[dtype] = symm_mem.empty(numel, dtype=dtype, device=device)
+        allocated = True
+    except Exception as exc:  # noqa: BLE001  (any failure means NCCL, agreed on every rank)
+        logger.info("symmetric allocation failed on this rank: %s", exc)
+        allocated = False
+    if not agree(allocated, "symmetric allocation failed"):
+        return False
+    try:  # collective: a rank failing inside it can leave its peers waiting until the group's timeout
+        for buf in buffers.values():
+            symm_mem.rendezvous(buf, group_name)
+        exchanged = True
+    except Exception as exc:  # noqa: BLE001
+        logger.info("symmetric rendezvous failed on this rank: %s", exc)
+        exchanged = False
+    if not agree(exchanged, "symmetric rendezvous failed"):
+        return False
     sym = SymmetricBuffers(group_name, world, buffers)
     expected = world * (world + 1) / 2
     ok = True
-    for dtype in dtypes:
-        for reduce, numel in ((sym.one_shot, 4096), (sym.two_shot, 4096 * world)):
-            total = reduce(torch.full((numel,), float(dist.get_rank(cpu_group) + 1), dtype=dtype, device=device))
-            torch.cuda.synchronize(device)
-            ok = ok and bool((total == expected).all().item())
-    agreed: list[Any] = [None] * world
-    dist.all_gather_object(agreed, ok, group=cpu_group)
-    if not all(agreed):
-        logger.warning("TP all-reduce: NCCL (a symmetric-memory check all-reduce gave a wrong sum on ranks %s)",
-                       [r for r, good in enumerate(agreed) if not good])
+    try:  # every rank launches the same kernels: the ones that wait for peers find them
+        for dtype in dtypes:
+            for reduce, numel in ((sym.one_shot, 4096), (sym.two_shot, 4096 * world)):
+                total = reduce(torch.full((numel,), float(dist.get_rank(cpu_group) + 1), dtype=dtype, device=device))
+                torch.cuda.synchronize(device)
+                ok = ok and bool((total == expected).all().item())
+    except Exception as exc:  # noqa: BLE001
+        logger.info("symmetric check all-reduce failed on this rank: %s", exc)
+        ok = False
+    if not agree(ok, "a symmetric-memory check all-reduce failed or gave a wrong sum"):
         return False
     _symmetric[group_name] = sym
     logger.info("TP all-reduce: one-shot up to %d KiB, two-shot up to %d KiB (symmetric memory), NCCL above",
@@ -201,7 +231,10 @@ def _cannot_use_symmetric_memory(device: torch.device, peers: list[int], world: 
         return f"torch.distributed._symmetric_memory does not import ({exc})"
     if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
         return "the group spans several hosts (the kernels load every peer's memory directly)"
-    blocked = [p for p in peers if not torch.cuda.can_device_access_peer(device.index, p)]
+    try:
+        blocked = [p for p in peers if not torch.cuda.can_device_access_peer(device.index, p)]
+    except Exception as exc:  # noqa: BLE001  (a rank that cannot even ask must still vote)
+        return f"cannot query peer access from GPU {device.index}: {exc}"
     if blocked:
         return f"GPU {device.index} cannot access GPU(s) {blocked} directly (no P2P)"
     return None
@@ -217,12 +250,18 @@ def set_symmetric_memory(group_name: str, enabled: bool) -> None:
         _switched_off[group_name] = _symmetric.pop(group_name)
 
 
+def symmetric_buffers(group_name: str) -> SymmetricBuffers | None:
+    """The group's buffers and their all-reduces, when set up and switched on (benchmarks time
+    each algorithm directly)."""
+    return _symmetric.get(group_name)
+
+
 def symmetric_groups() -> tuple[str, ...]:
     """The groups whose small all-reduces run over symmetric memory now."""
     return tuple(_symmetric)
 
 
-def forget(group_name: str) -> None:
-    """Drop a group's buffers (its process group is being destroyed)."""
-    _symmetric.pop(group_name, None)
-    _switched_off.pop(group_name, None)
+def forget_all() -> None:
+    """Drop every group's buffers (the process groups are being destroyed)."""
+    _symmetric.clear()
+    _switched_off.clear()

@@ -184,6 +184,9 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
     if _tp is not None:
         if tp_size is not None and tp_size != _tp.world_size:
             raise ValueError(f"the TP group is already initialised with {_tp.world_size} ranks, not {tp_size}")
+        if all_reduce not in ("auto", _tp.all_reduce) and _tp.world_size > 1:
+            raise ValueError(f"the TP group is already initialised with all_reduce={_tp.all_reduce!r}, "
+                             f"not {all_reduce!r}")
         return _tp
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -251,9 +254,8 @@ def shutdown_tp(timeout_s: float = 30.0) -> bool:
     destroyed on a helper thread). True if it finished; on False the caller should exit the
     process rather than wait."""
     global _tp
+    comm.forget_all()
     if _tp is not None:
-        if _tp.group is not None:
-            comm.forget(_tp.group_name)
         _tp.release()
     _tp = None
     if not dist.is_initialized():

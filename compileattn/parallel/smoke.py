@@ -81,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         torch.library.opcheck(torch.ops.compileattn.all_reduce.default, (x, name))
     except Exception as exc:  # noqa: BLE001  (a failure is this step's verdict)
+        # opcheck runs the op a fixed number of times on every rank; one rank failing part-way
+        # leaves its peer's all-reduces unmatched, which the next step's hang guard reports
         failures.append(f"opcheck: {type(exc).__name__}: {exc}")
 
     w = torch.eye(256, device=dev, dtype=dtype)
