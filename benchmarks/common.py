@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -542,3 +543,41 @@ def write_outputs(payload: dict, prefix: str, no_plot: bool, log, markdown: str,
     write_text(paths["md"], markdown)
     log(f"wrote {paths['json']} and {paths['md']}")
     return markdown
+
+
+def tp_main(script: str, args: Any, body: Callable[[Any, Any, "Log"], list], render: Callable[[dict], str],
+            **payload: Any) -> int:
+    """The frame of a benchmark run under torchrun, one process per GPU: without CUDA, say so and
+    exit 0; else per-rank logs (``args.log_dir``), the TP group, ``rows = body(args, tp, log)``
+    under a hang guard (``args.hang_timeout_s``: a hang ends with every thread's traceback in the
+    rank log), rank 0 writes ``args.out``.{json,md}, and a bounded shutdown."""
+    missing = cuda_missing_message(script)
+    if missing:
+        print(missing, flush=True)
+        return 0
+    import torch
+
+    from compileattn.parallel import init_tp, shutdown_tp
+    from compileattn.parallel.logs import hang_guard, setup_rank_logging
+
+    setup_rank_logging(args.log_dir, int(os.environ.get("RANK", "0")))
+    log = Log()
+    tp = init_tp(device="cuda")
+    name = script.removesuffix(".py")
+    payload = {"benchmark": name, "world_size": tp.world_size, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+               "config": {k: v for k, v in vars(args).items() if k not in ("out", "log_dir")},
+               "env": environment(), **payload, "rows": []}
+    hang_guard(args.hang_timeout_s, name)
+    try:
+        payload["rows"] = body(args, tp, log)
+    except Exception as exc:  # noqa: BLE001  (reported in the results)
+        payload["error"] = short_error(exc)
+        log(traceback.format_exc(limit=8))
+    hang_guard(None)
+    if tp.is_driver:
+        print(write_outputs(payload, args.out, True, log, render(payload), None, name))
+    code = 0 if "error" not in payload else 1
+    if not shutdown_tp(timeout_s=20):
+        os._exit(code)  # the results are written; do not wait on a stuck NCCL teardown
+    return code
+

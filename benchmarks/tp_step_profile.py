@@ -19,7 +19,6 @@ for scale: tracing adds a little to each kernel. Rank 0's numbers are reported.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -212,33 +211,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    missing = common.cuda_missing_message("tp_step_profile.py")
-    if missing:
-        print(missing, flush=True)
-        return 0
-    from compileattn.parallel import init_tp, shutdown_tp
-    from compileattn.parallel.logs import hang_guard, setup_rank_logging
-
-    setup_rank_logging(args.log_dir, int(os.environ.get("RANK", "0")))
-    log = common.Log()
-    tp = init_tp(device="cuda")
-    payload: dict[str, Any] = {"benchmark": "tp_step_profile", "world_size": tp.world_size,
-                               "config": {k: v for k, v in vars(args).items() if k not in ("out", "log_dir")},
-                               "env": common.environment(), "rows": []}
-    hang_guard(args.hang_timeout_s, "tp_step_profile")
-    try:
-        payload["rows"] = run(args, tp, log)
-    except Exception as exc:  # noqa: BLE001
-        payload["error"] = common.short_error(exc)
-        log(traceback.format_exc(limit=8))
-    hang_guard(None)
-    if tp.is_driver:
-        print(common.write_outputs(payload, args.out, True, log, render_markdown(payload), None, "tp_step_profile"))
-    if not shutdown_tp(timeout_s=20):
-        os._exit(0)
-    return 0 if "error" not in payload else 1
-
+    return common.tp_main("tp_step_profile.py", parse_args(argv), run, render_markdown)
 
 if __name__ == "__main__":
     sys.exit(main())
