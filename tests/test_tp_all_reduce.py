@@ -98,6 +98,17 @@ from torch.distributed import _symmetric_memory
 from compileattn.parallel import comm
 
 failure, out = sys.argv[1], sys.argv[2]
+if failure == "demanded on CPUs":
+    from compileattn.parallel import init_tp
+    try:
+        init_tp(device="cpu", all_reduce="symmetric-memory")
+        said = None
+    except ValueError as exc:
+        said = str(exc)
+    json.dump({"on": False, "groups": list(comm.symmetric_groups()), "said": said},
+              open(f"{out}.{os.environ['RANK']}.json", "w"))
+    dist.destroy_process_group()
+    sys.exit(0)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 if failure == "refuses":  # rank 1 cannot; rank 0 could, and must not allocate anyway
@@ -118,16 +129,24 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.parametrize("failure", ["refuses", "allocation"])
-def test_every_rank_falls_back_to_nccl_when_one_rank_cannot(failure, tmp_path):
+def _agreement(failure: str, tmp_path) -> list[dict]:
     from test_parallel import torchrun
 
     script = tmp_path / "agree.py"
     script.write_text(AGREEMENT_SCRIPT)
     rc, out = torchrun(2, [str(script), failure, str(tmp_path / "r")], tmp_path, timeout=120)
     assert rc == 0, out[-3000:]
-    for rank in range(2):
-        assert json.loads((tmp_path / f"r.{rank}.json").read_text()) == {"on": False, "groups": []}
+    return [json.loads((tmp_path / f"r.{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("failure", ["refuses", "allocation"])
+def test_every_rank_falls_back_to_nccl_when_one_rank_cannot(failure, tmp_path):
+    assert _agreement(failure, tmp_path) == [{"on": False, "groups": []}] * 2
+
+
+def test_demanding_symmetric_memory_where_there_is_none_raises(tmp_path):
+    for result in _agreement("demanded on CPUs", tmp_path):
+        assert result["groups"] == [] and "all_reduce='symmetric-memory' but" in result["said"]
 
 
 def test_init_tp_names_a_bad_all_reduce_choice():

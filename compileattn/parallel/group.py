@@ -98,7 +98,7 @@ class TPGroup:
     #: gloo group for host-side agreement; None for a one-rank group.
     cpu_group: Any = None
     #: How small all-reduces (a decode step's) run: "symmetric-memory" (one-shot / two-shot by
-    #: size, see ``comm.py``) or "nccl" (gloo on CPUs); prefill-sized ones always take NCCL.
+    #: size, see ``comm.py``), "nccl", or "gloo" (CPUs); prefill-sized ones always take NCCL.
     all_reduce: str = "nccl"
 
     @property
@@ -184,7 +184,7 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
     if _tp is not None:
         if tp_size is not None and tp_size != _tp.world_size:
             raise ValueError(f"the TP group is already initialised with {_tp.world_size} ranks, not {tp_size}")
-        if all_reduce not in ("auto", _tp.all_reduce) and _tp.world_size > 1:
+        if all_reduce != "auto" and (all_reduce == "symmetric-memory") != (_tp.all_reduce == "symmetric-memory"):
             raise ValueError(f"the TP group is already initialised with all_reduce={_tp.all_reduce!r}, "
                              f"not {all_reduce!r}")
         return _tp
@@ -222,14 +222,13 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
     if dist.get_world_size() != world or dist.get_rank() != rank:
         raise ValueError(f"the initialised process group ({dist.get_rank()}/{dist.get_world_size()}) disagrees "
                          f"with RANK/WORLD_SIZE ({rank}/{world})")
-    tp = TPGroup(rank, world, dev, dist.group.WORLD, cpu_group)
+    tp = TPGroup(rank, world, dev, dist.group.WORLD, cpu_group, all_reduce="nccl" if dev.type == "cuda" else "gloo")
     _warm_up(tp)
-    if dev.type == "cuda" and all_reduce != "nccl":
-        if comm.enable_symmetric_memory(tp.group_name, dev, cpu_group):
-            tp = dataclasses.replace(tp, all_reduce="symmetric-memory")
-        elif all_reduce == "symmetric-memory":
-            raise ValueError("all_reduce='symmetric-memory' but symmetric memory is not available on every rank "
-                             "(the log says why); use 'auto' or 'nccl'")
+    if dev.type == "cuda" and all_reduce != "nccl" and comm.enable_symmetric_memory(tp.group_name, dev, cpu_group):
+        tp = dataclasses.replace(tp, all_reduce="symmetric-memory")
+    if all_reduce == "symmetric-memory" and tp.all_reduce != all_reduce:
+        raise ValueError("all_reduce='symmetric-memory' but symmetric memory is not available on every rank "
+                         "(it needs CUDA devices with peer access; the log says why); use 'auto' or 'nccl'")
     _tp = tp
     logger.info("TP group: rank %d of %d on %s (%s, small all-reduces: %s)", rank, world, dev,
                 dist.get_backend(), tp.all_reduce)
