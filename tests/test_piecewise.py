@@ -225,3 +225,41 @@ def test_identical_pieces_compile_once_and_each_writes_its_own_layer():
                                max_query_len=7, max_context_len=25)
             assert_matches_eager(model, compiled, builder, caches, seqs, _inputs(model.config.vocab_size),
                                  pad_to=sum(s.query_len for s in seqs) + 1)
+
+
+def test_pieces_compile_for_inference_under_grad_mode():
+    """A model whose parameters require grad, compiled with grad mode on: the pieces are compiled
+    for inference (no joint forward/backward graph, so no warning about the ops' autograd
+    kernels) and the result is eager's."""
+    import warnings
+
+    from compileattn.models.attention import Attention
+
+    spec = ca.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(128, (4 + 2 + 2) * 32)
+            self.attn = Attention(spec, layer_name="block.attn")
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).split([128, 64, 64], dim=-1)
+            return self.attn(q, k, v) * 2
+
+    torch.manual_seed(0)
+    block = Block()
+    assert all(p.requires_grad for p in block.parameters()) and torch.is_grad_enabled()
+    caches = ca.allocate_kv_caches({"block.attn": spec}, num_blocks=8, block_size=16, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=16, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=2)
+    metadata = builder.build([ca.SequenceStep(1, 5, [1]), ca.SequenceStep(3, 0, [2])], pad_to=4)
+    x = torch.randn(4, 128)
+    compiled = torch.compile(block, backend="compileattn", options={"piece_compiler": "aot_eager"})
+    with warnings.catch_warnings(record=True) as caught, ca.set_forward_context(metadata, caches):
+        warnings.simplefilter("always")
+        out = compiled(x)
+    assert not [w for w in caught if "autograd kernel" in str(w.message)]
+    with torch.no_grad(), ca.set_forward_context(metadata, ca.allocate_kv_caches(
+            {"block.attn": spec}, num_blocks=8, block_size=16, dtype=torch.float32)):
+        expected = block(x)
+    torch.testing.assert_close(out[:4], expected)

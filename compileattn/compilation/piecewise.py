@@ -228,7 +228,17 @@ def _splitting_call(piece: Piece) -> tuple[SplittingCall, LayerSignature | None]
 
 
 def _compile_piece(piece: Piece, args: list[Any], config: CompileConfig, static: bool = False) -> PieceCode:
-    """Compile one piece for the dynamic token dim, or (``static``) for the shapes of ``args``."""
+    """Compile one piece for the dynamic token dim, or (``static``) for the shapes of ``args``.
+
+    Always for inference (grad mode off), as the pieces run (the dispatcher calls them under
+    ``torch.no_grad()``): a compile made while grad mode is on, of a model whose parameters
+    require grad, would trace AOTAutograd's joint forward/backward graph and partition it, work
+    whose backward half never runs, and trip over the ops' missing autograd kernels."""
+    with torch.no_grad():
+        return _compile_piece_for_inference(piece, args, config, static)
+
+
+def _compile_piece_for_inference(piece: Piece, args: list[Any], config: CompileConfig, static: bool) -> PieceCode:
     if static:
         with _torch_compat.unset_fake_temporarily():
             return PieceCode("inductor", _torch_compat.standalone_compile(
