@@ -16,7 +16,7 @@ import torch
 
 from . import _torch_compat
 from .context import set_forward_context
-from .kv_cache import KVCache
+from .kv_cache import AttentionSpec, KVCache
 from .metadata import AttentionMetadataBuilder, SequenceStep
 
 #: (atol, rtol) for comparing a compiled run with eager, by dtype: Inductor may fuse and reorder
@@ -199,3 +199,23 @@ class PersistentInputs:
             _torch_compat.mark_dynamic(ids, 0)
             _torch_compat.mark_dynamic(pos, 0)
         return ids, pos
+
+
+class AttentionBlock(torch.nn.Module):
+    """The smallest model with a compileattn attention layer: one fused q/k/v projection of
+    ``hidden`` features (``spec``'s query, key and value heads), then ``Attention``, so a compiled
+    forward has a piece before the attention op."""
+
+    def __init__(self, spec: AttentionSpec, hidden: int, layer_name: str = "block.attn"):
+        from .models.attention import Attention
+
+        super().__init__()
+        self.split = [spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
+                      spec.num_kv_heads * spec.head_dim]
+        self.qkv = torch.nn.Linear(hidden, sum(self.split))
+        self.attn = Attention(spec, layer_name=layer_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        return self.attn(q, k, v)
+

@@ -27,7 +27,7 @@ from compileattn import (
 from compileattn.backends.kv_write import write_kv_masked, write_kv_padded
 from compileattn.backends.reference import ReferenceBackend
 from compileattn.kv_cache import FP8_E4M3_MAX, FP8_REL_ERROR_BOUND
-from compileattn.models.attention import Attention
+from compileattn.testing import AttentionBlock
 from compileattn.testing import warm_up_for_capture
 
 FP8 = torch.float8_e4m3fn
@@ -467,18 +467,8 @@ def test_compiled_model_over_fp8_caches_equals_eager():
     runtime's per-step checks accept caches whose storage dtype is not the model's."""
     spec = AttentionSpec(4, 2, 64, alibi_slopes=compileattn.alibi_slopes(4))
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = torch.nn.Linear(256, (4 + 2 + 2) * 64)
-            self.attn = Attention(spec, layer_name="block.attn")
-
-        def forward(self, x):
-            q, k, v = self.qkv(x).split([256, 128, 128], dim=-1)
-            return self.attn(q, k, v)
-
     torch.manual_seed(0)
-    model = Block()
+    model = AttentionBlock(spec, hidden=256)
     caches = allocate_kv_caches({"block.attn": spec}, 16, 16, torch.float32, kv_cache_dtype=FP8, k_scale=0.02,
                                 v_scale=0.01)
     cache = caches["block.attn"]

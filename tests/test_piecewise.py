@@ -233,22 +233,11 @@ def test_pieces_compile_for_inference_under_grad_mode():
     kernels) and the result is eager's."""
     import warnings
 
-    from compileattn.models.attention import Attention
+    from compileattn.testing import AttentionBlock
 
     spec = ca.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32)
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = torch.nn.Linear(128, (4 + 2 + 2) * 32)
-            self.attn = Attention(spec, layer_name="block.attn")
-
-        def forward(self, x):
-            q, k, v = self.qkv(x).split([128, 64, 64], dim=-1)
-            return self.attn(q, k, v) * 2
-
     torch.manual_seed(0)
-    block = Block()
+    block = AttentionBlock(spec, hidden=128)
     assert all(p.requires_grad for p in block.parameters()) and torch.is_grad_enabled()
     caches = ca.allocate_kv_caches({"block.attn": spec}, num_blocks=8, block_size=16, dtype=torch.float32)
     builder = ca.AttentionMetadataBuilder(block_size=16, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=2)
