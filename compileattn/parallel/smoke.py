@@ -1,4 +1,5 @@
-"""Seconds-long smoke test of NCCL inside CUDA graphs, run before anything heavier on a GPU box.
+"""Seconds-long smoke test of all-reduces (NCCL and symmetric memory) inside CUDA graphs, run
+before anything heavier on a GPU box.
 
     torchrun --nproc-per-node 2 -m compileattn.parallel.smoke --log-dir $OUT
 
