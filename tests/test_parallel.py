@@ -374,3 +374,18 @@ def test_llm_tensor_parallel_size_2_equals_one_process(tmp_path, mode):
             assert again == expected
             if rank == 0:  # whole blocks of 4, the last token left to compute: 4 + 8 + 0
                 assert hits == 12
+
+
+@pytest.mark.slow
+def test_gpu_tp_script_dry_run_on_cpu(tmp_path):
+    """``.ci/gpu-tp``, the 2-GPU command, in its CPU mode (gloo, simulated graphs, tiny shapes):
+    its phases, limits and log plumbing run as on the lent machine, so the script cannot rot
+    between the sessions that have two GPUs."""
+    env = {**os.environ, **NCCL_ENV, "GPU_TP_CPU": "1", "GPU_TP_TOTAL_S": "400",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    proc = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-tp"), str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=480)
+    log = (tmp_path / "gpu_tp.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    assert "smoke: PASSED" in log and "check exit 0 (PASSED)" in log and "bench exit 0" in log
+    assert (tmp_path / "latency_tp.json").exists()
