@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from compileattn.parallel import comm
-from compileattn.parallel.group import init_tp
+from compileattn.parallel.group import TPGroup, init_tp
 
 GROUP = "test-group"
 
@@ -87,7 +87,7 @@ def test_fake_and_real_outputs_are_contiguous_like_the_input(make):
 
 
 def test_symmetric_memory_is_for_cuda_groups_only():
-    assert comm.enable_symmetric_memory(GROUP, torch.device("cpu"), cpu_group=None) is False
+    assert comm.enable_symmetric_memory(TPGroup(0, 2, torch.device("cpu"))) is False
     assert comm.symmetric_groups() == ()
 
 
@@ -96,6 +96,7 @@ import json, os, sys
 import torch, torch.distributed as dist
 from torch.distributed import _symmetric_memory
 from compileattn.parallel import comm
+from compileattn.parallel.group import TPGroup
 
 failure, out = sys.argv[1], sys.argv[2]
 if failure == "demanded on CPUs":
@@ -123,7 +124,7 @@ if failure == "allocation":
     _symmetric_memory.empty = empty
     _symmetric_memory.rendezvous = lambda *a, **k: sys.exit("rendezvous entered after a failed allocation")
 # A CUDA device object on a CPU machine: nothing here may touch it before the ranks agree.
-on = comm.enable_symmetric_memory(dist.group.WORLD.group_name, torch.device("cuda", rank), dist.group.WORLD)
+on = comm.enable_symmetric_memory(TPGroup(rank, 2, torch.device("cuda", rank), dist.group.WORLD, dist.group.WORLD))
 json.dump({"on": on, "groups": list(comm.symmetric_groups())}, open(f"{out}.{rank}.json", "w"))
 dist.destroy_process_group()
 '''

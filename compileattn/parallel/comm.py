@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import torch
@@ -141,28 +142,24 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.ops.compileattn.all_reduce(x, group_name)
 
 
-def enable_symmetric_memory(group_name: str, device: torch.device, cpu_group: Any,
-                            dtypes: tuple[torch.dtype, ...] = SYMMETRIC_DTYPES) -> bool:
-    """Set up the symmetric-memory all-reduces for a CUDA group, on every rank or on none; True
-    if on.
+def enable_symmetric_memory(tp: Any, dtypes: tuple[torch.dtype, ...] = SYMMETRIC_DTYPES) -> bool:
+    """Set up the symmetric-memory all-reduces for the CUDA group of ``tp`` (a ``TPGroup``), on
+    every rank or on none; True if on.
 
     Collective over the group (every rank must call it, before anything is captured: the buffers
-    are allocated and exchanged here, which a capture forbids). The ranks agree over ``cpu_group``
-    (gloo) after each stage (what each can: the ops exist, its device reaches every peer's; the
-    local allocation; the rendezvous; an all-reduce of a known value by each algorithm), and any
-    rank's failure makes every rank return False (NCCL). A rank that raises inside the collective
+    are allocated and exchanged here, which a capture forbids). The ranks agree over its gloo
+    group (``tp.all_gather_object``) after each stage (what each can: the ops exist, its device
+    reaches every peer's; the local allocation; the rendezvous; an all-reduce of a known value by
+    each algorithm), and any rank's failure makes every rank return False (NCCL). A rank that raises inside the collective
     rendezvous itself can still leave its peers waiting there until the group's timeout.
     """
-    import torch.distributed as dist
-
+    device = tp.device
     if device.type != "cuda":
         return False
-    world = dist.get_world_size(cpu_group)
-    devices: list[Any] = [None] * world
-    dist.all_gather_object(devices, device.index, group=cpu_group)
-    reason = _cannot_use_symmetric_memory(device, [d for d in devices if d != device.index], world)
-    reasons: list[Any] = [None] * world
-    dist.all_gather_object(reasons, reason, group=cpu_group)
+    group_name, world = tp.group_name, tp.world_size
+    devices = tp.all_gather_object(device.index)
+    reasons = tp.all_gather_object(_cannot_use_symmetric_memory(device, [d for d in devices if d != device.index],
+                                                                world))
     refused = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why]
     if refused:
         logger.info("TP all-reduce: NCCL (symmetric memory not available: %s)", "; ".join(refused))
@@ -170,8 +167,7 @@ def enable_symmetric_memory(group_name: str, device: torch.device, cpu_group: An
     from torch.distributed import _symmetric_memory as symm_mem
 
     def agree(ok: bool, what: str) -> bool:
-        votes: list[Any] = [None] * world
-        dist.all_gather_object(votes, ok, group=cpu_group)
+        votes = tp.all_gather_object(ok)
         if not all(votes):
             logger.warning("TP all-reduce: NCCL (%s on ranks %s)", what, [r for r, v in enumerate(votes) if not v])
         return all(votes)
@@ -202,7 +198,7 @@ def enable_symmetric_memory(group_name: str, device: torch.device, cpu_group: An
     try:  # every rank launches the same kernels: the ones that wait for peers find them
         for dtype in dtypes:
             for reduce, numel in ((sym.one_shot, 4096), (sym.two_shot, 4096 * world)):
-                total = reduce(torch.full((numel,), float(dist.get_rank(cpu_group) + 1), dtype=dtype, device=device))
+                total = reduce(torch.full((numel,), float(tp.rank + 1), dtype=dtype, device=device))
                 torch.cuda.synchronize(device)
                 ok = ok and bool((total == expected).all().item())
     except Exception as exc:  # noqa: BLE001
@@ -219,8 +215,6 @@ def enable_symmetric_memory(group_name: str, device: torch.device, cpu_group: An
 def _cannot_use_symmetric_memory(device: torch.device, peers: list[int], world: int) -> str | None:
     """Why this rank cannot take part in the symmetric-memory all-reduces, or None. ``peers``: the
     other ranks' device indices."""
-    import os
-
     missing = [op for op in ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_out")
                if not hasattr(getattr(torch.ops, "symm_mem", None), op)]
     if missing:

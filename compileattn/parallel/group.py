@@ -224,7 +224,7 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
                          f"with RANK/WORLD_SIZE ({rank}/{world})")
     tp = TPGroup(rank, world, dev, dist.group.WORLD, cpu_group, all_reduce="nccl" if dev.type == "cuda" else "gloo")
     _warm_up(tp)
-    if dev.type == "cuda" and all_reduce != "nccl" and comm.enable_symmetric_memory(tp.group_name, dev, cpu_group):
+    if dev.type == "cuda" and all_reduce != "nccl" and comm.enable_symmetric_memory(tp):
         tp = dataclasses.replace(tp, all_reduce="symmetric-memory")
     if all_reduce == "symmetric-memory" and tp.all_reduce != all_reduce:
         raise ValueError("all_reduce='symmetric-memory' but symmetric memory is not available on every rank "
