@@ -128,6 +128,17 @@ def build(model: str, tp_size: int, tp, args):
     return shard_model(full, tp=tp) if tp_size > 1 else full
 
 
+def build_bench(key: str, model: str, size: int, cells, args, tp, log):
+    """latency.py's ``Bench`` for ``model`` at TP ``size``: the (sharded) model, the rank's slice
+    of the TP=1 cache contents, and each cell's eager reference."""
+    bench = lat.Bench(key, cells, args, log, model=build(model, size, tp, args))
+    if size > 1:
+        fill_cache_slices(bench, args, tp)
+    for cell in cells:
+        bench.reference[cell] = lat.eager_reference(bench, cell)
+    return bench
+
+
 def fill_cache_slices(bench, args, tp) -> None:
     """Give a sharded bench the rank's KV heads of the TP=1 bench's random cache (same generator
     draws in the same order), so its outputs are comparable with TP=1's."""
@@ -189,12 +200,7 @@ def run(args, tp, log: RankLog, payload: dict[str, Any], checkpoint) -> None:
             benches[key] = benches[NCCL_ONLY[key]]
         elif (key, model, size) in mine:
             t = time.monotonic()
-            bench = lat.Bench(key, cells, args, log, model=build(model, size, tp, args))
-            if size > 1:
-                fill_cache_slices(bench, args, tp)
-            for cell in cells:
-                bench.reference[cell] = lat.eager_reference(bench, cell)
-            benches[key] = bench
+            bench = benches[key] = build_bench(key, model, size, cells, args, tp, log)
             payload.setdefault("layers", {})[key] = bench.model.config.num_layers
             log(f"{key}: built, sharded and eager references in {time.monotonic() - t:.1f} s")
         tp.barrier()

@@ -156,16 +156,8 @@ def profile_bench(name, key, size, symmetric, built, cells, largs, args, tp, log
     def everyone(ok: bool) -> bool:
         return all(tp.all_gather_object(ok)) if size > 1 else ok
 
-    def build():
-        bench = lat.Bench(key, cells, largs, log, model=ltp.build("llama8b", size, tp, largs))
-        if size > 1:
-            ltp.fill_cache_slices(bench, largs, tp)
-        for c in cells:
-            bench.reference[c] = lat.eager_reference(bench, c)
-        return bench
-
     try:
-        bench = built.get(key) or built.setdefault(key, build())
+        bench = built.get(key) or built.setdefault(key, ltp.build_bench(key, "llama8b", size, cells, largs, tp, log))
         group = lat.CompileattnGroup(bench, "ca-full")
         ready = True
     except Exception:  # noqa: BLE001
