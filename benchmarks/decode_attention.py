@@ -303,7 +303,18 @@ def attention_only(backend, md, pc: PagedCase, q, out, kv=None) -> tuple[Callabl
     def fn(r):
         calls[r](q, out)
 
-    return fn, f"{getattr(backend, 'label', backend.name)} prepared call ({calls[0].__qualname__})"
+    return fn, f"{getattr(backend, 'label', backend.name)} prepared call ({call_name(calls[0])})"
+
+
+def call_name(call) -> str:
+    """What a prepared call is, for the notes: a function's qualified name, or a launch object's
+    type and the kernel it launches (an unsplit Triton decode is a ``DirectKernel``, no function)."""
+    name = getattr(call, "__qualname__", None)
+    if name is not None:
+        return name
+    jit = getattr(call, "jit", None)
+    kernel = getattr(jit, "__name__", None) or getattr(getattr(jit, "fn", None), "__name__", None)
+    return f"{type(call).__qualname__}({kernel})" if kernel else type(call).__qualname__
 
 
 def quantized_copies(case: Case, pc: PagedCase):

@@ -320,6 +320,23 @@ def test_compileattn_triton_adapter_runs_attention_only(tiny_case):
         assert common.rel_error(kernel.output(), case.expected) < 1e-4
 
 
+def test_call_name_names_functions_and_launch_objects():
+    """An unsplit Triton decode on a GPU prepares a ``DirectKernel`` (no ``__qualname__``): the
+    note names its type and kernel instead of failing the cell."""
+    def attend_split(q, out):
+        pass
+
+    class DirectKernel:
+        def __init__(self):
+            self.jit = type("JIT", (), {"__name__": "decode_kernel"})()
+
+        def __call__(self, q, out):
+            pass
+
+    assert dec.call_name(attend_split).endswith("attend_split")
+    assert dec.call_name(DirectKernel()).endswith("DirectKernel(decode_kernel)")
+
+
 def test_unavailable_peers_give_a_reason(tiny_case):
     case, pc = tiny_case
     for impl in ("ca-flash", "fi-tc"):
