@@ -14,6 +14,9 @@ Besides compileattn's bf16 backends and the peers (FlashInfer, Flex, SDPA):
   program per query head, no GQA packing, V2's partitions where vLLM's rule picks V2), the
   "before" of that change; the report's *kernel table* puts compileattn ÷ baseline beside
   compileattn ÷ FlashInfer, page 16 beside page 128.
+- ``ca-triton-tuned``: compileattn's Triton decode with its launch autotuned for the cell
+  (``TritonBackend.enable_autotune(context=<the cell's>)``: the heuristic and its neighbours
+  timed, the fastest that agrees kept); the chosen knobs and the heuristic's time are in the note.
 - ``ca-triton-fp8``: compileattn's Triton decode over a float8_e4m3fn cache (per-layer scales
   from the data's amax); its TB/s count fp8 bytes, and the report's fp8 table gives fp8 ÷ bf16.
 - A table of KV-cache memory wasted by the block size, for a stated length distribution (no GPU
@@ -91,6 +94,7 @@ IMPLS: dict[str, tuple[str, bool]] = {
     "ca-triton": ("compileattn triton", True),
     "ca-flash": ("compileattn flash", True),
     "ca-triton-fp8": ("compileattn triton, fp8 KV", True),
+    "ca-triton-tuned": ("compileattn triton, autotuned", True),
     "pa-baseline": ("PagedAttention V1/V2-style", True),
     "fi-tc": ("FlashInfer tensor-core", True),
     "fi-cc": ("FlashInfer CUDA-core", True),
@@ -98,7 +102,7 @@ IMPLS: dict[str, tuple[str, bool]] = {
     "gather-sdpa": ("gather + SDPA", True),
     "sdpa-contig": ("SDPA contiguous", False),
 }
-COMPILEATTN_IMPLS = ("ca-triton", "ca-flash")
+COMPILEATTN_IMPLS = ("ca-triton", "ca-flash", "ca-triton-tuned")
 FI_TC = "fi-tc"
 FP8_IMPL = "ca-triton-fp8"
 BASELINE = "pa-baseline"
@@ -343,14 +347,23 @@ def quantized_copies(case: Case, pc: PagedCase):
     return out[0], out[1], (scales[0], scales[1])
 
 
-def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False) -> Kernel:
+def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False, autotune: bool = False) -> Kernel:
+    """``autotune``: a Triton backend of its own whose decode launches are autotuned
+    (compileattn/backends/triton/autotune.py) at this cell's context, so ``ca-triton`` beside it
+    keeps the heuristics."""
     import torch
 
     from compileattn.backends.selector import get_backend
     from compileattn.metadata import AttentionMetadataBuilder, SequenceStep
 
     try:
-        backend = get_backend(name, case.q.device)
+        if autotune:
+            from compileattn.backends.triton.backend import TritonBackend
+
+            backend = TritonBackend(case.q.device.type)
+            backend.enable_autotune(context=case.context)
+        else:
+            backend = get_backend(name, case.q.device)
     except Exception as exc:  # noqa: BLE001  (ImportError, or a half-installed package failing later)
         raise Unavailable(f"backend {name!r} not usable here: {common.short_error(exc)}") from None
     cache_dtype = torch.float8_e4m3fn if fp8 else case.q.dtype
@@ -369,6 +382,12 @@ def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False) -
     fn, note = attention_only(backend, md, pc, case.q, out, kv)
     if fp8:
         note += f"; fp8 KV, scales K {float(kv[2][0][0]):.4g} V {float(kv[2][1][0]):.4g}"
+    if autotune:
+        from compileattn.backends.triton.autotune import describe
+
+        for trials in backend.autotuner.trials.values():
+            best = min((t for t in trials if t.us is not None), key=lambda t: t.us)
+            note += f"; autotuned: {describe(best.tuning)} of {len(trials)} ({trials[0].us:.1f} -> {best.us:.1f} µs)"
     return Kernel(fn, lambda: out, note, kv_bytes=2 * case.k.numel() if fp8 else None)  # fp8: a byte each
 
 
@@ -557,6 +576,8 @@ def builder_for(impl: str, case: Case, pc: PagedCase | None) -> Callable[[], Ker
         return lambda: build_compileattn("flash", case, pc)
     if impl == FP8_IMPL:
         return lambda: build_compileattn("triton", case, pc, fp8=True)
+    if impl == "ca-triton-tuned":
+        return lambda: build_compileattn("triton", case, pc, autotune=True)
     if impl == BASELINE:
         return lambda: build_baseline(case, pc)
     if impl == "fi-tc":

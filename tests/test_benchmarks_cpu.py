@@ -337,6 +337,13 @@ def test_call_name_names_functions_and_launch_objects():
     assert dec.call_name(DirectKernel()).endswith("DirectKernel(decode_kernel)")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU check (the GPU times the tuned column)")
+def test_autotuned_column_is_unavailable_off_the_gpu_with_the_reason(tiny_case):
+    case, pc = tiny_case
+    with pytest.raises(dec.Unavailable, match="autotuning times kernels on a GPU"):
+        dec.builder_for("ca-triton-tuned", case, pc)()
+
+
 def test_unavailable_peers_give_a_reason(tiny_case):
     case, pc = tiny_case
     for impl in ("ca-flash", "fi-tc"):

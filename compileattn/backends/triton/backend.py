@@ -16,6 +16,7 @@ before costs one dict lookup per layer kind plus binding each layer's caches.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -23,7 +24,8 @@ from ...kv_cache import SUPPORTED_HEAD_DIMS, is_fp8
 from ..base import AttentionBackend
 from ..kv_write import write_kv_padded
 from . import _mode
-from .config import Tuning, decode_config, fills_waves, num_splits, sm_count, unified_config
+from .autotune import DecodeAutotuner, DecodeShape, candidates, cuda_event_timer
+from .config import DecodeConfig, Tuning, decode_config, fills_waves, num_splits, sm_count, unified_config
 from .launch import DecodeLaunch, FreshScratch, KVWriteLaunch, Softmax, UnifiedLaunch
 
 _MEMO_SIZE = 512
@@ -43,7 +45,27 @@ class TritonBackend(AttentionBackend):
             _mode.sync_interpreter_mode()
         #: Heuristic overrides (tests force split counts and tile sizes; benchmarks sweep them).
         self.tuning = Tuning()
+        #: ``enable_autotune``'s tuner of decode launches; None: the heuristics.
+        self.autotuner: DecodeAutotuner | None = None
         self._launches: dict[tuple, object] = {}
+
+    def enable_autotune(self, cache_dir: str | None = None, context: int = 1024,
+                        timer: Callable[[Callable[[], None]], float] | None = None) -> DecodeAutotuner:
+        """Time each decode shape's heuristic launch and its neighbours at plan time and keep the
+        fastest (``autotune.py``); choices cached in ``cache_dir`` when given. Launches prepared
+        before are dropped here, those of builders' memos are keyed by the tuner. ``timer``:
+        µs per call of a callable (default CUDA events; required off CUDA, where timing the
+        interpreter would measure nothing)."""
+        if timer is None and self.device_type != "cuda":
+            raise ValueError("autotuning times kernels on a GPU: pass timer= to autotune on "
+                             f"device type {self.device_type!r}")
+        self.autotuner = DecodeAutotuner(cache_dir, context, timer or cuda_event_timer)
+        self._launches.clear()
+        return self.autotuner
+
+    def disable_autotune(self) -> None:
+        self.autotuner = None
+        self._launches.clear()
 
     # -- support ----------------------------------------------------------------------------
 
@@ -83,11 +105,11 @@ class TritonBackend(AttentionBackend):
             # Kept with the builder's buffers: the launch holds their split-KV scratch, and this
             # backend instance serves every builder in the process (two engines must not share it).
             launch = buffers.memo(("triton.decode", spec, dtype, scaled, shape.num_seqs, shape.block_size,
-                                   key_cache.device, self.tuning),
+                                   key_cache.device, self.tuning, self.autotuner),
                                   lambda: self._decode_launch(shape.num_seqs, spec.num_heads, spec.num_kv_heads,
                                                               spec.head_dim, shape.block_size, dtype, _softmax(spec),
                                                               key_cache.device, _PersistentScratch(buffers),
-                                                              has_alibi, scaled))
+                                                              has_alibi, scaled, key_cache.dtype))
         else:
             launch = self._memo(("unified", spec, dtype, scaled, shape.num_tokens, shape.num_seqs, shape.block_size,
                                  key_cache.device, self.tuning),
@@ -141,7 +163,7 @@ class TritonBackend(AttentionBackend):
         kv_scales = (k_scale, v_scale) if k_scale is not None else None
         if paged and max_seqlen_q == 1:
             launch = self._decode_launch(num_seqs, num_heads, kv_heads, head_dim, k.shape[1], q.dtype, sm,
-                                         q.device, FreshScratch(q.device), has_alibi, kv_scales is not None)
+                                         q.device, FreshScratch(q.device), has_alibi, kv_scales is not None, k.dtype)
             launch(q, k, v, out, cu_seqlens_q, seqused_k, block_table, alibi_slopes, kv_scales)
         else:
             cfg = unified_config(num_heads // kv_heads, head_dim, q.dtype, self.tuning)
@@ -151,14 +173,66 @@ class TritonBackend(AttentionBackend):
             launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, kv_scales)
 
     def _decode_launch(self, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, device, buffers,
-                       has_alibi=False, kv_scaled=False):
+                       has_alibi=False, kv_scaled=False, cache_dtype=None):
         index = device.index if device.type == "cuda" else None
         sms = sm_count(device.type, index)
-        cfg = decode_config(num_heads // kv_heads, head_dim, dtype, block_size, self.tuning,
-                            fills_waves(num_seqs, kv_heads, sms))
-        splits = num_splits(num_seqs, kv_heads, sms, self.tuning)
-        return DecodeLaunch(cfg, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, splits, buffers,
-                            has_alibi, kv_scaled)
+
+        def plan(tuning: Tuning) -> tuple[DecodeConfig, int]:
+            cfg = decode_config(num_heads // kv_heads, head_dim, dtype, block_size, tuning,
+                                fills_waves(num_seqs, kv_heads, sms))
+            return cfg, num_splits(num_seqs, kv_heads, sms, tuning)
+
+        def launch(tuning: Tuning, scratch) -> DecodeLaunch:
+            cfg, splits = plan(tuning)
+            return DecodeLaunch(cfg, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, splits, scratch,
+                                has_alibi, kv_scaled)
+
+        tuning = self.tuning
+        if self.autotuner is not None:
+            shape = DecodeShape(_device_name(device), num_seqs, num_heads, kv_heads, head_dim, block_size, str(dtype),
+                                str(cache_dtype or dtype), has_alibi)
+            trial = _TrialStep(shape, dtype, cache_dtype or dtype, device, self.autotuner.context)
+            tuning = self.autotuner.tuning_for(shape, candidates(self.tuning, *plan(self.tuning)),
+                                               lambda t: trial.runner(launch(t, FreshScratch(device))))
+        return launch(tuning, buffers)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    return torch.cuda.get_device_name(device)
+
+
+class _TrialStep:
+    """A synthetic decode step for the autotuner: every sequence at ``context`` keys in its own
+    pages of random K/V (the kernel's cost depends on the shapes and the lengths, not the
+    values)."""
+
+    def __init__(self, shape: DecodeShape, dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device,
+                 context: int):
+        n, page = shape.num_seqs, shape.block_size
+        pages_per_seq = -(-context // page)
+        gen = torch.Generator(device=device).manual_seed(0)
+        kv_shape = (n * pages_per_seq + 1, page, shape.num_kv_heads, shape.head_dim)
+        self.k = torch.randn(kv_shape, generator=gen, device=device).to(cache_dtype)
+        self.v = torch.randn(kv_shape, generator=gen, device=device).to(cache_dtype)
+        self.q = torch.randn(n, shape.num_heads, shape.head_dim, generator=gen, device=device).to(dtype)
+        self.out = torch.empty_like(self.q)
+        self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.full((n,), context, dtype=torch.int32, device=device)
+        self.block_table = (1 + torch.arange(n * pages_per_seq, dtype=torch.int32, device=device)).view(n, -1)
+        self.alibi = torch.linspace(0.5, 0.01, shape.num_heads, device=device) if shape.has_alibi else None
+        scaled = cache_dtype != dtype
+        self.kv_scales = (torch.full((shape.num_kv_heads,), 0.02, device=device),
+                          torch.full((shape.num_kv_heads,), 0.02, device=device)) if scaled else None
+
+    def runner(self, launch: DecodeLaunch) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            launch(self.q, self.k, self.v, self.out, self.cu_q, self.seq_lens, self.block_table, self.alibi,
+                   self.kv_scales)
+            return self.out
+
+        return run
 
 
 @functools.lru_cache(maxsize=256)
