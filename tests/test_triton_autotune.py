@@ -164,3 +164,12 @@ def test_cuda_autotuned_decode_is_timed_and_right(num_seqs):
     want = torch.empty_like(q)
     ReferenceBackend("cuda").varlen_attention(q, k, v, want, *args)
     torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_agreement_ignores_non_finite_entries_only_where_the_heuristic_has_them():
+    from compileattn.backends.triton.autotune import _close
+
+    ref = torch.tensor([1.0, float("nan"), 3.0])
+    assert _close(torch.tensor([1.0, float("nan"), 3.0]), ref, 1e-3)
+    assert not _close(torch.tensor([1.0, 2.0, 3.0]), ref, 1e-3)
+    assert not _close(torch.tensor([1.0, float("nan"), 3.5]), ref, 1e-3)

@@ -109,7 +109,7 @@ class TritonBackend(AttentionBackend):
                                   lambda: self._decode_launch(shape.num_seqs, spec.num_heads, spec.num_kv_heads,
                                                               spec.head_dim, shape.block_size, dtype, _softmax(spec),
                                                               key_cache.device, _PersistentScratch(buffers),
-                                                              has_alibi, scaled, key_cache.dtype))
+                                                              has_alibi, scaled, (key_cache, value_cache)))
         else:
             launch = self._memo(("unified", spec, dtype, scaled, shape.num_tokens, shape.num_seqs, shape.block_size,
                                  key_cache.device, self.tuning),
@@ -163,7 +163,7 @@ class TritonBackend(AttentionBackend):
         kv_scales = (k_scale, v_scale) if k_scale is not None else None
         if paged and max_seqlen_q == 1:
             launch = self._decode_launch(num_seqs, num_heads, kv_heads, head_dim, k.shape[1], q.dtype, sm,
-                                         q.device, FreshScratch(q.device), has_alibi, kv_scales is not None, k.dtype)
+                                         q.device, FreshScratch(q.device), has_alibi, kv_scales is not None, (k, v))
             launch(q, k, v, out, cu_seqlens_q, seqused_k, block_table, alibi_slopes, kv_scales)
         else:
             cfg = unified_config(num_heads // kv_heads, head_dim, q.dtype, self.tuning)
@@ -173,7 +173,8 @@ class TritonBackend(AttentionBackend):
             launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, kv_scales)
 
     def _decode_launch(self, num_seqs, num_heads, kv_heads, head_dim, block_size, dtype, sm, device, buffers,
-                       has_alibi=False, kv_scaled=False, cache_dtype=None):
+                       has_alibi=False, kv_scaled=False, caches=None):
+        """``caches``: the layer's (key, value) caches, which the autotuner's trial step reads."""
         index = device.index if device.type == "cuda" else None
         sms = sm_count(device.type, index)
 
@@ -188,10 +189,10 @@ class TritonBackend(AttentionBackend):
                                 has_alibi, kv_scaled)
 
         tuning = self.tuning
-        if self.autotuner is not None:
+        if self.autotuner is not None and caches is not None:
             shape = DecodeShape(_device_name(device), num_seqs, num_heads, kv_heads, head_dim, block_size, str(dtype),
-                                str(cache_dtype or dtype), has_alibi)
-            trial = _TrialStep(shape, dtype, cache_dtype or dtype, device, self.autotuner.context)
+                                str(caches[0].dtype), has_alibi)
+            trial = _TrialStep(shape, dtype, *caches, self.autotuner.context)
             tuning = self.autotuner.tuning_for(shape, candidates(self.tuning, *plan(self.tuning)),
                                                lambda t: trial.runner(launch(t, FreshScratch(device))))
         return launch(tuning, buffers)
@@ -204,25 +205,25 @@ def _device_name(device: torch.device) -> str:
 
 
 class _TrialStep:
-    """A synthetic decode step for the autotuner: every sequence at ``context`` keys in its own
-    pages of random K/V (the kernel's cost depends on the shapes and the lengths, not the
-    values)."""
+    """A synthetic decode step for the autotuner over the layer's own caches, read only: every
+    sequence at ``context`` keys, its pages dealt out over the cache's (the kernel's cost depends
+    on the shapes and the lengths, not on which pages or values). No cache-sized allocation: plan
+    time may come when the KV cache has taken the GPU's memory."""
 
-    def __init__(self, shape: DecodeShape, dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device,
+    def __init__(self, shape: DecodeShape, dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  context: int):
-        n, page = shape.num_seqs, shape.block_size
+        n, page, device = shape.num_seqs, shape.block_size, key_cache.device
         pages_per_seq = -(-context // page)
         gen = torch.Generator(device=device).manual_seed(0)
-        kv_shape = (n * pages_per_seq + 1, page, shape.num_kv_heads, shape.head_dim)
-        self.k = torch.randn(kv_shape, generator=gen, device=device).to(cache_dtype)
-        self.v = torch.randn(kv_shape, generator=gen, device=device).to(cache_dtype)
+        self.k, self.v = key_cache, value_cache
         self.q = torch.randn(n, shape.num_heads, shape.head_dim, generator=gen, device=device).to(dtype)
         self.out = torch.empty_like(self.q)
         self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.full((n,), context, dtype=torch.int32, device=device)
-        self.block_table = (1 + torch.arange(n * pages_per_seq, dtype=torch.int32, device=device)).view(n, -1)
+        pages = torch.arange(n * pages_per_seq, dtype=torch.int32, device=device) % key_cache.shape[0]
+        self.block_table = pages.view(n, pages_per_seq)
         self.alibi = torch.linspace(0.5, 0.01, shape.num_heads, device=device) if shape.has_alibi else None
-        scaled = cache_dtype != dtype
+        scaled = key_cache.dtype != dtype
         self.kv_scales = (torch.full((shape.num_kv_heads,), 0.02, device=device),
                           torch.full((shape.num_kv_heads,), 0.02, device=device)) if scaled else None
 
