@@ -14,9 +14,10 @@ Besides compileattn's bf16 backends and the peers (FlashInfer, Flex, SDPA):
   program per query head, no GQA packing, V2's partitions where vLLM's rule picks V2), the
   "before" of that change; the report's *kernel table* puts compileattn ÷ baseline beside
   compileattn ÷ FlashInfer, page 16 beside page 128.
-- ``ca-triton-tuned``: compileattn's Triton decode with its launch autotuned for the cell
-  (``TritonBackend.enable_autotune(context=<the cell's>)``: the heuristic and its neighbours
-  timed, the fastest that agrees kept); the chosen knobs and the heuristic's time are in the note.
+- ``ca-triton-tuned``: compileattn's Triton decode with its launch autotuned per batch
+  (``TritonBackend.enable_autotune()``: the heuristic and its neighbours timed at 1024 keys, the
+  fastest that agrees kept, as a served model would use it at every context); the chosen knobs
+  and the tuning times are in the note.
 - ``ca-triton-fp8``: compileattn's Triton decode over a float8_e4m3fn cache (per-layer scales
   from the data's amax); its TB/s count fp8 bytes, and the report's fp8 table gives fp8 ÷ bf16.
 - A table of KV-cache memory wasted by the block size, for a stated length distribution (no GPU
@@ -349,8 +350,9 @@ def quantized_copies(case: Case, pc: PagedCase):
 
 def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False, autotune: bool = False) -> Kernel:
     """``autotune``: a Triton backend of its own whose decode launches are autotuned
-    (compileattn/backends/triton/autotune.py) at this cell's context, so ``ca-triton`` beside it
-    keeps the heuristics."""
+    (compileattn/backends/triton/autotune.py, at its default context of 1024 keys whatever the
+    cell's, as a served model's graphs replay one choice at every context), so ``ca-triton``
+    beside it keeps the heuristics."""
     import torch
 
     from compileattn.backends.selector import get_backend
@@ -361,7 +363,7 @@ def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False, a
             from compileattn.backends.triton.backend import TritonBackend
 
             backend = TritonBackend(case.q.device.type)
-            backend.enable_autotune(context=case.context)
+            backend.enable_autotune()  # tuned at its default context, as in serving: one choice per batch
         else:
             backend = get_backend(name, case.q.device)
     except Exception as exc:  # noqa: BLE001  (ImportError, or a half-installed package failing later)
@@ -386,8 +388,10 @@ def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False, a
         from compileattn.backends.triton.autotune import describe
 
         for trials in backend.autotuner.trials.values():
-            best = min((t for t in trials if t.us is not None), key=lambda t: t.us)
-            note += f"; autotuned: {describe(best.tuning)} of {len(trials)} ({trials[0].us:.1f} -> {best.us:.1f} µs)"
+            timed = [t for t in trials if t.us is not None]
+            best = min(timed, key=lambda t: t.us) if timed else None
+            note += (f"; autotuned: {describe(best.tuning)} of {len(trials)} candidates "
+                     f"({trials[0].us} -> {best.us:.1f} µs at 1024 keys)" if best else "; autotune: nothing timed")
     return Kernel(fn, lambda: out, note, kv_bytes=2 * case.k.numel() if fp8 else None)  # fp8: a byte each
 
 

@@ -596,19 +596,11 @@ def timed_steps(step: Callable[[], Any], steps: int) -> list[float]:
 
 
 def replay_gpu_us(graph, replays: int = 20) -> float:
-    """GPU µs of one replay of a captured step graph: replays back to back, so the GPU never waits
-    for the host and the time is the kernels' alone; a step's p50 minus this is its host cost."""
-    import torch
+    """GPU µs of one replay of a captured step graph (``cudagraph.replay_gpu_us``); a step's p50
+    minus this is its host cost."""
+    from compileattn.compilation.cudagraph import replay_gpu_us as replay_us
 
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
+    return replay_us(graph, replays)
 
 
 def eager_reference(bench: Bench, cell: Cell) -> Any:

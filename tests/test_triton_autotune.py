@@ -7,17 +7,19 @@ cache. Whether a tuned launch is faster is the GPU's question (benchmarks/decode
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from compileattn.backends.reference import ReferenceBackend
-from compileattn.backends.triton.autotune import CACHE_FILE, DecodeAutotuner, DecodeShape, candidates
+from compileattn.backends.triton.autotune import (CACHE_FILE, MARGIN, Candidate, DecodeAutotuner, DecodeShape,
+                                                  candidates)
 from compileattn.backends.triton.backend import TritonBackend
 from compileattn.backends.triton.config import MAX_SPLITS, DecodeConfig, Tuning
 
-SHAPE = DecodeShape("cpu", 2, 4, 2, 32, 16, "torch.float32", "torch.float32", False)
+SHAPE = DecodeShape("cpu", 2, 4, 2, 32, 16, "torch.float32", "torch.float32", False, False, "plain", Tuning())
 
 
 def test_candidates_are_the_heuristic_then_one_step_in_each_knob():
@@ -28,68 +30,114 @@ def test_candidates_are_the_heuristic_then_one_step_in_each_knob():
                            Tuning(decode_num_warps=8), Tuning(num_splits=2), Tuning(num_splits=8)]
 
 
+def test_candidates_leave_the_backends_own_overrides_alone():
+    cfg = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+    forced = Tuning(num_splits=3, decode_num_warps=8)
+    options = candidates(forced, cfg, splits=3)
+    assert options[0] == forced and all(t.num_splits == 3 and t.decode_num_warps == 8 for t in options)
+    assert len(options) == 4  # block_n x1/2, x2, the other stage count
+
+
 def test_candidates_stay_within_bounds_and_do_not_repeat():
     edge = candidates(Tuning(), DecodeConfig(block_m=16, block_n=128, num_warps=8, num_stages=2), splits=MAX_SPLITS)
     assert Tuning(decode_block_n=256) not in edge and Tuning(num_splits=2 * MAX_SPLITS) not in edge
     assert Tuning(decode_num_stages=3) in edge and Tuning(decode_num_warps=4) in edge
     one = candidates(Tuning(), DecodeConfig(block_m=16, block_n=16, num_warps=4, num_stages=3), splits=1)
     assert Tuning(num_splits=0) not in one and Tuning(num_splits=2) in one and Tuning(decode_block_n=8) not in one
-    assert len(one) == len(set(one))
 
 
-def _fake_runs(outputs: dict[Tuning, object]):
-    """run(tuning) for the tuner: each candidate's output (an exception is raised)."""
-    def run(tuning):
+def _fake(outputs: dict[Tuning, object], after: dict[Tuning, object] | None = None):
+    """prepare(tuning) for the tuner: each candidate's check output (an exception is raised);
+    ``after``: a different output once it has been timed."""
+    timed_once: set[Tuning] = set()
+
+    def prepare(tuning):
         result = outputs[tuning]
         if isinstance(result, Exception):
             raise result
-        return lambda: result
-    return run
+
+        def check():
+            return after[tuning] if after and tuning in after and tuning in timed_once else result
+
+        def timed(i):
+            timed_once.add(tuning)
+
+        return Candidate(check, timed)
+    return prepare
+
+
+def _timer(us: dict[Tuning, float], tunings):
+    """A timer that runs the call once and reports the time set for the candidate it belongs to."""
+    calls = iter(tunings)
+
+    def timer(fn):
+        fn(0)
+        return us[next(calls)]
+    return timer
 
 
 def test_the_fastest_candidate_that_agrees_with_the_heuristic_wins():
-    a, b, c, d = Tuning(), Tuning(num_splits=2), Tuning(num_splits=4), Tuning(num_splits=8)
+    a, b, c, d, e = Tuning(), Tuning(num_splits=2), Tuning(num_splits=4), Tuning(num_splits=8), Tuning(num_splits=16)
     x = torch.randn(8)
-    speed = {id(x): 10.0}
-    wrong, same, broken = x + 1, x.clone(), RuntimeError("no such config")
-    speed[id(wrong)], speed[id(same)] = 1.0, 5.0
-    tuner = DecodeAutotuner(timer=lambda call: speed[id(call())])
-    chosen = tuner.tuning_for(SHAPE, [a, b, c, d], _fake_runs({a: x, b: wrong, c: same, d: broken}))
-    assert chosen == c  # b is faster but computes something else; d does not run
+    tuner = DecodeAutotuner(timer=_timer({a: 10.0, c: 5.0, e: 1.0}, [a, c, e]))
+    chosen = tuner.tuning_for(SHAPE, [a, b, c, d, e], _fake({a: x, b: x + 1, c: x.clone(), d: RuntimeError("no such config"),
+                                                             e: x.clone()}, after={e: torch.full_like(x, float("nan"))}))
+    assert chosen == c  # b computes something else; d does not run; e writes nothing once timed
     notes = {t.tuning: (t.us, t.note) for t in tuner.trials[SHAPE.key()]}
-    assert notes[a] == (10.0, "") and notes[c] == (5.0, "") and notes[b][0] is None and notes[d][0] is None
-    assert "differs" in notes[b][1] and "no such config" in notes[d][1]
+    assert notes[a] == (10.0, "") and notes[c] == (5.0, "")
+    assert notes[b][0] is None and "differs" in notes[b][1] and notes[d][0] is None and "no such config" in notes[d][1]
+    assert notes[e][0] is None and "after timing" in notes[e][1]
+
+
+def test_a_candidate_within_the_margin_does_not_replace_the_heuristic():
+    a, b = Tuning(), Tuning(num_splits=2)
+    x = torch.randn(8)
+    tuner = DecodeAutotuner(timer=_timer({a: 10.0, b: 10.0 * (1 - MARGIN / 2)}, [a, b]))
+    assert tuner.tuning_for(SHAPE, [a, b], _fake({a: x, b: x.clone()})) == a
 
 
 def test_a_heuristic_that_cannot_run_is_an_error():
-    tuner = DecodeAutotuner(timer=lambda call: 1.0)
+    tuner = DecodeAutotuner(timer=lambda fn: 1.0)
     with pytest.raises(RuntimeError, match="broken"):
-        tuner.tuning_for(SHAPE, [Tuning()], _fake_runs({Tuning(): RuntimeError("broken")}))
+        tuner.tuning_for(SHAPE, [Tuning()], _fake({Tuning(): RuntimeError("broken")}))
 
 
 def test_choices_are_cached_in_a_private_directory(tmp_path):
     cache = tmp_path / "cache"
-    runs = _fake_runs({Tuning(): torch.ones(4), Tuning(num_splits=2): torch.ones(4)})
-    times = iter([2.0, 1.0])
-    first = DecodeAutotuner(cache, timer=lambda call: next(times))
-    assert first.tuning_for(SHAPE, [Tuning(), Tuning(num_splits=2)], runs) == Tuning(num_splits=2)
+    a, b = Tuning(), Tuning(num_splits=2)
+    first = DecodeAutotuner(cache, timer=_timer({a: 2.0, b: 1.0}, [a, b]))
+    assert first.tuning_for(SHAPE, [a, b], _fake({a: torch.ones(4), b: torch.ones(4)})) == b
     assert (cache.stat().st_mode & 0o777) == 0o700
     stored = json.loads((cache / CACHE_FILE).read_text())
-    assert stored[SHAPE.key()]["num_splits"] == 2
+    (key, entry), = stored.items()
+    assert key == SHAPE.key() and key.startswith("v1|triton ") and entry["num_splits"] == 2
 
     def must_not_run(tuning):
         raise AssertionError("a cached choice is not timed again")
 
-    later = DecodeAutotuner(cache, timer=lambda call: 0.0)
-    base = Tuning(decode_tail_stages=1)  # the backend's own overrides survive a cached choice
-    assert later.tuning_for(SHAPE, [base], must_not_run) == Tuning(decode_tail_stages=1, num_splits=2)
+    later = DecodeAutotuner(cache, timer=lambda fn: 0.0)
+    assert later.cached(SHAPE) == b and later.tuning_for(SHAPE, [a], must_not_run) == b
+    other_base = dataclasses.replace(SHAPE, base=Tuning(decode_tail_stages=1))
+    assert later.cached(other_base) is None  # the backend's own overrides are part of the key
+
+
+@pytest.mark.parametrize("entry", [{"decode_block_n": 48, "decode_num_warps": None, "decode_num_stages": None,
+                                    "num_splits": None},
+                                   {"decode_block_n": None, "decode_num_warps": None, "decode_num_stages": None,
+                                    "num_splits": 10 ** 6},
+                                   {"num_splits": 2}, "fast"])
+def test_invalid_cache_entries_are_ignored(tmp_path, entry, caplog):
+    tmp_path.chmod(0o700)
+    (tmp_path / CACHE_FILE).write_text(json.dumps({SHAPE.key(): entry}))
+    assert DecodeAutotuner(tmp_path, timer=lambda fn: 1.0).cached(SHAPE) is None
+    assert "invalid entry" in caplog.text
 
 
 def test_an_unreadable_cache_file_is_ignored(tmp_path, caplog):
     tmp_path.chmod(0o700)
     (tmp_path / CACHE_FILE).write_text("{not json")
-    tuner = DecodeAutotuner(tmp_path, timer=lambda call: 1.0)
-    assert tuner.tuning_for(SHAPE, [Tuning()], _fake_runs({Tuning(): torch.ones(2)})) == Tuning()
+    tuner = DecodeAutotuner(tmp_path, timer=lambda fn: 1.0)
+    assert tuner.tuning_for(SHAPE, [Tuning()], _fake({Tuning(): torch.ones(2)})) == Tuning()
     assert "ignoring unreadable" in caplog.text
 
 
@@ -120,9 +168,10 @@ def test_a_tuned_launch_computes_what_the_reference_does(dtype):
     backend = TritonBackend("cpu")
     order: list[int] = []
 
-    def timer(call):
+    def timer(fn):
+        fn(0)
         order.append(len(order))
-        return 100.0 - len(order)  # each candidate faster than the one before
+        return 100.0 / len(order)  # each candidate well faster than the one before
 
     tuner = backend.enable_autotune(timer=timer, context=32)
     out = torch.empty_like(q)
@@ -130,7 +179,7 @@ def test_a_tuned_launch_computes_what_the_reference_does(dtype):
     backend.varlen_attention(q, k, v, out, *args)
     (key, trials), = tuner.trials.items()
     timed = [t for t in trials if t.us is not None]
-    assert len(timed) >= 4 and key.startswith("cpu|3|4|2|32|16|")
+    assert len(timed) >= 4 and "|cpu|3|4|2|32|16|" in key
     want = torch.empty_like(q)
     ReferenceBackend("cpu").varlen_attention(q, k, v, want, *args)
     tol = 2e-4 if dtype == torch.float32 else 2e-2
@@ -173,3 +222,30 @@ def test_agreement_ignores_non_finite_entries_only_where_the_heuristic_has_them(
     assert _close(torch.tensor([1.0, float("nan"), 3.0]), ref, 1e-3)
     assert not _close(torch.tensor([1.0, 2.0, 3.0]), ref, 1e-3)
     assert not _close(torch.tensor([1.0, float("nan"), 3.5]), ref, 1e-3)
+
+
+def test_the_prepared_decode_call_uses_the_choice_and_leaves_its_counters_at_zero():
+    """The path compiled models take (``prepare_attend`` with the builder's persistent scratch):
+    the tuned split count is the launch's, the call is right, and the in-kernel merge's arrival
+    counters are zero after it (a CUDA-graph replay relies on that)."""
+    from compileattn import AttentionMetadataBuilder, AttentionSpec, SequenceStep
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32)
+    q, k, v, cu, lens, table = _paged_decode()
+    backend = TritonBackend("cpu")
+    want_splits = Tuning(num_splits=4)  # the heuristic gives 2 here (4 stand-in SMs x 4 / 6 programs)
+    backend.enable_autotune(timer=lambda fn: (fn(0), 1.0)[1], context=32)
+    backend.autotuner.cached = lambda shape: dataclasses.replace(shape.base, num_splits=4)  # the choice
+    builder = AttentionMetadataBuilder(block_size=16, num_blocks=k.shape[0], max_num_tokens=3,
+                                       max_blocks_per_seq=table.shape[1], backend=backend)
+    md = builder.build([SequenceStep(1, int(n) - 1, row) for n, row in zip(lens.tolist(), table.tolist())])
+    call = backend.prepare_attend(md.shape, md.tensors, spec, q.dtype, k, v, md.selector.buffers)
+    out = torch.empty_like(q)
+    call(q, out)
+    launch = next(x for key, x in md.selector.buffers._memo.items() if key[0] == "triton.decode")
+    assert launch.splits == want_splits.num_splits
+    assert not launch.arrivals.any()
+    want = torch.empty_like(q)
+    ReferenceBackend("cpu").varlen_attention(q, k, v, want, cu, cu, lens, table, 1, int(lens.max()), 32 ** -0.5,
+                                             True, -1, 0.0)
+    torch.testing.assert_close(out, want, atol=2e-4, rtol=2e-4)

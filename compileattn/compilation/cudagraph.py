@@ -154,6 +154,21 @@ class SimulatedGraphPool:
 _simulated = False
 
 
+def replay_gpu_us(graph: Any, replays: int = 20, warmup: int = 3) -> float:
+    """GPU µs of one replay of a captured ``torch.cuda.CUDAGraph``: ``replays`` replays back to back
+    between two CUDA events (after ``warmup``), so the GPU never waits for the host and the time is
+    the kernels' alone."""
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
 def simulate(on: bool) -> None:
     """Use ``SimulatedGraphPool`` instead of real CUDA graphs for runtimes created from now on."""
     global _simulated

@@ -24,7 +24,7 @@ from ...kv_cache import SUPPORTED_HEAD_DIMS, is_fp8
 from ..base import AttentionBackend
 from ..kv_write import write_kv_padded
 from . import _mode
-from .autotune import DecodeAutotuner, DecodeShape, candidates, cuda_event_timer
+from .autotune import Candidate, DecodeAutotuner, DecodeShape, candidates, cuda_graph_timer
 from .config import DecodeConfig, Tuning, decode_config, fills_waves, num_splits, sm_count, unified_config
 from .launch import DecodeLaunch, FreshScratch, KVWriteLaunch, Softmax, UnifiedLaunch
 
@@ -50,22 +50,21 @@ class TritonBackend(AttentionBackend):
         self._launches: dict[tuple, object] = {}
 
     def enable_autotune(self, cache_dir: str | None = None, context: int = 1024,
-                        timer: Callable[[Callable[[], None]], float] | None = None) -> DecodeAutotuner:
+                        timer: Callable[[Callable[[int], None]], float] | None = None) -> DecodeAutotuner:
         """Time each decode shape's heuristic launch and its neighbours at plan time and keep the
-        fastest (``autotune.py``); choices cached in ``cache_dir`` when given. Launches prepared
-        before are dropped here, those of builders' memos are keyed by the tuner. ``timer``:
-        µs per call of a callable (default CUDA events; required off CUDA, where timing the
-        interpreter would measure nothing)."""
+        fastest (``autotune.py``); choices cached in ``cache_dir`` when given. Call it before the
+        engine plans its steps: calls already prepared and bound keep their configuration.
+        ``timer``: µs per call of ``fn(i)`` (default: inside a CUDA graph; required off CUDA,
+        where timing the interpreter would measure nothing)."""
         if timer is None and self.device_type != "cuda":
             raise ValueError("autotuning times kernels on a GPU: pass timer= to autotune on "
                              f"device type {self.device_type!r}")
-        self.autotuner = DecodeAutotuner(cache_dir, context, timer or cuda_event_timer)
-        self._launches.clear()
+        self.autotuner = DecodeAutotuner(cache_dir, context, timer or cuda_graph_timer)
         return self.autotuner
 
     def disable_autotune(self) -> None:
+        """The heuristics for decode shapes planned from now on."""
         self.autotuner = None
-        self._launches.clear()
 
     # -- support ----------------------------------------------------------------------------
 
@@ -189,12 +188,15 @@ class TritonBackend(AttentionBackend):
                                 has_alibi, kv_scaled)
 
         tuning = self.tuning
-        if self.autotuner is not None and caches is not None:
+        if self.autotuner is not None and caches is not None and not _capturing(device):
             shape = DecodeShape(_device_name(device), num_seqs, num_heads, kv_heads, head_dim, block_size, str(dtype),
-                                str(caches[0].dtype), has_alibi)
-            trial = _TrialStep(shape, dtype, *caches, self.autotuner.context)
-            tuning = self.autotuner.tuning_for(shape, candidates(self.tuning, *plan(self.tuning)),
-                                               lambda t: trial.runner(launch(t, FreshScratch(device))))
+                                str(caches[0].dtype), has_alibi, kv_scaled,
+                                f"window={sm.has_window} softcap={sm.has_softcap}", self.tuning)
+            tuning = self.autotuner.cached(shape)
+            if tuning is None:
+                trial = _TrialStep(shape, dtype, *caches, self.autotuner.context)
+                tuning = self.autotuner.tuning_for(shape, candidates(self.tuning, *plan(self.tuning)),
+                                                   lambda t: trial.candidate(launch(t, FreshScratch(device))))
         return launch(tuning, buffers)
 
 
@@ -204,36 +206,66 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Inside a CUDA-graph capture nothing may be tuned (allocations, a synchronize): the
+    heuristic serves, untuned, until a step outside a capture tunes the shape."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class _TrialStep:
-    """A synthetic decode step for the autotuner over the layer's own caches, read only: every
-    sequence at ``context`` keys, its pages dealt out over the cache's (the kernel's cost depends
-    on the shapes and the lengths, not on which pages or values). No cache-sized allocation: plan
-    time may come when the KV cache has taken the GPU's memory."""
+    """The autotuner's two steps for one decode shape (``autotune.py`` says why two):
+
+    - the check: every sequence at up to ``CHECK_KEYS`` keys over a small private random cache
+      (pages reused across sequences), the output filled with NaN first;
+    - the timed step: every sequence at ``context`` keys over the layer's own caches, read only
+      (no cache-sized allocation: plan time may come when the KV cache holds the GPU's memory),
+      call ``i`` reading the ``i % rotations``-th set of pages, enough sets to pass twice the L2
+      cache between two reads of a page.
+    """
+
+    CHECK_KEYS = 256
+    CHECK_PAGES = 64
 
     def __init__(self, shape: DecodeShape, dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  context: int):
         n, page, device = shape.num_seqs, shape.block_size, key_cache.device
-        pages_per_seq = -(-context // page)
         gen = torch.Generator(device=device).manual_seed(0)
-        self.k, self.v = key_cache, value_cache
-        self.q = torch.randn(n, shape.num_heads, shape.head_dim, generator=gen, device=device).to(dtype)
+        kvh, d = shape.num_kv_heads, shape.head_dim
+        self.q = torch.randn(n, shape.num_heads, d, generator=gen, device=device).to(dtype)
         self.out = torch.empty_like(self.q)
         self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.full((n,), context, dtype=torch.int32, device=device)
-        pages = torch.arange(n * pages_per_seq, dtype=torch.int32, device=device) % key_cache.shape[0]
-        self.block_table = pages.view(n, pages_per_seq)
         self.alibi = torch.linspace(0.5, 0.01, shape.num_heads, device=device) if shape.has_alibi else None
-        scaled = key_cache.dtype != dtype
-        self.kv_scales = (torch.full((shape.num_kv_heads,), 0.02, device=device),
-                          torch.full((shape.num_kv_heads,), 0.02, device=device)) if scaled else None
+        self.kv_scales = (torch.full((kvh,), 0.02, device=device),
+                          torch.full((kvh,), 0.02, device=device)) if shape.kv_scaled else None
+        # the check
+        check_pages = -(-min(context, self.CHECK_KEYS) // page)
+        pool = min(self.CHECK_PAGES, n * check_pages)
+        self.check_k = torch.randn(pool, page, kvh, d, generator=gen, device=device).to(key_cache.dtype)
+        self.check_v = torch.randn(pool, page, kvh, d, generator=gen, device=device).to(key_cache.dtype)
+        self.check_lens = torch.full((n,), min(context, self.CHECK_KEYS), dtype=torch.int32, device=device)
+        self.check_table = (torch.arange(n * check_pages, dtype=torch.int32, device=device) % pool).view(n, -1)
+        # the timed step
+        self.k, self.v = key_cache, value_cache
+        pages = -(-context // page)
+        step_bytes = 2 * n * context * kvh * d * key_cache.element_size()
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+        rotations = max(1, min(16, -(-2 * l2 // step_bytes)))
+        self.lens = torch.full((n,), context, dtype=torch.int32, device=device)
+        self.tables = [((r * n * pages + torch.arange(n * pages, dtype=torch.int32, device=device))
+                        % key_cache.shape[0]).view(n, pages) for r in range(rotations)]
 
-    def runner(self, launch: DecodeLaunch) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            launch(self.q, self.k, self.v, self.out, self.cu_q, self.seq_lens, self.block_table, self.alibi,
-                   self.kv_scales)
+    def candidate(self, launch: DecodeLaunch) -> Candidate:
+        def check() -> torch.Tensor:
+            self.out.fill_(float("nan"))
+            launch(self.q, self.check_k, self.check_v, self.out, self.cu_q, self.check_lens, self.check_table,
+                   self.alibi, self.kv_scales)
             return self.out
 
-        return run
+        def timed(i: int) -> None:
+            launch(self.q, self.k, self.v, self.out, self.cu_q, self.lens, self.tables[i % len(self.tables)],
+                   self.alibi, self.kv_scales)
+
+        return Candidate(check, timed)
 
 
 @functools.lru_cache(maxsize=256)
