@@ -350,9 +350,9 @@ def quantized_copies(case: Case, pc: PagedCase):
 
 def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False, autotune: bool = False) -> Kernel:
     """``autotune``: a Triton backend of its own whose decode launches are autotuned
-    (compileattn/backends/triton/autotune.py, at its default context of 1024 keys whatever the
-    cell's, as a served model's graphs replay one choice at every context), so ``ca-triton``
-    beside it keeps the heuristics."""
+    (compileattn/backends/triton/autotune.py, timed at its default contexts whatever the cell's,
+    as a served model's graphs replay one choice at every context), so ``ca-triton`` beside it
+    keeps the heuristics."""
     import torch
 
     from compileattn.backends.selector import get_backend
@@ -363,7 +363,7 @@ def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False, a
             from compileattn.backends.triton.backend import TritonBackend
 
             backend = TritonBackend(case.q.device.type)
-            backend.enable_autotune()  # tuned at its default context, as in serving: one choice per batch
+            backend.enable_autotune()  # its default contexts, as in serving: one choice per batch for all
         else:
             backend = get_backend(name, case.q.device)
     except Exception as exc:  # noqa: BLE001  (ImportError, or a half-installed package failing later)
@@ -385,13 +385,10 @@ def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False, a
     if fp8:
         note += f"; fp8 KV, scales K {float(kv[2][0][0]):.4g} V {float(kv[2][1][0]):.4g}"
     if autotune:
-        from compileattn.backends.triton.autotune import describe
+        from compileattn.backends.triton.autotune import summarize
 
-        for trials in backend.autotuner.trials.values():
-            timed = [t for t in trials if t.us is not None]
-            best = min(timed, key=lambda t: t.us) if timed else None
-            note += (f"; autotuned: {describe(best.tuning)} of {len(trials)} candidates "
-                     f"({trials[0].us} -> {best.us:.1f} µs at 1024 keys)" if best else "; autotune: nothing timed")
+        for key, trials in backend.autotuner.trials.items():
+            note += f"; autotune: {summarize(trials, backend.autotuner.chosen.get(key))}"
     return Kernel(fn, lambda: out, note, kv_bytes=2 * case.k.numel() if fp8 else None)  # fp8: a byte each
 
 

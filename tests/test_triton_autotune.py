@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from compileattn.backends.reference import ReferenceBackend
-from compileattn.backends.triton.autotune import (CACHE_FILE, MARGIN, Candidate, DecodeAutotuner, DecodeShape,
-                                                  candidates)
+from compileattn.backends.triton.autotune import (CACHE_FILE, DEFAULT_CONTEXTS, MARGIN, WORST_SLOWDOWN, Candidate,
+                                                  DecodeAutotuner, DecodeShape, candidates, summarize)
 from compileattn.backends.triton.backend import TritonBackend
 from compileattn.backends.triton.config import MAX_SPLITS, DecodeConfig, Tuning
 
@@ -59,21 +59,27 @@ def _fake(outputs: dict[Tuning, object], after: dict[Tuning, object] | None = No
         def check():
             return after[tuning] if after and tuning in after and tuning in timed_once else result
 
-        def timed(i):
+        def timed(context, i):
             timed_once.add(tuning)
 
         return Candidate(check, timed)
     return prepare
 
 
-def _timer(us: dict[Tuning, float], tunings):
-    """A timer that runs the call once and reports the time set for the candidate it belongs to."""
-    calls = iter(tunings)
+def _timer(us: dict[Tuning, float | dict[int, float]], tunings, contexts=DEFAULT_CONTEXTS):
+    """A timer that runs the call once and reports the time set for the candidate (and context)
+    it belongs to: one number for every context, or one per context."""
+    calls = iter([(t, c) for t in tunings for c in contexts])
 
     def timer(fn):
         fn(0)
-        return us[next(calls)]
+        tuning, context = next(calls)
+        return us[tuning][context] if isinstance(us[tuning], dict) else us[tuning]
     return timer
+
+
+def _each(us: float) -> dict[int, float]:
+    return {c: us for c in DEFAULT_CONTEXTS}
 
 
 def test_the_fastest_candidate_that_agrees_with_the_heuristic_wins():
@@ -83,8 +89,8 @@ def test_the_fastest_candidate_that_agrees_with_the_heuristic_wins():
     chosen = tuner.tuning_for(SHAPE, [a, b, c, d, e], _fake({a: x, b: x + 1, c: x.clone(), d: RuntimeError("no such config"),
                                                              e: x.clone()}, after={e: torch.full_like(x, float("nan"))}))
     assert chosen == c  # b computes something else; d does not run; e writes nothing once timed
-    notes = {t.tuning: (t.us, t.note) for t in tuner.trials[SHAPE.key()]}
-    assert notes[a] == (10.0, "") and notes[c] == (5.0, "")
+    notes = {t.tuning: (t.us, t.note) for t in tuner.trials[tuner.key(SHAPE)]}
+    assert notes[a] == (_each(10.0), "") and notes[c] == (_each(5.0), "")
     assert notes[b][0] is None and "differs" in notes[b][1] and notes[d][0] is None and "no such config" in notes[d][1]
     assert notes[e][0] is None and "after timing" in notes[e][1]
 
@@ -94,6 +100,23 @@ def test_a_candidate_within_the_margin_does_not_replace_the_heuristic():
     x = torch.randn(8)
     tuner = DecodeAutotuner(timer=_timer({a: 10.0, b: 10.0 * (1 - MARGIN / 2)}, [a, b]))
     assert tuner.tuning_for(SHAPE, [a, b], _fake({a: x, b: x.clone()})) == a
+
+
+def test_one_choice_must_serve_every_context():
+    """A graph replays one launch at every context: a candidate much faster at 1024 keys but
+    slower at 4096 (more than WORST_SLOWDOWN) is not chosen; one a little faster at both is."""
+    a, fast_short, even = Tuning(), Tuning(num_splits=16), Tuning(decode_num_stages=2)
+    x = torch.randn(8)
+    slower = 10.0 * (1 + 2 * WORST_SLOWDOWN)
+    tuner = DecodeAutotuner(timer=_timer({a: 10.0, fast_short: {1024: 5.0, 4096: slower}, even: 9.5},
+                                         [a, fast_short, even]))
+    chosen = tuner.tuning_for(SHAPE, [a, fast_short, even], _fake({a: x, fast_short: x.clone(), even: x.clone()}))
+    assert chosen == even
+    trials = tuner.trials[tuner.key(SHAPE)]
+    assert trials[1].ratio < trials[2].ratio  # the better mean, refused for its worst context
+    line = summarize(trials, chosen)
+    assert line.startswith("µs at 1024/4096 keys: heuristic 10.0/10.0, num_splits=16 5.0/10.2")
+    assert line.endswith("; chosen decode_num_stages=2")
 
 
 def test_a_heuristic_that_cannot_run_is_an_error():
@@ -110,7 +133,8 @@ def test_choices_are_cached_in_a_private_directory(tmp_path):
     assert (cache.stat().st_mode & 0o777) == 0o700
     stored = json.loads((cache / CACHE_FILE).read_text())
     (key, entry), = stored.items()
-    assert key == SHAPE.key() and key.startswith("v1|triton ") and entry["num_splits"] == 2
+    assert key == first.key(SHAPE) and key.startswith("v1|triton ") and entry["num_splits"] == 2
+    assert key.endswith("|contexts=1024,4096")
 
     def must_not_run(tuning):
         raise AssertionError("a cached choice is not timed again")
@@ -119,6 +143,7 @@ def test_choices_are_cached_in_a_private_directory(tmp_path):
     assert later.cached(SHAPE) == b and later.tuning_for(SHAPE, [a], must_not_run) == b
     other_base = dataclasses.replace(SHAPE, base=Tuning(decode_tail_stages=1))
     assert later.cached(other_base) is None  # the backend's own overrides are part of the key
+    assert DecodeAutotuner(cache, contexts=(1024,), timer=lambda fn: 0.0).cached(SHAPE) is None  # and the contexts
 
 
 @pytest.mark.parametrize("entry", [{"decode_block_n": 48, "decode_num_warps": None, "decode_num_stages": None,
@@ -128,7 +153,7 @@ def test_choices_are_cached_in_a_private_directory(tmp_path):
                                    {"num_splits": 2}, "fast"])
 def test_invalid_cache_entries_are_ignored(tmp_path, entry, caplog):
     tmp_path.chmod(0o700)
-    (tmp_path / CACHE_FILE).write_text(json.dumps({SHAPE.key(): entry}))
+    (tmp_path / CACHE_FILE).write_text(json.dumps({DecodeAutotuner().key(SHAPE): entry}))
     assert DecodeAutotuner(tmp_path, timer=lambda fn: 1.0).cached(SHAPE) is None
     assert "invalid entry" in caplog.text
 
@@ -141,11 +166,12 @@ def test_an_unreadable_cache_file_is_ignored(tmp_path, caplog):
     assert "ignoring unreadable" in caplog.text
 
 
-def test_autotuning_off_cuda_needs_a_timer_and_a_context():
+def test_autotuning_off_cuda_needs_a_timer_and_contexts():
     with pytest.raises(ValueError, match="timer="):
         TritonBackend("cpu").enable_autotune()
-    with pytest.raises(ValueError, match="context"):
-        TritonBackend("cpu").enable_autotune(timer=lambda call: 1.0, context=0)
+    for bad in (0, (), (1024, -1)):
+        with pytest.raises(ValueError, match="contexts"):
+            TritonBackend("cpu").enable_autotune(timer=lambda call: 1.0, contexts=bad)
 
 
 def _paged_decode(num_seqs=3, heads=4, kv_heads=2, head_dim=32, page=16, dtype=torch.float32):
@@ -173,7 +199,7 @@ def test_a_tuned_launch_computes_what_the_reference_does(dtype):
         order.append(len(order))
         return 100.0 / len(order)  # each candidate well faster than the one before
 
-    tuner = backend.enable_autotune(timer=timer, context=32)
+    tuner = backend.enable_autotune(timer=timer, contexts=(32,))
     out = torch.empty_like(q)
     args = (cu, cu, lens, table, 1, int(lens.max()), 32 ** -0.5, True, -1, 0.0)
     backend.varlen_attention(q, k, v, out, *args)
@@ -184,7 +210,7 @@ def test_a_tuned_launch_computes_what_the_reference_does(dtype):
     ReferenceBackend("cpu").varlen_attention(q, k, v, want, *args)
     tol = 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
-    assert tuner._chosen[key] == timed[-1].tuning
+    assert tuner.chosen[key] == timed[-1].tuning
 
 
 @pytest.mark.cuda
@@ -203,12 +229,13 @@ def test_cuda_autotuned_decode_is_timed_and_right(num_seqs):
     cu = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
     args = (cu, cu, lens, table, 1, int(lens.max()), d ** -0.5, True, -1, 0.0)
     backend = TritonBackend("cuda")
-    tuner = backend.enable_autotune(context=512)
+    tuner = backend.enable_autotune(contexts=(256, 1024))
     out = torch.empty_like(q)
     backend.varlen_attention(q, k, v, out, *args)
     (trials,) = tuner.trials.values()
     notes = [(t.tuning, t.note) for t in trials]
-    assert trials[0].us > 0 and sum(t.us is not None for t in trials) >= 3, notes
+    assert min(trials[0].us.values()) > 0 and sum(t.us is not None for t in trials) >= 3, notes
+    assert sorted(trials[0].us) == [256, 1024]
     assert not [n for n in notes if "differs" in n[1]], notes  # a candidate computing something else is a bug
     want = torch.empty_like(q)
     ReferenceBackend("cuda").varlen_attention(q, k, v, want, *args)
@@ -234,7 +261,7 @@ def test_the_prepared_decode_call_uses_the_choice_and_leaves_its_counters_at_zer
     q, k, v, cu, lens, table = _paged_decode()
     backend = TritonBackend("cpu")
     want_splits = Tuning(num_splits=4)  # the heuristic gives 2 here (4 stand-in SMs x 4 / 6 programs)
-    backend.enable_autotune(timer=lambda fn: (fn(0), 1.0)[1], context=32)
+    backend.enable_autotune(timer=lambda fn: (fn(0), 1.0)[1], contexts=(32,))
     backend.autotuner.cached = lambda shape: dataclasses.replace(shape.base, num_splits=4)  # the choice
     builder = AttentionMetadataBuilder(block_size=16, num_blocks=k.shape[0], max_num_tokens=3,
                                        max_blocks_per_seq=table.shape[1], backend=backend)

@@ -10,9 +10,12 @@ What a choice may depend on: a CUDA graph captured for a batch size replays at e
 length, so a launch configuration may depend only on what is fixed for a capture: the number of
 sequences (a capture size), the layer's head counts, head dim and softmax flags, the page size,
 the dtypes, ALiBi, fp8 scales and the GPU, and the backend's own overrides (``DecodeShape``). Not
-on the context: candidates are timed on a decode step of ``context`` keys per sequence (default
-1024), and the choice then serves every context. (A choice per context bucket would need a graph
-per (batch, context bucket).)
+on the context. So candidates are timed at several contexts (``contexts``, default 1024 and 4096
+keys per sequence) and one choice must serve them all: a candidate replaces the heuristic when its
+time relative to the heuristic's, geometric mean over the contexts, is at least ``MARGIN`` lower
+and it is nowhere more than ``WORST_SLOWDOWN`` slower (H200, S9-1: 16 splits beat the heuristic's
+32 for one sequence of 8 KV heads at 1024 keys, 8.3 against 9.5 µs, and lost at 4096, 14.4
+against 13.2). The contexts are part of the cache key.
 
 Candidates (``candidates``): the heuristic configuration and its neighbours one step away in each
 knob the backend's tuning leaves free: keys per tile x1/2 and x2 (16..128), the other pipeline
@@ -21,7 +24,7 @@ depth (2 <-> 3), the other warp count (4 <-> 8), split-KV count x1/2 and x2 (1..
 Each candidate is checked before it is timed, and again after: its output on a small step over a
 private random cache (the layer's own cache may still be all zeros, which every launch "gets
 right") must match the heuristic's, with the output filled with NaN first (a launch that writes
-nothing fails). It is timed as the GPU runs it in serving, inside a CUDA graph of back-to-back
+nothing fails). It is timed, at each context, as the GPU runs it in serving, inside a CUDA graph of back-to-back
 calls (no host launch cost between them), over the layer's own caches, each call reading other
 pages (rotations past the L2 cache), so the time is HBM's, not L2's. A candidate must beat the
 heuristic by ``MARGIN`` to be chosen: noise does not flip the choice from run to run.
@@ -33,8 +36,10 @@ and Triton's version; entries that do not validate are ignored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -47,8 +52,13 @@ logger = logging.getLogger("compileattn")
 CACHE_FILE = "triton_decode_autotune.json"
 #: Bumped when a key's meaning or the kernels' knobs change.
 SCHEMA = 1
-#: A candidate replaces the heuristic only if it is this much faster.
+#: A candidate replaces the heuristic only if it is this much faster (geometric mean over the
+#: contexts: noise does not flip the choice from run to run) ...
 MARGIN = 0.03
+#: ... and at no context slower than this.
+WORST_SLOWDOWN = 0.01
+#: Keys per sequence of the timed steps.
+DEFAULT_CONTEXTS = (1024, 4096)
 #: Tuning fields a choice sets, and the values each may take.
 _KNOBS: dict[str, Callable[[Any], bool]] = {
     "decode_block_n": lambda v: v in (16, 32, 64, 128),
@@ -133,29 +143,33 @@ def cuda_graph_timer(fn: Callable[[int], None], calls: int = 16, replays: int = 
 @dataclasses.dataclass
 class Candidate:
     """One prepared candidate: ``check()`` runs it on the small private step and returns its
-    output; ``timed(i)`` runs call ``i`` of the timed step."""
+    output; ``timed(context, i)`` runs call ``i`` of the timed step at ``context`` keys."""
 
     check: Callable[[], torch.Tensor]
-    timed: Callable[[int], None]
+    timed: Callable[[int, int], None]
 
 
 @dataclasses.dataclass
 class Trial:
-    """One candidate's result (``us`` None when it failed or disagreed with the heuristic)."""
+    """One candidate's result: µs per call at each context (None when it failed or disagreed
+    with the heuristic) and, once the heuristic's are known, ``ratio``: the geometric mean over
+    the contexts of its time ÷ the heuristic's."""
 
     tuning: Tuning
-    us: float | None
+    us: dict[int, float] | None
     note: str = ""
+    ratio: float | None = None
 
 
 class DecodeAutotuner:
     """Chooses a ``Tuning`` per ``DecodeShape``; see the module docstring."""
 
-    def __init__(self, cache_dir: str | Path | None = None, context: int = 1024,
+    def __init__(self, cache_dir: str | Path | None = None, contexts: Sequence[int] = DEFAULT_CONTEXTS,
                  timer: Callable[[Callable[[int], None]], float] = cuda_graph_timer, tolerance: float = 1e-2):
-        if context < 1:
-            raise ValueError(f"context must be >= 1, got {context}")
-        self.context = context
+        contexts = (contexts,) if isinstance(contexts, int) else tuple(contexts)
+        if not contexts or not all(isinstance(c, int) and c >= 1 for c in contexts):
+            raise ValueError(f"contexts must be positive key counts, got {contexts!r}")
+        self.contexts = tuple(sorted(set(contexts)))
         self.timer = timer
         self.tolerance = tolerance
         self.path: Path | None = None
@@ -163,17 +177,22 @@ class DecodeAutotuner:
             from ...compilation.cache import secure_dir
 
             self.path = secure_dir(cache_dir) / CACHE_FILE
-        self._chosen: dict[str, Tuning] = {}
+        #: key -> the choice (this process: tuned, or read from the cache file).
+        self.chosen: dict[str, Tuning] = {}
         self._stored: dict[str, dict[str, Any]] = self._load()
         #: Every tuning run of this process: key -> trials (benchmarks and logs report them).
         self.trials: dict[str, list[Trial]] = {}
 
+    def key(self, shape: DecodeShape) -> str:
+        """``shape``'s key with the contexts its choice was timed at."""
+        return f"{shape.key()}|contexts={','.join(map(str, self.contexts))}"
+
     def cached(self, shape: DecodeShape) -> Tuning | None:
         """The choice for ``shape`` made before (this process or the cache file), else None."""
-        key = shape.key()
-        if key not in self._chosen and key in self._stored:
-            self._chosen[key] = dataclasses.replace(shape.base, **self._stored[key])
-        return self._chosen.get(key)
+        key = self.key(shape)
+        if key not in self.chosen and key in self._stored:
+            self.chosen[key] = dataclasses.replace(shape.base, **self._stored[key])
+        return self.chosen.get(key)
 
     def tuning_for(self, shape: DecodeShape, options: Sequence[Tuning],
                    prepare: Callable[[Tuning], Candidate]) -> Tuning:
@@ -182,7 +201,7 @@ class DecodeAutotuner:
         chosen = self.cached(shape)
         if chosen is not None:
             return chosen
-        key = shape.key()
+        key = self.key(shape)
         trials, reference = [], None
         for tuning in options:
             try:
@@ -195,7 +214,7 @@ class DecodeAutotuner:
                     logger.warning("decode autotune %s: candidate %s gives a different output; not used", key,
                                    describe(tuning))
                     continue
-                us = self.timer(candidate.timed)
+                us = {c: self.timer(functools.partial(candidate.timed, c)) for c in self.contexts}
                 if not _close(candidate.check().float(), reference, self.tolerance):
                     trials.append(Trial(tuning, None, "output differs from the heuristic's after timing"))
                     continue
@@ -211,12 +230,15 @@ class DecodeAutotuner:
             logger.warning("decode autotune %s: the heuristic itself failed its check (%s); keeping it", key,
                            heuristic.note)
             return options[0]
-        best = min((t for t in trials if t.us is not None), key=lambda t: t.us)
-        if best.us > heuristic.us * (1 - MARGIN):
-            best = heuristic
-        logger.info("decode autotune %s: %s at %.1f µs (heuristic %.1f µs, %d candidates)", key,
-                    describe(best.tuning), best.us, heuristic.us, len(options))
-        self._chosen[key] = best.tuning
+        for t in trials:
+            if t.us is not None:
+                t.ratio = math.prod(t.us[c] / heuristic.us[c] for c in self.contexts) ** (1 / len(self.contexts))
+        eligible = [t for t in trials[1:] if t.us is not None and t.ratio <= 1 - MARGIN
+                    and all(t.us[c] <= heuristic.us[c] * (1 + WORST_SLOWDOWN) for c in self.contexts)]
+        best = min(eligible, key=lambda t: t.ratio) if eligible else heuristic
+        logger.info("decode autotune %s: %s (%.3f of the heuristic's time over contexts %s; %d candidates)", key,
+                    describe(best.tuning), best.ratio, self.contexts, len(options))
+        self.chosen[key] = best.tuning
         self._save(key, best.tuning)
         return best.tuning
 
@@ -257,6 +279,24 @@ class DecodeAutotuner:
             write_atomic(self.path, json.dumps(current, indent=1, sort_keys=True).encode())
         except OSError as exc:
             logger.warning("decode autotune: could not write %s (%s)", self.path, exc)
+
+
+def summarize(trials: Sequence[Trial], chosen: Tuning | None = None) -> str:
+    """One line per tuning run for reports: each candidate's µs at each context (or why it has
+    none) and the choice, e.g. "µs at 1024/4096 keys: heuristic 9.5/13.2, num_splits=16
+    8.3/14.4 (0.99); chosen heuristic"."""
+    timed = [t for t in trials if t.us is not None]
+    contexts = sorted(timed[0].us) if timed else []
+    parts = []
+    for t in trials:
+        if t.us is None:
+            parts.append(f"{describe(t.tuning)} not used ({t.note})")
+        else:
+            ratio = "" if t is trials[0] or t.ratio is None else f" ({t.ratio:.2f})"
+            parts.append(f"{describe(t.tuning)} {'/'.join(f'{t.us[c]:.1f}' for c in contexts)}{ratio}")
+    head = f"µs at {'/'.join(map(str, contexts))} keys: " if contexts else ""
+    tail = f"; chosen {describe(chosen)}" if chosen is not None else ""
+    return head + ", ".join(parts) + tail
 
 
 def describe(tuning: Tuning) -> str:

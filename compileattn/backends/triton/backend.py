@@ -16,7 +16,7 @@ before costs one dict lookup per layer kind plus binding each layer's caches.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from ...kv_cache import SUPPORTED_HEAD_DIMS, is_fp8
 from ..base import AttentionBackend
 from ..kv_write import write_kv_padded
 from . import _mode
-from .autotune import Candidate, DecodeAutotuner, DecodeShape, candidates, cuda_graph_timer
+from .autotune import DEFAULT_CONTEXTS, Candidate, DecodeAutotuner, DecodeShape, candidates, cuda_graph_timer
 from .config import DecodeConfig, Tuning, decode_config, fills_waves, num_splits, sm_count, unified_config
 from .launch import DecodeLaunch, FreshScratch, KVWriteLaunch, Softmax, UnifiedLaunch
 
@@ -49,17 +49,18 @@ class TritonBackend(AttentionBackend):
         self.autotuner: DecodeAutotuner | None = None
         self._launches: dict[tuple, object] = {}
 
-    def enable_autotune(self, cache_dir: str | None = None, context: int = 1024,
+    def enable_autotune(self, cache_dir: str | None = None, contexts: Sequence[int] = DEFAULT_CONTEXTS,
                         timer: Callable[[Callable[[int], None]], float] | None = None) -> DecodeAutotuner:
         """Time each decode shape's heuristic launch and its neighbours at plan time and keep the
-        fastest (``autotune.py``); choices cached in ``cache_dir`` when given. Call it before the
+        fastest over ``contexts`` keys per sequence (``autotune.py``); choices cached in
+        ``cache_dir`` when given. Call it before the
         engine plans its steps: calls already prepared and bound keep their configuration.
         ``timer``: µs per call of ``fn(i)`` (default: inside a CUDA graph; required off CUDA,
         where timing the interpreter would measure nothing)."""
         if timer is None and self.device_type != "cuda":
             raise ValueError("autotuning times kernels on a GPU: pass timer= to autotune on "
                              f"device type {self.device_type!r}")
-        self.autotuner = DecodeAutotuner(cache_dir, context, timer or cuda_graph_timer)
+        self.autotuner = DecodeAutotuner(cache_dir, contexts, timer or cuda_graph_timer)
         return self.autotuner
 
     def disable_autotune(self) -> None:
@@ -194,7 +195,7 @@ class TritonBackend(AttentionBackend):
                                 f"window={sm.has_window} softcap={sm.has_softcap}", self.tuning)
             tuning = self.autotuner.cached(shape)
             if tuning is None:
-                trial = _TrialStep(shape, dtype, *caches, self.autotuner.context)
+                trial = _TrialStep(shape, dtype, *caches, self.autotuner.contexts)
                 tuning = self.autotuner.tuning_for(shape, candidates(self.tuning, *plan(self.tuning)),
                                                    lambda t: trial.candidate(launch(t, FreshScratch(device))))
         return launch(tuning, buffers)
@@ -217,17 +218,17 @@ class _TrialStep:
 
     - the check: every sequence at up to ``CHECK_KEYS`` keys over a small private random cache
       (pages reused across sequences), the output filled with NaN first;
-    - the timed step: every sequence at ``context`` keys over the layer's own caches, read only
-      (no cache-sized allocation: plan time may come when the KV cache holds the GPU's memory),
-      call ``i`` reading the ``i % rotations``-th set of pages, enough sets to pass twice the L2
-      cache between two reads of a page.
+    - the timed steps, one per context: every sequence at that many keys over the layer's own
+      caches, read only (no cache-sized allocation: plan time may come when the KV cache holds
+      the GPU's memory), call ``i`` reading the ``i % rotations``-th set of pages, enough sets to
+      pass twice the L2 cache between two reads of a page.
     """
 
     CHECK_KEYS = 256
     CHECK_PAGES = 64
 
     def __init__(self, shape: DecodeShape, dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 context: int):
+                 contexts: Sequence[int]):
         n, page, device = shape.num_seqs, shape.block_size, key_cache.device
         gen = torch.Generator(device=device).manual_seed(0)
         kvh, d = shape.num_kv_heads, shape.head_dim
@@ -238,21 +239,24 @@ class _TrialStep:
         self.kv_scales = (torch.full((kvh,), 0.02, device=device),
                           torch.full((kvh,), 0.02, device=device)) if shape.kv_scaled else None
         # the check
-        check_pages = -(-min(context, self.CHECK_KEYS) // page)
+        check_keys = min(min(contexts), self.CHECK_KEYS)
+        check_pages = -(-check_keys // page)
         pool = min(self.CHECK_PAGES, n * check_pages)
         self.check_k = torch.randn(pool, page, kvh, d, generator=gen, device=device).to(key_cache.dtype)
         self.check_v = torch.randn(pool, page, kvh, d, generator=gen, device=device).to(key_cache.dtype)
-        self.check_lens = torch.full((n,), min(context, self.CHECK_KEYS), dtype=torch.int32, device=device)
+        self.check_lens = torch.full((n,), check_keys, dtype=torch.int32, device=device)
         self.check_table = (torch.arange(n * check_pages, dtype=torch.int32, device=device) % pool).view(n, -1)
-        # the timed step
+        # the timed steps
         self.k, self.v = key_cache, value_cache
-        pages = -(-context // page)
-        step_bytes = 2 * n * context * kvh * d * key_cache.element_size()
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
-        rotations = max(1, min(16, -(-2 * l2 // step_bytes)))
-        self.lens = torch.full((n,), context, dtype=torch.int32, device=device)
-        self.tables = [((r * n * pages + torch.arange(n * pages, dtype=torch.int32, device=device))
-                        % key_cache.shape[0]).view(n, pages) for r in range(rotations)]
+        self.lens, self.tables = {}, {}
+        for context in contexts:
+            pages = -(-context // page)
+            step_bytes = 2 * n * context * kvh * d * key_cache.element_size()
+            rotations = max(1, min(16, -(-2 * l2 // step_bytes)))
+            self.lens[context] = torch.full((n,), context, dtype=torch.int32, device=device)
+            self.tables[context] = [((r * n * pages + torch.arange(n * pages, dtype=torch.int32, device=device))
+                                     % key_cache.shape[0]).view(n, pages) for r in range(rotations)]
 
     def candidate(self, launch: DecodeLaunch) -> Candidate:
         def check() -> torch.Tensor:
@@ -261,8 +265,9 @@ class _TrialStep:
                    self.alibi, self.kv_scales)
             return self.out
 
-        def timed(i: int) -> None:
-            launch(self.q, self.k, self.v, self.out, self.cu_q, self.lens, self.tables[i % len(self.tables)],
+        def timed(context: int, i: int) -> None:
+            tables = self.tables[context]
+            launch(self.q, self.k, self.v, self.out, self.cu_q, self.lens[context], tables[i % len(tables)],
                    self.alibi, self.kv_scales)
 
         return Candidate(check, timed)
