@@ -186,9 +186,11 @@ def test_configs_are_tensor_core_shaped():
     assert decode_config(8, 128, torch.bfloat16).block_n == 64
     assert decode_config(8, 128, torch.bfloat16, page=16).tail_stages > 0  # tiles gather 4 pages
     assert decode_config(8, 128, torch.bfloat16, page=64).tail_stages == 0  # a tile is in one page
-    # a grid that fills every resident slot unsplit pipelines 2 stages deep, a smaller one 3
-    assert decode_config(8, 128, torch.bfloat16, full_waves=True).num_stages == 2
-    assert decode_config(8, 128, torch.bfloat16).num_stages == 3
+    # a grid that fills every resident slot unsplit, or tiles gathering pages, pipeline 2 stages
+    # deep; a smaller grid of one-page tiles 3
+    assert decode_config(8, 128, torch.bfloat16, page=64, full_waves=True).num_stages == 2
+    assert decode_config(8, 128, torch.bfloat16, page=16).num_stages == 2
+    assert decode_config(8, 128, torch.bfloat16, page=64).num_stages == 3
     assert fills_waves(256, 8, 132) and not fills_waves(64, 8, 132)
 
 

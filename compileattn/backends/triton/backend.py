@@ -16,6 +16,7 @@ before costs one dict lookup per layer kind plus binding each layer's caches.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Sequence
 
 import torch
@@ -29,6 +30,8 @@ from .config import DecodeConfig, Tuning, decode_config, fills_waves, num_splits
 from .launch import DecodeLaunch, FreshScratch, KVWriteLaunch, Softmax, UnifiedLaunch
 
 _MEMO_SIZE = 512
+
+logger = logging.getLogger("compileattn")
 
 
 def _last_dim_contiguous(*tensors) -> bool:
@@ -250,11 +253,18 @@ class _TrialStep:
         self.k, self.v = key_cache, value_cache
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
         self.lens, self.tables = {}, {}
+        # Keys per sequence the layer's cache holds with no page read twice in a call (pages read by
+        # two sequences of one wave come from L2: S9-3 timed 64 sequences at 4096 keys over a
+        # 1024-key cache at 6.2 TB/s, past HBM). A smaller cache times a context at that many keys.
+        fits = max(page, key_cache.shape[0] // n * page)
         for context in contexts:
-            pages = -(-context // page)
-            step_bytes = 2 * n * context * kvh * d * key_cache.element_size()
+            if context > fits:
+                logger.info("decode autotune: timing %d sequences at %d keys, not %d: the layer's KV cache holds "
+                            "%d blocks", n, fits, context, key_cache.shape[0])
+            pages = -(-min(context, fits) // page)
+            step_bytes = 2 * n * pages * page * kvh * d * key_cache.element_size()
             rotations = max(1, min(16, -(-2 * l2 // step_bytes)))
-            self.lens[context] = torch.full((n,), context, dtype=torch.int32, device=device)
+            self.lens[context] = torch.full((n,), min(context, fits), dtype=torch.int32, device=device)
             self.tables[context] = [((r * n * pages + torch.arange(n * pages, dtype=torch.int32, device=device))
                                      % key_cache.shape[0]).view(n, pages) for r in range(rotations)]
 

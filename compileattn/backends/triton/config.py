@@ -78,21 +78,27 @@ def _tile_keys(d_pad: int, element_size: int, lo: int, hi: int) -> int:
 @functools.lru_cache(maxsize=None)
 def decode_config(group: int, head_dim: int, dtype: torch.dtype, page: int = 16,
                   tuning: Tuning = Tuning(), full_waves: bool = False) -> DecodeConfig:
-    """``full_waves``: the unsplit grid fills every resident-program slot (``fills_waves``). Then
-    two pipeline stages, not three: less shared memory per program, more programs resident, and
-    the SM's memory pipeline is kept busy by programs rather than stages (H200 sweep, GQA 64/8,
-    bf16, page 16: batch 256 at context 1024 281 -> 253 µs, at 4096 1073 -> 978 µs; batch 64 at
-    1024, one wave short, 68.3 -> 66.9, within noise, so it keeps three)."""
+    """``full_waves``: the unsplit grid fills every resident-program slot (``fills_waves``).
+
+    Two pipeline stages, not three, when the grid fills every slot (less shared memory per
+    program, more programs resident, and the SM's memory pipeline kept busy by programs rather
+    than stages; H200 sweep, GQA 64/8, bf16, page 16: batch 256 at context 1024 281 -> 253 µs, at
+    4096 1073 -> 978 µs) and when a tile gathers several pages: the autotuner (``autotune.py``)
+    tuned each page-16 cell of ``decode_attention.py`` whose grid does not fill the slots (S9-3,
+    H200, bf16, head dim 128, GQA 64/8 batch 1-64 and MHA 32/32 batch 1-16, each tuned in its
+    1024- and its 4096-key cell: 14 runs) and found two stages faster than three in every run,
+    0.88-0.99x of the time (geometric mean over 1024 and 4096 keys). Three where a tile sits in
+    one page (not swept again)."""
     d_pad = next_pow2(head_dim)
     esize = torch.empty((), dtype=dtype).element_size()
     block_m = max(16, next_pow2(group))
     block_n = tuning.decode_block_n or _tile_keys(d_pad, esize, 16, 128)
     # fp32 tiles are twice the registers; with 4 warps they spilled (sm90 compile, head dim 128).
     warps = tuning.decode_num_warps or (8 if block_m * d_pad >= 64 * 256 or esize == 4 else 4)
-    stages = tuning.decode_num_stages or (2 if full_waves else 3)
     # Fewest registers on sm90 (see tile.attend_range): a pipelined tail loop when tiles gather
     # from several pages, the tail folded into the body when a tile sits in one page (or page 1).
     gathered = page > 1 and page % block_n != 0
+    stages = tuning.decode_num_stages or (2 if full_waves or gathered else 3)
     tail = tuning.decode_tail_stages if tuning.decode_tail_stages is not None else (stages if gathered else 0)
     return DecodeConfig(block_m, block_n, warps, stages, tail)
 
