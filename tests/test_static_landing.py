@@ -32,9 +32,11 @@ class HeldPool:
 
     made: list["HeldPool"] = []
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, start: bool = True):
         self.size = workers
         self.tasks: list[static_pool.Task] = []
+        #: how many tasks had been submitted when the workers started (None: not started)
+        self.started_after: int | None = 0 if start else None
         self.on_result = None
         self.closed = False
         self.live = workers
@@ -46,6 +48,10 @@ class HeldPool:
 
     def submit(self, task) -> None:
         self.tasks.append(task)
+
+    def start(self) -> None:
+        if self.started_after is None:
+            self.started_after = len(self.tasks)
 
     def fail_pending(self, why: str) -> None:
         for task in self.tasks:
@@ -245,11 +251,13 @@ def test_the_warm_start_file_waits_for_the_landing(held, simulated_graphs, tmp_p
     assert stats["static_landed_s"] > 0 and stats["late_save_s"] > 0
 
 
-def test_real_workers_land_in_the_background(slow_workers):
-    """End to end with one worker process: the compile returns, the worker's static pieces land,
-    the next step installs them, and the worker exits."""
+@pytest.mark.parametrize("when", ["first_call", "after_dynamic"])
+def test_real_workers_land_in_the_background(slow_workers, when):
+    """End to end with one worker process (started at the first call, or once the dynamic pieces
+    are compiled): the compile returns, the worker's static pieces land, the next step installs
+    them, and the worker exits."""
     try:
-        run = _Compiled(5, cudagraph_mode="none")
+        run = _Compiled(5, cudagraph_mode="none", compile_workers_start=when)
         runtime = run.runtime
         pool = runtime._landing.pool
         assert runtime.pending_static_compiles() > 0
@@ -545,3 +553,23 @@ def test_no_warm_start_file_when_a_static_piece_never_landed(held, simulated_gra
     assert runtime.pending_static_compiles() == 0 and runtime.static_incomplete
     assert sorted((tmp_path / "cache").glob("**/warm_start/*.bin")) == []
     assert "no warm start file saved" in caplog.text
+
+
+@pytest.mark.parametrize("when", ["first_call", "after_dynamic"])
+def test_workers_start_when_configured(held, simulated_graphs, when):
+    """"after_dynamic": the pool is made unstarted (no prestart before Dynamo either) and its
+    workers start only once every task is submitted, i.e. after the last dynamic-shape compile
+    (each piece's static tasks are sent just before its dynamic compile)."""
+    run = _Compiled(0, compile_workers_start=when)
+    (pool,) = held
+    assert pool.tasks and pool.started_after == (0 if when == "first_call" else len(pool.tasks))
+    for task in pool.tasks:
+        pool.answer(task)
+    run.step(decode=True)
+    assert run.runtime.pending_static_compiles() == 0
+
+
+def test_an_unknown_workers_start_is_refused():
+    with pytest.raises(ValueError, match="compile_workers_start"):
+        ca.CompileConfig(compile_workers_start="later")
+

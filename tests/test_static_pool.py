@@ -27,8 +27,8 @@ def pools(monkeypatch):
     started = []
     real = static_pool.StaticCompilePool
 
-    def recording(workers):
-        pool = real(workers)
+    def recording(workers, start=True):
+        pool = real(workers, start=start)
         started.append(pool)
         return pool
 

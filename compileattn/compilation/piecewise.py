@@ -444,6 +444,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         (``landing.py``): ``self.landing``."""
         if not self.tasks:
             return
+        self.pool.start()  # with compile_workers_start="after_dynamic": now that the dynamic pieces are done
         start = time.perf_counter()
         if self.background and self._leave_to_land():
             self.static_seconds += time.perf_counter() - start
@@ -577,7 +578,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     if workers:
         why_not = static_pool.unsendable_context()
         if why_not is None:
-            pool = static_pool.acquire(workers)
+            pool = static_pool.acquire(workers, start=config.compile_workers_start == "first_call")
         else:
             logger.info("compileattn: static pieces compile in-process: %s, which workers would not see", why_not)
     background = config.background_static_compiles

@@ -159,7 +159,8 @@ class Task:
 class StaticCompilePool:
     """Worker processes compiling ``Task``s; see the module docstring."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, start: bool = True):
+        """``start=False``: the worker processes start at ``start()``; tasks submitted before wait."""
         self.size = workers
         self._cond = threading.Condition()
         self._pending: collections.deque[Task] = collections.deque()
@@ -178,6 +179,16 @@ class StaticCompilePool:
         self.on_result: Callable[[], None] | None = None
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"compileattn-compile-worker-{i}",
                                           daemon=True) for i in range(workers)]
+        self.started = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the worker processes (once)."""
+        if self.started:
+            return
+        self.started = True
+        self._started = time.perf_counter()
         for t in self._threads:
             t.start()
 
@@ -453,16 +464,17 @@ _owner: int | None = None
 _lock = threading.Lock()
 
 
-def prestart(workers: int) -> StaticCompilePool | None:
+def prestart(workers: int, start: bool = True) -> StaticCompilePool | None:
     """Start the workers (if none run and ``workers`` > 0): their import overlaps what the
-    compiling process does until the first static compile."""
+    compiling process does until the first static compile. ``start=False``: make the pool, its
+    processes started later by ``StaticCompilePool.start``."""
     global _pool
     if workers <= 0:
         return None
     with _lock:
         if _pool is None:
             try:
-                _pool = StaticCompilePool(workers)
+                _pool = StaticCompilePool(workers, start=start)
             except Exception as exc:  # noqa: BLE001 (threads unavailable, ...): compile in-process
                 logger.info("compileattn: static-compile workers not started (%s: %s); compiling in-process",
                             type(exc).__name__, exc)
@@ -470,7 +482,7 @@ def prestart(workers: int) -> StaticCompilePool | None:
         return _pool
 
 
-def acquire(workers: int) -> StaticCompilePool | None:
+def acquire(workers: int, start: bool = True) -> StaticCompilePool | None:
     """The running pool (``prestart``'s), else a new one of ``workers``, claimed by this thread's
     compile; None for in-process, which is also what a compile gets while another thread's uses
     the workers."""
@@ -481,7 +493,7 @@ def acquire(workers: int) -> StaticCompilePool | None:
             logger.info("compileattn: another thread's compile is using the static-compile workers; this one "
                         "compiles its static pieces in-process")
             return None
-    pool = prestart(workers)
+    pool = prestart(workers, start=start)
     with _lock:
         if pool is None or _pool is not pool or (_owner is not None and _owner != me):
             return None
