@@ -65,17 +65,11 @@ class CompileConfig:
     compile_workers: int | Literal["auto"] = "auto"
     #: When the workers start. "first_call": before Dynamo traces, so their import (about ten
     #: seconds each, a fresh interpreter importing torch) overlaps the trace and the dynamic-shape
-    #: compiles, which they then slow down: 1 CPU-bound import or compile per worker beside them
-    #: (S7-4: Llama-3-8B shape cold start 19.4 s against 14.0 s with dynamic shapes only).
-    #: "after_dynamic": once every dynamic-shape piece is compiled, so nothing competes with them,
-    #: at the price of static pieces landing later (S9-2, H200 host, 16 CPUs: OPT-125m shape first
-    #: call 8.46 against 11.02 s, Dynamo 1.31 against 2.66 s, static pieces in place at 22.1
-    #: against 14.8 s; Llama-3-8B shape 16.67 against 16.66 s, in place at 32.3 against 16.9 s).
-    #: "auto" (``resolved_compile_workers_start``): "after_dynamic" when the first call returns
-    #: before the static pieces land (``background_static_compiles``: its latency is the cold
-    #: start), "first_call" when the compile waits for them anyway (overlapping the workers' import
-    #: with Dynamo then shortens the wait).
-    compile_workers_start: Literal["auto", "first_call", "after_dynamic"] = "auto"
+    #: compiles; they then compile static pieces while the compiling process still compiles
+    #: dynamic ones (S7-4: Llama-3-8B shape cold start 19.4 s against 14.0 s with dynamic shapes
+    #: only). "after_dynamic": once every dynamic-shape piece is compiled, so nothing competes
+    #: with them, at the price of static pieces landing later.
+    compile_workers_start: Literal["first_call", "after_dynamic"] = "first_call"
     #: With workers, return from the compile once the dynamic-shape pieces are ready and let the
     #: static-shape ones land when the workers finish them (``compilation/landing.py``): until a
     #: size's static pieces land, its steps run the dynamic-shape pieces (correct, slower), and its
@@ -124,8 +118,8 @@ class CompileConfig:
                 raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
             self.cudagraph_capture_sizes = sorted({int(s) for s in sizes})
         self.splitting_ops = tuple(self.splitting_ops)
-        if self.compile_workers_start not in ("auto", "first_call", "after_dynamic"):
-            raise ValueError(f"compile_workers_start must be 'auto', 'first_call' or 'after_dynamic', got "
+        if self.compile_workers_start not in ("first_call", "after_dynamic"):
+            raise ValueError(f"compile_workers_start must be 'first_call' or 'after_dynamic', got "
                              f"{self.compile_workers_start!r}")
         if self.compile_workers != "auto" and (isinstance(self.compile_workers, bool)
                                                or not isinstance(self.compile_workers, int) or self.compile_workers < 0):
@@ -150,15 +144,6 @@ class CompileConfig:
             if size >= num_tokens:
                 return size
         return num_tokens
-
-    def resolved_compile_workers_start(self, background: bool | None = None) -> str:
-        """"first_call" or "after_dynamic"; see ``compile_workers_start``. ``background``: whether
-        the static pieces will land in the background (default ``background_static_compiles``;
-        the backend knows better: graphs with collectives always wait)."""
-        if self.compile_workers_start != "auto":
-            return self.compile_workers_start
-        background = self.background_static_compiles if background is None else background
-        return "after_dynamic" if background else "first_call"
 
     def resolved_compile_sizes(self, device_type: str) -> tuple[int, ...]:
         """The static compile sizes for pieces on ``device_type``. "auto" picks the decode sizes

@@ -649,7 +649,7 @@ def test_coldwarm_plumbing_on_the_cpu(tmp_path):
     rows = {r["phase"]: r for r in common.read_json(str(out) + ".json")["rows"]}
     assert {p: r["status"] for p, r in rows.items()} == {"cold": "ok", "warm": "ok", "cold, dynamic only": "ok",
                                                          "cold, waiting for static": "ok",
-                                                         "cold, workers at first call": "ok"}
+                                                         "cold, workers after dynamic": "ok"}
     assert rows["cold"]["path"] == "cold" and rows["cold"]["counters"]["dynamo_graphs"] == 1
     assert rows["warm"]["path"] == "warm" and rows["warm"]["counters"]["dynamo_graphs"] == 0
     assert rows["warm"]["counters"]["backend_compiles"] == 0 and rows["warm"]["load_s"] > 0

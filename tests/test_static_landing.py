@@ -569,24 +569,6 @@ def test_workers_start_when_configured(held, simulated_graphs, when):
     assert run.runtime.pending_static_compiles() == 0
 
 
-def test_auto_workers_start_after_dynamic_only_when_the_first_call_does_not_wait(held, simulated_graphs):
-    """"auto" (the default): when static pieces land in the background the first call's latency
-    is the cold start, so the workers start after the dynamic compiles; when the compile waits for
-    them anyway (``background_static_compiles=False``, or graphs holding collectives), at once:
-    their import overlaps Dynamo."""
-    run = _Compiled(0)
-    (pool,) = held
-    assert pool.tasks and pool.started_after == len(pool.tasks)
-    for task in pool.tasks:
-        pool.answer(task)
-    run.step(decode=True)
-    assert run.runtime.pending_static_compiles() == 0
-    assert ca.CompileConfig().resolved_compile_workers_start() == "after_dynamic"
-    assert ca.CompileConfig(background_static_compiles=False).resolved_compile_workers_start() == "first_call"
-    assert ca.CompileConfig().resolved_compile_workers_start(background=False) == "first_call"
-    assert ca.CompileConfig(compile_workers_start="first_call").resolved_compile_workers_start() == "first_call"
-
-
 def test_an_unknown_workers_start_is_refused():
     with pytest.raises(ValueError, match="compile_workers_start"):
         ca.CompileConfig(compile_workers_start="later")

@@ -435,10 +435,8 @@ def _when_all_settled(dispatchers: list, start: float, stats: dict[str, Any], sa
 
 def _prestart_static_compiles(config: CompileConfig, values: Mapping[str, Any]) -> None:
     """Start the static-compile workers before Dynamo traces, when the backend will want them
-    (static sizes for the device of the call's tensors) and are to start at the first call
-    (``CompileConfig.compile_workers_start``): their import overlaps the trace."""
-    background = config.background_static_compiles and _torch_compat.distributed_world_size() <= 1
-    if config.piece_compiler != "inductor" or config.resolved_compile_workers_start(background) != "first_call":
+    (static sizes for the device of the call's tensors): their import overlaps the trace."""
+    if config.piece_compiler != "inductor" or config.compile_workers_start != "first_call":
         return
     device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), None)
     if device is not None and config.resolved_compile_sizes(device.type):

@@ -575,13 +575,15 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
         static_sizes = ()
     pool = None
     workers = static_pool.worker_count(config.compile_workers) if static_sizes else 0
-    why_not = static_pool.unsendable_context() if workers else None
-    if why_not is not None:
-        logger.info("compileattn: static pieces compile in-process: %s, which workers would not see", why_not)
-        workers = 0
+    if workers:
+        why_not = static_pool.unsendable_context()
+        if why_not is None:
+            pool = static_pool.acquire(workers, start=config.compile_workers_start == "first_call")
+        else:
+            logger.info("compileattn: static pieces compile in-process: %s, which workers would not see", why_not)
     background = config.background_static_compiles
-    if workers and background and (collectives_in_pieces or collectives_at_splits
-                                   or _torch_compat.distributed_world_size() > 1):
+    if pool is not None and background and (collectives_in_pieces or collectives_at_splits
+                                            or _torch_compat.distributed_world_size() > 1):
         # A landing drops and recaptures a size's graphs at a step that differs from rank to rank
         # (each rank's workers finish when they do), and a capture runs the forward twice (warm-up,
         # then the replay that makes its outputs real): its collectives would meet the other
@@ -590,8 +592,6 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
                     "holds collectives (or runs on several ranks), whose CUDA graphs every rank must capture at the "
                     "same step")
         background = False
-    if workers:
-        pool = static_pool.acquire(workers, start=config.resolved_compile_workers_start(background) == "first_call")
     try:
         compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol, static_sizes, pool, background)
         compiler.compile_all(fake_mode, fake_args)
