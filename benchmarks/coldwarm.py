@@ -146,6 +146,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
             out = model(ids, pos).float()
             common.synchronize()
             first = time.perf_counter() - t
+            compile_phases = torch_compile_times()  # the first call's alone: landings compile later
             t2 = time.perf_counter()
             model(ids, pos)
             common.synchronize()
@@ -166,7 +167,46 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
             "capture_s": sum(rt.capture_seconds() for rt in runtimes),
             "rel_err": common.rel_error(out, ref), "dtype": str(dtype).replace("torch.", ""),
             "rel_err_landed": common.rel_error(landed, ref) if landed is not None else None,
-            "counters": ca.counters.snapshot(), "torch": torch.__version__, "timeline": timeline.events}
+            "counters": ca.counters.snapshot(), "torch": torch.__version__, "timeline": timeline.events,
+            "torch_compile_times": compile_phases}
+
+
+def torch_compile_times() -> dict[str, float]:
+    """torch's own seconds per compile phase so far in this process (its ``dynamo_timed``
+    metrics, summed over calls; static compiles in workers are not in them): what inside Dynamo
+    and Inductor the dynamic-shape compile of a cold start spends."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        headers, values = compile_times(repr="csv", aggregate=True)
+    except Exception:  # noqa: BLE001  (a private API: its absence must not fail the measurement)
+        return {}
+    return {h: float(v) for h, v in zip(headers, values)}
+
+
+#: torch's compile phases shown (``torch_compile_times`` keys; the JSON keeps them all), with
+#: their column titles. Nested: bytecode tracing inside Dynamo's capture; AOTAutograd + Inductor
+#: and Inductor's own compile summed over pieces, lowering, codegen, module load and the wait for
+#: Triton kernel compiles inside Inductor's.
+TORCH_PHASES = [("fullgraph_capture", "Dynamo capture"), ("bytecode_tracing", "of which tracing"),
+                ("create_aot_dispatcher_function", "AOTAutograd + Inductor"), ("compile_fx_inner", "Inductor"),
+                ("GraphLowering.run", "lowering"), ("Scheduler.codegen", "codegen"),
+                ("PyCodeCache.load_by_key_path", "module load"), ("async_compile.wait", "Triton compile wait")]
+
+
+def torch_phase_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where the compile's seconds went inside torch, per row that compiled."""
+    measured = [r for r in rows if r.get("status") == "ok" and r.get("torch_compile_times")]
+    if not measured:
+        return []
+    table = [[MODELS[r["model"]], r["phase"]] + [common.fmt_num(r["torch_compile_times"].get(key), 2) if key in
+                                                  r["torch_compile_times"] else "—" for key, _ in TORCH_PHASES]
+             for r in measured]
+    return ["", "## Inside torch's compile (first call, seconds)", "",
+            "torch's `dynamo_timed` metrics in the row's process after its first call, summed over calls (static "
+            "compiles in workers are not in them). Nested: tracing inside Dynamo's capture; lowering, codegen, module "
+            "load and the Triton compile wait inside Inductor, summed over pieces. — : the phase did not run.", "",
+            common.markdown_table(["model", "phase"] + [title for _, title in TORCH_PHASES], table)]
 
 
 class TimelineRecorder(logging.Handler):
@@ -322,6 +362,7 @@ def render(payload: dict[str, Any]) -> str:
                       common.fmt_num(r.get("static_landed_s"), 2) if r.get("static_landed_s") is not None else "—",
                       f"{r['rel_err_landed']:.2g}" if r.get("rel_err_landed") is not None else "—"])
     lines += [common.markdown_table(headers, table), "", "## Goals (issue 12)", "", *(goal_lines(rows) or ["- nothing measured"])]
+    lines += torch_phase_lines(rows)
     lines += timeline_lines(rows)
     return "\n".join(lines) + "\n"
 

@@ -651,10 +651,12 @@ def test_coldwarm_plumbing_on_the_cpu(tmp_path):
                                                          "cold, waiting for static": "ok",
                                                          "cold, workers after dynamic": "ok"}
     assert rows["cold"]["path"] == "cold" and rows["cold"]["counters"]["dynamo_graphs"] == 1
+    assert rows["cold"]["torch_compile_times"]["bytecode_tracing"] > 0  # torch's own phases, recorded
+    assert "bytecode_tracing" not in rows["warm"]["torch_compile_times"]  # a warm start runs no Dynamo
     assert rows["warm"]["path"] == "warm" and rows["warm"]["counters"]["dynamo_graphs"] == 0
     assert rows["warm"]["counters"]["backend_compiles"] == 0 and rows["warm"]["load_s"] > 0
     md = (tmp_path / "cw.md").read_text()
-    assert "CPU plumbing run" in md and "warm start ≤ 2 s" in md
+    assert "CPU plumbing run" in md and "warm start ≤ 2 s" in md and "Inside torch's compile" in md
     # each row's first call, as compileattn logged it (DEBUG included), in time order
     times = [t for t, _ in rows["cold"]["timeline"]]
     assert times == sorted(times) and times[0] >= 0
