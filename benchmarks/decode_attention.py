@@ -15,9 +15,9 @@ Besides compileattn's bf16 backends and the peers (FlashInfer, Flex, SDPA):
   "before" of that change; the report's *kernel table* puts compileattn ÷ baseline beside
   compileattn ÷ FlashInfer, page 16 beside page 128.
 - ``ca-triton-tuned``: compileattn's Triton decode with its launch autotuned per batch
-  (``TritonBackend.enable_autotune()``: the heuristic and its neighbours timed at 1024 keys, the
-  fastest that agrees kept, as a served model would use it at every context); the chosen knobs
-  and the tuning times are in the note.
+  (``TritonBackend.enable_autotune()``: the heuristic and its neighbours timed at 1024 and 4096
+  keys, or what the cell's cache holds, one choice kept for both, as a served model uses it at
+  every context); every candidate's times and the choice are in the note.
 - ``ca-triton-fp8``: compileattn's Triton decode over a float8_e4m3fn cache (per-layer scales
   from the data's amax); its TB/s count fp8 bytes, and the report's fp8 table gives fp8 ÷ bf16.
 - A table of KV-cache memory wasted by the block size, for a stated length distribution (no GPU
@@ -350,9 +350,9 @@ def quantized_copies(case: Case, pc: PagedCase):
 
 def build_compileattn(name: str, case: Case, pc: PagedCase, fp8: bool = False, autotune: bool = False) -> Kernel:
     """``autotune``: a Triton backend of its own whose decode launches are autotuned
-    (compileattn/backends/triton/autotune.py, timed at its default contexts whatever the cell's,
-    as a served model's graphs replay one choice at every context), so ``ca-triton`` beside it
-    keeps the heuristics."""
+    (compileattn/backends/triton/autotune.py, timed at its default contexts, each capped at
+    what the cell's cache holds, as a served model's graphs replay one choice at every context),
+    so ``ca-triton`` beside it keeps the heuristics."""
     import torch
 
     from compileattn.backends.selector import get_backend

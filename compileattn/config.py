@@ -70,9 +70,10 @@ class CompileConfig:
     #: only). "after_dynamic": once every dynamic-shape piece is compiled, so nothing competes
     #: with them, at the price of static pieces landing later. Two runs on the H200's 16-CPU host
     #: (first call, after_dynamic against first_call, s): S9-2 OPT-125m shape 8.46 / 11.02, Llama-3-8B
-    #: shape 16.67 / 16.66; S9-4 OPT 11.22 / 11.43, Llama 23.35 / 21.62 (its workers then competed
-    #: with the first run's Triton compiles instead: 3.85 against 2.38 s). Not reliably better, and
-    #: the static pieces were in place 7-19 s later, so "first_call" stays the default.
+    #: shape 16.67 / 16.66; S9-4 (whose default, hence its "cold" row, was after_dynamic) OPT 11.22 /
+    #: 11.43, Llama 23.35 / 21.62, the workers then competing with the first run's Triton compiles
+    #: (first run 3.85 against 3.05 s); S9-6 OPT 7.58 / 10.51, Llama 16.11 / 15.80. Not reliably
+    #: better, and the static pieces were in place 4-19 s later, so "first_call" stays the default.
     compile_workers_start: Literal["first_call", "after_dynamic"] = "first_call"
     #: With workers, return from the compile once the dynamic-shape pieces are ready and let the
     #: static-shape ones land when the workers finish them (``compilation/landing.py``): until a

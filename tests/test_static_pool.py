@@ -177,3 +177,18 @@ def test_a_stuck_worker_is_killed_and_its_piece_compiled_here(pools, monkeypatch
             runtime, _, sources = _compile_and_run(workers=1)
     assert all(s is not None for s in sources.values())
     assert "killed, the compiling process compiles it" in caplog.text
+
+
+def test_an_unstarted_pool_closes_and_starts_when_wanted(monkeypatch):
+    """A pool made unstarted (``compile_workers_start="after_dynamic"``) closes with a wait (no
+    thread to join), and ``prestart`` asked to start hands back the same pool started."""
+    alone = static_pool.StaticCompilePool(1, start=False)
+    alone.close(wait=True)
+    started = []
+    monkeypatch.setattr(static_pool.StaticCompilePool, "start", lambda self: started.append(self))
+    try:
+        pool = static_pool.prestart(1, start=False)
+        assert not pool.started and not started
+        assert static_pool.prestart(1) is pool and started == [pool]
+    finally:
+        static_pool.release()

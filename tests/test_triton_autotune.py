@@ -119,6 +119,40 @@ def test_one_choice_must_serve_every_context():
     assert line.endswith("; chosen decode_num_stages=2")
 
 
+def test_contexts_are_capped_at_what_the_layer_cache_holds():
+    """A context longer than the cache holds for every sequence (pages read twice in a call would
+    come from L2) is timed at what it holds; repeats collapse; the key names what was timed."""
+    tuner = DecodeAutotuner(timer=lambda fn: 1.0)
+    assert tuner.timed_contexts(4) == (1024, 4096)
+    assert tuner.timed_contexts(4, cache_blocks=4 * 4096 // 16, page=16) == (1024, 4096)
+    assert tuner.timed_contexts(64, cache_blocks=64 * 1024 // 16, page=16) == (1024,)
+    assert tuner.timed_contexts(3, cache_blocks=100, page=16) == (528,)  # 33 whole pages each
+    assert tuner.key(SHAPE, (1024,)).endswith("|contexts=1024") and tuner.key(SHAPE) != tuner.key(SHAPE, (1024,))
+
+
+def test_a_timer_without_a_time_and_missing_options_are_handled():
+    a, b = Tuning(), Tuning(num_splits=2)
+    x = torch.randn(8)
+    tuner = DecodeAutotuner(timer=_timer({a: 10.0, b: 0.0}, [a, b]))
+    assert tuner.tuning_for(SHAPE, [a, b], _fake({a: x, b: x.clone()})) == a
+    assert "the timer gave" in tuner.trials[tuner.key(SHAPE)][1].note
+    with pytest.raises(ValueError, match="options"):
+        DecodeAutotuner(timer=lambda fn: 1.0).tuning_for(SHAPE, [], _fake({}))
+
+
+def test_a_heuristic_failing_its_check_is_kept_and_not_tried_again():
+    a, b = Tuning(), Tuning(num_splits=2)
+    x = torch.randn(8)
+    tuner = DecodeAutotuner(timer=_timer({a: 1.0, b: 1.0}, [a, b]))
+    prepare = _fake({a: x, b: x.clone()}, after={a: torch.full_like(x, float("nan"))})
+    assert tuner.tuning_for(SHAPE, [a, b], prepare) == a
+
+    def must_not_run(tuning):
+        raise AssertionError("tried again")
+
+    assert tuner.tuning_for(SHAPE, [a, b], must_not_run) == a
+
+
 def test_a_heuristic_that_cannot_run_is_an_error():
     tuner = DecodeAutotuner(timer=lambda fn: 1.0)
     with pytest.raises(RuntimeError, match="broken"):
@@ -133,7 +167,7 @@ def test_choices_are_cached_in_a_private_directory(tmp_path):
     assert (cache.stat().st_mode & 0o777) == 0o700
     stored = json.loads((cache / CACHE_FILE).read_text())
     (key, entry), = stored.items()
-    assert key == first.key(SHAPE) and key.startswith("v1|triton ") and entry["num_splits"] == 2
+    assert key == first.key(SHAPE) and key.startswith("v2|triton ") and entry["num_splits"] == 2
     assert key.endswith("|contexts=1024,4096")
 
     def must_not_run(tuning):
@@ -146,11 +180,12 @@ def test_choices_are_cached_in_a_private_directory(tmp_path):
     assert DecodeAutotuner(cache, contexts=(1024,), timer=lambda fn: 0.0).cached(SHAPE) is None  # and the contexts
 
 
-@pytest.mark.parametrize("entry", [{"decode_block_n": 48, "decode_num_warps": None, "decode_num_stages": None,
-                                    "num_splits": None},
-                                   {"decode_block_n": None, "decode_num_warps": None, "decode_num_stages": None,
-                                    "num_splits": 10 ** 6},
-                                   {"num_splits": 2}, "fast"])
+_NONE = {"decode_block_n": None, "decode_num_warps": None, "decode_num_stages": None, "decode_tail_stages": None,
+         "num_splits": None}
+
+
+@pytest.mark.parametrize("entry", [{**_NONE, "decode_block_n": 48}, {**_NONE, "num_splits": 10 ** 6},
+                                   {**_NONE, "decode_tail_stages": -1}, {"num_splits": 2}, "fast"])
 def test_invalid_cache_entries_are_ignored(tmp_path, entry, caplog):
     tmp_path.chmod(0o700)
     (tmp_path / CACHE_FILE).write_text(json.dumps({DecodeAutotuner().key(SHAPE): entry}))
@@ -210,7 +245,10 @@ def test_a_tuned_launch_computes_what_the_reference_does(dtype):
     ReferenceBackend("cpu").varlen_attention(q, k, v, want, *args)
     tol = 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
-    assert tuner.chosen[key] == timed[-1].tuning
+    chosen = tuner.chosen[key]  # stored as the explicit configuration that was timed, not as "heuristic"
+    assert all(getattr(chosen, f) is not None for f in ("decode_block_n", "decode_num_warps", "decode_num_stages",
+                                                        "decode_tail_stages", "num_splits"))
+    assert all(getattr(chosen, f) == v for f, v in dataclasses.asdict(timed[-1].tuning).items() if v is not None)
 
 
 @pytest.mark.cuda
@@ -235,7 +273,8 @@ def test_cuda_autotuned_decode_is_timed_and_right(num_seqs):
     (trials,) = tuner.trials.values()
     notes = [(t.tuning, t.note) for t in trials]
     assert min(trials[0].us.values()) > 0 and sum(t.us is not None for t in trials) >= 3, notes
-    assert sorted(trials[0].us) == [256, 1024]
+    timed = tuner.timed_contexts(num_seqs, k.shape[0], page)  # 1024 keys exceed this small cache: capped
+    assert sorted(trials[0].us) == list(timed) and timed[0] == 256 and timed[-1] < 1024
     assert not [n for n in notes if "differs" in n[1]], notes  # a candidate computing something else is a bug
     want = torch.empty_like(q)
     ReferenceBackend("cuda").varlen_attention(q, k, v, want, *args)
@@ -262,7 +301,7 @@ def test_the_prepared_decode_call_uses_the_choice_and_leaves_its_counters_at_zer
     backend = TritonBackend("cpu")
     want_splits = Tuning(num_splits=4)  # the heuristic gives 2 here (4 stand-in SMs x 4 / 6 programs)
     backend.enable_autotune(timer=lambda fn: (fn(0), 1.0)[1], contexts=(32,))
-    backend.autotuner.cached = lambda shape: dataclasses.replace(shape.base, num_splits=4)  # the choice
+    backend.autotuner.cached = lambda shape, contexts=None: dataclasses.replace(shape.base, num_splits=4)  # the choice
     builder = AttentionMetadataBuilder(block_size=16, num_blocks=k.shape[0], max_num_tokens=3,
                                        max_blocks_per_seq=table.shape[1], backend=backend)
     md = builder.build([SequenceStep(1, int(n) - 1, row) for n, row in zip(lens.tolist(), table.tolist())])

@@ -297,7 +297,7 @@ class StaticCompilePool:
 
     def join(self, timeout: float = EXIT_WAIT_S) -> None:
         deadline = time.monotonic() + timeout
-        for t in self._threads:
+        for t in self._threads if self.started else ():  # an unstarted pool has no thread to join
             t.join(max(0.0, deadline - time.monotonic()))
         for proc in list(self._procs):
             if proc.poll() is None:
@@ -479,6 +479,8 @@ def prestart(workers: int, start: bool = True) -> StaticCompilePool | None:
                 logger.info("compileattn: static-compile workers not started (%s: %s); compiling in-process",
                             type(exc).__name__, exc)
                 return None
+        elif start:
+            _pool.start()  # one made unstarted earlier, now wanted running
         return _pool
 
 

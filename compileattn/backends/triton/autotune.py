@@ -24,14 +24,18 @@ depth (2 <-> 3), the other warp count (4 <-> 8), split-KV count x1/2 and x2 (1..
 Each candidate is checked before it is timed, and again after: its output on a small step over a
 private random cache (the layer's own cache may still be all zeros, which every launch "gets
 right") must match the heuristic's, with the output filled with NaN first (a launch that writes
-nothing fails). It is timed, at each context, as the GPU runs it in serving, inside a CUDA graph of back-to-back
-calls (no host launch cost between them), over the layer's own caches, each call reading other
-pages (rotations past the L2 cache), so the time is HBM's, not L2's. A candidate must beat the
-heuristic by ``MARGIN`` to be chosen: noise does not flip the choice from run to run.
+nothing fails). It is timed at each context as the GPU runs it in serving, inside a CUDA graph
+of back-to-back calls (no host launch cost between them), over the layer's own caches, each call
+reading other pages (rotations past the L2 cache), so the time is HBM's, not L2's; a context
+longer than the cache holds for every sequence without reading a page twice is timed at what it
+holds. A candidate must beat the heuristic by ``MARGIN`` to be chosen: noise does not flip the
+choice from run to run.
 
 Choices are kept per process and, with a ``cache_dir`` (a directory only this user can write, as
-every compileattn cache), in ``triton_decode_autotune.json`` there, keyed with this file's schema
-and Triton's version; entries that do not validate are ignored.
+every compileattn cache), in ``triton_decode_autotune.json`` there, keyed with this file's schema,
+Triton's version and the contexts timed; entries that do not validate are ignored. A choice is
+stored as explicit knobs (tile keys, warps, stages, tail stages, splits: the configuration that
+was timed), never as "the heuristic", whose meaning changes with ``config.py``.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ import functools
 import json
 import logging
 import math
+import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -51,7 +56,7 @@ logger = logging.getLogger("compileattn")
 
 CACHE_FILE = "triton_decode_autotune.json"
 #: Bumped when a key's meaning or the kernels' knobs change.
-SCHEMA = 1
+SCHEMA = 2
 #: A candidate replaces the heuristic only if it is this much faster (geometric mean over the
 #: contexts: noise does not flip the choice from run to run) ...
 MARGIN = 0.03
@@ -64,6 +69,7 @@ _KNOBS: dict[str, Callable[[Any], bool]] = {
     "decode_block_n": lambda v: v in (16, 32, 64, 128),
     "decode_num_warps": lambda v: v in (4, 8),
     "decode_num_stages": lambda v: v in (1, 2, 3, 4),
+    "decode_tail_stages": lambda v: v in (0, 1, 2, 3, 4),
     "num_splits": lambda v: isinstance(v, int) and 1 <= v <= MAX_SPLITS,
 }
 
@@ -132,7 +138,9 @@ def cuda_graph_timer(fn: Callable[[int], None], calls: int = 16, replays: int = 
             fn(i)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: another thread's CUDA call (an NCCL watchdog, a second planner) must not
+    # invalidate this capture, as the default global mode lets it (compilation/cudagraph.py).
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for i in range(calls):
             fn(i)
     from ...compilation.cudagraph import replay_gpu_us
@@ -180,28 +188,55 @@ class DecodeAutotuner:
         #: key -> the choice (this process: tuned, or read from the cache file).
         self.chosen: dict[str, Tuning] = {}
         self._stored: dict[str, dict[str, Any]] = self._load()
+        # One tuning at a time: concurrent planners would repeat the work and the cache file's
+        # read-modify-write would lose entries.
+        self._lock = threading.RLock()
         #: Every tuning run of this process: key -> trials (benchmarks and logs report them).
         self.trials: dict[str, list[Trial]] = {}
 
-    def key(self, shape: DecodeShape) -> str:
-        """``shape``'s key with the contexts its choice was timed at."""
-        return f"{shape.key()}|contexts={','.join(map(str, self.contexts))}"
+    def timed_contexts(self, num_seqs: int, cache_blocks: int | None = None, page: int = 1) -> tuple[int, ...]:
+        """The contexts a shape's candidates are timed at: ``contexts``, each capped at what a
+        layer cache of ``cache_blocks`` pages of ``page`` keys holds for ``num_seqs`` sequences
+        without reading a page twice in a call (pages shared by sequences of one wave come from
+        L2: S9-3 timed 64 sequences at 4096 keys over a 1024-key cache at 6.2 TB/s, past HBM's
+        4.8), without repeats."""
+        if cache_blocks is None:
+            return self.contexts
+        fits = max(1, cache_blocks // max(1, num_seqs)) * page
+        return tuple(sorted({min(c, fits) for c in self.contexts}))
 
-    def cached(self, shape: DecodeShape) -> Tuning | None:
+    def key(self, shape: DecodeShape, contexts: Sequence[int] | None = None) -> str:
+        """``shape``'s key with the contexts its choice is timed at (default ``contexts``)."""
+        contexts = self.contexts if contexts is None else contexts
+        return f"{shape.key()}|contexts={','.join(map(str, contexts))}"
+
+    def cached(self, shape: DecodeShape, contexts: Sequence[int] | None = None) -> Tuning | None:
         """The choice for ``shape`` made before (this process or the cache file), else None."""
-        key = self.key(shape)
-        if key not in self.chosen and key in self._stored:
-            self.chosen[key] = dataclasses.replace(shape.base, **self._stored[key])
-        return self.chosen.get(key)
+        key = self.key(shape, contexts)
+        with self._lock:
+            if key not in self.chosen and key in self._stored:
+                self.chosen[key] = dataclasses.replace(shape.base, **self._stored[key])
+            return self.chosen.get(key)
 
-    def tuning_for(self, shape: DecodeShape, options: Sequence[Tuning],
-                   prepare: Callable[[Tuning], Candidate]) -> Tuning:
+    def tuning_for(self, shape: DecodeShape, options: Sequence[Tuning], prepare: Callable[[Tuning], Candidate],
+                   contexts: Sequence[int] | None = None,
+                   resolve: Callable[[Tuning], Tuning] = lambda t: t) -> Tuning:
         """The choice for ``shape`` among ``options`` (the first is the heuristic): cached, else
-        tried (``prepare(tuning)`` makes a candidate) and timed."""
-        chosen = self.cached(shape)
-        if chosen is not None:
-            return chosen
-        key = self.key(shape)
+        tried (``prepare(tuning)`` makes a candidate; ``candidate.timed`` takes each of
+        ``contexts``, default ``contexts``) and timed. ``resolve`` turns the winner into
+        explicit knobs (``decode_launch_knobs``), so a cached choice stays the configuration
+        that was timed when the heuristics change. One tuning at a time per tuner."""
+        if not options:
+            raise ValueError("options: at least the heuristic is needed")
+        contexts = self.contexts if contexts is None else tuple(contexts)
+        with self._lock:
+            chosen = self.cached(shape, contexts)
+            if chosen is not None:
+                return chosen
+            return self._tune(shape, options, prepare, contexts, resolve)
+
+    def _tune(self, shape, options, prepare, contexts, resolve) -> Tuning:
+        key = self.key(shape, contexts)
         trials, reference = [], None
         for tuning in options:
             try:
@@ -214,7 +249,10 @@ class DecodeAutotuner:
                     logger.warning("decode autotune %s: candidate %s gives a different output; not used", key,
                                    describe(tuning))
                     continue
-                us = {c: self.timer(functools.partial(candidate.timed, c)) for c in self.contexts}
+                us = {c: self.timer(functools.partial(candidate.timed, c)) for c in contexts}
+                if not all(math.isfinite(t) and t > 0 for t in us.values()):
+                    trials.append(Trial(tuning, None, f"the timer gave {us}"))
+                    continue
                 if not _close(candidate.check().float(), reference, self.tolerance):
                     trials.append(Trial(tuning, None, "output differs from the heuristic's after timing"))
                     continue
@@ -229,18 +267,20 @@ class DecodeAutotuner:
         if heuristic.us is None:
             logger.warning("decode autotune %s: the heuristic itself failed its check (%s); keeping it", key,
                            heuristic.note)
+            self.chosen[key] = options[0]  # not tried again in this process; not saved
             return options[0]
         for t in trials:
             if t.us is not None:
-                t.ratio = math.prod(t.us[c] / heuristic.us[c] for c in self.contexts) ** (1 / len(self.contexts))
+                t.ratio = math.prod(t.us[c] / heuristic.us[c] for c in contexts) ** (1 / len(contexts))
         eligible = [t for t in trials[1:] if t.us is not None and t.ratio <= 1 - MARGIN
-                    and all(t.us[c] <= heuristic.us[c] * (1 + WORST_SLOWDOWN) for c in self.contexts)]
+                    and all(t.us[c] <= heuristic.us[c] * (1 + WORST_SLOWDOWN) for c in contexts)]
         best = min(eligible, key=lambda t: t.ratio) if eligible else heuristic
         logger.info("decode autotune %s: %s (%.3f of the heuristic's time over contexts %s; %d candidates)", key,
-                    describe(best.tuning), best.ratio, self.contexts, len(options))
-        self.chosen[key] = best.tuning
-        self._save(key, best.tuning)
-        return best.tuning
+                    describe(best.tuning), best.ratio, contexts, len(options))
+        choice = resolve(best.tuning)
+        self.chosen[key] = choice
+        self._save(key, choice)
+        return choice
 
     # -- the cache file ----------------------------------------------------------------------
 
@@ -284,7 +324,7 @@ class DecodeAutotuner:
 def summarize(trials: Sequence[Trial], chosen: Tuning | None = None) -> str:
     """One line per tuning run for reports: each candidate's µs at each context (or why it has
     none) and the choice, e.g. "µs at 1024/4096 keys: heuristic 9.5/13.2, num_splits=16
-    8.3/14.4 (0.99); chosen heuristic"."""
+    8.3/14.4 (0.98); chosen heuristic"."""
     timed = [t for t in trials if t.us is not None]
     contexts = sorted(timed[0].us) if timed else []
     parts = []

@@ -15,6 +15,7 @@ before costs one dict lookup per layer kind plus binding each layer's caches.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Callable, Sequence
@@ -193,14 +194,30 @@ class TritonBackend(AttentionBackend):
 
         tuning = self.tuning
         if self.autotuner is not None and caches is not None and not _capturing(device):
+            tuner = self.autotuner
             shape = DecodeShape(_device_name(device), num_seqs, num_heads, kv_heads, head_dim, block_size, str(dtype),
                                 str(caches[0].dtype), has_alibi, kv_scaled,
                                 f"window={sm.has_window} softcap={sm.has_softcap}", self.tuning)
-            tuning = self.autotuner.cached(shape)
+            contexts = tuner.timed_contexts(num_seqs, caches[0].shape[0], block_size)
+            if contexts != tuner.contexts:
+                logger.info("decode autotune: %d sequences timed at %s keys, not %s: the layer's KV cache holds %d "
+                            "blocks of %d", num_seqs, contexts, tuner.contexts, caches[0].shape[0], block_size)
+            tuning = tuner.cached(shape, contexts)
             if tuning is None:
-                trial = _TrialStep(shape, dtype, *caches, self.autotuner.contexts)
-                tuning = self.autotuner.tuning_for(shape, candidates(self.tuning, *plan(self.tuning)),
-                                                   lambda t: trial.candidate(launch(t, FreshScratch(device))))
+                try:
+                    trial = _TrialStep(shape, dtype, *caches, contexts)
+                except torch.OutOfMemoryError as exc:  # plan time may come when the KV cache holds the memory
+                    logger.warning("decode autotune: no memory for the trial step (%s); the heuristic serves", exc)
+                    return launch(self.tuning, buffers)
+
+                def knobs(t: Tuning) -> Tuning:
+                    cfg, splits = plan(t)
+                    return dataclasses.replace(t, decode_block_n=cfg.block_n, decode_num_warps=cfg.num_warps,
+                                               decode_num_stages=cfg.num_stages, decode_tail_stages=cfg.tail_stages,
+                                               num_splits=splits)
+
+                tuning = tuner.tuning_for(shape, candidates(self.tuning, *plan(self.tuning)),
+                                          lambda t: trial.candidate(launch(t, FreshScratch(device))), contexts, knobs)
         return launch(tuning, buffers)
 
 
@@ -211,8 +228,10 @@ def _device_name(device: torch.device) -> str:
 
 
 def _capturing(device: torch.device) -> bool:
-    """Inside a CUDA-graph capture nothing may be tuned (allocations, a synchronize): the
-    heuristic serves, untuned, until a step outside a capture tunes the shape."""
+    """Inside a CUDA-graph capture nothing may be tuned (allocations, a synchronize): a shape
+    first planned inside one keeps the heuristic for good (its launch is memoized). compileattn's
+    captures run each graph's function once before capturing it (``GraphPool.capture``), which
+    plans, and tunes, its shapes outside the capture."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -224,11 +243,12 @@ class _TrialStep:
     - the timed steps, one per context: every sequence at that many keys over the layer's own
       caches, read only (no cache-sized allocation: plan time may come when the KV cache holds
       the GPU's memory), call ``i`` reading the ``i % rotations``-th set of pages, enough sets to
-      pass twice the L2 cache between two reads of a page.
+      pass twice the L2 cache between two reads of a page where the cache has that many pages.
     """
 
     CHECK_KEYS = 256
-    CHECK_PAGES = 64
+    #: At most this many keys of random pages in the check's private cache (whatever the page size).
+    CHECK_POOL_KEYS = 1024
 
     def __init__(self, shape: DecodeShape, dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  contexts: Sequence[int]):
@@ -241,32 +261,31 @@ class _TrialStep:
         self.alibi = torch.linspace(0.5, 0.01, shape.num_heads, device=device) if shape.has_alibi else None
         self.kv_scales = (torch.full((kvh,), 0.02, device=device),
                           torch.full((kvh,), 0.02, device=device)) if shape.kv_scaled else None
-        # the check
+        # the check: at most CHECK_KEYS keys of pages, in the query's dtype (randn has no fp8)
         check_keys = min(min(contexts), self.CHECK_KEYS)
         check_pages = -(-check_keys // page)
-        pool = min(self.CHECK_PAGES, n * check_pages)
-        self.check_k = torch.randn(pool, page, kvh, d, generator=gen, device=device).to(key_cache.dtype)
-        self.check_v = torch.randn(pool, page, kvh, d, generator=gen, device=device).to(key_cache.dtype)
+        pool = max(1, min(n * check_pages, self.CHECK_POOL_KEYS // page))
+        self.check_k = torch.randn(pool, page, kvh, d, generator=gen, device=device, dtype=dtype).to(key_cache.dtype)
+        self.check_v = torch.randn(pool, page, kvh, d, generator=gen, device=device, dtype=dtype).to(key_cache.dtype)
         self.check_lens = torch.full((n,), check_keys, dtype=torch.int32, device=device)
         self.check_table = (torch.arange(n * check_pages, dtype=torch.int32, device=device) % pool).view(n, -1)
-        # the timed steps
+        # the timed steps (``contexts`` fit the cache: DecodeAutotuner.timed_contexts)
         self.k, self.v = key_cache, value_cache
+        blocks = key_cache.shape[0]
         l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
         self.lens, self.tables = {}, {}
-        # Keys per sequence the layer's cache holds with no page read twice in a call (pages read by
-        # two sequences of one wave come from L2: S9-3 timed 64 sequences at 4096 keys over a
-        # 1024-key cache at 6.2 TB/s, past HBM). A smaller cache times a context at that many keys.
-        fits = max(page, key_cache.shape[0] // n * page)
         for context in contexts:
-            if context > fits:
-                logger.info("decode autotune: timing %d sequences at %d keys, not %d: the layer's KV cache holds "
-                            "%d blocks", n, fits, context, key_cache.shape[0])
-            pages = -(-min(context, fits) // page)
+            pages = -(-context // page)
             step_bytes = 2 * n * pages * page * kvh * d * key_cache.element_size()
-            rotations = max(1, min(16, -(-2 * l2 // step_bytes)))
-            self.lens[context] = torch.full((n,), min(context, fits), dtype=torch.int32, device=device)
+            wanted = max(1, min(16, -(-2 * l2 // step_bytes)))
+            rotations = max(1, min(wanted, blocks // (n * pages)))
+            if rotations < wanted:
+                logger.info("decode autotune: the layer's KV cache (%d blocks) is under twice the L2 cache for %d "
+                            "sequences at %d keys: their pages are read again after %d calls, partly from L2",
+                            blocks, n, context, rotations)
+            self.lens[context] = torch.full((n,), context, dtype=torch.int32, device=device)
             self.tables[context] = [((r * n * pages + torch.arange(n * pages, dtype=torch.int32, device=device))
-                                     % key_cache.shape[0]).view(n, pages) for r in range(rotations)]
+                                     % blocks).view(n, pages) for r in range(rotations)]
 
     def candidate(self, launch: DecodeLaunch) -> Candidate:
         def check() -> torch.Tensor:

@@ -83,12 +83,14 @@ def decode_config(group: int, head_dim: int, dtype: torch.dtype, page: int = 16,
     Two pipeline stages, not three, when the grid fills every slot (less shared memory per
     program, more programs resident, and the SM's memory pipeline kept busy by programs rather
     than stages; H200 sweep, GQA 64/8, bf16, page 16: batch 256 at context 1024 281 -> 253 µs, at
-    4096 1073 -> 978 µs) and when a tile gathers several pages: the autotuner (``autotune.py``)
-    tuned each page-16 cell of ``decode_attention.py`` whose grid does not fill the slots (S9-3,
-    H200, bf16, head dim 128, GQA 64/8 batch 1-64 and MHA 32/32 batch 1-16, each tuned in its
-    1024- and its 4096-key cell: 14 runs) and found two stages faster than three in every run,
-    0.88-0.99x of the time (geometric mean over 1024 and 4096 keys). Three where a tile sits in
-    one page (not swept again)."""
+    4096 1073 -> 978 µs) and when a tile gathers several multi-key pages (page 16 with 64-key
+    tiles): on the H200 (S9-3, bf16, head dim 128, GQA 64/8 batch 1-64 and MHA 32/32 batch 1-16,
+    ``decode_attention.py``'s page-16 cells whose grid does not fill the slots) the autotuner
+    timed two stages faster than three in all 14 of its runs, 0.88-0.99x (geometric mean over
+    1024 and 4096 keys; the smallest cells' caches partly in L2), and in the benchmark's own
+    L2-cold timings of the same run its choices took 0.91-1.00x of the three-stage heuristic's.
+    The same rule serves other gathered tiles (fp32, other head dims), not measured. Three where a
+    tile sits in one page, and at page 1 (its tail is folded into the body)."""
     d_pad = next_pow2(head_dim)
     esize = torch.empty((), dtype=dtype).element_size()
     block_m = max(16, next_pow2(group))
