@@ -274,7 +274,7 @@ def test_cuda_autotuned_decode_is_timed_and_right(num_seqs):
     notes = [(t.tuning, t.note) for t in trials]
     assert min(trials[0].us.values()) > 0 and sum(t.us is not None for t in trials) >= 3, notes
     timed = tuner.timed_contexts(num_seqs, k.shape[0], page)  # 1024 keys exceed this small cache: capped
-    assert sorted(trials[0].us) == list(timed) and timed[0] == 256 and timed[-1] < 1024
+    assert sorted(trials[0].us) == list(timed) and max(timed) < 1024
     assert not [n for n in notes if "differs" in n[1]], notes  # a candidate computing something else is a bug
     want = torch.empty_like(q)
     ReferenceBackend("cuda").varlen_attention(q, k, v, want, *args)
