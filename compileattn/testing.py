@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from . import _torch_compat
+from .compilation.cudagraph import warm_up_for_capture  # noqa: F401  (part of this module's API)
 from .context import set_forward_context
 from .kv_cache import AttentionSpec, KVCache
 from .metadata import AttentionMetadataBuilder, SequenceStep
@@ -160,20 +161,6 @@ def simulated_cuda_graphs(reference_capturable: bool = True) -> Iterator[None]:
     finally:
         cudagraph.simulate(previous[0])
         ReferenceBackend.capturable = previous[1]
-
-
-def warm_up_for_capture(step: Callable[[], Any], times: int = 1) -> None:
-    """Run ``step`` ``times`` on a side stream ordered after the current one, and order the current
-    stream after it: what must happen before ``torch.cuda.graph`` captures ``step`` (its first call
-    compiles kernels and allocates buffers, neither of which may happen during capture, and torch
-    asks for warm-up iterations on a side stream so that they leave the capture's memory pool and
-    stream state alone)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(times):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
 
 
 class PersistentInputs:

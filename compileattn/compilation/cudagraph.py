@@ -154,6 +154,20 @@ class SimulatedGraphPool:
 _simulated = False
 
 
+def warm_up_for_capture(step: Callable[[], Any], times: int = 1) -> None:
+    """Run ``step`` ``times`` on a side stream ordered after the current one, and order the current
+    stream after it: what must happen before ``torch.cuda.graph`` captures ``step`` (its first call
+    compiles kernels and allocates buffers, neither of which may happen during capture, and torch
+    asks for warm-up iterations on a side stream so that they leave the capture's memory pool and
+    stream state alone)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def replay_gpu_us(graph: Any, replays: int = 20, warmup: int = 3) -> float:
     """GPU µs of one replay of a captured ``torch.cuda.CUDAGraph``: ``replays`` replays back to back
     between two CUDA events (after ``warmup``), so the GPU never waits for the host and the time is

@@ -128,23 +128,19 @@ def candidates(base: Tuning, cfg: DecodeConfig, splits: int) -> list[Tuning]:
 def cuda_graph_timer(fn: Callable[[int], None], calls: int = 16, replays: int = 5) -> float:
     """GPU µs per call of ``fn(i)`` (call ``i`` of a run; callers rotate inputs by it), as a CUDA
     graph replays it: ``calls`` calls captured back to back in one graph (after an eager call,
-    which compiles, and a warm-up on the capture stream), ``replays`` replays between two events."""
+    which compiles, and ``warm_up_for_capture`` on a side stream), ``replays`` replays between two
+    events."""
+    from ...compilation.cudagraph import replay_gpu_us, warm_up_for_capture
+
     fn(0)
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
+    warm_up_for_capture(functools.partial(fn, 0), times=calls)
     graph = torch.cuda.CUDAGraph()
     # thread_local: another thread's CUDA call (an NCCL watchdog, a second planner) must not
     # invalidate this capture, as the default global mode lets it (compilation/cudagraph.py).
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for i in range(calls):
             fn(i)
-    from ...compilation.cudagraph import replay_gpu_us
-
     return replay_gpu_us(graph, replays, warmup=1) / calls
 
 
@@ -224,8 +220,9 @@ class DecodeAutotuner:
         """The choice for ``shape`` among ``options`` (the first is the heuristic): cached, else
         tried (``prepare(tuning)`` makes a candidate; ``candidate.timed`` takes each of
         ``contexts``, default ``contexts``) and timed. ``resolve`` turns the winner into
-        explicit knobs (``decode_launch_knobs``), so a cached choice stays the configuration
-        that was timed when the heuristics change. One tuning at a time per tuner."""
+        explicit knobs (the backend resolves every knob its heuristics would fill), so a cached
+        choice stays the configuration that was timed when the heuristics change. One tuning at
+        a time per tuner."""
         if not options:
             raise ValueError("options: at least the heuristic is needed")
         contexts = self.contexts if contexts is None else tuple(contexts)

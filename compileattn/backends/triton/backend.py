@@ -57,8 +57,8 @@ class TritonBackend(AttentionBackend):
                         timer: Callable[[Callable[[int], None]], float] | None = None) -> DecodeAutotuner:
         """Time each decode shape's heuristic launch and its neighbours at plan time and keep the
         fastest over ``contexts`` keys per sequence (``autotune.py``); choices cached in
-        ``cache_dir`` when given. Call it before the
-        engine plans its steps: calls already prepared and bound keep their configuration.
+        ``cache_dir`` when given. Call it before the engine plans its steps: calls already
+        prepared and bound keep their configuration.
         ``timer``: µs per call of ``fn(i)`` (default: inside a CUDA graph; required off CUDA,
         where timing the interpreter would measure nothing)."""
         if timer is None and self.device_type != "cuda":
