@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import inspect
 import sys
 from typing import Any, Callable
 
@@ -401,3 +402,13 @@ def distributed_world_size() -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size()
+
+
+def guarded_compile_region():
+    """``torch.compiler.nested_compile_region`` where Dynamo checks a region's guards before
+    reusing its subgraph for another call (its ``max_reuse_entries`` bounds the variants kept),
+    else None: a region reused without that check would give every layer the first one's constants."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    if region is None or "max_reuse_entries" not in inspect.signature(region).parameters:
+        return None
+    return region

@@ -649,14 +649,18 @@ def test_coldwarm_plumbing_on_the_cpu(tmp_path):
     rows = {r["phase"]: r for r in common.read_json(str(out) + ".json")["rows"]}
     assert {p: r["status"] for p, r in rows.items()} == {"cold": "ok", "warm": "ok", "cold, dynamic only": "ok",
                                                          "cold, waiting for static": "ok",
-                                                         "cold, workers after dynamic": "ok"}
+                                                         "cold, workers after dynamic": "ok",
+                                                         "cold, layers traced flat": "ok"}
     assert rows["cold"]["path"] == "cold" and rows["cold"]["counters"]["dynamo_graphs"] == 1
+    assert rows["cold"]["regions"] == "on: OPTDecoderLayer x2" and rows["cold"]["counters"]["regions_inlined"] == 2
+    assert rows["cold, layers traced flat"]["regions"] == "off: config.trace_layers_once is False"
     assert rows["cold"]["torch_compile_times"]["bytecode_tracing"] > 0  # torch's own phases, recorded
     assert "bytecode_tracing" not in rows["warm"]["torch_compile_times"]  # a warm start runs no Dynamo
     assert rows["warm"]["path"] == "warm" and rows["warm"]["counters"]["dynamo_graphs"] == 0
     assert rows["warm"]["counters"]["backend_compiles"] == 0 and rows["warm"]["load_s"] > 0
     md = (tmp_path / "cw.md").read_text()
     assert "CPU plumbing run" in md and "warm start ≤ 2 s" in md and "Inside torch's compile" in md
+    assert "with the layers traced once (regions on: OPTDecoderLayer x2) against" in md
     # each row's first call, as compileattn logged it (DEBUG included), in time order
     times = [t for t, _ in rows["cold"]["timeline"]]
     assert times == sorted(times) and times[0] >= 0
