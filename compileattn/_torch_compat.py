@@ -404,11 +404,18 @@ def distributed_world_size() -> int:
     return dist.get_world_size()
 
 
-def guarded_compile_region():
-    """``torch.compiler.nested_compile_region`` where Dynamo checks a region's guards before
-    reusing its subgraph for another call (its ``max_reuse_entries`` bounds the variants kept),
-    else None: a region reused without that check would give every layer the first one's constants."""
-    region = getattr(torch.compiler, "nested_compile_region", None)
-    if region is None or "max_reuse_entries" not in inspect.signature(region).parameters:
-        return None
-    return region
+def compile_region():
+    """``torch.compiler.nested_compile_region``, or None where torch lacks it. Both behaviours
+    keep each call's constants: 2.13 traces a region once and reuses the subgraph for a later
+    call only if every guard of the first trace holds for it (``max_reuse_entries`` variants, then
+    it raises); 2.11 traces every call and keeps one subgraph per distinct graph (S10-3, torch
+    2.11 on the H200 host: 12 layers with different constants gave 12 subgraphs, 32 equal layers 2;
+    the 32-layer trace took 4.79 against 5.89 s flat, where 2.13 took 0.57 against 3.34 s)."""
+    return getattr(torch.compiler, "nested_compile_region", None)
+
+
+def region_reuses_its_trace() -> bool:
+    """Whether Dynamo traces a nested compile region once and reuses it (2.13), rather than
+    tracing each call and deduplicating the graphs (2.11)."""
+    region = compile_region()
+    return region is not None and "max_reuse_entries" in inspect.signature(region).parameters

@@ -21,6 +21,14 @@ from compileattn.testing import assert_matches_eager, random_step
 BLOCK, NUM_BLOCKS = 4, 128
 H, KVH, D = 2, 1, 32
 SPEC = AttentionSpec(H, KVH, D)
+#: torch 2.13 traces a region once and reuses it where its guards hold; 2.11 traces every call and
+#: keeps one subgraph per distinct graph (``_torch_compat.compile_region``): the counts differ.
+REUSES_TRACE = _torch_compat.region_reuses_its_trace()
+
+
+def subgraphs(expected: int) -> dict:
+    """``counters.expect`` arguments for ``expected`` distinct subgraphs, where torch says how many."""
+    return {"region_subgraphs": expected} if REUSES_TRACE else {}
 
 
 def _steps(eager, compiled, make_inputs, steps=3, seed=0):
@@ -51,7 +59,7 @@ def _llama_inputs(n):
 def test_layers_traced_once_compile_the_pieces_a_flat_trace_compiles():
     eager, once, flat = _llama(6, compiled=False), _llama(6), _llama(6, trace_layers_once=False)
     forward = LlamaDecoderLayer.__dict__["forward"]
-    with ca.counters.expect(dynamo_graphs=1, regions_inlined=6, region_subgraphs=1):
+    with ca.counters.expect(dynamo_graphs=1, regions_inlined=6, **subgraphs(1)):
         _steps(eager, once, _llama_inputs)
     with ca.counters.expect(dynamo_graphs=1, regions_inlined=0):
         _steps(eager, flat, _llama_inputs)
@@ -113,27 +121,33 @@ def test_layers_that_differ_in_a_constant_each_keep_theirs():
     """Alternating constants: two traced variants, each layer run with its own (a region reused
     without its guards would give every layer the first one's)."""
     eager, compiled = _stack([0.5, 2.0] * 3)
-    with ca.counters.expect(dynamo_graphs=1, regions_inlined=6, region_subgraphs=2):
+    with ca.counters.expect(dynamo_graphs=1, regions_inlined=6, **subgraphs(2)):
         _steps(eager, compiled, _stack_inputs)
     assert compiled.forward.compile_stats["regions"] == "on: Block x6"
 
 
 def test_layers_that_cannot_share_a_region_are_traced_flat(caplog):
-    eager, compiled = _stack([1.0 + i / 8 for i in range(10)])  # ten variants: past max_reuse_entries=8
-    with caplog.at_level("INFO", logger="compileattn"), ca.counters.expect(dynamo_graphs=1, regions_inlined=0):
+    """Ten variants, past torch 2.13's ``max_reuse_entries=8``: Dynamo raises, the decorator traces
+    again flat. torch 2.11 traces every call anyway and keeps the ten subgraphs."""
+    eager, compiled = _stack([1.0 + i / 8 for i in range(10)])
+    with caplog.at_level("INFO", logger="compileattn"), ca.counters.expect(
+            dynamo_graphs=1, regions_inlined=0 if REUSES_TRACE else 10):
         _steps(eager, compiled, _stack_inputs)
     why = compiled.forward.compile_stats["regions"]
-    assert why.startswith("off: ") and "reuse" in why
-    assert "tracing it flat" in caplog.text
+    if REUSES_TRACE:
+        assert why.startswith("off: ") and "reuse" in why
+        assert "tracing it flat" in caplog.text
+    else:
+        assert why == "on: Block x10"
     assert Block.__dict__["forward"] is Block.forward and not layer_ids.tracing_regions
 
 
-def test_regions_only_where_torch_checks_their_guards_and_for_the_default_backend(monkeypatch):
-    monkeypatch.setattr(_torch_compat, "guarded_compile_region", lambda: None)
+def test_regions_only_where_torch_has_them_and_for_the_default_backend(monkeypatch):
+    monkeypatch.setattr(_torch_compat, "compile_region", lambda: None)
     eager, compiled = _stack([1.0] * 3)
     with ca.counters.expect(regions_inlined=0):
         _steps(eager, compiled, _stack_inputs, steps=1)
-    assert compiled.forward.compile_stats["regions"].startswith(f"off: torch {torch.__version__} reuses a region")
+    assert compiled.forward.compile_stats["regions"] == f"off: torch {torch.__version__} has no nested_compile_region"
     monkeypatch.undo()
     other = ca.compile(type("EagerStack", (Stack,), {}), dynamic_arg_dims={"x": 0}, backend="eager")([1.0] * 3)
     other.load_state_dict(eager.state_dict())
@@ -190,3 +204,31 @@ def test_a_layer_id_that_is_not_a_graph_input_is_refused():
     gm = torch.fx.GraphModule(nn.Module(), graph)
     with pytest.raises(ValueError, match="its layer_id is not an input of the graph"):
         inline_regions(gm, [torch.zeros(1, 2, 32)], layer_ids.name_of)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_layers_traced_once_match_eager_through_cuda_graphs(dtype):
+    """Inductor pieces and CUDA graphs (piecewise, full decode) from a trace with regions."""
+    config = ca.CompileConfig(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32], compile_sizes=())
+    cls = ca.compile(type("CudaLlama", (LlamaForCausalLM,), {}), dynamic_arg_dims={"input_ids": 0, "positions": 0},
+                     config=config)
+    model = cls(LlamaConfig.tiny(num_layers=4), dtype=dtype, device="cuda", seed=1)
+    eager = LlamaForCausalLM(LlamaConfig.tiny(num_layers=4), dtype=dtype, device="cuda", seed=1)
+    caches = ca.allocate_kv_caches(eager.attention_specs(), NUM_BLOCKS, BLOCK, dtype=dtype, device="cuda")
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=64,
+                                          max_blocks_per_seq=32, device="cuda")
+
+    def make_inputs(n):
+        return (torch.randint(0, 256, (n,), device="cuda"), torch.randint(0, 60, (n,), device="cuda"))
+
+    rng = random.Random(1)
+    with ca.counters.expect(dynamo_graphs=1, regions_inlined=4), torch.no_grad():
+        for i in range(8):
+            decode = i % 2 == 1
+            seqs = random_step(rng, num_seqs=rng.randint(2, 4), block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                               max_query_len=1 if decode else 7, max_context_len=25)
+            n = sum(s.query_len for s in seqs)
+            assert_matches_eager(eager, model, builder, caches, seqs, make_inputs,
+                                 pad_to=next(s for s in config.capture_sizes if s >= n))
+    assert model.forward.compile_stats["regions"] == "on: LlamaDecoderLayer x4"
