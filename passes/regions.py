@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from .split import is_splitting_node
+from .split import is_splitting_node, op_arguments
 
 BY_ID = ("compileattn::attention_by_id",)
 
@@ -84,9 +84,7 @@ def inline_regions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     for node in list(gm.graph.nodes):
         if not is_splitting_node(node, BY_ID):
             continue
-        args = list(node.args) + [node.kwargs[k] for k in ("query", "key", "value", "output", "layer_id")
-                                  if k in node.kwargs]
-        query, key, value, output, layer_id = args
+        query, key, value, output, layer_id = op_arguments(node, ("query", "key", "value", "output", "layer_id"))
         if layer_id not in index or len(placeholders) != len(example_inputs):
             raise ValueError(f"{node.format_node()}: its layer_id is not an input of the graph (a layer's "
                              f"layer_id attribute), so the layer it names cannot be read at compile time")
