@@ -405,17 +405,15 @@ def distributed_world_size() -> int:
 
 
 def compile_region():
-    """``torch.compiler.nested_compile_region``, or None where torch lacks it. Both behaviours
-    keep each call's constants: 2.13 traces a region once and reuses the subgraph for a later
-    call only if every guard of the first trace holds for it (``max_reuse_entries`` variants, then
-    it raises); 2.11 traces every call and keeps one subgraph per distinct graph (S10-3, torch
-    2.11 on the H200 host: 12 layers with different constants gave 12 subgraphs, 32 equal layers 2;
-    the 32-layer trace took 4.79 against 5.89 s flat, where 2.13 took 0.57 against 3.34 s)."""
-    return getattr(torch.compiler, "nested_compile_region", None)
-
-
-def region_reuses_its_trace() -> bool:
-    """Whether Dynamo traces a nested compile region once and reuses it (2.13), rather than
-    tracing each call and deduplicating the graphs (2.11)."""
-    region = compile_region()
-    return region is not None and "max_reuse_entries" in inspect.signature(region).parameters
+    """``torch.compiler.nested_compile_region`` where Dynamo traces a region once and reuses the
+    trace, else None. Both torch behaviours keep each call's constants: 2.13 reuses the subgraph
+    for a later call only if every guard of the first trace holds for it (``max_reuse_entries``
+    variants, then it raises); 2.11 traces every call and keeps one subgraph per distinct graph
+    (S10-3, on the H200 host: 12 layers with different constants gave 12 subgraphs, 32 equal
+    layers 2), which saves little or nothing: a 32-layer tiny Llama traced in 4.79 against 5.89 s
+    flat (the flat trace first in its process, so with Dynamo's lazy imports), the Llama-3-8B shape's cold start in 8.05 against 5.98 s (S10-4, one run each), where
+    2.13 took 0.57 against 3.34 s on the CPU box."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    if region is None or "max_reuse_entries" not in inspect.signature(region).parameters:
+        return None
+    return region

@@ -37,6 +37,7 @@ import op_overhead as op  # noqa: E402
 import op_overhead_report as opr  # noqa: E402
 import piecewise_gaps as pg  # noqa: E402
 import prefix_sharing as ps  # noqa: E402
+import region_trace as rt  # noqa: E402
 import throughput as tp  # noqa: E402
 import triton_decode_quick as tdq  # noqa: E402
 
@@ -636,6 +637,25 @@ def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
                "stats": res["stats"], "probes": []}
     md = rep.render_markdown(payload)
     assert "OPT-125m shape" in md and "n/a" in md
+
+
+# -- region_trace.py ----------------------------------------------------------------------------------
+
+
+def test_region_trace_measures_each_row_and_restores_the_model(tmp_path):
+    from compileattn import _torch_compat, layer_ids
+    from compileattn.models.llama import LlamaDecoderLayer
+
+    forward = LlamaDecoderLayer.__dict__["forward"]
+    assert rt.main(["--layers", "3", "--out", str(tmp_path / "rt")]) == 0
+    rows = {r["row"]: r for r in common.read_json(tmp_path / "rt.json")["rows"]}
+    assert rows["flat"]["status"] == "ok" and rows["flat"]["region_calls"] == 0
+    by_id = rows["regions, layer ids"]
+    assert by_id["status"] == "ok" and by_id["region_calls"] == 3
+    if _torch_compat.compile_region() is not None:  # torch 2.13: one layer traced, reused twice
+        assert by_id["subgraphs"] == 1 and by_id["top_nodes"] < rows["flat"]["top_nodes"]
+    assert "| 3 | regions, layer names |" in (tmp_path / "rt.md").read_text()
+    assert LlamaDecoderLayer.__dict__["forward"] is forward and not layer_ids.tracing_regions
 
 
 # -- coldwarm.py ------------------------------------------------------------------------------------------

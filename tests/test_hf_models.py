@@ -78,7 +78,7 @@ def test_compiled_greedy_equals_hf_generate(family, piece_compiler, mode, checkp
     # differ each is traced on its own, and torch inlines a region called only once (no region calls).
     # (torch 2.13's behaviour; 2.11 traces each call and keeps what it keeps: not counted there)
     regions = {"regions_inlined": 0 if family in ("qwen2", "gemma2", "gemma3") else 2}
-    with ca.counters.expect(dynamo_graphs=1, **(regions if _torch_compat.region_reuses_its_trace() else {})):
+    with ca.counters.expect(dynamo_graphs=1, **(regions if _torch_compat.compile_region() is not None else {})):
         llm = ca.LLM(str(directory), compile_config=config, **ENGINE)
     captures, replays, full = ca.counters.cudagraph_captures, ca.counters.cudagraph_replays, ca.counters.full_graph_steps
     with ca.counters.expect(dynamo_graphs=0):  # every step size, 1-token steps included, without recompiling

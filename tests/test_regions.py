@@ -22,8 +22,16 @@ BLOCK, NUM_BLOCKS = 4, 128
 H, KVH, D = 2, 1, 32
 SPEC = AttentionSpec(H, KVH, D)
 #: torch 2.13 traces a region once and reuses it where its guards hold; 2.11 traces every call and
-#: keeps one subgraph per distinct graph (``_torch_compat.compile_region``): the counts differ.
-REUSES_TRACE = _torch_compat.region_reuses_its_trace()
+#: keeps one subgraph per distinct graph (``_torch_compat.compile_region``), so compileattn uses
+#: regions only on the former. The tests force them on any torch with ``nested_compile_region``
+#: (``forced_regions``): flattening, layer ids and names are the same code; only the counts of
+#: traced subgraphs and the reuse limit are torch's and differ.
+REUSES_TRACE = _torch_compat.compile_region() is not None
+
+
+@pytest.fixture(autouse=True)
+def forced_regions(monkeypatch):
+    monkeypatch.setattr(_torch_compat, "compile_region", lambda: torch.compiler.nested_compile_region)
 
 
 def subgraphs(expected: int) -> dict:
@@ -142,12 +150,12 @@ def test_layers_that_cannot_share_a_region_are_traced_flat(caplog):
     assert Block.__dict__["forward"] is Block.forward and not layer_ids.tracing_regions
 
 
-def test_regions_only_where_torch_has_them_and_for_the_default_backend(monkeypatch):
+def test_regions_only_where_torch_reuses_their_trace_and_for_the_default_backend(monkeypatch):
     monkeypatch.setattr(_torch_compat, "compile_region", lambda: None)
     eager, compiled = _stack([1.0] * 3)
     with ca.counters.expect(regions_inlined=0):
         _steps(eager, compiled, _stack_inputs, steps=1)
-    assert compiled.forward.compile_stats["regions"] == f"off: torch {torch.__version__} has no nested_compile_region"
+    assert compiled.forward.compile_stats["regions"] == f"off: torch {torch.__version__} traces every region call again (nothing saved)"
     monkeypatch.undo()
     other = ca.compile(type("EagerStack", (Stack,), {}), dynamic_arg_dims={"x": 0}, backend="eager")([1.0] * 3)
     other.load_state_dict(eager.state_dict())

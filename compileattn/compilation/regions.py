@@ -5,8 +5,9 @@ decoder layer on the CPU box, 3.1 of 3.5 s for a 32-layer tiny Llama; on the H20
 Llama-3-8B's cold start. With ``torch.compiler.nested_compile_region`` on the decoder layer's
 forward, Dynamo traces the first layer and reuses that subgraph for every other layer whose
 guards hold (its weights and its attention layer id are subgraph inputs, ``layer_ids.py``); the
-32-layer trace took 1.1 s instead of 3.1 s (torch 2.13; torch 2.11 traces every call and only
-deduplicates the subgraphs: 4.8 against 5.9 s, ``_torch_compat.compile_region``). The backend flattens the regions again
+32-layer trace took 1.1 s instead of 3.1 s. torch 2.11 traces every call and only deduplicates
+the subgraphs, which saved little or nothing (``_torch_compat.compile_region``): regions are used
+where torch reuses the trace (2.13). The backend flattens the regions again
 (``passes/regions.py``) before it splits, so what is compiled is what a flat trace gives.
 
 Only during compileattn's own trace (``layers_as_regions``, used by ``@compileattn.compile``
@@ -64,7 +65,7 @@ def layers_as_regions(root: object) -> Iterator[str]:
     region = _torch_compat.compile_region()
     classes = repeated_layers(root) if isinstance(root, nn.Module) else {}
     if region is None:
-        yield f"off: torch {torch.__version__} has no nested_compile_region"
+        yield f"off: torch {torch.__version__} traces every region call again (nothing saved)"
         return
     if not classes:
         yield "off: no repeated layers with attention"
