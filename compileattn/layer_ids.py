@@ -26,6 +26,7 @@ _names: list[str] = []
 _index: dict[str, int] = {}
 #: True while compileattn traces a model with its repeated layers as regions (set only by
 #: ``compilation.regions.layers_as_regions``): attention layers then pass their layer id, not their name.
+#: An eager call in another thread meanwhile takes ``attention_by_id`` too, which does the same.
 tracing_regions = False
 
 

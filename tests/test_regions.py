@@ -240,3 +240,17 @@ def test_cuda_layers_traced_once_match_eager_through_cuda_graphs(dtype):
             assert_matches_eager(eager, model, builder, caches, seqs, make_inputs,
                                  pad_to=next(s for s in config.capture_sizes if s >= n))
     assert model.forward.compile_stats["regions"] == "on: LlamaDecoderLayer x4"
+
+
+def test_the_warm_start_key_does_not_see_layer_id_values():
+    """Layer ids are indices in registration order, which differs between processes that build
+    other models first: the warm-start key (the model's fingerprint) must not print them."""
+    from compileattn.compilation.warm_start import module_fingerprint
+    from compileattn.hf.attention import BINDING_ATTR, LayerBinding
+
+    holder = nn.Module()
+    setattr(holder, BINDING_ATTR, LayerBinding("layers.0", SPEC))
+    own = Attention(SPEC, "layers.0")
+    text = "\n".join([*module_fingerprint(holder), *module_fingerprint(own)])
+    assert "layers.0" in text and f"tensor({int(own.layer_id)})" not in text
+    assert "layer_id=Tensor((),torch.int64,cpu)" in text  # shape, dtype, device only

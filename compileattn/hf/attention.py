@@ -49,8 +49,10 @@ class LayerBinding:
     settings: tuple = dataclasses.field(init=False)
     #: Set after the first eager call passed the check (compiled calls check at trace time).
     checked: bool = False
-    #: The layer's identity as a tensor (``compileattn.layer_ids``), for a trace with regions.
-    layer_id: torch.Tensor = dataclasses.field(init=False)
+    #: The layer's identity as a tensor (``compileattn.layer_ids``), for a trace with regions. Not in
+    #: the repr: the warm-start key prints the binding, and an id's value depends on the order
+    #: layers were registered in the process.
+    layer_id: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.settings = settings_of(self.spec)
