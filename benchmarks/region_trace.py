@@ -33,6 +33,7 @@ for _p in (str(_HERE), str(_HERE.parent)):
 import common  # noqa: E402
 
 ROWS = (("flat", False, False), ("regions, layer ids", True, True), ("regions, layer names", True, False))
+#: (row, nested compile regions, attention by layer id)
 
 
 class _Traced(Exception):
@@ -42,35 +43,37 @@ class _Traced(Exception):
 def trace(num_layers: int, region: bool, by_id: bool) -> dict[str, Any]:
     import torch
 
+    import contextlib
+
     from compileattn import _torch_compat, layer_ids
+    from compileattn.compilation import regions
     from compileattn.models import llama
 
-    forward = llama.LlamaDecoderLayer.__dict__["forward"]
-    if region:
-        llama.LlamaDecoderLayer.forward = torch.compiler.nested_compile_region(forward)
-    layer_ids.tracing_regions = by_id
     seen: dict[str, Any] = {}
 
     def backend(gm, example_inputs):
         seen["gm"], seen["at"] = gm, time.perf_counter()
         raise _Traced
 
-    try:
-        model = llama.LlamaForCausalLM(llama.LlamaConfig.tiny(num_layers=num_layers))
-        ids, pos = torch.zeros(8, dtype=torch.long), torch.arange(8)
-        torch._dynamo.mark_dynamic(ids, 0)
-        torch._dynamo.mark_dynamic(pos, 0)
+    model = llama.LlamaForCausalLM(llama.LlamaConfig.tiny(num_layers=num_layers))
+    ids, pos = torch.zeros(8, dtype=torch.long), torch.arange(8)
+    torch._dynamo.mark_dynamic(ids, 0)
+    torch._dynamo.mark_dynamic(pos, 0)
+    # torch's region whatever compileattn would use on this torch (the point is to measure it)
+    patch = regions.patched([llama.LlamaDecoderLayer], torch.compiler.nested_compile_region) if region else \
+        contextlib.nullcontext()
+    with patch:
+        if not by_id:
+            layer_ids.tracing_regions = False  # restored by the patch
         start = time.perf_counter()
         try:
             _torch_compat.aot_compile(llama.LlamaForCausalLM.forward, (model, ids, pos), {}, backend)
         except Exception as exc:  # noqa: BLE001
             if "gm" not in seen:
                 return {"status": "error", "reason": common.short_error(exc)}
-    finally:
-        llama.LlamaDecoderLayer.forward = forward
-        layer_ids.tracing_regions = False
     gm = seen["gm"]
-    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph]
+    invoke_subgraph = torch.ops.higher_order.invoke_subgraph
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is invoke_subgraph]
     return {"status": "ok", "trace_s": seen["at"] - start, "region_calls": len(calls),
             "subgraphs": len({n.args[0].target for n in calls}), "top_nodes": len(gm.graph.nodes)}
 
@@ -92,8 +95,8 @@ def render(payload: dict[str, Any]) -> str:
         if r["status"] != "ok":
             table.append([r["layers"], r["row"], common.status_text(r["status"]), r["reason"][:160], "", "", ""])
         else:
-            table.append([r["layers"], r["row"], "ok", common.fmt_num(r["trace_s"], 2), r["region_calls"], r["subgraphs"],
-                          r["top_nodes"]])
+            table.append([r["layers"], r["row"], "ok", common.fmt_num(r["trace_s"], 2), r["region_calls"],
+                          r["subgraphs"], r["top_nodes"]])
     lines.append(common.markdown_table(["layers", "row", "status", "trace s", "region calls", "subgraphs",
                                         "top-level nodes"], table))
     return "\n".join(lines) + "\n"

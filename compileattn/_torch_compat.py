@@ -408,11 +408,10 @@ def compile_region():
     """``torch.compiler.nested_compile_region`` where Dynamo traces a region once and reuses the
     trace, else None. Both torch behaviours keep each call's constants: 2.13 reuses the subgraph
     for a later call only if every guard of the first trace holds for it (``max_reuse_entries``
-    variants, then it raises); 2.11 traces every call and keeps one subgraph per distinct graph
-    (S10-3, on the H200 host: 12 layers with different constants gave 12 subgraphs, 32 equal
-    layers 2), which saves little or nothing: a 32-layer tiny Llama traced in 4.79 against 5.89 s
-    flat (the flat trace first in its process, so with Dynamo's lazy imports), the Llama-3-8B shape's cold start in 8.05 against 5.98 s (S10-4, one run each), where
-    2.13 took 0.57 against 3.34 s on the CPU box."""
+    variants, then it raises); 2.11 traces every call and keeps one subgraph per distinct graph,
+    which saves little or nothing (on the H200 host: a 32-layer tiny Llama's trace 4.8 s against
+    5.9 s flat; the Llama-3-8B shape's Dynamo time 8.1 s against 6.0 s, one run each), where 2.13
+    traced it in 0.9 s against 3.3 s flat on the CPU box (``benchmarks/region_trace.py``)."""
     region = getattr(torch.compiler, "nested_compile_region", None)
     if region is None or "max_reuse_entries" not in inspect.signature(region).parameters:
         return None

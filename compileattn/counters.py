@@ -17,8 +17,8 @@ class Counters:
     dynamo_graphs: int = 0
     #: Pieces produced by the split pass (N splitting ops -> up to N + 1 pieces).
     pieces: int = 0
-    #: Calls of a nested compile region (a decoder layer traced once for all) flattened back
-    #: into the graph before it is split (passes/regions.py).
+    #: Call sites of nested compile regions (a decoder layer traced once for all) flattened back
+    #: into the graph before it is split (passes/regions.py; one inside a region counts once).
     regions_inlined: int = 0
     #: Distinct subgraphs those calls used: the layers Dynamo actually traced.
     region_subgraphs: int = 0

@@ -47,7 +47,8 @@ def name_of(layer_id: torch.Tensor) -> str:
     """The layer name a layer-id tensor stands for."""
     if not isinstance(layer_id, torch.Tensor) or layer_id.dtype != torch.int64 or layer_id.numel() != 1:
         raise TypeError(f"layer_id must be a one-element int64 tensor from compileattn.layer_ids.id_of, got "
-                        f"{type(layer_id).__name__} {getattr(layer_id, 'dtype', '')} {tuple(getattr(layer_id, 'shape', ()))}")
+                        f"{type(layer_id).__name__} {getattr(layer_id, 'dtype', '')} "
+                        f"{tuple(getattr(layer_id, 'shape', ()))}")
     index = int(layer_id)
     if not 0 <= index < len(_names):
         raise ValueError(f"layer_id={index} names no layer: layer ids come from compileattn.layer_ids.id_of "

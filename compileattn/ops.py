@@ -291,7 +291,8 @@ def _attention_fake(query, key, value, output, layer_name):
 
 @torch.library.register_fake("compileattn::attention_by_id")
 def _attention_by_id_fake(query, key, value, output, layer_id):
-    # Not its device: a region's subgraph is traced with every input on the meta device.
+    # Not its device: the id lives on the CPU while the query may be on a GPU, and fake tensors
+    # of some traces are on the meta device.
     if layer_id.dtype != torch.int64 or layer_id.numel() != 1:
         raise TypeError(f"compileattn::attention_by_id: layer_id must be a one-element int64 tensor "
                         f"(compileattn.layer_ids.id_of), got {layer_id.dtype} {tuple(layer_id.shape)}")

@@ -6,7 +6,7 @@ are ``invoke_subgraph`` calls of one shared subgraph, and whose attention ops ar
 capture, hoist, split, piece signatures) work on a flat graph with ``attention(..., layer_name)``:
 this pass makes one, so their output is what a flat trace gives them. Each call is copied in
 with its own operands (another layer's weights) and each layer id replaced by the layer name its
-example input holds. Flattening costs ~1 ms per layer; the trace it saved, ~0.07 s per layer.
+example input holds.
 """
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ from .split import is_splitting_node, op_arguments
 BY_ID = ("compileattn::attention_by_id",)
 
 
+class RegionInlineError(ValueError):
+    """A region call this pass cannot flatten: the decorator then traces the model flat."""
+
+
 def _inline_calls(gm: torch.fx.GraphModule) -> tuple[int, int]:
     """Copy every ``invoke_subgraph`` call's subgraph into ``gm`` in its place (nested ones first),
     and drop the subgraphs no longer called. -> (calls inlined, distinct subgraphs)."""
@@ -33,7 +37,7 @@ def _inline_calls(gm: torch.fx.GraphModule) -> tuple[int, int]:
             continue
         holder, _identifier, *operands = node.args
         if holder.op != "get_attr":
-            raise ValueError(f"invoke_subgraph {node.name}: its subgraph is {holder.op} {holder.target}, not a "
+            raise RegionInlineError(f"invoke_subgraph {node.name}: its subgraph is {holder.op} {holder.target}, not a "
                              f"get_attr of a submodule")
         sub = gm.get_submodule(holder.target)
         if holder.target not in done:
@@ -42,7 +46,7 @@ def _inline_calls(gm: torch.fx.GraphModule) -> tuple[int, int]:
             done.add(holder.target)
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(operands):
-            raise ValueError(f"invoke_subgraph {node.name}: {len(operands)} operands for {len(placeholders)} "
+            raise RegionInlineError(f"invoke_subgraph {node.name}: {len(operands)} operands for {len(placeholders)} "
                              f"subgraph inputs")
         env: dict[torch.fx.Node, Any] = dict(zip(placeholders, operands))
         results: Any = None
@@ -54,12 +58,13 @@ def _inline_calls(gm: torch.fx.GraphModule) -> tuple[int, int]:
                     results = torch.fx.map_arg(inner.args[0], env.__getitem__)
                     continue
                 if inner.op == "get_attr":
-                    raise ValueError(f"invoke_subgraph {node.name}: its subgraph reads attribute {inner.target}; "
+                    raise RegionInlineError(f"invoke_subgraph {node.name}: its subgraph reads attribute "
+                                            f"{inner.target}; "
                                      f"only subgraphs that take everything as inputs can be inlined")
                 env[inner] = graph.node_copy(inner, env.__getitem__)
         for user in list(node.users):
             if user.op != "call_function" or user.target is not operator.getitem:
-                raise ValueError(f"invoke_subgraph {node.name} is used by {user.format_node()}, not by indexing")
+                raise RegionInlineError(f"invoke_subgraph {node.name} is used by {user.format_node()}, not by indexing")
             user.replace_all_uses_with(results[user.args[1]])
             graph.erase_node(user)
         graph.erase_node(node)
@@ -85,9 +90,12 @@ def inline_regions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         if not is_splitting_node(node, BY_ID):
             continue
         query, key, value, output, layer_id = op_arguments(node, ("query", "key", "value", "output", "layer_id"))
-        if layer_id not in index or len(placeholders) != len(example_inputs):
-            raise ValueError(f"{node.format_node()}: its layer_id is not an input of the graph (a layer's "
-                             f"layer_id attribute), so the layer it names cannot be read at compile time")
+        if len(placeholders) != len(example_inputs):
+            raise RegionInlineError(f"the graph has {len(placeholders)} inputs but Dynamo gave {len(example_inputs)} "
+                                    f"example inputs: the layer ids cannot be read")
+        if layer_id not in index:
+            raise RegionInlineError(f"{node.format_node()}: its layer_id is not an input of the graph (a layer's "
+                                    f"layer_id attribute), so the layer it names cannot be read at compile time")
         with gm.graph.inserting_before(node):
             named = gm.graph.call_function(torch.ops.compileattn.attention.default,
                                            (query, key, value, output, layer_of_id(example_inputs[index[layer_id]])))

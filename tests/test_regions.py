@@ -137,6 +137,7 @@ def test_layers_that_differ_in_a_constant_each_keep_theirs():
 def test_layers_that_cannot_share_a_region_are_traced_flat(caplog):
     """Ten variants, past torch 2.13's ``max_reuse_entries=8``: Dynamo raises, the decorator traces
     again flat. torch 2.11 traces every call anyway and keeps the ten subgraphs."""
+    forward = Block.__dict__["forward"]
     eager, compiled = _stack([1.0 + i / 8 for i in range(10)])
     with caplog.at_level("INFO", logger="compileattn"), ca.counters.expect(
             dynamo_graphs=1, regions_inlined=0 if REUSES_TRACE else 10):
@@ -147,7 +148,7 @@ def test_layers_that_cannot_share_a_region_are_traced_flat(caplog):
         assert "tracing it flat" in caplog.text
     else:
         assert why == "on: Block x10"
-    assert Block.__dict__["forward"] is Block.forward and not layer_ids.tracing_regions
+    assert Block.__dict__["forward"] is forward and not layer_ids.tracing_regions
 
 
 def test_regions_only_where_torch_reuses_their_trace_and_for_the_default_backend(monkeypatch):
@@ -155,7 +156,8 @@ def test_regions_only_where_torch_reuses_their_trace_and_for_the_default_backend
     eager, compiled = _stack([1.0] * 3)
     with ca.counters.expect(regions_inlined=0):
         _steps(eager, compiled, _stack_inputs, steps=1)
-    assert compiled.forward.compile_stats["regions"] == f"off: torch {torch.__version__} traces every region call again (nothing saved)"
+    why = compiled.forward.compile_stats["regions"]
+    assert why == f"off: torch {torch.__version__} traces every region call again (nothing saved)"
     monkeypatch.undo()
     other = ca.compile(type("EagerStack", (Stack,), {}), dynamic_arg_dims={"x": 0}, backend="eager")([1.0] * 3)
     other.load_state_dict(eager.state_dict())
@@ -167,6 +169,50 @@ def test_regions_only_where_torch_reuses_their_trace_and_for_the_default_backend
         with ca.set_forward_context(builder.build([ca.SequenceStep(5, 0, [0, 1])]), caches):
             other(x)
     assert other.forward.compile_stats["regions"] == "off: not the compileattn backend"
+
+
+class InheritingBlock(Block):
+    """A layer class without a forward of its own."""
+
+
+def test_a_layer_class_that_inherits_forward_gets_it_back():
+    eager, compiled = Stack([1.0] * 3), ca.compile(type("CompiledStack", (Stack,), {}), dynamic_arg_dims={"x": 0},
+                                                    config=ca.CompileConfig(piece_compiler="eager"))([1.0] * 3)
+    for stack in (eager, compiled):
+        stack.blocks = nn.ModuleList(InheritingBlock(i, 1.0) for i in range(3))
+    compiled.load_state_dict(eager.state_dict())
+    with ca.counters.expect(regions_inlined=3):
+        _steps(eager, compiled, _stack_inputs, steps=1)
+    assert compiled.forward.compile_stats["regions"] == "on: InheritingBlock x3"
+    assert "forward" not in InheritingBlock.__dict__ and InheritingBlock.forward is Block.__dict__["forward"]
+
+
+class ReshapingStack(Stack):
+    def forward(self, x):
+        return super().forward(x.view(-1, 7))  # fails before any layer for hidden sizes not divisible by 7
+
+
+def test_model_errors_outside_the_layers_are_not_traced_again_flat(caplog):
+    compiled = ca.compile(type("CompiledReshaping", (ReshapingStack,), {}), dynamic_arg_dims={"x": 0},
+                          config=ca.CompileConfig(piece_compiler="eager"))([1.0] * 3)
+    with caplog.at_level("INFO", logger="compileattn"), pytest.raises(Exception) as raised:
+        _steps(Stack([1.0] * 3), compiled, _stack_inputs, steps=1)
+    assert "tracing it flat" not in caplog.text and "invoke_subgraph" not in str(raised.value)
+
+
+def test_model_errors_inside_a_layer_are_not_traced_again_flat(caplog):
+    """A shape error in a layer's region is the model's (a fake-tensor error), not the region's."""
+    eager, compiled = _stack([1.0] * 3)
+    compiled.blocks[1].qkv = nn.Linear(H * D, H * D)  # q, k, v no longer fit: the split fails
+    with caplog.at_level("INFO", logger="compileattn"), pytest.raises(Exception) as raised:
+        _steps(eager, compiled, _stack_inputs, steps=1)
+    assert "tracing it flat" not in caplog.text and "invoke_subgraph" not in str(raised.value)
+
+
+def test_a_list_of_attention_layers_is_not_a_list_of_decoder_layers():
+    model = nn.Module()
+    model.attn = nn.ModuleList(Attention(SPEC, f"a.{i}") for i in range(3))
+    assert regions.repeated_layers(model) == {}
 
 
 def test_repeated_layers_are_lists_of_one_class_holding_attention():
@@ -254,3 +300,28 @@ def test_the_warm_start_key_does_not_see_layer_id_values():
     text = "\n".join([*module_fingerprint(holder), *module_fingerprint(own)])
     assert "layers.0" in text and f"tensor({int(own.layer_id)})" not in text
     assert "layer_id=Tensor((),torch.int64,cpu)" in text  # shape, dtype, device only
+
+
+def test_a_renamed_layer_gets_the_id_of_its_new_name():
+    from compileattn.hf.attention import LayerBinding
+
+    attn, binding = Attention(SPEC, "old.attn"), LayerBinding("old.attn", SPEC)
+    attn.layer_name, binding.name = "new.attn", "new.attn"
+    assert layer_ids.name_of(attn.layer_id) == layer_ids.name_of(binding.layer_id) == "new.attn"
+
+
+def test_regions_the_backend_cannot_flatten_are_traced_flat(monkeypatch, caplog):
+    from compileattn.compilation import piecewise
+    from compileattn.passes import RegionInlineError
+
+    def refusing(gm, example_inputs, layer_of_id):
+        if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes):
+            raise RegionInlineError("a subgraph this pass cannot flatten")
+        return inline_regions(gm, example_inputs, layer_of_id)
+
+    monkeypatch.setattr(piecewise, "inline_regions", refusing)
+    eager, compiled = _stack([1.0] * 3)
+    with caplog.at_level("INFO", logger="compileattn"), ca.counters.expect(dynamo_graphs=1, regions_inlined=0):
+        _steps(eager, compiled, _stack_inputs, steps=2)
+    assert compiled.forward.compile_stats["regions"] == "off: RegionInlineError: a subgraph this pass cannot flatten"
+    assert "tracing it flat" in caplog.text

@@ -270,7 +270,8 @@ class _Site:
             loaded = warm_start.load(path, fn, config, what)
             if loaded is not None:
                 self.runtimes = loaded.dispatchers
-                stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait}
+                stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait,
+                         "regions": "off: warm start (no trace)"}
                 return self._first_call(what, loaded.function, checker, stats, start, full_args, kwargs)
 
         if owner._backend is None:
@@ -299,7 +300,7 @@ class _Site:
                     d.abandon_static_compiles()  # its compile is discarded
                 if timed.failed:
                     raise  # the backend itself failed: the frame path would only fail again
-                reason = f"aot_compile failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                reason = f"aot_compile failed ({_first_line(exc)})"
             else:
                 stats = self._compile_stats(timed, path="cold")
                 stats["import_wait_s"] = import_wait
@@ -333,10 +334,12 @@ class _Site:
             try:
                 return _torch_compat.aot_compile(fn, full_args, kwargs, timed), state
             except Exception as exc:
-                if not state.startswith("on") or timed.failed or timed.dispatchers():
+                culprit = regions.region_failure(exc) if state.startswith("on") else None
+                if culprit is None:
                     raise
-                why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                why = _first_line(culprit)
         log.info("compileattn: tracing %s with its layers as regions failed (%s); tracing it flat", what, why)
+        timed.failed = False
         return _torch_compat.aot_compile(fn, full_args, kwargs, timed), f"off: {why}"
 
     @staticmethod
@@ -475,6 +478,11 @@ def _log_ready(what: str, stats: dict[str, Any]) -> None:
     log.info("compileattn: compiled %s in %.2f s (Dynamo %.2f s, backend %.2f s%s%s); later "
              "calls skip Dynamo's guards", what, stats["total_s"], stats["dynamo_s"], stats["backend_s"], extra,
              ", frame path: Dynamo's time includes the first run" if stats["path"] == "frame" else "")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _function_with_code(fn: Callable, code: types.CodeType) -> types.FunctionType:

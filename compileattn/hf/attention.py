@@ -56,7 +56,11 @@ class LayerBinding:
 
     def __post_init__(self) -> None:
         self.settings = settings_of(self.spec)
-        self.layer_id = layer_ids.id_of(self.name)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "name":  # the id follows the name, or a region trace would attend another layer's cache
+            super().__setattr__("layer_id", layer_ids.id_of(value))
 
     @property
     def layer_name(self) -> str:

@@ -19,9 +19,14 @@ class Attention(nn.Module):
     def __init__(self, spec: AttentionSpec, layer_name: str):
         super().__init__()
         self.spec = spec
-        self.layer_name = layer_name
-        #: The layer's identity as a tensor (``layer_ids.py``), for a trace with regions.
-        self.layer_id = layer_ids.id_of(layer_name)
+        self.layer_name = layer_name  # sets layer_id too
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "layer_name":
+            #: The layer's identity as a tensor (``layer_ids.py``), for a trace with regions:
+            #: kept in step with the name, or a region trace would attend another layer's cache.
+            super().__setattr__("layer_id", layer_ids.id_of(value))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (tokens, heads*head_dim), k/v (tokens, kv_heads*head_dim) -> (tokens, heads*head_dim)."""
