@@ -16,6 +16,9 @@ run eagerly. Phases:
   cost beside the cold start (the difference of the two cold rows);
 - ``cold, waiting for static``: empty dirs again with ``background_static_compiles=False``: the
   first call waits for every static piece (what ``compileattn.LLM`` does before capturing);
+- ``cold, layers traced flat``: empty dirs again with ``trace_layers_once=False``: Dynamo traces
+  every decoder layer rather than one for all (``compilation/regions.py``); the two rows' Dynamo
+  columns are the trace time the regions save;
 - ``cold, workers after dynamic``: empty dirs again with ``compile_workers_start="after_dynamic"``:
   the workers start once the dynamic-shape pieces are compiled, so nothing competes with those
   compiles (the cold row's difference to this one is what the competition costs).
@@ -32,7 +35,7 @@ table. Goals: warm start <= 2 s (Llama-8B shape), cold <= 10 s (OPT-125m) and <=
     PYTHONPATH=. python benchmarks/coldwarm.py --out $OUT/coldwarm     # ~2-3 min on an H200
 
 Under ``--budget-s`` (default 170) phases run in priority order (OPT cold, OPT warm, Llama cold,
-Llama warm, then the dynamic-only cold rows, Llama first); what is past the budget is reported as
+Llama warm, then the flat-trace cold rows and the dynamic-only ones, Llama first); what is past the budget is reported as
 skipped.
 On a machine without CUDA it prints why and exits 0 (``--device cpu`` runs the plumbing on a tiny
 config, for tests).
@@ -60,7 +63,7 @@ import common  # noqa: E402
 MODELS = {"opt": "OPT-125m shape", "llama": "Llama-3-8B shape"}
 #: (model, phase) in priority order under the budget.
 PHASES = [("opt", "cold"), ("opt", "warm"), ("llama", "cold"), ("llama", "warm"),
-          ("llama", "cold, dynamic only"), ("llama", "cold, workers after dynamic"), ("opt", "cold, dynamic only"),
+          ("llama", "cold, layers traced flat"), ("opt", "cold, layers traced flat"), ("llama", "cold, dynamic only"), ("llama", "cold, workers after dynamic"), ("opt", "cold, dynamic only"),
           ("opt", "cold, workers after dynamic"), ("opt", "cold, waiting for static")]
 GOALS = {("opt", "cold"): 10.0, ("llama", "cold"): 15.0, ("llama", "warm"): 2.0, ("opt", "warm"): 2.0}
 #: Norm-relative difference to eager allowed (latency.py's TOLERANCE: fused kernels round differently).
@@ -126,6 +129,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
                               background_static_compiles=not spec.get("wait_static", False),
                               compile_workers=spec.get("compile_workers", "auto"),
                               compile_workers_start="after_dynamic" if spec.get("workers_after") else "first_call",
+                              trace_layers_once=not spec.get("flat_trace", False),
                               **({} if device == "cuda" else {"piece_compiler": "eager"}))
     compiled_cls = ca.compile(type(f"Compiled{cls.__name__}", (cls,), {}),
                               dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
@@ -162,7 +166,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     stats = model.forward.compile_stats
     runtimes = model.forward.runtimes
     return {"import_s": import_s, "build_s": build_s, "first_call_s": first, "second_call_s": second,
-            "path": stats.get("path"), **{k: v for k, v in stats.items() if k.endswith("_s") and k != "first_call_s"},
+            "path": stats.get("path"), "regions": stats.get("regions"), **{k: v for k, v in stats.items() if k.endswith("_s") and k != "first_call_s"},
             "run_s": stats.get("first_call_s"), "static_pending": stats.get("static_pending"),
             "capture_s": sum(rt.capture_seconds() for rt in runtimes),
             "rel_err": common.rel_error(out, ref), "dtype": str(dtype).replace("torch.", ""),
@@ -249,6 +253,7 @@ def run_phase(model: str, phase: str, dirs: dict[str, Path], args, budget: commo
             "layers": args.llama_layers if model == "llama" else None, "dynamic_only": phase.startswith("cold, dynamic"),
             "wait_static": phase == "cold, waiting for static",
             "workers_after": phase == "cold, workers after dynamic",
+            "flat_trace": phase == "cold, layers traced flat",
             "compile_workers": args.compile_workers}
     t = time.monotonic()
     try:
@@ -316,6 +321,11 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
             out.append(f"- {MODELS[model]}: static compiles (compile_sizes='auto') add "
                        f"{cold['cold']['first_call_s'] - cold['cold, dynamic only']['first_call_s']:.2f} s to the cold "
                        f"start ({cold['cold'].get('static_s', 0):.2f} s of compiling)")
+        flat = cold.get("cold, layers traced flat")
+        if flat is not None and "cold" in cold and cold["cold"].get("dynamo_s") is not None:
+            out.append(f"- {MODELS[model]}: Dynamo {cold['cold']['dynamo_s']:.2f} s with the layers traced once "
+                       f"(regions {cold['cold'].get('regions')}) against {flat.get('dynamo_s', 0):.2f} s traced flat; "
+                       f"first call {cold['cold']['first_call_s']:.2f} against {flat['first_call_s']:.2f} s")
         after = cold.get("cold, workers after dynamic")
         if after is not None:
             landed = (f"; every static piece in place {after['static_landed_s']:.2f} s after it started"

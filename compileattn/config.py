@@ -90,6 +90,10 @@ class CompileConfig:
     #: Token counts captured as CUDA graphs; None = default_capture_sizes(max_capture_size).
     cudagraph_capture_sizes: Sequence[int] | None = None
     max_capture_size: int = 256
+    #: ``@compileattn.compile``: Dynamo traces one decoder layer and reuses it for the others (they
+    #: are nested compile regions during the trace, flattened before the split, so the compiled
+    #: pieces are the same: ``compilation/regions.py``). False traces every layer (the flat trace).
+    trace_layers_once: bool = True
     #: Split each unified attention op into a K/V write, captured in the piece before it, and the
     #: attention itself, run eagerly (passes/kv_write.py).
     capture_kv_write: bool = _compiled(True)

@@ -17,6 +17,11 @@ class Counters:
     dynamo_graphs: int = 0
     #: Pieces produced by the split pass (N splitting ops -> up to N + 1 pieces).
     pieces: int = 0
+    #: Call sites of nested compile regions (a decoder layer traced once for all) flattened back
+    #: into the graph before it is split (passes/regions.py; one inside a region counts once).
+    regions_inlined: int = 0
+    #: Distinct subgraphs those calls used: the layers Dynamo actually traced.
+    region_subgraphs: int = 0
     #: Pieces compiled by the piece compiler (Inductor etc.), not counting cache loads.
     backend_compiles: int = 0
     #: Of those, static-shape compiles done by a worker process (compilation/static_pool.py).

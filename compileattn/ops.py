@@ -1,6 +1,6 @@
 """The compileattn custom ops: what torch.compile sees of attention.
 
-Five ops in the ``compileattn`` namespace, each with a fake (meta) function and exact aliasing:
+Six ops in the ``compileattn`` namespace, each with a fake (meta) function and exact aliasing:
 
 - ``write_kv_cache(key, value, key_cache!, value_cache!, slot_mapping, backend, k_scale?, v_scale?)``:
   scatter this step's K/V into paged caches; slot -1 marks a padded token and is skipped; into a
@@ -15,6 +15,9 @@ Five ops in the ``compileattn`` namespace, each with a fake (meta) function and 
   forward context, so the graph (and every CUDA graph captured from it) is independent of them.
   The K/V cache write it does is not declared in the schema; this is safe because the op is
   opaque to the compiler and only this op reads or writes the caches.
+- ``attention_by_id(query, key, value, output!, layer_id)``: ``attention`` with the layer named
+  by a layer-id tensor (``layer_ids.py``), which is what lets Dynamo trace a repeated decoder layer
+  once; compileattn's backend turns it back into ``attention`` before anything else sees the graph.
 - ``write_layer_kv(key, value, layer_name) -> token`` and ``attend(query, output!, token, layer_name)``:
   the two halves passes/kv_write.py rewrites ``attention`` into, so the K/V write is captured in
   the CUDA-graph piece before the split and only ``attend`` runs eagerly.
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _torch_compat, context
+from . import _torch_compat, context, layer_ids
 from .backends import selector
 
 _lib = torch.library.Library("compileattn", "DEF")  # noqa: TOR901 (an op library, not a test)
@@ -50,6 +53,7 @@ _lib.define(
     "Tensor? v_scale=None) -> ()"
 )
 _lib.define("attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, str layer_name) -> ()")
+_lib.define("attention_by_id(Tensor query, Tensor key, Tensor value, Tensor(a!) output, Tensor layer_id) -> ()")
 # The unified op in two halves, made by passes/kv_write.py so the K/V write can be captured in the
 # CUDA-graph piece before attention. ``write_layer_kv`` returns an empty tensor that ``attend``
 # takes: the data dependency keeps the write ahead of the attention and alive through DCE.
@@ -106,6 +110,11 @@ def attention_impl(query, key, value, output, layer_name):
     _check_layer_call(ctx, layer_name, query, key)
     ctx.write[layer_name](key, value)
     _attend_eager(ctx.attend[layer_name], query, output)
+
+
+def attention_by_id_impl(query, key, value, output, layer_id):
+    """``attention`` for the layer ``layer_id`` names (a CPU tensor: reading it does not sync)."""
+    attention_impl(query, key, value, output, layer_ids.name_of(layer_id))
 
 
 def write_layer_kv_impl(key, value, layer_name):
@@ -197,6 +206,7 @@ _lib.impl("write_layer_kv", write_layer_kv_impl, "CompositeExplicitAutograd")
 _lib.impl("attend", attend_impl, "CompositeExplicitAutograd")
 _lib.impl("varlen_attention", _varlen_attention, "CompositeExplicitAutograd")
 _lib.impl("attention", attention_impl, "CompositeExplicitAutograd")
+_lib.impl("attention_by_id", attention_by_id_impl, "CompositeExplicitAutograd")
 
 
 class _InferenceOnly(torch.autograd.Function):
@@ -242,6 +252,7 @@ def _register_inference_only(name: str, impl, written: int, inputs: tuple[int, .
 
 
 _register_inference_only("attention", attention_impl, written=3, inputs=(0, 1, 2))
+_register_inference_only("attention_by_id", attention_by_id_impl, written=3, inputs=(0, 1, 2))
 _register_inference_only("varlen_attention", _varlen_attention, written=3, inputs=(0, 1, 2))
 _register_inference_only("write_kv_cache", _write_kv_cache, written=2, inputs=(0, 1))
 
@@ -278,6 +289,16 @@ def _attention_fake(query, key, value, output, layer_name):
     return None
 
 
+@torch.library.register_fake("compileattn::attention_by_id")
+def _attention_by_id_fake(query, key, value, output, layer_id):
+    # Not its device: the id lives on the CPU while the query may be on a GPU, and fake tensors
+    # of some traces are on the meta device.
+    if layer_id.dtype != torch.int64 or layer_id.numel() != 1:
+        raise TypeError(f"compileattn::attention_by_id: layer_id must be a one-element int64 tensor "
+                        f"(compileattn.layer_ids.id_of), got {layer_id.dtype} {tuple(layer_id.shape)}")
+    return _attention_fake(query, key, value, output, "by layer id")
+
+
 @torch.library.register_fake("compileattn::write_layer_kv")
 def _write_layer_kv_fake(key, value, layer_name):
     return key.new_empty(0)
@@ -296,3 +317,4 @@ write_layer_kv = torch.ops.compileattn.write_layer_kv.default
 attend = torch.ops.compileattn.attend.default
 varlen_attention = torch.ops.compileattn.varlen_attention.default
 attention = torch.ops.compileattn.attention.default
+attention_by_id = torch.ops.compileattn.attention_by_id.default

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .split import is_splitting_node
+from .split import is_splitting_node, op_arguments
 
 UNIFIED = ("compileattn::attention",)
 
@@ -23,9 +23,7 @@ def capture_kv_write(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in list(gm.graph.nodes):
         if not is_splitting_node(node, UNIFIED):
             continue
-        args = list(node.args) + [node.kwargs[k] for k in ("query", "key", "value", "output", "layer_name")
-                                  if k in node.kwargs]
-        query, key, value, output, layer_name = args
+        query, key, value, output, layer_name = op_arguments(node, ("query", "key", "value", "output", "layer_name"))
         with gm.graph.inserting_before(node):
             dep = gm.graph.call_function(torch.ops.compileattn.write_layer_kv.default, (key, value, layer_name))
             attend = gm.graph.call_function(torch.ops.compileattn.attend.default,

@@ -25,6 +25,12 @@ def is_splitting_node(node: torch.fx.Node, splitting_ops: Sequence[str]) -> bool
     return any(name in splitting_ops for name in names)
 
 
+def op_arguments(node: torch.fx.Node, names: Sequence[str]) -> list:
+    """A call's arguments in schema order, ``names`` being the schema's argument names: Dynamo
+    records some of them as keywords."""
+    return list(node.args) + [node.kwargs[k] for k in names[len(node.args):] if k in node.kwargs]
+
+
 def is_collective(node: torch.fx.Node) -> bool:
     """A collective: compileattn's all-reduce, or a functional collective
     (``_c10d_functional::all_reduce`` etc., not counting its wait)."""

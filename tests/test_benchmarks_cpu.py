@@ -37,6 +37,7 @@ import op_overhead as op  # noqa: E402
 import op_overhead_report as opr  # noqa: E402
 import piecewise_gaps as pg  # noqa: E402
 import prefix_sharing as ps  # noqa: E402
+import region_trace as rt  # noqa: E402
 import throughput as tp  # noqa: E402
 import triton_decode_quick as tdq  # noqa: E402
 
@@ -638,6 +639,25 @@ def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
     assert "OPT-125m shape" in md and "n/a" in md
 
 
+# -- region_trace.py ----------------------------------------------------------------------------------
+
+
+def test_region_trace_measures_each_row_and_restores_the_model(tmp_path):
+    from compileattn import _torch_compat, layer_ids
+    from compileattn.models.llama import LlamaDecoderLayer
+
+    forward = LlamaDecoderLayer.__dict__["forward"]
+    assert rt.main(["--layers", "3", "--out", str(tmp_path / "rt")]) == 0
+    rows = {r["row"]: r for r in common.read_json(tmp_path / "rt.json")["rows"]}
+    assert rows["flat"]["status"] == "ok" and rows["flat"]["region_calls"] == 0
+    by_id = rows["regions, layer ids"]
+    assert by_id["status"] == "ok" and by_id["region_calls"] == 3
+    if _torch_compat.compile_region() is not None:  # torch 2.13: one layer traced, reused twice
+        assert by_id["subgraphs"] == 1 and by_id["top_nodes"] < rows["flat"]["top_nodes"]
+    assert "| 3 | regions, layer names |" in (tmp_path / "rt.md").read_text()
+    assert LlamaDecoderLayer.__dict__["forward"] is forward and not layer_ids.tracing_regions
+
+
 # -- coldwarm.py ------------------------------------------------------------------------------------------
 
 
@@ -649,14 +669,18 @@ def test_coldwarm_plumbing_on_the_cpu(tmp_path):
     rows = {r["phase"]: r for r in common.read_json(str(out) + ".json")["rows"]}
     assert {p: r["status"] for p, r in rows.items()} == {"cold": "ok", "warm": "ok", "cold, dynamic only": "ok",
                                                          "cold, waiting for static": "ok",
-                                                         "cold, workers after dynamic": "ok"}
+                                                         "cold, workers after dynamic": "ok",
+                                                         "cold, layers traced flat": "ok"}
     assert rows["cold"]["path"] == "cold" and rows["cold"]["counters"]["dynamo_graphs"] == 1
+    assert rows["cold"]["regions"] == "on: OPTDecoderLayer x2" and rows["cold"]["counters"]["regions_inlined"] == 2
+    assert rows["cold, layers traced flat"]["regions"] == "off: config.trace_layers_once is False"
     assert rows["cold"]["torch_compile_times"]["bytecode_tracing"] > 0  # torch's own phases, recorded
     assert "bytecode_tracing" not in rows["warm"]["torch_compile_times"]  # a warm start runs no Dynamo
     assert rows["warm"]["path"] == "warm" and rows["warm"]["counters"]["dynamo_graphs"] == 0
     assert rows["warm"]["counters"]["backend_compiles"] == 0 and rows["warm"]["load_s"] > 0
     md = (tmp_path / "cw.md").read_text()
     assert "CPU plumbing run" in md and "warm start ≤ 2 s" in md and "Inside torch's compile" in md
+    assert "with the layers traced once (regions on: OPTDecoderLayer x2) against" in md
     # each row's first call, as compileattn logged it (DEBUG included), in time order
     times = [t for t, _ in rows["cold"]["timeline"]]
     assert times == sorted(times) and times[0] >= 0

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import compileattn as ca
+from compileattn import _torch_compat
 from hf_families import FAMILIES, hf_greedy, load_reference, prompts, save_family
 
 NEW_TOKENS = 8
@@ -73,7 +74,11 @@ def test_eager_greedy_equals_hf_generate(family, checkpoint):
 def test_compiled_greedy_equals_hf_generate(family, piece_compiler, mode, checkpoint, simulated_graphs):
     directory, _, expected = checkpoint(family)
     config = ca.CompileConfig(piece_compiler=piece_compiler, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8, 16])
-    with ca.counters.expect(dynamo_graphs=1):  # compiled once, at construction
+    # Compiled once, at construction, the two decoder layers traced as one region. Where their windows
+    # differ each is traced on its own, and torch inlines a region called only once (no region calls).
+    # (torch 2.13's behaviour; 2.11 traces each call and keeps what it keeps: not counted there)
+    regions = {"regions_inlined": 0 if family in ("qwen2", "gemma2", "gemma3") else 2}
+    with ca.counters.expect(dynamo_graphs=1, **(regions if _torch_compat.compile_region() is not None else {})):
         llm = ca.LLM(str(directory), compile_config=config, **ENGINE)
     captures, replays, full = ca.counters.cudagraph_captures, ca.counters.cudagraph_replays, ca.counters.full_graph_steps
     with ca.counters.expect(dynamo_graphs=0):  # every step size, 1-token steps included, without recompiling

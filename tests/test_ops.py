@@ -22,12 +22,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 #: 'Float8_e4m3fn', torch 2.13). The schema's aliasing is the same as with other dtypes, where
 #: ``test_schema`` runs.
 FP8_OPCHECK = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-OPS = ("write_kv_cache", "varlen_attention", "attention")
+OPS = ("write_kv_cache", "varlen_attention", "attention", "attention_by_id")
 #: op -> the arguments it may write, exactly (anything else written would corrupt a compiled graph).
 MUTATED = {
     "write_kv_cache": {"key_cache", "value_cache"},
     "varlen_attention": {"out"},
     "attention": {"output"},
+    "attention_by_id": {"output"},
 }
 
 BLOCK_SIZE, NUM_BLOCKS, H, KVH, D = 4, 8, 4, 2, 64
@@ -118,6 +119,44 @@ def test_opcheck_attention_under_forward_context(dtype):
     args = (rand(n, H, D), rand(n, KVH, D), rand(n, KVH, D), rand(n, H, D), "layer.0")
     with set_forward_context(md, {"layer.0": cache}):
         torch.library.opcheck(torch.ops.compileattn.attention.default, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck_attention_by_id_equals_attention_by_name(dtype):
+    """The op a trace with regions records (compilation/regions.py): the layer named by a CPU
+    layer-id tensor. Eagerly it is ``attention`` for that layer, cache write included."""
+    from compileattn import layer_ids
+
+    md, q, k, v, fresh_cache, whole, expected = _unified_op_result(dtype)
+    layer_id = layer_ids.id_of("layer.0")
+    assert layer_id.device.type == "cpu" and layer_ids.name_of(layer_id) == "layer.0"
+    with set_forward_context(md, {"layer.0": fresh_cache()}):
+        torch.library.opcheck(torch.ops.compileattn.attention_by_id.default,
+                              (q, k, v, torch.empty_like(q), layer_id))
+    cache, out = fresh_cache(), torch.empty_like(q)
+    with set_forward_context(md, {"layer.0": cache}):
+        torch.ops.compileattn.attention_by_id(q, k, v, out, layer_id)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    torch.testing.assert_close(cache.key_cache, whole.key_cache, atol=0, rtol=0)
+
+
+def test_layer_ids_are_cpu_tensors_and_bad_ones_are_named():
+    from compileattn import layer_ids
+
+    with torch.device("meta"):  # how the own models build their layers
+        layer_id = layer_ids.id_of("layers.7.attn")
+    assert layer_id.device.type == "cpu" and layer_id.dtype == torch.int64
+    assert layer_ids.id_of("layers.7.attn").item() == layer_id.item()  # one index per name
+    with pytest.raises(TypeError, match="layer_id must be a one-element int64"):
+        layer_ids.name_of(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="names no layer"):
+        layer_ids.name_of(torch.tensor(10**9))
+    with pytest.raises(TypeError, match="layer_name must be a non-empty str"):
+        layer_ids.id_of("")
+    q = torch.randn(3, 2, 8)
+    with pytest.raises(TypeError, match="layer_id must be a one-element int64"), FakeTensorMode() as mode:
+        fq = mode.from_tensor(q)
+        torch.ops.compileattn.attention_by_id(fq, fq, fq, fq, mode.from_tensor(torch.tensor([0.5])))
 
 
 def _unified_op_result(dtype):

@@ -65,7 +65,7 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
-from . import static_pool, warm_start
+from . import regions, static_pool, warm_start
 from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
 from .replay import MISS, FullStepShortcut, graph_call_of
 
@@ -270,7 +270,8 @@ class _Site:
             loaded = warm_start.load(path, fn, config, what)
             if loaded is not None:
                 self.runtimes = loaded.dispatchers
-                stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait}
+                stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait,
+                         "regions": "off: warm start (no trace)"}
                 return self._first_call(what, loaded.function, checker, stats, start, full_args, kwargs)
 
         if owner._backend is None:
@@ -293,16 +294,17 @@ class _Site:
             timed = _TimedBackend(backend, wrap=True)
             import_wait = warm_start.wait_for_inductor()
             try:
-                aot_fn = _torch_compat.aot_compile(fn, full_args, kwargs, timed)
+                aot_fn, traced_regions = self._trace_ahead(fn, config, what, full_args, kwargs, timed)
             except Exception as exc:
                 for d in timed.dispatchers():
                     d.abandon_static_compiles()  # its compile is discarded
                 if timed.failed:
                     raise  # the backend itself failed: the frame path would only fail again
-                reason = f"aot_compile failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                reason = f"aot_compile failed ({_first_line(exc)})"
             else:
                 stats = self._compile_stats(timed, path="cold")
                 stats["import_wait_s"] = import_wait
+                stats["regions"] = traced_regions
                 self.runtimes = timed.dispatchers()
                 save = (lambda: warm_start.save(path, aot_fn, what)) if path is not None and self.runtimes else None
                 late = [d for d in self.runtimes if d.pending_static_compiles()]
@@ -317,6 +319,28 @@ class _Site:
                                         kwargs)
         log.info("compileattn: compiling %s through torch.compile's frame evaluation: %s", what, reason)
         return self._compile_frame(fn, backend, checker, start, what, full_args, kwargs)
+
+    def _trace_ahead(self, fn: Callable, config: CompileConfig, what: str, full_args: tuple, kwargs: dict,
+                     timed: "_TimedBackend"):
+        """``aot_compile`` with the module's decoder layers traced once (``regions.py``; only for
+        the default backend, which flattens them again) -> (AOTCompiledFunction, what regions did).
+        A trace that fails with regions before reaching the backend is traced again flat: some
+        models' layers differ in more ways than a region keeps variants for."""
+        if not config.trace_layers_once:
+            return _torch_compat.aot_compile(fn, full_args, kwargs, timed), "off: config.trace_layers_once is False"
+        if self.owner._backend is not None:
+            return _torch_compat.aot_compile(fn, full_args, kwargs, timed), "off: not the compileattn backend"
+        with regions.layers_as_regions(full_args[0] if self.bound else None) as state:
+            try:
+                return _torch_compat.aot_compile(fn, full_args, kwargs, timed), state
+            except Exception as exc:
+                culprit = regions.region_failure(exc) if state.startswith("on") else None
+                if culprit is None:
+                    raise
+                why = _first_line(culprit)
+        log.info("compileattn: tracing %s with its layers as regions failed (%s); tracing it flat", what, why)
+        timed.failed = False
+        return _torch_compat.aot_compile(fn, full_args, kwargs, timed), f"off: {why}"
 
     @staticmethod
     def _compile_stats(timed: _TimedBackend, path: str) -> dict[str, Any]:
@@ -380,6 +404,7 @@ class _Site:
         # The frame path runs the first call inside the compile: it is part of dynamo_s here.
         self.stats = self._compile_stats(timed, path="frame")
         self.stats["direct_replay"] = "off (frame path: Dynamo's code runs under torch.compile's frame evaluation)"
+        self.stats["regions"] = "off: frame path"
         self._total(self.stats, start)
         _log_ready(what, self.stats)
         self.runtimes = timed.dispatchers()
@@ -453,6 +478,11 @@ def _log_ready(what: str, stats: dict[str, Any]) -> None:
     log.info("compileattn: compiled %s in %.2f s (Dynamo %.2f s, backend %.2f s%s%s); later "
              "calls skip Dynamo's guards", what, stats["total_s"], stats["dynamo_s"], stats["backend_s"], extra,
              ", frame path: Dynamo's time includes the first run" if stats["path"] == "frame" else "")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _function_with_code(fn: Callable, code: types.CodeType) -> types.FunctionType:

@@ -2,8 +2,8 @@
 
 ``split_and_compile`` is what the ``compileattn`` torch.compile backend does with a Dynamo graph:
 
-1. clean-up, KV-write capture and hoist passes, then the split at the splitting ops
-   (``compileattn.passes``);
+1. region inlining (a trace with repeated layers as regions, ``regions.py``), clean-up, KV-write
+   capture and hoist passes, then the split at the splitting ops (``compileattn.passes``);
 2. the layer names of each piece's KV writes become per-piece slots, and each *distinct* piece
    (``piece_signature.py``: a transformer's middle layers are one piece on other weights) is
    compiled once, for the input shapes Dynamo traced, with the dynamic token dimension (Inductor's
@@ -27,10 +27,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from .. import _torch_compat, ops
+from .. import _torch_compat, layer_ids, ops
 from ..config import CompileConfig
 from ..counters import counters
-from ..passes import capture_kv_write, cleanup, hoist_shape_logic, split_graph
+from ..passes import capture_kv_write, cleanup, hoist_shape_logic, inline_regions, split_graph
 from ..passes.split import Piece, is_splitting_node
 from . import static_pool
 from .cache import CompileCache, cache_key
@@ -538,8 +538,16 @@ def _shape(size: int | None) -> str:
 
 
 def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig) -> CompiledSplit:
-    counters.dynamo_graphs += 1
     start = time.perf_counter()
+    # First, and before anything is counted: a graph whose regions cannot be flattened is traced
+    # again flat by the decorator.
+    gm, region_calls, region_subgraphs = inline_regions(gm, example_inputs, layer_ids.name_of)
+    counters.dynamo_graphs += 1
+    if region_calls:
+        counters.regions_inlined += region_calls
+        counters.region_subgraphs += region_subgraphs
+        logger.info("compileattn: %d nested-region calls of %d traced subgraphs flattened", region_calls,
+                    region_subgraphs)
     gm = cleanup(gm)
     if config.capture_kv_write and any(op in config.splitting_ops for op in _ATTEND):
         gm = capture_kv_write(gm)

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from .. import layer_ids
 from ..kv_cache import AttentionSpec
 
 #: The name models are switched to (``model.set_attn_implementation(IMPLEMENTATION)``).
@@ -48,9 +49,22 @@ class LayerBinding:
     settings: tuple = dataclasses.field(init=False)
     #: Set after the first eager call passed the check (compiled calls check at trace time).
     checked: bool = False
+    #: The layer's identity as a tensor (``compileattn.layer_ids``), for a trace with regions. Not in
+    #: the repr: the warm-start key prints the binding, and an id's value depends on the order
+    #: layers were registered in the process.
+    layer_id: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.settings = settings_of(self.spec)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "name":  # the id follows the name, or a region trace would attend another layer's cache
+            super().__setattr__("layer_id", layer_ids.id_of(value))
+
+    @property
+    def layer_name(self) -> str:
+        return self.name
 
 
 def settings_from_call(query: torch.Tensor, key: torch.Tensor, scaling: float | None,
@@ -82,26 +96,27 @@ def spec_from_settings(settings: tuple) -> AttentionSpec:
 
 def check_call(binding: LayerBinding, query, key, value, attention_mask, scaling, dropout, sliding_window,
                softcap, kwargs) -> None:
-    """Raise ``AttentionMismatchError`` unless this call asks for exactly the layer's spec."""
-    where = f"{binding.name}"
+    """Raise ``AttentionMismatchError`` unless this call asks for exactly the layer's spec. The
+    layer's name is read only to raise: under Dynamo a read is a per-layer value guard, which would
+    keep the decoder layers from sharing one traced region (``compileattn.layer_ids``)."""
     if attention_mask is not None:
-        raise AttentionMismatchError(f"{where}: the model passed an attention mask; compileattn attends "
+        raise AttentionMismatchError(f"{binding.name}: the model passed an attention mask; compileattn attends "
                                      f"causally over the paged cache and cannot apply a mask")
     if dropout:
-        raise AttentionMismatchError(f"{where}: dropout={dropout}; put the model in eval mode")
+        raise AttentionMismatchError(f"{binding.name}: dropout={dropout}; put the model in eval mode")
     unknown = sorted(set(kwargs) - PASSTHROUGH_KWARGS)
     if unknown:
-        raise AttentionMismatchError(f"{where}: attention arguments {unknown} are not supported")
+        raise AttentionMismatchError(f"{binding.name}: attention arguments {unknown} are not supported")
     if query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1:
-        raise AttentionMismatchError(f"{where}: expected all tokens packed as one row, got query "
+        raise AttentionMismatchError(f"{binding.name}: expected all tokens packed as one row, got query "
                                      f"{tuple(query.shape)} and key {tuple(key.shape)}")
     if key.shape[2] != query.shape[2] or value.shape != key.shape or key.shape[-1] != query.shape[-1]:
-        raise AttentionMismatchError(f"{where}: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+        raise AttentionMismatchError(f"{binding.name}: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
                                      f"{tuple(value.shape)}: only self-attention with one head dim is served")
     asked = settings_from_call(query, key, scaling, sliding_window, softcap)
     if asked != binding.settings:
         raise AttentionMismatchError(
-            f"{where}: called with (heads, kv_heads, head_dim, scale, window_left, softcap) = {asked}, but its "
+            f"{binding.name}: called with (heads, kv_heads, head_dim, scale, window_left, softcap) = {asked}, but its "
             f"KV cache was allocated for {binding.settings}")
 
 
@@ -120,7 +135,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
     out = torch.empty_like(q)
-    torch.ops.compileattn.attention(q, k, v, out, binding.name)
+    layer_ids.call_attention(q, k, v, out, binding)
     return out.unsqueeze(0), None
 
 

@@ -2,13 +2,16 @@
 
 The reshapes and shape checks here are plain Python on static sizes, so under torch.compile
 they are evaluated at trace time or become views inside the captured piece before the op; the op
-itself receives (tokens, heads, head_dim) tensors and does no shape work per call.
+itself receives (tokens, heads, head_dim) tensors and does no shape work per call. The error
+message names the layer only when it is raised: a traced read of ``layer_name`` would be a
+per-layer constant, which keeps Dynamo from tracing the decoder layer once for all (``layer_ids.py``).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .. import layer_ids
 from ..kv_cache import AttentionSpec
 
 
@@ -16,7 +19,14 @@ class Attention(nn.Module):
     def __init__(self, spec: AttentionSpec, layer_name: str):
         super().__init__()
         self.spec = spec
-        self.layer_name = layer_name
+        self.layer_name = layer_name  # sets layer_id too
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "layer_name":
+            #: The layer's identity as a tensor (``layer_ids.py``), for a trace with regions:
+            #: kept in step with the name, or a region trace would attend another layer's cache.
+            super().__setattr__("layer_id", layer_ids.id_of(value))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (tokens, heads*head_dim), k/v (tokens, kv_heads*head_dim) -> (tokens, heads*head_dim)."""
@@ -32,7 +42,7 @@ class Attention(nn.Module):
         k = k.view(n, spec.num_kv_heads, d)
         v = v.view(n, spec.num_kv_heads, d)
         out = torch.empty_like(q)
-        torch.ops.compileattn.attention(q, k, v, out, self.layer_name)
+        layer_ids.call_attention(q, k, v, out, self)
         return out.view(n, spec.num_heads * d)
 
 
