@@ -6,4 +6,5 @@ from .kv_write import capture_kv_write
 from .regions import RegionInlineError, inline_regions
 from .split import Piece, is_splitting_node, split_graph
 
-__all__ = ["Piece", "RegionInlineError", "capture_kv_write", "cleanup", "hoist_shape_logic", "inline_regions", "is_splitting_node", "split_graph"]
+__all__ = ["Piece", "RegionInlineError", "capture_kv_write", "cleanup", "hoist_shape_logic", "inline_regions",
+           "is_splitting_node", "split_graph"]

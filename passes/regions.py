@@ -2,8 +2,8 @@
 
 A trace with regions (``compileattn/compilation/regions.py``) gives a graph whose decoder layers
 are ``invoke_subgraph`` calls of one shared subgraph, and whose attention ops are
-``attention_by_id(q, k, v, out, layer_id)`` with the layer id a graph input. The later passes (KV-write
-capture, hoist, split, piece signatures) work on a flat graph with ``attention(..., layer_name)``:
+``attention_by_id(q, k, v, out, layer_id)`` with the layer id a graph input. The later passes
+(KV-write capture, hoist, split, piece signatures) work on a flat graph with ``attention(..., layer_name)``:
 this pass makes one, so their output is what a flat trace gives them. Each call is copied in
 with its own operands (another layer's weights) and each layer id replaced by the layer name its
 example input holds.
@@ -37,8 +37,8 @@ def _inline_calls(gm: torch.fx.GraphModule) -> tuple[int, int]:
             continue
         holder, _identifier, *operands = node.args
         if holder.op != "get_attr":
-            raise RegionInlineError(f"invoke_subgraph {node.name}: its subgraph is {holder.op} {holder.target}, not a "
-                             f"get_attr of a submodule")
+            raise RegionInlineError(f"invoke_subgraph {node.name}: its subgraph is {holder.op} {holder.target}, "
+                                    f"not a get_attr of a submodule")
         sub = gm.get_submodule(holder.target)
         if holder.target not in done:
             nested_calls, nested_subgraphs = _inline_calls(sub)
@@ -46,8 +46,8 @@ def _inline_calls(gm: torch.fx.GraphModule) -> tuple[int, int]:
             done.add(holder.target)
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(operands):
-            raise RegionInlineError(f"invoke_subgraph {node.name}: {len(operands)} operands for {len(placeholders)} "
-                             f"subgraph inputs")
+            raise RegionInlineError(f"invoke_subgraph {node.name}: {len(operands)} operands for "
+                                    f"{len(placeholders)} subgraph inputs")
         env: dict[torch.fx.Node, Any] = dict(zip(placeholders, operands))
         results: Any = None
         with graph.inserting_before(node):
@@ -59,8 +59,8 @@ def _inline_calls(gm: torch.fx.GraphModule) -> tuple[int, int]:
                     continue
                 if inner.op == "get_attr":
                     raise RegionInlineError(f"invoke_subgraph {node.name}: its subgraph reads attribute "
-                                            f"{inner.target}; "
-                                     f"only subgraphs that take everything as inputs can be inlined")
+                                            f"{inner.target}; only subgraphs that take everything as inputs "
+                                            f"can be inlined")
                 env[inner] = graph.node_copy(inner, env.__getitem__)
         for user in list(node.users):
             if user.op != "call_function" or user.target is not operator.getitem:

@@ -324,8 +324,9 @@ class _Site:
                      timed: "_TimedBackend"):
         """``aot_compile`` with the module's decoder layers traced once (``regions.py``; only for
         the default backend, which flattens them again) -> (AOTCompiledFunction, what regions did).
-        A trace that fails with regions before reaching the backend is traced again flat: some
-        models' layers differ in more ways than a region keeps variants for."""
+        A trace that fails because of its regions (``regions.region_failure``: more layer variants
+        than torch keeps, a layer Dynamo cannot capture as a region, a graph the backend cannot
+        flatten) is traced again flat; any other error is raised after the one trace."""
         if not config.trace_layers_once:
             return _torch_compat.aot_compile(fn, full_args, kwargs, timed), "off: config.trace_layers_once is False"
         if self.owner._backend is not None:
