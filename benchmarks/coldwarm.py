@@ -297,17 +297,25 @@ def run_benchmark(args, log) -> dict[str, Any]:
 # Report (CPU-only code)
 
 
-def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+def start_goal_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cold and warm start goals of ``GOALS`` for the rows that measured them (``common.goal``
+    records; ``latency.py``'s cold/warm subprocesses report through this too)."""
     out = []
     for r in rows:
-        goal = GOALS.get((r["model"], r["phase"]))
-        if goal is None:
+        limit = GOALS.get((r["model"], r["phase"]))
+        if limit is None:
             continue
-        label = f"{MODELS[r['model']]}, {r['phase']} start ≤ {goal:g} s"
+        label = f"{MODELS.get(r['model'], r['model'])}, {r['phase']} start ≤ {limit:g} s"
         if r["status"] != "ok":
-            out.append(f"- {label}: not measured ({r['status']})")
+            out.append(common.goal(label, None, r["status"], model=r["model"]))
         else:
-            out.append(f"- {label}: {r['first_call_s']:.2f} s — {'MET' if r['first_call_s'] <= goal else 'NOT MET'}")
+            out.append(common.goal(label, r["first_call_s"] <= limit, f"{r['first_call_s']:.2f} s", model=r["model"],
+                                   seconds=r["first_call_s"]))
+    return out
+
+
+def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    out = [common.goal_line(g) for g in start_goal_records(rows)]
     for model in MODELS:
         cold = {r["phase"]: r for r in rows if r["model"] == model and r["status"] == "ok"}
         if cold.get("cold", {}).get("static_landed_s") is not None:

@@ -210,6 +210,22 @@ def environment_markdown(env: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# Goals
+
+
+def goal(name: str, met: bool | None, measured: str, **detail: Any) -> dict[str, Any]:
+    """One goal of an issue as a script checked it: ``met`` None when the run did not measure it
+    (``measured`` then says why). Each report builds these from its own thresholds (the one place
+    each threshold lives); ``goal_line`` renders one and ``goals.py`` gathers them across runs."""
+    return {"goal": name, "met": met, "measured": measured, **detail}
+
+
+def goal_line(g: dict[str, Any]) -> str:
+    verdict = {True: "MET", False: "NOT MET", None: "not measured"}[g["met"]]
+    return f"- {g['goal']}: {verdict} — {g['measured']}"
+
+
+# ----------------------------------------------------------------------------------------------
 # Result files
 
 

@@ -855,27 +855,49 @@ def goal_check(chosen: dict[tuple, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def goal_summary(goals: Sequence[dict[str, Any]]) -> list[str]:
-    lines = []
+def goal_records(goals: Sequence[dict[str, Any]], shape_label: str = "") -> list[dict[str, Any]]:
+    """``goal_check``'s cells as the two goals (``common.goal`` records): page-16 compileattn at or
+    under FlashInfer tensor-core GPU time in every cell, and >= GOAL_TBPS at batch >= GOAL_BATCH."""
+    prefix = f"{shape_label}: " if shape_label else ""
+    records = []
     timed = [g for g in goals if g["time_ok"] is not None]
+    what = f"{prefix}page-{GOAL_PAGE} compileattn ≤ FlashInfer tensor-core GPU time in every cell"
     if timed:
         passed = sum(g["time_ok"] for g in timed)
         worst = max(timed, key=lambda g: g["ratio"])
-        lines.append(f"- Time goal (page-16 compileattn ≤ FlashInfer tensor-core GPU time in every cell): "
-                     f"{'MET' if passed == len(timed) else 'NOT MET'} — {passed}/{len(timed)} cells; worst "
-                     f"{worst['ratio']:.2f}× at context {worst['context']}, batch {worst['batch']} "
-                     f"({worst['us']:.1f} vs {worst['fi_tc_us']:.1f} µs).")
+        records.append(common.goal(
+            what, passed == len(timed), f"{passed}/{len(timed)} cells ({min(g['ratio'] for g in timed):.2f}–"
+            f"{worst['ratio']:.2f}×); worst {worst['ratio']:.3f}× at context {worst['context']}, batch {worst['batch']} "
+            f"({worst['us']:.1f} vs {worst['fi_tc_us']:.1f} µs)", cells=len(timed), cells_met=passed,
+            worst=worst["ratio"]))
     else:
-        lines.append("- Time goal: not checked (no FlashInfer tensor-core or no compileattn result at page 16).")
+        records.append(common.goal(what, None, "no FlashInfer tensor-core or no compileattn result at page 16"))
     bw = [g for g in goals if g["bw_ok"] is not None]
+    what = f"{prefix}≥ {GOAL_TBPS} TB/s at batch ≥ {GOAL_BATCH}, page {GOAL_PAGE}"
     if bw:
         passed = sum(g["bw_ok"] for g in bw)
         worst = min(bw, key=lambda g: g["tbps"])
-        lines.append(f"- Bandwidth goal (≥ {GOAL_TBPS} TB/s at batch ≥ {GOAL_BATCH}, page {GOAL_PAGE}): "
-                     f"{'MET' if passed == len(bw) else 'NOT MET'} — {passed}/{len(bw)} cells; lowest "
-                     f"{worst['tbps']:.2f} TB/s at context {worst['context']}, batch {worst['batch']}.")
+        records.append(common.goal(
+            what, passed == len(bw), f"{passed}/{len(bw)} cells; lowest {worst['tbps']:.2f} TB/s at context "
+            f"{worst['context']}, batch {worst['batch']}", cells=len(bw), cells_met=passed, worst=worst["tbps"]))
     else:
-        lines.append(f"- Bandwidth goal: not checked (no page-{GOAL_PAGE} compileattn result at batch ≥ {GOAL_BATCH}).")
+        records.append(common.goal(what, None, f"no page-{GOAL_PAGE} compileattn result at batch ≥ {GOAL_BATCH}"))
+    return records
+
+
+def shape_goal_records(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Both goals for every shape of the run that has page-16 cells."""
+    records = []
+    for shape in _ordered_shapes(payload["rows"]):
+        goals = goal_check(select([r for r in payload["rows"] if row_shape(r) == shape]))
+        if goals:
+            records += [{**g, "shape": shape} for g in goal_records(goals, SHAPES[shape].label if shape in SHAPES
+                                                                  else shape)]
+    return records
+
+
+def goal_summary(goals: Sequence[dict[str, Any]]) -> list[str]:
+    lines = [common.goal_line(g) for g in goal_records(goals)]
     missing = [g for g in goals if g["best"] is None]
     if missing:
         lines.append(f"- {len(missing)} page-16 cell(s) have no compileattn result at all.")
@@ -963,19 +985,18 @@ def render_markdown(payload: dict[str, Any]) -> str:
         chosen = select([r for r in rows if row_shape(r) == shape])
         out += [f"## {_shape_label(shape, payload)}", ""]
         out += _main_table(chosen, shape)
-        if shape == DEFAULT_SHAPE:
-            out += ["", "### Goal check (issue 5)", ""]
-            goals = goal_check(chosen)
+        goals = goal_check(chosen)
+        if goals:
+            out += ["", "### Goal check (issues 5 and 12)", ""]
             out.extend(goal_summary(goals))
-            if goals:
-                out.append("")
-                out.append(common.markdown_table(
-                    ["context", "batch", "best compileattn", "µs", "FI-TC µs", "ratio", "TB/s", "time goal",
-                     "TB/s goal"],
-                    [[g["context"], g["batch"], IMPLS[g["best"]][0] if g["best"] else "—", common.fmt_num(g["us"]),
-                      common.fmt_num(g["fi_tc_us"]), common.fmt_num(g["ratio"], 2), common.fmt_num(g["tbps"], 2),
-                      {True: "met", False: "**missed**", None: "—"}[g["time_ok"]],
-                      {True: "met", False: "**missed**", None: "—"}[g["bw_ok"]]] for g in goals]))
+            out.append("")
+            out.append(common.markdown_table(
+                ["context", "batch", "best compileattn", "µs", "FI-TC µs", "ratio", "TB/s", "time goal",
+                 "TB/s goal"],
+                [[g["context"], g["batch"], IMPLS[g["best"]][0] if g["best"] else "—", common.fmt_num(g["us"]),
+                  common.fmt_num(g["fi_tc_us"]), common.fmt_num(g["ratio"], 2), common.fmt_num(g["tbps"], 2),
+                  {True: "met", False: "**missed**", None: "—"}[g["time_ok"]],
+                  {True: "met", False: "**missed**", None: "—"}[g["bw_ok"]]] for g in goals]))
         kt = kernel_table(chosen)
         if kt:
             out += ["", "### Kernel table: compileattn against the PagedAttention-style baseline and FlashInfer", ""]

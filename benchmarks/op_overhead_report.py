@@ -62,6 +62,8 @@ PAIRS = [
     ("KV write: torch", "KV write: torch", KV_TORCH),
     ("shape logic inside the op", UNHOISTED, UNHOISTED),
 ]
+#: Issue 12: host µs of the Triton op's per-layer call from the compiled runtime, every batch.
+HOST_GOAL_US = 15.0
 #: The shape fields two runs must share for their rows to be compared.
 SHAPE_KEYS = ("heads", "kv_heads", "head_dim", "dtype", "block_size", "context")
 _LOG_LINE = re.compile(r"^batch\s+(\d+)\s+(.+?)\s+cpu\s+([\d.]+) µs\s+gpu\s+([\d.]+) µs\s*$")
@@ -275,6 +277,24 @@ def comparison_lines(payload: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
+def goal_records(payload: dict[str, Any], run: int | None = None) -> list[dict[str, Any]]:
+    """The Triton op's host cost per layer (``op_caller("triton")``) against ``HOST_GOAL_US`` at
+    every batch of one run (default: the last), as ``common.goal`` records."""
+    run = len(payload["runs"]) - 1 if run is None else run
+    rows = sorted((r for r in payload["rows"] if r["run"] == run and r["variant"] == op_caller("triton")),
+                  key=lambda r: r["batch"])
+    what = f"Triton attention op host cost ≤ {HOST_GOAL_US:g} µs per call (compiled runtime, per layer)"
+    ok = [r for r in rows if _ok(r)]
+    if not ok:
+        return [common.goal(what, None, "no triton per-layer row in this run")]
+    worst = max(ok, key=lambda r: r["cpu_us"])
+    met = False if worst["cpu_us"] > HOST_GOAL_US else (True if len(ok) == len(rows) else None)
+    return [common.goal(what, met,
+                        ", ".join(f"{r['cpu_us']:.1f} µs at batch {r['batch']}" for r in ok)
+                        + (f" ({len(rows) - len(ok)} batch(es) not measured)" if len(ok) < len(rows) else ""),
+                        worst=worst["cpu_us"])]
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     shape = payload["config"].get("shape", {})
     out = ["# CPU cost per attention call", "",
@@ -284,6 +304,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
            f"wall time ÷ calls, the GPU kept busy by a preceding `torch.cuda._sleep` so the loop never waits on it. "
            f"GPU µs per call: the same calls queued behind a sleep, CUDA events from the first to the last.", ""]
     out += comparison_lines(payload)
+    out += ["## Goal (issue 12)", "", *(common.goal_line(g) for g in goal_records(payload)), ""]
     for i, run in enumerate(payload["runs"]):
         out += run_heading(i, run) + run_table(payload, i)
     return "\n".join(out).rstrip() + "\n"
@@ -314,7 +335,7 @@ def plot(payload: dict[str, Any]):
             for j, (label, get) in enumerate(series):
                 ax.barh([i + j * height for i in range(len(names))], [get(n, b) or 0 for n in names],
                         height=height, label=label)
-            ax.axvline(15, color="k", linestyle="--", linewidth=1, label="goal 15 µs")
+            ax.axvline(HOST_GOAL_US, color="k", linestyle="--", linewidth=1, label=f"goal {HOST_GOAL_US:g} µs")
             ax.set_xscale("log")
             ax.set_title(f"batch {b}")
             ax.set_xlabel("host µs per call")
