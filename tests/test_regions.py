@@ -16,7 +16,7 @@ from compileattn.kv_cache import AttentionSpec
 from compileattn.models.attention import Attention
 from compileattn.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
 from compileattn.passes import inline_regions
-from compileattn.testing import assert_matches_eager, random_step
+from compileattn.testing import PersistentInputs, assert_matches_eager, random_step
 
 BLOCK, NUM_BLOCKS = 4, 128
 H, KVH, D = 2, 1, 32
@@ -260,23 +260,22 @@ def test_a_layer_id_that_is_not_a_graph_input_is_refused():
         inline_regions(gm, [torch.zeros(1, 2, 32)], layer_ids.name_of)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_cuda_layers_traced_once_match_eager_through_cuda_graphs(dtype):
-    """Inductor pieces and CUDA graphs (piecewise, full decode) from a trace with regions."""
-    config = ca.CompileConfig(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32], compile_sizes=())
-    cls = ca.compile(type("CudaLlama", (LlamaForCausalLM,), {}), dynamic_arg_dims={"input_ids": 0, "positions": 0},
+def _graphs_from_regions(device: str, dtype: torch.dtype) -> None:
+    """Pieces and CUDA graphs (piecewise, and full graphs for the decode steps) compiled from a
+    trace with regions match eager. Inputs are views of persistent buffers, as an engine feeds
+    a model replayed from graphs (a full graph reads its inputs where it captured them)."""
+    config = ca.CompileConfig(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32], compile_sizes=(),
+                              piece_compiler="inductor" if device == "cuda" else "eager")
+    cls = ca.compile(type("GraphLlama", (LlamaForCausalLM,), {}), dynamic_arg_dims={"input_ids": 0, "positions": 0},
                      config=config)
-    model = cls(LlamaConfig.tiny(num_layers=4), dtype=dtype, device="cuda", seed=1)
-    eager = LlamaForCausalLM(LlamaConfig.tiny(num_layers=4), dtype=dtype, device="cuda", seed=1)
-    caches = ca.allocate_kv_caches(eager.attention_specs(), NUM_BLOCKS, BLOCK, dtype=dtype, device="cuda")
+    model = cls(LlamaConfig.tiny(num_layers=4), dtype=dtype, device=device, seed=1)
+    eager = LlamaForCausalLM(LlamaConfig.tiny(num_layers=4), dtype=dtype, device=device, seed=1)
+    caches = ca.allocate_kv_caches(eager.attention_specs(), NUM_BLOCKS, BLOCK, dtype=dtype, device=device)
     builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=64,
-                                          max_blocks_per_seq=32, device="cuda")
-
-    def make_inputs(n):
-        return (torch.randint(0, 256, (n,), device="cuda"), torch.randint(0, 60, (n,), device="cuda"))
-
+                                          max_blocks_per_seq=32, device=device)
+    make_inputs = PersistentInputs(256, 64, positions=(0, 60), device=device)
     rng = random.Random(1)
+    full_steps = ca.counters.full_graph_steps
     with ca.counters.expect(dynamo_graphs=1, regions_inlined=4), torch.no_grad():
         for i in range(8):
             decode = i % 2 == 1
@@ -285,7 +284,18 @@ def test_cuda_layers_traced_once_match_eager_through_cuda_graphs(dtype):
             n = sum(s.query_len for s in seqs)
             assert_matches_eager(eager, model, builder, caches, seqs, make_inputs,
                                  pad_to=next(s for s in config.capture_sizes if s >= n))
+    assert ca.counters.full_graph_steps - full_steps >= 4  # the decode steps ran full graphs
     assert model.forward.compile_stats["regions"] == "on: LlamaDecoderLayer x4"
+
+
+def test_layers_traced_once_match_eager_through_simulated_graphs(simulated_graphs):
+    _graphs_from_regions("cpu", torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_layers_traced_once_match_eager_through_cuda_graphs(dtype):
+    _graphs_from_regions("cuda", dtype)
 
 
 def test_the_warm_start_key_does_not_see_layer_id_values():
