@@ -732,7 +732,9 @@ def run_probes(name: str, args, budget: common.Budget, log: common.Log) -> list[
     import coldwarm
 
     dirs: dict = {}
-    spec = argparse.Namespace(device=DEVICE, backend=args.backend, llama_layers=args.llama_layers)
+    # coldwarm's own parser, so each of its options has its default there (workers, ...)
+    spec = coldwarm.parse_args(["--device", DEVICE, "--backend", args.backend]
+                               + (["--llama-layers", str(args.llama_layers)] if args.llama_layers else []))
     return [{"run": 0, **coldwarm.run_phase(name, phase, dirs, spec, budget, log)} for phase in ("cold", "warm")]
 
 

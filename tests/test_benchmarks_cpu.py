@@ -743,6 +743,16 @@ def test_coldwarm_timeline_recorder_takes_debug_and_restores_the_level():
         log.setLevel(before)
 
 
+def test_latency_cold_warm_probes_run_coldwarms_phases(monkeypatch):
+    """latency.py's cold/warm subprocesses go through coldwarm.run_phase with every option it
+    reads (S11-2 found one missing on the GPU: no probe ran)."""
+    monkeypatch.setattr(lat, "DEVICE", "cpu")
+    args = lat.parse_args(["--models", "opt"])
+    rows = lat.run_probes("opt", args, common.Budget(300), common.Log())
+    assert [(r["phase"], r["status"]) for r in rows] == [("cold", "ok"), ("warm", "ok")], rows
+    assert rows[1]["path"] == "warm" and rows[0]["first_call_s"] > 0
+
+
 def test_coldwarm_report_marks_failures_and_skips():
     rows = [{"model": "llama", "phase": "cold", "status": "FAILED", "reason": "differs from eager"},
             {"model": "llama", "phase": "warm", "status": "ok", "path": "warm", "first_call_s": 2.5, "load_s": 0.3,
