@@ -46,6 +46,9 @@ PRIVATE_APIS = {
     "torch._dynamo.mark_dynamic": "marking the token dim of a step's inputs dynamic (documented, but private)",
     "torch._dynamo.lookup_backend": "@compileattn.compile(backend='inductor') and the like",
     "torch._inductor.standalone_compile": "compiling one piece with Inductor outside Dynamo",
+    "torch._inductor.custom_graph_pass.CustomGraphPass": "the pieces' post-grad pass (passes/residual_addmm.py)",
+    "torch._inductor.custom_graph_pass.get_hash_for_files": "that pass's cache identity (its file's hash)",
+    "torch.fx.experimental.symbolic_shapes.statically_known_true": "that pass's shape checks on symbolic sizes",
     "torch._guards.detect_fake_mode": "the fake mode of the graph's example inputs",
     "torch._subclasses.fake_tensor.unset_fake_temporarily": "compiling a piece for static shapes",
     "torch._subclasses.fake_tensor.FakeTensorMode": "fake inputs with every size fixed",
@@ -331,6 +334,21 @@ def standalone_compile(gm, example_inputs, dynamic_shapes: str, options: dict):
     (``CacheCompiledArtifact``, file only, loads through the on-disk Inductor cache) lacks."""
     return resolve("torch._inductor.standalone_compile")(gm, example_inputs, dynamic_shapes=dynamic_shapes,
                                                          options=options, aot=True)
+
+
+def custom_graph_pass_base() -> type:
+    """Inductor's base class of a ``post_grad_custom_*_pass`` (its ``uuid`` keys the caches)."""
+    return resolve("torch._inductor.custom_graph_pass.CustomGraphPass")
+
+
+def files_hash(paths: tuple[str, ...]) -> bytes:
+    """Inductor's hash of source files, the usual ``uuid`` of a custom graph pass."""
+    return resolve("torch._inductor.custom_graph_pass.get_hash_for_files")(paths)
+
+
+def statically_known_true(expr) -> bool:
+    """True only if ``expr`` (a bool, or a SymBool over symbolic sizes) holds without a guard."""
+    return resolve("torch.fx.experimental.symbolic_shapes.statically_known_true")(expr)
 
 
 def detect_fake_mode(example_inputs):

@@ -99,7 +99,8 @@ class CompileConfig:
     capture_kv_write: bool = _compiled(True)
     #: Move shape logic that feeds an attention op into the neighbouring piece (passes/hoist.py).
     hoist_shape_logic: bool = _compiled(True)
-    #: Extra Inductor options for every piece.
+    #: Extra Inductor settings for every piece (``torch._inductor.config`` names, e.g.
+    #: ``{"max_autotune": True}``), applied as that compile's config patches.
     inductor_options: dict[str, Any] = _compiled(default_factory=dict)
     #: Where compiled pieces are saved and loaded; None disables the compile cache.
     cache_dir: str | None = None

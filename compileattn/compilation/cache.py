@@ -75,6 +75,25 @@ def environment_key() -> list[str]:
     return [f"{name}={os.environ[name]}" for name in sorted(os.environ) if name.startswith(ENV_PREFIXES)]
 
 
+_package_digest: str | None = None
+
+
+def compileattn_source_digest() -> str:
+    """Digest of compileattn's own sources: its passes and piece compiler shape the compiled
+    pieces and the saved code without being traced by Dynamo."""
+    global _package_digest
+    if _package_digest is None:
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256()
+        files = sorted(Path(d, f) for d, _, names in os.walk(root, followlinks=True)  # compileattn/passes is a link
+                       for f in names if f.endswith(".py"))
+        for path in files:
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+        _package_digest = h.hexdigest()
+    return _package_digest
+
+
 def traced_source_files(gm: torch.fx.GraphModule) -> list[str]:
     files = set()
     for node in gm.graph.nodes:
@@ -87,6 +106,7 @@ def cache_key(config: CompileConfig, gm: torch.fx.GraphModule) -> str:
     h = hashlib.sha256()
     h.update(config.hash().encode())
     h.update(torch.__version__.encode())
+    h.update(compileattn_source_digest().encode())
     h.update(gm.code.encode())
     for line in environment_key():
         h.update(line.encode())

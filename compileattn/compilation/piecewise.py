@@ -32,7 +32,7 @@ from ..config import CompileConfig
 from ..counters import counters
 from ..passes import capture_kv_write, cleanup, hoist_shape_logic, inline_regions, split_graph
 from ..passes.split import Piece, is_splitting_node
-from . import static_pool
+from . import inductor_piece, static_pool
 from .cache import CompileCache, cache_key
 from .landing import StaticLanding
 from .piece_signature import parametrize_layer_names, piece_signature
@@ -241,14 +241,15 @@ def _compile_piece(piece: Piece, args: list[Any], config: CompileConfig, static:
 def _compile_piece_for_inference(piece: Piece, args: list[Any], config: CompileConfig, static: bool) -> PieceCode:
     if static:
         with _torch_compat.unset_fake_temporarily():
-            return PieceCode("inductor", _torch_compat.standalone_compile(
-                piece.module, args, "from_example_inputs", dict(config.inductor_options)))
+            return PieceCode("inductor", inductor_piece.compile_piece(piece.module, args, "from_example_inputs",
+                                                                      config.inductor_options))
     if config.piece_compiler == "eager":
         return PieceCode("eager", piece.module)
     if config.piece_compiler == "aot_eager":
         return PieceCode("aot_eager", _torch_compat.aot_eager(piece.module, args))
-    return PieceCode("inductor", _torch_compat.standalone_compile(
-        piece.module, args, "from_tracing_context", dict(config.inductor_options)))
+    return PieceCode("inductor", inductor_piece.compile_piece(piece.module, args, "from_tracing_context",
+                                                                  config.inductor_options))
+
 
 
 def _token_input(fake_args: Sequence[Any]) -> int | None:

@@ -66,6 +66,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 import torch
 
 from .. import _torch_compat
+from . import inductor_piece
 
 logger = logging.getLogger("compileattn")
 
@@ -578,5 +579,5 @@ def compile_message(message: dict[str, Any]) -> bytes:
     gm = _torch_compat.piece_unpickle(message["graph"])
     args = static_args_from_specs(message["inputs"])
     with _torch_compat.compile_settings_applied(message["settings"]):
-        artifact = _torch_compat.standalone_compile(gm, args, "from_example_inputs", dict(message["options"]))
+        artifact = inductor_piece.compile_piece(gm, args, "from_example_inputs", message["options"])
     return _torch_compat.artifact_bytes(artifact)

@@ -31,7 +31,6 @@ import hashlib
 import importlib
 import inspect
 import logging
-import os
 import sys
 import threading
 import time
@@ -42,7 +41,7 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
-from .cache import environment_key, secure_dir, write_atomic
+from .cache import compileattn_source_digest, environment_key, secure_dir, write_atomic
 
 log = logging.getLogger("compileattn")
 
@@ -83,25 +82,6 @@ def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
                 yield f" {kind} {pname} {tuple(t.shape)} {t.dtype} {t.device} {t.requires_grad}"
 
 
-_package_digest: str | None = None
-
-
-def _compileattn_source() -> str:
-    """Digest of compileattn's own sources: its passes and piece compiler shape the saved code
-    without being traced by Dynamo."""
-    global _package_digest
-    if _package_digest is None:
-        root = Path(__file__).resolve().parents[1]
-        h = hashlib.sha256()
-        files = sorted(Path(d, f) for d, _, names in os.walk(root, followlinks=True)  # compileattn/passes is a link
-                       for f in names if f.endswith(".py"))
-        for path in files:
-            h.update(str(path.relative_to(root)).encode())
-            h.update(path.read_bytes())
-        _package_digest = h.hexdigest()
-    return _package_digest
-
-
 def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, values: Iterable[Any]) -> str:
     """The cache key of a compile: everything that decides Dynamo's code and the pieces that is
     known before tracing. ``arguments``: the argument checker's text of the first call;
@@ -109,7 +89,7 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
     code = fn.__code__
     parts = [
         f"format={FORMAT}", f"torch={torch.__version__}", f"python={sys.version}",
-        f"compileattn={_compileattn_source()}",
+        f"compileattn={compileattn_source_digest()}",
         f"fn={fn.__module__}.{fn.__qualname__}@{code.co_filename}:{code.co_firstlineno}",
         f"config={config.hash()}",
         f"dynamic={sorted(dynamic.items())}", f"arguments={arguments}", *environment_key(),
