@@ -108,7 +108,7 @@ def goal_records(payload: dict[str, Any]) -> list[dict[str, Any]]:
         bad = [(c, v) for c, v in vals if v > limit]
         worst = max(vals, key=lambda cv: cv[1])
         records.append(common.goal(
-            what, not bad, f"{len(vals) - len(bad)}/{len(vals)} decode cells; worst {worst[1]:.2f}× at batch "
+            what, not bad, f"{len(vals) - len(bad)}/{len(vals)} decode cells ({min(v for _, v in vals):.3f}–{worst[1]:.3f}×); worst at batch "
             f"{worst[0][2]}, context {worst[0][3]}", model=model, cells=len(vals), cells_met=len(vals) - len(bad),
             worst=worst[1], range=[min(v for _, v in vals), worst[1]]))
 
