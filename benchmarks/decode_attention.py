@@ -866,8 +866,8 @@ def goal_records(goals: Sequence[dict[str, Any]], shape_label: str = "") -> list
         passed = sum(g["time_ok"] for g in timed)
         worst = max(timed, key=lambda g: g["ratio"])
         records.append(common.goal(
-            what, passed == len(timed), f"{passed}/{len(timed)} cells ({min(g['ratio'] for g in timed):.2f}–"
-            f"{worst['ratio']:.2f}×); worst {worst['ratio']:.3f}× at context {worst['context']}, batch {worst['batch']} "
+            what, passed == len(timed), f"{passed}/{len(timed)} cells ({min(g['ratio'] for g in timed):.3f}–"
+            f"{worst['ratio']:.3f}×); worst at context {worst['context']}, batch {worst['batch']} "
             f"({worst['us']:.1f} vs {worst['fi_tc_us']:.1f} µs)", cells=len(timed), cells_met=passed,
             worst=worst["ratio"]))
     else:
@@ -891,8 +891,7 @@ def shape_goal_records(payload: dict[str, Any]) -> list[dict[str, Any]]:
     for shape in _ordered_shapes(payload["rows"]):
         goals = goal_check(select([r for r in payload["rows"] if row_shape(r) == shape]))
         if goals:
-            records += [{**g, "shape": shape} for g in goal_records(goals, SHAPES[shape].label if shape in SHAPES
-                                                                  else shape)]
+            records += [{**g, "shape": shape} for g in goal_records(goals, _shape_dims(shape, payload).label)]
     return records
 
 
@@ -920,11 +919,17 @@ def _ordered_shapes(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [s for s in SHAPES if s in present] + sorted(present - set(SHAPES))
 
 
-def _shape_label(shape: str, payload: dict[str, Any]) -> str:
+def _shape_dims(shape: str, payload: dict[str, Any]) -> Shape:
+    """A shape's dims: this script's, or those the result file recorded (a shape added later)."""
     dims = SHAPES.get(shape)
     if dims is None:
         dims = Shape(**payload.get("shapes", {}).get(shape, {"num_heads": "?", "num_kv_heads": "?", "head_dim": "?",
                                                                  "label": shape}))
+    return dims
+
+
+def _shape_label(shape: str, payload: dict[str, Any]) -> str:
+    dims = _shape_dims(shape, payload)
     return f"{dims.label}: {dims.num_heads} query / {dims.num_kv_heads} KV heads, head dim {dims.head_dim}"
 
 

@@ -9,8 +9,10 @@ and ``op_overhead_report`` (the Triton op's host cost per layer). This script on
 JSON files and lists every goal with its verdict and the run it came from, so "every row in one
 run per model" is one table to read. CPU-only and torch-free.
 
-    python benchmarks/goals.py --latency results/latency_opt_S11.json results/latency_llama_S11.json \\
-        --decode results/decode_page16_S11.json --op-overhead results/op_overhead_S11.json -o results/goals_S11
+    python benchmarks/goals.py --latency results/latency_opt_S11-4.json results/latency_llama_S11-4.json \\
+        --decode results/decode_page16_S11-2.json --op-overhead results/op_overhead_S11-3.json -o results/goals_S11
+
+A merged result file (several runs) is listed with its last run's environment.
 """
 from __future__ import annotations
 
@@ -28,11 +30,11 @@ import decode_attention  # noqa: E402
 import latency_report  # noqa: E402
 import op_overhead_report  # noqa: E402
 
-#: kind -> (the script's name in the table, records from its payload)
+#: kind -> (the script's name in the table, its result file's reader, records from its payload)
 SOURCES = {
-    "latency": ("latency.py", latency_report.goal_records),
-    "decode": ("decode_attention.py", decode_attention.shape_goal_records),
-    "op_overhead": ("op_overhead.py", op_overhead_report.goal_records),
+    "latency": ("latency.py", common.read_json, latency_report.goal_records),
+    "decode": ("decode_attention.py", common.read_json, decode_attention.shape_goal_records),
+    "op_overhead": ("op_overhead.py", op_overhead_report.read_result, op_overhead_report.goal_records),
 }
 
 
@@ -40,8 +42,8 @@ def gather(files: Sequence[tuple[str, str]]) -> dict[str, Any]:
     """``files``: (kind, path) pairs. Every record keeps the file and run it came from."""
     goals, sources = [], []
     for kind, path in files:
-        payload = op_overhead_report.read_result(path) if kind == "op_overhead" else common.read_json(path)
-        script, records = SOURCES[kind]
+        script, read, records = SOURCES[kind]
+        payload = read(path)
         runs = payload.get("runs") or [{}]
         env = runs[-1].get("env", {})
         sources.append({"kind": kind, "file": Path(path).name, "script": script, "env": env,

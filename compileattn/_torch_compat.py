@@ -327,13 +327,20 @@ def aot_eager(gm, example_inputs):
         return resolve("torch._dynamo.backends.debugging.aot_eager")(gm, example_inputs)
 
 
-def standalone_compile(gm, example_inputs, dynamic_shapes: str, options: dict):
+def standalone_compile(gm, example_inputs, dynamic_shapes: str, config_patches: dict):
     """Inductor on one FX graph: ``dynamic_shapes`` is "from_tracing_context" (the shapes Dynamo
-    traced, symbols included) or "from_example_inputs" (every size as given). ``aot=True``: a
+    traced, symbols included) or "from_example_inputs" (every size as given); ``config_patches``:
+    Inductor config settings for this compile (``standalone_compile``'s ``options`` are
+    ``compile_fx``'s keyword arguments, of which ``config_patches`` is one). ``aot=True``: a
     self-contained artifact with a bytes form (``artifact_bytes``), which the default
     (``CacheCompiledArtifact``, file only, loads through the on-disk Inductor cache) lacks."""
     return resolve("torch._inductor.standalone_compile")(gm, example_inputs, dynamic_shapes=dynamic_shapes,
-                                                         options=options, aot=True)
+                                                         options={"config_patches": config_patches}, aot=True)
+
+
+def inductor_config_value(name: str):
+    """The current value of an Inductor config setting (``torch._inductor.config.<name>``)."""
+    return getattr(resolve("torch._inductor.config"), name)
 
 
 def custom_graph_pass_base() -> type:

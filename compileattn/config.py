@@ -19,6 +19,10 @@ CudaGraphMode = Literal["auto", "none", "piecewise", "full_and_piecewise"]
 DEFAULT_SPLITTING_OPS = ("compileattn::attention", "compileattn::attend")
 #: compile_sizes="auto": static compiles for the capture sizes up to this many tokens (decode batches).
 AUTO_COMPILE_SIZES_MAX = 8
+#: Keyword arguments of Inductor's ``compile_fx`` that are not config settings: ``inductor_options``
+#: is applied as config patches, where these names would fail deep inside Inductor.
+COMPILE_FX_ARGUMENTS = frozenset({"config_patches", "decompositions", "inner_compile", "ignore_shape_env",
+                                  "compile_region_name"})
 
 
 def _compiled(default=dataclasses.MISSING, **kw):
@@ -134,6 +138,11 @@ class CompileConfig:
         if self.compile_workers != "auto" and (isinstance(self.compile_workers, bool)
                                                or not isinstance(self.compile_workers, int) or self.compile_workers < 0):
             raise ValueError(f"compile_workers must be 'auto' or an int >= 0, got {self.compile_workers!r}")
+        misplaced = sorted(set(self.inductor_options) & COMPILE_FX_ARGUMENTS)
+        if misplaced:
+            raise ValueError(f"inductor_options holds Inductor config settings (torch._inductor.config names), "
+                             f"applied as one compile's config patches; {misplaced} are compile_fx arguments, "
+                             f"not settings: give their contents (e.g. {{'max_autotune': True}})")
         if isinstance(self.compile_sizes, str):
             if self.compile_sizes != "auto":
                 raise ValueError(f"compile_sizes must be 'auto' or a list of positive ints, got {self.compile_sizes!r}")

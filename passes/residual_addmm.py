@@ -2,24 +2,29 @@
 
 Inductor rewrites ``x @ w + r`` into ``addmm(r, x, w)`` unless every user of the sum is pointwise
 (``torch/_inductor/fx_passes/post_grad.py``: ``addmm`` and ``should_prefer_unfused_addmm``). In a
-decoder without projection biases (Llama and most current LLMs) that sum is the residual stream,
-and inside a piece it is also a piece output: the layer after the next attention reads it. An
-output is not a pointwise user, so each residual add of a piece becomes an ``addmm``, which cuBLAS
-runs on CUDA as a device-to-device copy of ``r`` into the result and a GEMM with beta 1: one more
-GPU operation per residual add, two per layer. torch.compile's whole-model graph has none of them
-(there every user of the sum is pointwise and Inductor keeps the add apart). Measured on the H200
-(run S7-1, ``piecewise_gaps_llama_S7-1.md``, Llama-3-8B shape): 62 ``Memcpy DtoD`` per step in
-compileattn's pieces and full-decode graph, none in the whole-model Inductor graph; each one sits
-between the attention kernels and the output projection's GEMM.
+decoder without projection biases (Llama and most current LLMs) the sums are the residual
+stream. Inside a piece the MLP's sum is a piece output (the layer after the next attention reads
+it), and an output is not a pointwise user, so it becomes an ``addmm``; the pattern pass visits
+the graph from its end, so the attention's sum, whose user is by then that ``addmm``, becomes one
+too: two in every piece between two attention layers (62 for 32 layers), each of which cuBLAS
+runs on CUDA as a device-to-device copy of ``r`` into the result and a GEMM with beta 1, one more
+GPU operation. torch.compile's
+whole-model graph has none of them (there every user of a sum is pointwise). Profiled on the
+H200 (run S7-1, ``piecewise_gaps_llama_S7-1.md``, Llama-3-8B shape): 62 ``Memcpy DtoD`` per step
+in compileattn's pieces and full-decode graph, none in the whole-model Inductor graph.
 
 Kept apart, the add joins the kernel that consumes the sum (the next RMSNorm), which writes the
-residual stream out too. Only a full-matrix ``r`` on a GPU is rewritten: a broadcast bias is
-cuBLAS's epilogue, and on the CPU Inductor itself prefers ``addmm``.
+residual stream out too. Numerics: the product is rounded to the dtype before the add, as in the
+eager model (``F.linear``, then ``+``) and in the whole-model compile, which never forms these
+``addmm``s; cuBLAS's fused form rounds once. Only a dense row-major ``r`` of the result's shape on
+a GPU is rewritten: a broadcast bias is cuBLAS's epilogue, and on the CPU Inductor itself prefers
+``addmm``.
 
-Imported only when a piece is compiled: ``torch._inductor.custom_graph_pass`` pulls in most of
-Inductor's configuration (0.8 s on the CPU box).
+Imported only when a piece is compiled (``compilation/inductor_piece.py``).
 """
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -67,17 +72,23 @@ def unfuse_residual_addmm(graph: torch.fx.Graph) -> int:
 
 class UnfuseResidualAddmm(_torch_compat.custom_graph_pass_base()):
     """``unfuse_residual_addmm`` as Inductor's ``post_grad_custom_post_pass`` (after its own
-    pattern passes have formed the ``addmm``s). ``uuid``: this file's hash, so Inductor's caches
-    tell compiles with and without it apart."""
+    pattern passes have formed the ``addmm``s), followed by ``then`` (a pass the caller set
+    there already: one callable, or a list of them). ``uuid`` keys Inductor's caches: this file,
+    the devices it rewrites for, and ``then``'s own ``uuid``."""
+
+    def __init__(self, then=None):
+        self.then = [] if then is None else list(then) if isinstance(then, (list, tuple)) else [then]
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         unfuse_residual_addmm(graph)
+        for other in self.then:
+            other(graph)
 
-    def uuid(self) -> bytes:
-        return _torch_compat.files_hash((__file__,))
-
-
-def piece_inductor_options(options: dict) -> dict:
-    """Inductor options for compiling a piece: ``options`` plus this pass, unless ``options``
-    brings a ``post_grad_custom_post_pass`` of its own (the caller's pass is kept as given)."""
-    return {"post_grad_custom_post_pass": UnfuseResidualAddmm(), **options}
+    def uuid(self) -> bytes | None:
+        parts = [_torch_compat.files_hash((__file__,)), repr(_GPU_DEVICES).encode()]
+        for other in self.then:
+            key = other.uuid() if hasattr(other, "uuid") else None
+            if key is None:
+                return None  # a pass without an identity: Inductor bypasses its caches, as it would for it
+            parts.append(repr(key).encode())
+        return hashlib.sha256(b"\0".join(parts)).digest()

@@ -6,24 +6,32 @@ import random
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import compileattn as ca
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.passes import residual_addmm
-from compileattn.passes.residual_addmm import UnfuseResidualAddmm, piece_inductor_options, unfuse_residual_addmm
+from compileattn.compilation.inductor_piece import config_patches
+from compileattn.passes.residual_addmm import UnfuseResidualAddmm, unfuse_residual_addmm
 from compileattn.testing import PersistentInputs, assert_matches_eager, random_step
 
 aten = torch.ops.aten
 T, K, N = 3, 8, 16
 
 
-def _graph(device: str, inp_shape=(T, N), **kwargs):
-    """``s = addmm(inp, x, w)``, returned and reduced (two non-pointwise users, as in a piece)."""
+def _graph(device: str, inp_shape=(T, N), transposed=False, symbolic=False, **kwargs):
+    """``s = addmm(inp, x, w)``, returned and reduced (two non-pointwise users, as in a piece).
+    ``symbolic``: the token dim is a symbol, as in a piece compiled for dynamic shapes."""
     graph = torch.fx.Graph()
-    mode = FakeTensorMode()
+    mode = FakeTensorMode(shape_env=ShapeEnv()) if symbolic else FakeTensorMode()
+    t = T
+    if symbolic:
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC])
+        t = mode.from_tensor(torch.empty(T), symbolic_context=context).shape[0]
     with mode:
-        vals = {"x": torch.empty(T, K, device=device), "w": torch.empty(K, N, device=device),
-                "inp": torch.empty(*inp_shape, device=device)}
+        inp = torch.empty(*inp_shape[::-1], device=device).t() if transposed else torch.empty(
+            *((t, *inp_shape[1:]) if len(inp_shape) == 2 and inp_shape[0] == T else inp_shape), device=device)
+        vals = {"x": torch.empty(t, K, device=device), "w": torch.empty(K, N, device=device), "inp": inp}
     nodes = {}
     for name, val in vals.items():
         nodes[name] = graph.placeholder(name)
@@ -54,27 +62,68 @@ def test_a_residual_addmm_on_the_gpu_becomes_mm_plus_add_with_the_same_values():
     torch.testing.assert_close(total, torch.addmm(inp, x, w).sum())
 
 
-@pytest.mark.parametrize("case", ["cpu", "bias vector", "broadcast row", "beta 2", "alpha 2"])
+def test_a_residual_with_a_symbolic_token_count_is_rewritten():
+    graph = _graph("cuda", symbolic=True)
+    assert unfuse_residual_addmm(graph) == 1
+    add = next(n for n in graph.nodes if n.target is aten.add.Tensor)
+    assert isinstance(add.meta["val"].shape[0], torch.SymInt)
+
+
+@pytest.mark.parametrize("case", ["cpu", "bias vector", "broadcast row", "transposed", "beta 2", "alpha 2"])
 def test_addmm_kept_where_cublas_or_mkl_is_the_better_place(case):
     """A bias vector (or a broadcast row) is cuBLAS's epilogue; on the CPU Inductor prefers addmm;
-    scaled forms are left as they are."""
+    a residual that is not row-major would give the add other strides than addmm's result; scaled
+    forms are left as they are."""
     graph = {"cpu": lambda: _graph("cpu"), "bias vector": lambda: _graph("cuda", (N,)),
-             "broadcast row": lambda: _graph("cuda", (1, N)), "beta 2": lambda: _graph("cuda", beta=2),
-             "alpha 2": lambda: _graph("cuda", alpha=2)}[case]()
+             "broadcast row": lambda: _graph("cuda", (1, N)), "transposed": lambda: _graph("cuda", transposed=True),
+             "beta 2": lambda: _graph("cuda", beta=2), "alpha 2": lambda: _graph("cuda", alpha=2)}[case]()
     assert unfuse_residual_addmm(graph) == 0
     assert _targets(graph)[0] is aten.addmm.default
 
 
-def test_options_add_the_pass_unless_the_caller_brings_one():
-    opts = piece_inductor_options({"max_autotune": False})
-    assert isinstance(opts["post_grad_custom_post_pass"], UnfuseResidualAddmm) and opts["max_autotune"] is False
-    mine = object()
-    assert piece_inductor_options({"post_grad_custom_post_pass": mine})["post_grad_custom_post_pass"] is mine
-    assert UnfuseResidualAddmm().uuid() == UnfuseResidualAddmm().uuid()  # cacheable: a stable key
+class _TheirPass:
+    def __init__(self, key="theirs"):
+        self.key, self.calls = key, []
+
+    def __call__(self, graph):
+        self.calls.append(_targets(graph))
+
+    def uuid(self):
+        return self.key
 
 
-def _llama_pieces_match_eager(monkeypatch, device: str, dtype: torch.dtype, **config) -> int:
-    """A tiny Llama compiled with Inductor pieces matches eager; the residual adds rewritten."""
+def test_the_pass_runs_before_the_users_own_and_none_turns_it_off():
+    ours = config_patches({"max_autotune": False})
+    assert isinstance(ours["post_grad_custom_post_pass"], UnfuseResidualAddmm) and ours["max_autotune"] is False
+    theirs = _TheirPass()
+    chained = config_patches({"post_grad_custom_post_pass": theirs})["post_grad_custom_post_pass"]
+    chained(_graph("cuda"))
+    assert theirs.calls == [[aten.mm.default, aten.add.Tensor, aten.sum.default]]  # after ours
+    assert config_patches({"post_grad_custom_post_pass": None}) == {"post_grad_custom_post_pass": None}
+    # a pass set in torch._inductor.config still runs, after ours
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(post_grad_custom_post_pass=theirs):
+        assert config_patches({})["post_grad_custom_post_pass"].then == [theirs]
+
+
+def test_the_cache_identity_follows_what_the_pass_does(monkeypatch):
+    """Inductor keys its caches by the pass's uuid: it must differ where the rewrite differs."""
+    base = UnfuseResidualAddmm().uuid()
+    assert base == UnfuseResidualAddmm().uuid()
+    assert UnfuseResidualAddmm(_TheirPass("a")).uuid() != UnfuseResidualAddmm(_TheirPass("b")).uuid() != base
+    assert UnfuseResidualAddmm(lambda graph: None).uuid() is None  # a pass without an identity: no caching
+    monkeypatch.setattr(residual_addmm, "_GPU_DEVICES", ("cuda", "xpu", "cpu"))
+    assert UnfuseResidualAddmm().uuid() != base
+
+
+def test_compile_fx_arguments_are_refused_as_inductor_options():
+    with pytest.raises(ValueError, match="config_patches.*compile_fx arguments"):
+        ca.CompileConfig(inductor_options={"config_patches": {"max_autotune": True}})
+
+
+def _llama_pieces_match_eager(monkeypatch, device: str, dtype: torch.dtype, **config) -> list[int]:
+    """A tiny Llama compiled with Inductor pieces matches eager; the residual adds this process
+    rewrote, per piece compile."""
     rewritten = []
     real = residual_addmm.unfuse_residual_addmm
     monkeypatch.setattr(residual_addmm, "unfuse_residual_addmm", lambda g: rewritten.append(real(g)) or rewritten[-1])
@@ -95,7 +144,7 @@ def _llama_pieces_match_eager(monkeypatch, device: str, dtype: torch.dtype, **co
                                max_query_len=1 if i % 2 else 5, max_context_len=12)
             assert_matches_eager(eager, model, builder, caches, seqs, make_inputs,
                                  pad_to=pad(sum(s.query_len for s in seqs)))
-    return sum(rewritten)
+    return rewritten
 
 
 def test_pieces_compiled_with_the_pass_match_eager(monkeypatch):
@@ -103,16 +152,21 @@ def test_pieces_compiled_with_the_pass_match_eager(monkeypatch):
     graphs only), a Llama's residual adds are rewritten inside Inductor, symbolic token count
     included, and the compiled model still matches eager."""
     monkeypatch.setattr(residual_addmm, "_GPU_DEVICES", ("cuda", "xpu", "cpu"))
-    # the middle piece holds 2 residual adds (attention's, MLP's), the last 2 more
-    assert _llama_pieces_match_eager(monkeypatch, "cpu", torch.float32, compile_sizes=(),
-                                     cudagraph_mode="none") >= 3
+    rewritten = _llama_pieces_match_eager(monkeypatch, "cpu", torch.float32, compile_sizes=(), cudagraph_mode="none")
+    # on the CPU Inductor fuses every mm + add: the embedding piece has none, the piece between the
+    # two attention layers and the last piece the attention's and the MLP's residual adds each
+    assert sorted(rewritten) == [0, 2, 2]
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_cuda_pieces_with_the_pass_match_eager_through_cuda_graphs(monkeypatch, dtype):
-    """On the GPU, where the pass applies: dynamic and static pieces (the decode sizes), piecewise
-    and full-decode CUDA graphs, against eager."""
-    assert _llama_pieces_match_eager(monkeypatch, "cuda", dtype, cudagraph_capture_sizes=[1, 2, 4, 8, 16],
-                                     compile_sizes=(1, 2, 4), background_static_compiles=False,
-                                     compile_workers=0) >= 3
+def test_cuda_pieces_with_the_pass_match_eager_through_cuda_graphs(monkeypatch, dtype, workers):
+    """On the GPU, where the pass applies: dynamic and static pieces (the decode sizes, compiled
+    in this process or in workers, which run the pass in theirs), piecewise and full-decode CUDA
+    graphs, against eager. On a GPU Inductor forms the addmms only in the piece between the two
+    attention layers (its sums leave the piece): two per compile of it."""
+    rewritten = _llama_pieces_match_eager(monkeypatch, "cuda", dtype, cudagraph_capture_sizes=[1, 2, 4, 8, 16],
+                                          compile_sizes=(1, 2, 4), background_static_compiles=False,
+                                          compile_workers=workers)
+    assert 2 in rewritten and set(rewritten) <= {0, 2}

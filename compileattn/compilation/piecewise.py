@@ -251,7 +251,6 @@ def _compile_piece_for_inference(piece: Piece, args: list[Any], config: CompileC
                                                                   config.inductor_options))
 
 
-
 def _token_input(fake_args: Sequence[Any]) -> int | None:
     """Index of the input whose dim 0 is the step's token count: the first tensor input whose dim 0
     is symbolic. Not "the first SymInt input": when an input is a view of a persistent buffer,
