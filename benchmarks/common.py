@@ -513,6 +513,14 @@ def parse_name_list(text: str, allowed: Sequence[str]) -> list[str]:
     return out
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object from the command line (``null`` is None): e.g. ``--inductor-options``."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def argparse_type(parser_fn: Callable[[str], Any]) -> Callable[[str], Any]:
     """Wrap a parser so argparse reports its ValueError message as a usage error."""
     import argparse

@@ -125,6 +125,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(CompileConfig.compile_sizes): 'auto' (the default: the decode capture sizes up to 8), "
                         "'' for none, or a comma-separated list")
     p.add_argument("--llama-layers", type=int, default=None, help="override the Llama shape's 32 layers")
+    p.add_argument("--inductor-options", type=common.argparse_type(common.json_object), default={}, metavar="JSON",
+                   help="CompileConfig.inductor_options of the compileattn columns, e.g. "
+                        "'{\"post_grad_custom_post_pass\": null}' (the pieces' residual-add pass off)")
     p.add_argument("--no-cold-warm", action="store_true", help="skip the cold/warm compile subprocesses")
     p.add_argument("--cold-warm-only", action="store_true", help="only the cold/warm compile subprocesses")
     p.add_argument("--quick", action="store_true",
@@ -499,6 +502,7 @@ class CompileattnGroup(Group):
         self.config = ca.CompileConfig(cudagraph_mode=mode, attention_backend=bench.args.backend,
                                        max_capture_size=bench.pad_config.max_capture_size, compile_sizes=sizes,
                                        piece_compiler=getattr(bench.args, "piece_compiler", "inductor"),
+                                       inductor_options=getattr(bench.args, "inductor_options", {}),
                                        background_static_compiles=False)  # time the static pieces, not the wait
         self.runtimes = RecordingBackend(config=self.config)
         self.fn = ca.compile(make_forward(bench.model), dynamic_arg_dims={"input_ids": 0, "positions": 0},

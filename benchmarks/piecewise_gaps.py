@@ -332,6 +332,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per cell first (default 5)")
     p.add_argument("--backend", default="flash", help="attention backend (default flash: FlashAttention-4)")
     p.add_argument("--compile-sizes", default="auto", help="as latency.py's (CompileConfig.compile_sizes)")
+    p.add_argument("--inductor-options", type=common.argparse_type(common.json_object), default={}, metavar="JSON",
+                   help="as latency.py's (CompileConfig.inductor_options)")
     p.add_argument("--gap-us", type=float, default=2.0, help="gaps longer than this are counted (default 2 µs)")
     p.add_argument("--top", type=int, default=8, help="recurring gaps listed per cell (default 8)")
     p.add_argument("--graph-spans", action="store_true",

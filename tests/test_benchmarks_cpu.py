@@ -76,8 +76,24 @@ def test_latency_args_defaults_quick_and_explicit():
     assert e.models == ["llama"] and e.columns == ["eager", "ca-full"] and e.llama_layers == 2
 
 
+def test_latency_inductor_options_reach_the_compileattn_columns():
+    """``--inductor-options`` (JSON; null is None) becomes the columns' CompileConfig.inductor_options:
+    the pieces' residual-add pass can be timed on and off in one session."""
+    import types
+
+    args = lat.parse_args(["--inductor-options", '{"post_grad_custom_post_pass": null}', "--backend", "reference"])
+    assert args.inductor_options == {"post_grad_custom_post_pass": None}
+    assert lat.parse_args([]).inductor_options == {}
+    bench = types.SimpleNamespace(args=args, pad_config=types.SimpleNamespace(max_capture_size=8),
+                                  model=torch.nn.Linear(2, 2))
+    group = lat.CompileattnGroup(bench, "ca-piecewise")
+    assert group.config.inductor_options == {"post_grad_custom_post_pass": None}
+    assert pg.parse_args(["--inductor-options", "{}"]).inductor_options == {}
+
+
 @pytest.mark.parametrize("argv", [["--models", "gpt"], ["--steps", "0"], ["--columns", "fast"],
-                                  ["--llama-layers", "0"]])
+                                  ["--llama-layers", "0"], ["--inductor-options", "[1]"],
+                                  ["--inductor-options", "{bad"]])
 def test_latency_args_reject_bad_values(argv, capsys):
     with pytest.raises(SystemExit):
         lat.parse_args(argv)
