@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import compileattn as ca
+from compileattn import _torch_compat
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.passes import residual_addmm
 from compileattn.compilation.inductor_piece import config_patches
@@ -152,10 +153,17 @@ def test_pieces_compiled_with_the_pass_match_eager(monkeypatch):
     graphs only), a Llama's residual adds are rewritten inside Inductor, symbolic token count
     included, and the compiled model still matches eager."""
     monkeypatch.setattr(residual_addmm, "_GPU_DEVICES", ("cuda", "xpu", "cpu"))
+    artifacts = []
+    compile_real = _torch_compat.standalone_compile
+    monkeypatch.setattr(_torch_compat, "standalone_compile",
+                        lambda *a: artifacts.append(compile_real(*a)) or artifacts[-1])
     rewritten = _llama_pieces_match_eager(monkeypatch, "cpu", torch.float32, compile_sizes=(), cudagraph_mode="none")
     # on the CPU Inductor fuses every mm + add: the embedding piece has none, the piece between the
     # two attention layers and the last piece the attention's and the MLP's residual adds each
     assert sorted(rewritten) == [0, 2, 2]
+    # and nothing after the pass fuses them again: no addmm in the code Inductor generated
+    sources = [_torch_compat.artifact_source(a) for a in artifacts]
+    assert len(sources) == 3 and all(src is not None and "addmm" not in src for src in sources)
 
 
 @pytest.mark.cuda
