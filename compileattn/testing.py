@@ -84,6 +84,26 @@ def assert_matches_eager(
     return actual
 
 
+def assert_matches_eager_over_steps(
+    eager: Callable[..., torch.Tensor], compiled: Callable[..., torch.Tensor],
+    builder: AttentionMetadataBuilder, caches: Mapping[str, KVCache], make_inputs: Callable[[int], Sequence[Any]],
+    *, steps: int, seed: int, num_seqs: tuple[int, int], max_query_len: int, max_context_len: int,
+    capture_sizes: Sequence[int] | None = None,
+) -> None:
+    """``assert_matches_eager`` over ``steps`` random steps (``random_step`` on the builder's blocks),
+    every other one a pure decode, so both a mixed step's pieces and a decode step's full graph
+    run. With ``capture_sizes`` each step is padded to the next capture size, as the engine pads a
+    step replayed from CUDA graphs."""
+    rng = random.Random(seed)
+    for i in range(steps):
+        seqs = random_step(rng, num_seqs=rng.randint(*num_seqs), block_size=builder.block_size,
+                           num_blocks=builder.num_blocks, max_query_len=1 if i % 2 else max_query_len,
+                           max_context_len=max_context_len)
+        n = sum(s.query_len for s in seqs)
+        pad = next(s for s in capture_sizes if s >= n) if capture_sizes else None
+        assert_matches_eager(eager, compiled, builder, caches, seqs, make_inputs, pad_to=pad)
+
+
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """‖a − e‖ / ‖e‖ in fp32 (Frobenius); inf when ``actual`` has a NaN/inf or ‖e‖ = 0 ≠ ‖a‖.
 

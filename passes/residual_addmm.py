@@ -8,10 +8,10 @@ it), and an output is not a pointwise user, so it becomes an ``addmm``; the patt
 the graph from its end, so the attention's sum, whose user is by then that ``addmm``, becomes one
 too: two in every piece between two attention layers (62 for 32 layers), each of which cuBLAS
 runs on CUDA as a device-to-device copy of ``r`` into the result and a GEMM with beta 1, one more
-GPU operation. torch.compile's
-whole-model graph has none of them (there every user of a sum is pointwise). Profiled on the
-H200 (run S7-1, ``piecewise_gaps_llama_S7-1.md``, Llama-3-8B shape): 62 ``Memcpy DtoD`` per step
-in compileattn's pieces and full-decode graph, none in the whole-model Inductor graph.
+GPU operation. torch.compile's whole-model graph has none of them (there every user of a sum is
+pointwise). Profiled on the H200 (run S7-1, ``piecewise_gaps_llama_S7-1.md``, Llama-3-8B shape):
+62 ``Memcpy DtoD`` per step in compileattn's pieces and full-decode graph, none in the
+whole-model Inductor graph.
 
 Kept apart, the add joins the kernel that consumes the sum (the next RMSNorm), which writes the
 residual stream out too. Numerics: the product is rounded to the dtype before the add, as in the

@@ -16,7 +16,7 @@ from compileattn.kv_cache import AttentionSpec
 from compileattn.models.attention import Attention
 from compileattn.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
 from compileattn.passes import inline_regions
-from compileattn.testing import PersistentInputs, assert_matches_eager, random_step
+from compileattn.testing import PersistentInputs, assert_matches_eager, assert_matches_eager_over_steps, random_step
 
 BLOCK, NUM_BLOCKS = 4, 128
 H, KVH, D = 2, 1, 32
@@ -274,16 +274,10 @@ def _graphs_from_regions(device: str, dtype: torch.dtype) -> None:
     builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=64,
                                           max_blocks_per_seq=32, device=device)
     make_inputs = PersistentInputs(256, 64, positions=(0, 60), device=device)
-    rng = random.Random(1)
     full_steps = ca.counters.full_graph_steps
     with ca.counters.expect(dynamo_graphs=1, regions_inlined=4), torch.no_grad():
-        for i in range(8):
-            decode = i % 2 == 1
-            seqs = random_step(rng, num_seqs=rng.randint(2, 4), block_size=BLOCK, num_blocks=NUM_BLOCKS,
-                               max_query_len=1 if decode else 7, max_context_len=25)
-            n = sum(s.query_len for s in seqs)
-            assert_matches_eager(eager, model, builder, caches, seqs, make_inputs,
-                                 pad_to=next(s for s in config.capture_sizes if s >= n))
+        assert_matches_eager_over_steps(eager, model, builder, caches, make_inputs, steps=8, seed=1, num_seqs=(2, 4),
+                                        max_query_len=7, max_context_len=25, capture_sizes=config.capture_sizes)
     assert ca.counters.full_graph_steps - full_steps >= 4  # the decode steps ran full graphs
     assert model.forward.compile_stats["regions"] == "on: LlamaDecoderLayer x4"
 

@@ -1,7 +1,6 @@
 """The pieces' Inductor pass that keeps residual adds out of cuBLAS ``addmm`` (passes/residual_addmm.py)."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.passes import residual_addmm
 from compileattn.compilation.inductor_piece import config_patches
 from compileattn.passes.residual_addmm import UnfuseResidualAddmm, unfuse_residual_addmm
-from compileattn.testing import PersistentInputs, assert_matches_eager, random_step
+from compileattn.testing import PersistentInputs, assert_matches_eager_over_steps
 
 aten = torch.ops.aten
 T, K, N = 3, 8, 16
@@ -137,14 +136,10 @@ def _llama_pieces_match_eager(monkeypatch, device: str, dtype: torch.dtype, **co
     builder = ca.AttentionMetadataBuilder(block_size=4, num_blocks=64, max_num_tokens=64, max_blocks_per_seq=16,
                                           device=device)
     make_inputs = PersistentInputs(256, 64, device=device)
-    pad = (lambda n: next(s for s in config.capture_sizes if s >= n)) if device == "cuda" else (lambda n: None)
-    rng = random.Random(0)
     with torch.no_grad():
-        for i in range(4):
-            seqs = random_step(rng, num_seqs=rng.randint(1, 4), block_size=4, num_blocks=64,
-                               max_query_len=1 if i % 2 else 5, max_context_len=12)
-            assert_matches_eager(eager, model, builder, caches, seqs, make_inputs,
-                                 pad_to=pad(sum(s.query_len for s in seqs)))
+        assert_matches_eager_over_steps(eager, model, builder, caches, make_inputs, steps=4, seed=0, num_seqs=(1, 4),
+                                        max_query_len=5, max_context_len=12,
+                                        capture_sizes=config.capture_sizes if device == "cuda" else None)
     return rewritten
 
 
