@@ -9,8 +9,9 @@ run eagerly. Phases:
 
 - ``cold``: empty compileattn, Inductor and Triton cache dirs; the default config, so
   ``compile_sizes="auto"`` compiles the distinct pieces also for the small decode sizes (in
-  ``compile_workers`` worker processes, ``--compile-workers``; the ``in workers`` column counts
-  the static compiles they did);
+  ``compile_workers`` worker processes, ``--compile-workers``, which take the dynamic-shape
+  compiles the compiling process has not started too; the ``static in workers`` and ``dynamic in
+  workers`` columns count the compiles they did);
 - ``warm``: a second process on the same dirs: loads Dynamo's code and the pieces, no Dynamo;
 - ``cold, dynamic only``: empty dirs again with ``compile_sizes=()``, to put the static compiles'
   cost beside the cold start (the difference of the two cold rows);
@@ -28,7 +29,7 @@ the first run) and its parts from ``compile_stats``: Dynamo, backend (of which s
 pieces), saving, loading, waiting for the background Inductor import, the first run itself (of
 which CUDA-graph capture), and outside the first call the process's import and model build.
 Each row's timeline (compileattn's log records during the first call, DEBUG included: when each
-static-compile worker became ready, each compile or load, where it ran and how long it took, each
+compile worker (and the fork server) became ready, each compile or load, where it ran and how long it took, each
 capture, each Triton kernel variant a prepared call compiled at its first launch) follows the
 table. Goals: warm start <= 2 s (Llama-8B shape), cold <= 10 s (OPT-125m) and <= 15 s (Llama-8B).
 
@@ -359,13 +360,14 @@ def render(payload: dict[str, Any]) -> str:
               "difference to eager is `rel. err after`).", ""]
     workers = payload.get("config", {}).get("compile_workers")
     if workers is not None:
-        lines += [f"Static-shape compiles in `compile_workers={workers!r}` worker processes (`in workers`: how many "
-                  f"they did).", ""]
+        lines += [f"Piece compiles in `compile_workers={workers!r}` worker processes (`static in workers`, "
+                  f"`dynamic in workers`: how many of each they did; the compiling process did the rest).", ""]
     if payload.get("config", {}).get("device") == "cpu":
         lines += ["**CPU plumbing run** (`--device cpu`): tiny fp32 configs, eager pieces; no number here is a "
                   "measurement of the shapes named.", ""]
     headers = ["model", "dtype", "phase", "path", "first call", *(title for _, title in BREAKDOWN), "import", "build",
-               "process", "pieces compiled", "in workers", "reused", "rel. err", "static landed",
+               "process", "pieces compiled", "static in workers", "dynamic in workers", "reused", "rel. err",
+               "static landed",
                "rel. err after"]
     table = []
     for r in rows:
@@ -377,7 +379,8 @@ def render(payload: dict[str, Any]) -> str:
                       *(common.fmt_num(r.get(k), 2) if r.get(k) is not None else "—" for k, _ in BREAKDOWN),
                       common.fmt_num(r["import_s"], 2), common.fmt_num(r["build_s"], 2),
                       common.fmt_num(r.get("process_s"), 1), c.get("backend_compiles", "—"),
-                      c.get("static_compiles_in_workers", "—"), c.get("piece_reuses", "—"), f"{r['rel_err']:.2g}",
+                      c.get("static_compiles_in_workers", "—"), c.get("dynamic_compiles_in_workers", "—"),
+                      c.get("piece_reuses", "—"), f"{r['rel_err']:.2g}",
                       common.fmt_num(r.get("static_landed_s"), 2) if r.get("static_landed_s") is not None else "—",
                       f"{r['rel_err_landed']:.2g}" if r.get("rel_err_landed") is not None else "—"])
     lines += [common.markdown_table(headers, table), "", "## Goals (issue 12)", "", *(goal_lines(rows) or ["- nothing measured"])]

@@ -6,7 +6,7 @@ import logging as _logging
 
 from . import ops  # noqa: F401  (defines the torch.ops.compileattn.* attention ops)
 from .parallel import comm as _comm  # noqa: F401  (defines torch.ops.compileattn.all_reduce: pieces of
-#                                     a tensor-parallel model call it, in static-compile workers too)
+#                                     a tensor-parallel model call it, in compile workers too)
 from .config import CompileConfig
 from .context import get_forward_context, set_forward_context
 from .counters import counters

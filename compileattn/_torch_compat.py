@@ -36,7 +36,7 @@ PRIVATE_APIS = {
                            "call_size): a full-decode step may skip that code only if it calls nothing else",
     "torch.fx._graph_pickler.GraphPickler": "saving the split graph in the warm-start artifact",
     "torch.fx._graph_pickler.Options": "GraphPickler options (custom ops allowed)",
-    "torch._inductor.config": "the settings a static-compile worker copies from the compiling process "
+    "torch._inductor.config": "the settings a compile worker copies from the compiling process "
                               "(ConfigModule._get_dict(skip_default=True), patch)",
     "torch._inductor.standalone_compile.AOTCompiledArtifact": "a compiled piece as bytes (aot=True) and back",
     "torch._inductor.compile_fx": "imported ahead of a warm start (the first artifact load pays Inductor's import)",
@@ -50,10 +50,12 @@ PRIVATE_APIS = {
     "torch._inductor.custom_graph_pass.get_hash_for_files": "that pass's cache identity (its file's hash)",
     "torch.fx.experimental.symbolic_shapes.statically_known_true": "that pass's shape checks on symbolic sizes",
     "torch._guards.detect_fake_mode": "the fake mode of the graph's example inputs",
+    "torch._guards.tracing": "a tracing context around a worker's dynamic-shape piece compile (as Dynamo's)",
+    "torch._guards.TracingContext": "that context, of the fake mode that travelled with the piece",
     "torch._subclasses.fake_tensor.unset_fake_temporarily": "compiling a piece for static shapes",
     "torch._subclasses.fake_tensor.FakeTensorMode": "fake inputs with every size fixed",
-    "torch._subclasses.fake_tensor.FakeTensor": "example values of a piece sent to a static-compile worker",
-    "torch.fx.experimental.symbolic_shapes.ShapeEnv": "the symbolic sizes of a piece a static-compile worker "
+    "torch._subclasses.fake_tensor.FakeTensor": "example values of a piece sent to a compile worker",
+    "torch.fx.experimental.symbolic_shapes.ShapeEnv": "the symbolic sizes of a piece a compile worker "
                                                       "unpickles",
     "torch._ops.OpOverload": "matching splitting ops in FX graphs",
     "torch._ops.OpOverloadPacket": "matching splitting ops in FX graphs (Dynamo records packets)",
@@ -167,7 +169,7 @@ def graph_unpickle(data: bytes):
 
 
 def piece_pickle(gm) -> bytes:
-    """A piece's graph for a static-compile worker (``compilation/static_pool.py``): a copy keeping
+    """A piece's graph for a compile worker (``compilation/compile_pool.py``): a copy keeping
     of node metadata the stack traces and the example values (AOTAutograd's cache, hence a
     serialisable artifact, needs every tensor node's ``example_value``). Dynamo's other metadata
     (graph-argument sources, module stacks) does not pickle; an example value that is a view is
@@ -197,6 +199,19 @@ def _without_views(value):
     return value
 
 
+def node_example_value(node):
+    """What Dynamo traced a node as (a fake tensor, SymInt, ...): its ``example_value``, else ``val``."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+@contextlib.contextmanager
+def tracing_fake_mode(fake_mode):
+    """A tracing context of ``fake_mode``, as Dynamo's around a backend: what
+    ``standalone_compile(dynamic_shapes="from_tracing_context")`` takes its shapes from."""
+    with resolve("torch._guards.tracing")(resolve("torch._guards.TracingContext")(fake_mode)):
+        yield
+
+
 def piece_unpickle(data: bytes):
     shape_env = resolve("torch.fx.experimental.symbolic_shapes.ShapeEnv")()
     gm = resolve("torch.fx._graph_pickler.GraphPickler").loads(
@@ -206,7 +221,7 @@ def piece_unpickle(data: bytes):
 
 
 def _config_modules() -> dict[str, Any]:
-    """The torch config modules whose settings a static-compile worker copies."""
+    """The torch config modules whose settings a compile worker copies."""
     return {"torch._inductor.config": resolve("torch._inductor.config"),
             "torch._functorch.config": resolve("torch._functorch.config")}
 
@@ -224,11 +239,11 @@ def config_changes(module) -> dict[str, Any]:
 
 def compile_settings() -> dict[str, Any]:
     """What steers an Inductor compile beyond its graph, inputs and options, as plain data: the
-    non-default Inductor and AOTAutograd config, grad mode and the global numerics flags."""
+    non-default Inductor and AOTAutograd config and the global numerics flags (not grad mode:
+    pieces are compiled for inference, grad mode off, wherever they are compiled)."""
     matmul = torch.backends.cuda.matmul
     return {
         "configs": {name: config_changes(module) for name, module in _config_modules().items()},
-        "grad": torch.is_grad_enabled(),
         "flags": {
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "fp16_reduction": matmul.allow_fp16_reduced_precision_reduction,
@@ -261,7 +276,8 @@ def _set_flags(flags: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def compile_settings_applied(settings: dict[str, Any]):
-    """In a static-compile worker: the compiling process's ``compile_settings`` around a compile."""
+    """In a compile worker: the compiling process's ``compile_settings`` around a compile, grad
+    mode off."""
     _set_flags(settings["flags"])
     modules = _config_modules()
     with contextlib.ExitStack() as stack:
@@ -270,7 +286,7 @@ def compile_settings_applied(settings: dict[str, Any]):
                 changes = {**changes, **_WORKER_INDUCTOR}
             if changes:
                 stack.enter_context(modules[name].patch(changes))
-        stack.enter_context(torch.set_grad_enabled(settings["grad"]))
+        stack.enter_context(torch.no_grad())
         yield
 
 

@@ -60,24 +60,23 @@ class CompileConfig:
     #: "auto" (``resolved_compile_sizes``): the capture sizes up to ``AUTO_COMPILE_SIZES_MAX`` when
     #: pieces are compiled by Inductor for CUDA graphs on a GPU, none otherwise.
     compile_sizes: Sequence[int] | Literal["auto"] = _compiled("auto")
-    #: Worker processes for the static-shape compiles (``compilation/static_pool.py``): they run in
-    #: parallel with each other and with the dynamic-shape compiles, and give back the same
-    #: artifacts. "auto": two less than the usable CPUs, at most 8, none under 4 CPUs; 0: one after
-    #: another in-process. A worker lives until its compiles are done (past the compile, with
+    #: Worker processes for the piece compiles (``compilation/compile_pool.py``): the static-shape
+    #: ones, and the dynamic-shape ones the compiling process has not started itself, in parallel
+    #: with each other and with the compiling process, giving back the same artifacts. Started
+    #: only where there are static sizes (``compile_sizes``). "auto": two less than the usable
+    #: CPUs, at most 8, none under 4 CPUs; 0: every compile in-process, one after another. Two or
+    #: more are forked from one process that imported torch once (``compilation/fork_server.py``).
+    #: A worker lives until its compiles are done (past the compile, with
     #: ``background_static_compiles``) and takes ~1 GB of host memory; compiling for CUDA it may
     #: also open a CUDA context on the GPU (not measured).
     compile_workers: int | Literal["auto"] = "auto"
-    #: When the workers start. "first_call": before Dynamo traces, so their import (about ten
-    #: seconds each, a fresh interpreter importing torch) overlaps the trace and the dynamic-shape
-    #: compiles; they then compile static pieces while the compiling process still compiles
-    #: dynamic ones (S7-4: Llama-3-8B shape cold start 19.4 s against 14.0 s with dynamic shapes
-    #: only). "after_dynamic": once every dynamic-shape piece is compiled, so nothing competes
-    #: with them, at the price of static pieces landing later. Two runs on the H200's 16-CPU host
-    #: (first call, after_dynamic against first_call, s): S9-2 OPT-125m shape 8.46 / 11.02, Llama-3-8B
-    #: shape 16.67 / 16.66; S9-4 (whose default, hence its "cold" row, was after_dynamic) OPT 11.22 /
-    #: 11.43, Llama 23.35 / 21.62, the workers then competing with the first run's Triton compiles
-    #: (first run 3.85 against 3.05 s); S9-6 OPT 7.58 / 10.51, Llama 16.11 / 15.80. Not reliably
-    #: better, and the static pieces were in place 4-19 s later, so "first_call" stays the default.
+    #: When the workers start. "first_call": before Dynamo traces, so their import overlaps the
+    #: trace, and they take dynamic-shape compiles as well as static ones. "after_dynamic": once
+    #: the compiling process has compiled every dynamic-shape piece itself, so nothing competes
+    #: with it, at the price of static pieces landing later. Two runs on the H200's 16-CPU host
+    #: with fresh-interpreter workers, before dynamic-shape compiles went to them (first call,
+    #: after_dynamic against first_call, s): S9-2 OPT-125m shape 8.46 / 11.02, Llama-3-8B shape
+    #: 16.67 / 16.66; S9-6 OPT 7.58 / 10.51, Llama 16.11 / 15.80.
     compile_workers_start: Literal["first_call", "after_dynamic"] = "first_call"
     #: With workers, return from the compile once the dynamic-shape pieces are ready and let the
     #: static-shape ones land when the workers finish them (``compilation/landing.py``): until a

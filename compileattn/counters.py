@@ -24,8 +24,11 @@ class Counters:
     region_subgraphs: int = 0
     #: Pieces compiled by the piece compiler (Inductor etc.), not counting cache loads.
     backend_compiles: int = 0
-    #: Of those, static-shape compiles done by a worker process (compilation/static_pool.py).
+    #: Of those, static-shape compiles done by a worker process (compilation/compile_pool.py).
     static_compiles_in_workers: int = 0
+    #: Of those, dynamic-shape compiles done by a worker process (while the compiling process
+    #: compiled other pieces).
+    dynamic_compiles_in_workers: int = 0
     #: Piece compiles (dynamic or static) that took the code of an identical earlier piece of the
     #: same graph instead (compilation/piece_signature.py).
     piece_reuses: int = 0

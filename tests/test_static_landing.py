@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import compileattn as ca
-from compileattn.compilation import static_pool
+from compileattn.compilation import compile_pool
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.testing import PersistentInputs, RecordingBackend, assert_matches_eager, random_step
 
@@ -28,13 +28,15 @@ STATIC = 4
 
 
 class HeldPool:
-    """``StaticCompilePool``'s interface without processes: tasks wait for ``answer``."""
+    """``CompilePool``'s interface without processes: static tasks wait for ``answer``;
+    urgent (dynamic-shape) ones are left to the compiling process, as no worker takes them."""
 
     made: list["HeldPool"] = []
 
     def __init__(self, workers: int, start: bool = True):
         self.size = workers
-        self.tasks: list[static_pool.Task] = []
+        self.tasks: list[compile_pool.Task] = []
+        self.urgent: list[compile_pool.Task] = []
         #: how many tasks had been submitted when the workers started (None: not started)
         self.started_after: int | None = 0 if start else None
         self.on_result = None
@@ -46,8 +48,12 @@ class HeldPool:
     def live_workers(self) -> int:
         return self.live
 
+    @property
+    def started(self) -> bool:
+        return self.started_after is not None
+
     def submit(self, task) -> None:
-        self.tasks.append(task)
+        (self.urgent if task.urgent else self.tasks).append(task)
 
     def start(self) -> None:
         if self.started_after is None:
@@ -64,23 +70,23 @@ class HeldPool:
     def watch(self) -> None:
         pass
 
-    def drain(self, here) -> None:  # what StaticCompilePool.drain does once no worker takes a task
-        for task in self.tasks:
+    def drain(self, here, urgent_only: bool = False) -> None:  # CompilePool.drain with no worker taking
+        for task in self.urgent + ([] if urgent_only else self.tasks):
             if task.result is None:
                 here(task)
 
     def answer(self, task, error: str | None = None) -> None:
         task.result = (("error", error) if error else
-                       ("ok", static_pool.compile_message(task.message), 0.0, os.getpid()))
+                       ("ok", compile_pool.compile_message(task.message), 0.0, os.getpid()))
         self.on_result()
 
 
 @pytest.fixture
 def held(monkeypatch):
     HeldPool.made = []
-    monkeypatch.setattr(static_pool, "StaticCompilePool", HeldPool)
+    monkeypatch.setattr(compile_pool, "CompilePool", HeldPool)
     yield HeldPool.made
-    static_pool.release()
+    compile_pool.release()
 
 
 def _setup(device: str = "cpu", **config):
@@ -267,20 +273,20 @@ def test_real_workers_land_in_the_background(slow_workers, when):
         pool.join(timeout=30)
         assert all(p.poll() is not None for p in pool._procs)
     finally:
-        static_pool.release()
+        compile_pool.release()
 
 
 @pytest.fixture
 def slow_workers(monkeypatch):
     """Real workers that start 5 s late: still out when the first call returns."""
-    start_worker = static_pool._start_worker
-    monkeypatch.setattr(static_pool, "_start_worker", lambda: (time.sleep(5), start_worker())[1])
+    start_worker = compile_pool._start_worker
+    monkeypatch.setattr(compile_pool, "_start_worker", lambda *a: (time.sleep(5), start_worker(*a))[1])
 
 
 def test_a_worker_stuck_in_the_background_is_killed_and_its_pieces_compiled_here(slow_workers, monkeypatch, caplog):
     """Nobody drains a landing in the background, so its watchdog enforces the task timeout."""
-    monkeypatch.setattr(static_pool, "INJECT_FAILURE", "hang")
-    monkeypatch.setattr(static_pool, "TASK_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(compile_pool, "INJECT_FAILURE", "hang")
+    monkeypatch.setattr(compile_pool, "TASK_TIMEOUT_S", 2.0)
     with caplog.at_level("INFO", logger="compileattn"):
         run = _Compiled(11, cudagraph_mode="none")
         runtime = run.runtime
@@ -294,11 +300,11 @@ def test_a_worker_stuck_in_the_background_is_killed_and_its_pieces_compiled_here
 
 
 def test_closing_a_pool_answers_the_tasks_it_still_held():
-    pool = static_pool.StaticCompilePool(0)
-    task = static_pool.Task(0, "piece (2 tokens)", {})
+    pool = compile_pool.CompilePool(0)
+    task = compile_pool.Task(0, "piece (2 tokens)", {})
     pool.submit(task)
     pool.close()
-    assert task.result == ("error", "the static-compile pool was closed")
+    assert task.result == ("error", "the compile pool was closed")
 
 
 def test_a_static_artifact_that_does_not_load_falls_back_to_the_dynamic_piece(caplog):
@@ -390,10 +396,10 @@ EXIT_SCRIPT = """
 import random, sys, time
 sys.path.insert(0, sys.argv[2])
 import compileattn as ca
-from compileattn.compilation import static_pool
+from compileattn.compilation import compile_pool
 from test_static_landing import _setup, _step
-start_worker = static_pool._start_worker
-static_pool._start_worker = lambda: (time.sleep(5), start_worker())[1]  # still out when the first call returns
+start_worker = compile_pool._start_worker
+compile_pool._start_worker = lambda *a: (time.sleep(5), start_worker(*a))[1]  # still out when the first call returns
 model, caches, builder, make_inputs, cfg = _setup(cudagraph_mode="none", cache_dir=sys.argv[1])
 forward = ca.compile(model.forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=cfg)
 _step(random.Random(9), model, forward, builder, caches, make_inputs, decode=True)
@@ -486,11 +492,11 @@ def test_waiting_compiles_here_what_slow_workers_did_not_start_and_the_workers_e
             assert time.monotonic() < deadline, "the watchdog outlived its pool"
             time.sleep(0.05)
     finally:
-        static_pool.release()
+        compile_pool.release()
 
 
 def test_a_worker_that_never_gets_ready_is_killed_in_the_background(slow_workers, monkeypatch, caplog):
-    monkeypatch.setattr(static_pool, "READY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(compile_pool, "READY_TIMEOUT_S", 1.0)
     with caplog.at_level("INFO", logger="compileattn"):
         run = _Compiled(16, cudagraph_mode="none")
         assert run.runtime.wait_for_static_pieces(timeout=120)
@@ -528,8 +534,14 @@ def test_collectives_at_splits_or_several_ranks_also_wait(held, simulated_graphs
 def test_a_failed_hand_over_stops_the_workers(held, first_task_fails, monkeypatch):
     from compileattn.compilation import piecewise
 
-    monkeypatch.setattr(piecewise._PieceCompiler, "_compile_static_here",
-                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("cannot compile here either")))
+    compile_here = piecewise._PieceCompiler._compile_here
+
+    def static_fails_here(self, piece, signature, args, size):
+        if size is None:
+            return compile_here(self, piece, signature, args, size)
+        raise RuntimeError("cannot compile here either")
+
+    monkeypatch.setattr(piecewise._PieceCompiler, "_compile_here", static_fails_here)
     with pytest.raises(Exception, match="cannot compile here either"):
         _Compiled(19, cudagraph_mode="none")
     (pool,) = held

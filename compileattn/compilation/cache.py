@@ -141,6 +141,6 @@ class CompileCache:
         self.save_bytes(signature, _torch_compat.artifact_bytes(artifact), size)
 
     def save_bytes(self, signature: str, data: bytes, size: int | None = None) -> None:
-        """Save an artifact already in bytes (a static-compile worker's answer)."""
+        """Save an artifact already in bytes (a compile worker's answer)."""
         secure_dir(self.dir)
         write_atomic(self._path(signature, size), data)

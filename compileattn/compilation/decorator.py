@@ -65,7 +65,7 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
-from . import regions, static_pool, warm_start
+from . import regions, compile_pool, warm_start
 from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
 from .replay import MISS, FullStepShortcut, graph_call_of
 
@@ -279,7 +279,7 @@ class _Site:
         try:
             return self._compile_cold(fn, config, what, checker, start, path, full_args, kwargs)
         finally:
-            static_pool.release()  # the backend releases it; this covers a trace that never reached it
+            compile_pool.release()  # the backend releases it; this covers a trace that never reached it
 
     def _compile_cold(self, fn: Callable, config: CompileConfig, what: str, checker: ArgChecker, start: float,
                       path, full_args: tuple, kwargs: dict):
@@ -460,13 +460,13 @@ def _when_all_settled(dispatchers: list, start: float, stats: dict[str, Any], sa
 
 
 def _prestart_static_compiles(config: CompileConfig, values: Mapping[str, Any]) -> None:
-    """Start the static-compile workers before Dynamo traces, when the backend will want them
+    """Start the compile workers before Dynamo traces, when the backend will want them
     (static sizes for the device of the call's tensors): their import overlaps the trace."""
     if config.piece_compiler != "inductor" or config.compile_workers_start != "first_call":
         return
     device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), None)
     if device is not None and config.resolved_compile_sizes(device.type):
-        static_pool.prestart(static_pool.worker_count(config.compile_workers))
+        compile_pool.prestart(compile_pool.worker_count(config.compile_workers))
 
 
 def _log_ready(what: str, stats: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Every Inductor compile of a piece, in the compiling process or a static-compile worker.
+"""Every Inductor compile of a piece, in the compiling process or a compile worker.
 
 One place for what a piece's Inductor compile gets: the user's ``CompileConfig.inductor_options``
 (Inductor config settings) and the pieces' post-grad pass (``passes/residual_addmm.py``), run

@@ -1,6 +1,6 @@
 """Static-shape pieces that land after the compile returned (``background_static_compiles``).
 
-The static compiles of a cold start run in worker processes (``static_pool.py``), and a worker is
+The static compiles of a cold start run in worker processes (``compile_pool.py``), and a worker is
 ready only after a fresh interpreter has imported torch: 8.5-15.6 s after it started on the H200's
 host (runs S7-1, S7-3, S7-4), longer than the whole dynamic-shape compile of the OPT-125m shape
 (S7-1: 7.6 s cold start without static pieces, 20.4 s waiting for them; S7-3/S7-4: 7.0/11.0 s
@@ -15,7 +15,7 @@ ready, and the static ones land while the model already runs:
 - a piece that lands makes the dispatcher drop the CUDA graphs of its size (each piece's and the
   full graph): they were captured with the dynamic-shape code, and the next step of that size
   captures them again, in order, as a first capture would;
-- a task a worker fails (an error, a death, ``static_pool.TASK_TIMEOUT_S``, or no worker left to
+- a task a worker fails (an error, a death, ``compile_pool.TASK_TIMEOUT_S``, or no worker left to
   take it) is compiled in-process when it lands (``resolve``, logged), one per step: a hitch of
   1-5 s in that step. Never a wrong piece; one that cannot be compiled here either keeps the
   dynamic-shape piece for its size (logged), and then no warm start file is written;
@@ -32,17 +32,17 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import static_pool
+from . import compile_pool
 
 logger = logging.getLogger("compileattn")
 
 
 class StaticLanding:
     """The static compiles still out in a detached pool: ``tasks`` maps each (signature, size) to
-    its ``static_pool.Task``."""
+    its ``compile_pool.Task``."""
 
-    def __init__(self, pool: static_pool.StaticCompilePool, tasks: dict[tuple[str, int], static_pool.Task],
-                 resolve: Callable[[tuple[str, int], static_pool.Task], Any]):
+    def __init__(self, pool: compile_pool.CompilePool, tasks: dict[tuple[str, int], compile_pool.Task],
+                 resolve: Callable[[tuple[str, int], compile_pool.Task], Any]):
         self.pool = pool
         #: ((signature, size), task) -> the piece's code: the worker's artifact, or compiled in this
         #: process (a task that failed, or that no worker started)
@@ -71,7 +71,7 @@ class StaticLanding:
         workers are stopped as soon as every task has its answer, whether or not the model runs
         another step to install them."""
         if self.pool.live_workers == 0:
-            self.pool.fail_pending("no static-compile worker is left to compile it")
+            self.pool.fail_pending("no compile worker is left to compile it")
         with self._cond:
             self.changed = True
             self._cond.notify_all()
@@ -79,7 +79,7 @@ class StaticLanding:
         if done:
             self.pool.close()
 
-    def take(self, max_failed: int | None = 1) -> list[tuple[tuple[str, int], static_pool.Task]]:
+    def take(self, max_failed: int | None = 1) -> list[tuple[tuple[str, int], compile_pool.Task]]:
         """The tasks that have settled since the last call (on the thread that runs the model), of
         which at most ``max_failed`` failed ones: each is compiled in-process by the step that
         installs it, so a step pays for one, and the others wait for the next steps."""
@@ -119,10 +119,10 @@ class StaticLanding:
 
     def drain(self) -> None:
         """Block until every task has an answer, compiling here those no worker has started (the
-        newest first, as ``StaticCompilePool.drain`` does while a compile waits)."""
+        newest first, as ``CompilePool.drain`` does while a compile waits)."""
         keys = {task.id: key for key, task in self._waiting.items()}
 
-        def here(task: static_pool.Task) -> None:
+        def here(task: compile_pool.Task) -> None:
             try:
                 task.result = ("here", self.resolve(keys[task.id], task))
             except Exception as exc:  # noqa: BLE001 (the task must be answered: the landing waits for it)

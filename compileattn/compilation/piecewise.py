@@ -10,7 +10,7 @@
    ``standalone_compile`` with the shapes of Dynamo's tracing context, or eager/aot_eager for
    debugging), and for each of
    ``config.resolved_compile_sizes`` with static shapes (in worker processes beside the dynamic
-   compiles, ``static_pool.py``), or loaded from the compile cache;
+   compiles, ``compile_pool.py``), or loaded from the compile cache;
 3. each splitting op becomes a direct call (``ops.attend_caller``): the forward-context lookup and
    the layer's prepared kernel call, skipping the dispatcher;
 4. the result (``CompiledSplit``) goes to a ``StepDispatcher`` (``dispatch.py``), which runs it step
@@ -32,7 +32,7 @@ from ..config import CompileConfig
 from ..counters import counters
 from ..passes import capture_kv_write, cleanup, hoist_shape_logic, inline_regions, split_graph
 from ..passes.split import Piece, is_splitting_node
-from . import inductor_piece, static_pool
+from . import inductor_piece, compile_pool
 from .cache import CompileCache, cache_key
 from .landing import StaticLanding
 from .piece_signature import parametrize_layer_names, piece_signature
@@ -154,8 +154,8 @@ class CompiledSplit:
     #: where a landed static piece is saved (None: no compile cache)
     cache: CompileCache | None = None
 
-    def adopt_landed(self, key: tuple[str, int], task: static_pool.Task,
-                     resolve: Callable[[tuple[str, int], static_pool.Task], PieceCode] | None
+    def adopt_landed(self, key: tuple[str, int], task: compile_pool.Task,
+                     resolve: Callable[[tuple[str, int], compile_pool.Task], PieceCode] | None
                      ) -> Callable[..., Any] | None:
         """Install a static compile that landed after the compile returned: its callable. A
         worker's answer goes through ``resolve`` (``_PieceCompiler.code_for``: its artifact, or the
@@ -262,7 +262,7 @@ def _token_input(fake_args: Sequence[Any]) -> int | None:
 
 
 def _static_example_args(args: Sequence[Any], token_symbol, size: int) -> list[Any]:
-    return static_pool.static_args_from_specs(static_pool.static_input_specs(args, token_symbol, size))
+    return compile_pool.static_args_from_specs(compile_pool.static_input_specs(args, token_symbol, size))
 
 
 def _placeholder_values(piece: Piece) -> list[Any] | None:
@@ -287,12 +287,12 @@ class _PieceCompiler(torch.fx.Interpreter):
     symbolic token count into a guard on its traced value, and the compile then fails with a
     ``ConstraintViolationError`` for the dynamic dim.
 
-    With a ``pool`` (``static_pool.py``) the static-shape compiles of a distinct piece go to worker
+    With a ``pool`` (``compile_pool.py``) the static-shape compiles of a distinct piece go to worker
     processes as soon as its inputs are known, before its dynamic-shape compile here; ``finish``
     compiles here what no worker took and loads the workers' artifacts."""
 
     def __init__(self, split_gm, pieces: list[Piece], config: CompileConfig, cache: CompileCache | None,
-                 token_symbol, static_sizes: tuple[int, ...], pool: static_pool.StaticCompilePool | None = None,
+                 token_symbol, static_sizes: tuple[int, ...], pool: compile_pool.CompilePool | None = None,
                  background: bool = False):
         super().__init__(split_gm)
         #: leave the static compiles still out to land after the compile (``landing.py``)
@@ -307,7 +307,9 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.static_seconds = 0.0
         self.pool = pool
         #: (signature, size) -> (task, piece, the piece's traced inputs) of the static compiles sent
-        self.tasks: dict[tuple[str, int], tuple[static_pool.Task, Piece, list[Any]]] = {}
+        self.tasks: dict[tuple[str, int], tuple[compile_pool.Task, Piece, list[Any]]] = {}
+        #: the same of the dynamic-shape compiles sent (``finish_dynamic``)
+        self.dynamic_tasks: dict[tuple[str, None], tuple[compile_pool.Task, Piece, list[Any]]] = {}
         self._settings: dict[str, Any] | None = None
         self._graphs: dict[str, bytes | None] = {}
         #: the static compiles left to land after the compile (``finish``)
@@ -315,13 +317,13 @@ class _PieceCompiler(torch.fx.Interpreter):
 
     def compile_all(self, fake_mode, fake_args) -> None:
         traced = {name: _placeholder_values(p) for name, p in self.pieces.items() if not p.is_splitting_op}
-        if all(v is not None for v in traced.values()):
-            with fake_mode:
+        with fake_mode:
+            if all(v is not None for v in traced.values()):
                 for name, args in traced.items():
                     self.compile_piece(self.pieces[name], args)
-        else:
-            with fake_mode:
+            else:
                 self.run(*fake_args)
+            self.finish_dynamic()
         self.finish()
 
     def call_module(self, target, args, kwargs):
@@ -338,7 +340,10 @@ class _PieceCompiler(torch.fx.Interpreter):
             for size in self.static_sizes:
                 self._send(piece, signature, args, size)
             self.static_seconds += time.perf_counter() - start
-        self._once(piece, signature, None, lambda: args)
+        if self._dynamic_in_workers:
+            self._send(piece, signature, args, None)
+        else:
+            self._once(piece, signature, None, lambda: args)
         if self.pool is None:
             for size in self.static_sizes:
                 self._once(piece, signature, size,
@@ -352,6 +357,13 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.code[(signature, size)] = self._compile(piece, signature, make_args(), size)
         if size is not None:
             self.static_seconds += time.perf_counter() - start
+
+    @property
+    def _dynamic_in_workers(self) -> bool:
+        """Whether the dynamic-shape compiles go to the workers too (the compiling process
+        compiling those no worker has started): only Inductor's, and only with workers running
+        from the first call (``compile_workers_start="after_dynamic"`` keeps them to itself)."""
+        return self.pool is not None and self.pool.started and self.config.piece_compiler == "inductor"
 
     @property
     def _use_cache(self) -> bool:
@@ -372,10 +384,6 @@ class _PieceCompiler(torch.fx.Interpreter):
         logger.info("loaded %s (%s) from the compile cache %s", piece.name, _shape(size), self.cache.dir)
         return PieceCode("inductor", loaded)
 
-    def _compile_static_here(self, piece: Piece, signature: str, traced_args: list[Any], size: int) -> PieceCode:
-        """A static-shape compile no worker does, from the piece's traced inputs."""
-        return self._compile_here(piece, signature, _static_example_args(traced_args, self.token_symbol, size), size)
-
     def _compile_here(self, piece: Piece, signature: str, args: list[Any], size: int | None) -> PieceCode:
         start = time.perf_counter()
         compiled = _compile_piece(piece, args, self.config, static=size is not None)
@@ -388,9 +396,12 @@ class _PieceCompiler(torch.fx.Interpreter):
 
     # -- static compiles in worker processes ---------------------------------------------------------
 
-    def _send(self, piece: Piece, signature: str, args: list[Any], size: int) -> None:
+    def _send(self, piece: Piece, signature: str, args: list[Any], size: int | None) -> None:
+        """Send one compile (``size`` None: the dynamic-shape one) to the workers, unless an
+        identical piece's or the cache's code serves, or it cannot be sent (compiled here)."""
         key = (signature, size)
-        if key in self.code or key in self.tasks:
+        tasks = self.tasks if size is not None else self.dynamic_tasks
+        if key in self.code or key in tasks:
             counters.piece_reuses += 1
             return
         loaded = self._load(piece, signature, size)
@@ -399,11 +410,16 @@ class _PieceCompiler(torch.fx.Interpreter):
             return
         message = self._message(piece, signature, args, size)
         if message is None:  # cannot be sent (logged): compiled here, as without workers
-            self.code[key] = self._compile_static_here(piece, signature, args, size)
+            self.code[key] = self._compile_here(piece, signature, self._example_args(args, size), size)
             return
-        task = static_pool.Task(len(self.tasks), f"{piece.name} ({_shape(size)})", message)
-        self.tasks[key] = (task, piece, args)
+        task = compile_pool.Task(len(self.tasks) + len(self.dynamic_tasks), f"{piece.name} ({_shape(size)})", message,
+                                urgent=size is None)
+        tasks[key] = (task, piece, args)
         self.pool.submit(task)
+
+    def _example_args(self, traced_args: list[Any], size: int | None) -> list[Any]:
+        """A compile's example inputs: the traced ones (dynamic shapes), or static for ``size``."""
+        return traced_args if size is None else _static_example_args(traced_args, self.token_symbol, size)
 
     def _message(self, piece: Piece, signature: str, args: list[Any], size: int) -> dict[str, Any] | None:
         if self._settings is None:
@@ -427,7 +443,10 @@ class _PieceCompiler(torch.fx.Interpreter):
         graph = self._graphs[signature]
         if graph is None:
             return None
-        inputs = static_pool.static_input_specs(args, self.token_symbol, size)
+        if size is None:  # the graph's own example values, which travel with it
+            return {"graph": graph, "inputs": None, "options": dict(self.config.inductor_options),
+                    "settings": self._settings}
+        inputs = compile_pool.static_input_specs(args, self.token_symbol, size)
         try:
             pickle.dumps(inputs)
         except Exception as exc:  # noqa: BLE001 (a non-tensor input that does not pickle)
@@ -436,6 +455,32 @@ class _PieceCompiler(torch.fx.Interpreter):
             return None
         return {"graph": graph, "inputs": inputs, "options": dict(self.config.inductor_options),
                 "settings": self._settings}
+
+    def finish_dynamic(self) -> None:
+        """Wait for the dynamic-shape compiles sent to workers, compiling here, newest first, those
+        no worker has started (all of them while no worker is ready yet): the compile returns
+        only with every dynamic-shape piece. Inside Dynamo's fake mode and tracing context, which a
+        compile here uses; a task a worker failed is compiled here."""
+        if not self.dynamic_tasks:
+            return
+        start = time.perf_counter()
+        keys = {task.id: key for key, (task, _, _) in self.dynamic_tasks.items()}
+
+        def here(task: compile_pool.Task) -> None:
+            _, piece, args = self.dynamic_tasks[keys[task.id]]
+            task.result = ("here", self._compile_here(piece, keys[task.id][0], args, None))
+
+        self.pool.drain(here, urgent_only=True)
+        in_workers = 0
+        for key, (task, _, _) in self.dynamic_tasks.items():
+            if task.result[0] == "here":
+                self.code[key] = task.result[1]
+            else:
+                self.code[key], from_worker = self._worker_code_or_here(key, task)
+                in_workers += from_worker
+        logger.info("compileattn: %d dynamic-shape compiles: %d in worker processes, %d in-process, in %.2f s",
+                    len(self.dynamic_tasks), in_workers, len(self.dynamic_tasks) - in_workers,
+                    time.perf_counter() - start)
 
     def finish(self) -> None:
         """Wait for the static compiles sent to workers, compiling here those no worker started,
@@ -451,7 +496,7 @@ class _PieceCompiler(torch.fx.Interpreter):
             return
         keys = {task.id: key for key, (task, _, _) in self.tasks.items()}
 
-        def here(task: static_pool.Task) -> None:
+        def here(task: compile_pool.Task) -> None:
             task.result = ("here", self.code_for(keys[task.id], task))
 
         self.pool.drain(here)
@@ -471,7 +516,7 @@ class _PieceCompiler(torch.fx.Interpreter):
                     "in-process; waiting for and loading them took %.2f s", len(self.tasks), in_workers,
                     self.pool.size, worker_seconds, len(self.tasks) - in_workers, seconds)
 
-    def code_for(self, key: tuple[str, int], task: static_pool.Task) -> PieceCode:
+    def code_for(self, key: tuple[str, int], task: compile_pool.Task) -> PieceCode:
         """A static compile's code: the worker's artifact, else (no answer, or a failed one, logged)
         the piece compiled here. After the compile returned (a landing's task) it runs under the
         process's Inductor settings and matmul precision of that moment, which a program that
@@ -479,22 +524,21 @@ class _PieceCompiler(torch.fx.Interpreter):
         ``_torch_compat.compile_settings_applied`` sets process-wide flags, fit for a worker only)."""
         return self._worker_code_or_here(key, task)[0]
 
-    def _worker_code_or_here(self, key: tuple[str, int], task: static_pool.Task) -> tuple[PieceCode, bool]:
+    def _worker_code_or_here(self, key: tuple[str, int | None], task: compile_pool.Task) -> tuple[PieceCode, bool]:
         """``code_for``, and whether the code is the worker's."""
-        _, piece, args = self.tasks[key]
+        _, piece, args = (self.tasks if key[1] is not None else self.dynamic_tasks)[key]
         if task.result is not None:
             code = adopt(task, key[0], key[1], self.cache if self._use_cache else None)
             if isinstance(code, PieceCode):
                 return code, True
-            logger.info("compileattn: a static-compile worker failed %s (%s); compiling it in-process", task.label,
-                        code)
-        return self._compile_static_here(piece, key[0], args, key[1]), False
+            logger.info("compileattn: a compile worker failed %s (%s); compiling it in-process", task.label, code)
+        return self._compile_here(piece, key[0], self._example_args(args, key[1]), key[1]), False
 
     def _leave_to_land(self) -> bool:
         """Adopt the static compiles already done and hand the pool, with the others, to a
         landing; False (nothing done) if the pool cannot be handed over."""
         waiting = {key: task for key, (task, _, _) in self.tasks.items() if task.result is None}
-        pool = static_pool.detach() if waiting else None
+        pool = compile_pool.detach() if waiting else None
         if waiting and pool is None:
             return False
         try:
@@ -513,8 +557,8 @@ class _PieceCompiler(torch.fx.Interpreter):
         return True
 
 
-def adopt(task: static_pool.Task, signature: str, size: int, cache: CompileCache | None) -> PieceCode | str:
-    """A worker's answer to a static compile as code (saved to ``cache``), or why there is none."""
+def adopt(task: compile_pool.Task, signature: str, size: int | None, cache: CompileCache | None) -> PieceCode | str:
+    """A worker's answer to a compile as code (saved to ``cache``), or why there is none."""
     if task.result is None or task.result[0] != "ok":
         why = task.result[1] if task.result is not None else "no answer"
         if task.result is not None and len(task.result) > 2:
@@ -526,7 +570,10 @@ def adopt(task: static_pool.Task, signature: str, size: int, cache: CompileCache
     except Exception as exc:  # noqa: BLE001
         return f"its artifact does not load here ({type(exc).__name__}: {exc})"
     counters.backend_compiles += 1
-    counters.static_compiles_in_workers += 1
+    if size is None:
+        counters.dynamic_compiles_in_workers += 1
+    else:
+        counters.static_compiles_in_workers += 1
     logger.info("compiled %s with inductor in a worker (pid %d) in %.2f s", task.label, pid, seconds)
     if cache is not None:
         cache.save_bytes(signature, data, size)
@@ -582,11 +629,11 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
                     list(static_sizes), config.piece_compiler)
         static_sizes = ()
     pool = None
-    workers = static_pool.worker_count(config.compile_workers) if static_sizes else 0
+    workers = compile_pool.worker_count(config.compile_workers) if static_sizes else 0
     if workers:
-        why_not = static_pool.unsendable_context()
+        why_not = compile_pool.unsendable_context()
         if why_not is None:
-            pool = static_pool.acquire(workers, start=config.compile_workers_start == "first_call")
+            pool = compile_pool.acquire(workers, start=config.compile_workers_start == "first_call")
         else:
             logger.info("compileattn: static pieces compile in-process: %s, which workers would not see", why_not)
     background = config.background_static_compiles
@@ -604,7 +651,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
         compiler = _PieceCompiler(split_gm, pieces, config, cache, token_symbol, static_sizes, pool, background)
         compiler.compile_all(fake_mode, fake_args)
     finally:
-        static_pool.release()  # also one a decorator started for a graph that turned out to need none
+        compile_pool.release()  # also one a decorator started for a graph that turned out to need none
 
     splitting, layers = {}, {}
     for piece in pieces:

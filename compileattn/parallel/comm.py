@@ -26,7 +26,7 @@ graph, S8-2) they took the step from 3943 to 3415 µs. The symmetric buffers are
 Why one opaque custom op and not the functional pair in the graph: the same piece runs decode
 sizes and prefill sizes (dynamic shapes), so the choice is per call, by size; and Inductor's own
 one-shot lowering (``enable_symm_mem_for_group``) plans the input into symmetric memory at compile
-time, which the static-compile workers (processes without the group) cannot do. Dynamo and the
+time, which the compile workers (processes without the group) cannot do. Dynamo and the
 split pass see one op (``passes/split.is_collective`` counts it; only attention splits);
 Inductor calls it as an extern kernel. Every rank makes the same choice for the same call: it
 depends only on the tensor's size, dtype, device and contiguity (the same on every rank, whose

@@ -1,33 +1,40 @@
-"""Static-shape piece compiles in worker processes, beside the compiling process's own work.
+"""Piece compiles in worker processes, beside the compiling process's own work.
 
 ``compile_sizes`` compiles every distinct piece once more per size with static shapes
 (``piecewise.py``): 12 (OPT-125m shape) to 16 (Llama-3-8B shape) independent Inductor compiles of
 0.8-1.8 s each in the compiling process on the H200 (run S7-1), which one after another took 7-12 s
-of a cold start. Inductor's
+of a cold start; the distinct pieces' dynamic-shape compiles, which the compile cannot return
+without, took 5-11 s more one after another (3 to 4 pieces of 0.8-4.7 s, run S11-5). Inductor's
 lowering is Python, so threads would share one GIL: the compiles run in worker *processes*.
 
-- **Workers** are fresh interpreters (``python -c``, never a fork: the compiling process may have
-  CUDA initialised; never multiprocessing's spawn either, which re-runs the user's ``__main__``
-  module in each child). Each imports torch, compileattn (its custom ops must be registered to
-  unpickle a piece) and Inductor, says it is ready, then compiles one piece at a time. They talk
-  to the compiling process over their stdin/stdout pipes (length-prefixed pickles); whatever a
-  worker prints goes to its stderr.
+- **Workers** never are forks of the compiling process (it may have CUDA initialised, threads and
+  gigabytes of memory), nor made by multiprocessing's spawn, which re-runs the user's ``__main__``
+  module in each child. A pool of two or more forks them from a **fork server**
+  (``fork_server.py``), one fresh interpreter that imports torch, compileattn (its custom ops
+  must be registered to unpickle a piece) and Inductor once: eight fresh interpreters importing at
+  once were ready only 10-16 s after they started (S7-1, S11-5). A pool of one, or one whose server
+  cannot fork (it says why, logged), starts fresh interpreters (``python -c``). Either kind talks to
+  the compiling process over two pipes (length-prefixed pickles), its stdin and stdout; whatever
+  a worker prints goes to its stderr.
 - **Start early**: ``prestart`` (``@compileattn.compile`` calls it when its first call will compile,
-  before Dynamo traces) or, at the latest, the backend's ``acquire``; the workers' import (several
-  seconds) overlaps Dynamo's trace and the dynamic-shape compiles.
-- **A task** is one (piece, size): the piece's graph (GraphPickler, node metadata other than stack
-  traces dropped: Dynamo's metadata holds fake tensors and sources that do not pickle, and
-  Inductor's static compile re-traces the graph from the example inputs), the example inputs as
-  (shape, stride, dtype, device) from which the worker makes fake tensors exactly as the in-process
-  path does, the Inductor options, and the settings that steer Inductor: the non-default entries
-  of ``torch._inductor.config`` and ``torch._functorch.config`` (patched around the compile), grad
-  mode, float32 matmul precision, reduced-precision reductions, deterministic algorithms, the default
-  dtype. The answer is the compiled artifact's bytes, the format the compile cache and warm start
-  save, which the compiling process loads.
-- **Scheduling**: a task goes to a worker only once that worker is ready and idle; when the
-  compile waits for the static pieces, the compiling process, once done with its own
-  (dynamic-shape) compiles, takes the tasks no worker has started (from the back of the queue) and
-  compiles them itself, so slow-starting workers never hold it up.
+  before Dynamo traces) or, at the latest, the backend's ``acquire``; the workers' import overlaps
+  Dynamo's trace.
+- **A task** is one (piece, size) compile: the piece's graph (GraphPickler, node metadata other
+  than stack traces and example values dropped: Dynamo's other metadata holds sources that do not
+  pickle), the Inductor options, and the settings that steer Inductor: the non-default entries of
+  ``torch._inductor.config`` and ``torch._functorch.config`` (patched around the compile), the
+  float32 matmul precision, reduced-precision reductions, deterministic algorithms, the default
+  dtype (grad mode is off: pieces are compiled for inference). A static size's inputs go as
+  (shape, stride, dtype, device), from which the worker makes fake tensors exactly as the
+  in-process path does; a dynamic-shape compile (an **urgent** task) uses the graph's own example
+  values, whose symbolic sizes travel with their ShapeEnv, under a tracing context of their fake
+  mode, as Dynamo's is around the backend. The answer is the compiled artifact's bytes, the format
+  the compile cache and warm start save, which the compiling process loads.
+- **Scheduling**: a task goes to a worker only once that worker is ready and idle, urgent tasks
+  first. The compiling process, once it has sent a graph's tasks, compiles the urgent tasks no
+  worker has started (the newest first, while the workers take the oldest) and waits for the
+  rest (``drain(urgent_only=True)``); when the compile waits for the static pieces too, it then
+  does the same with them. So slow-starting workers never hold it up.
 - **Failures**: a worker that does not start, answers an error, dies or runs past
   ``TASK_TIMEOUT_S`` leaves its task to the compiling process, which compiles it itself (the
   serial path; logged at INFO with why), at once while the compile waits, at the next step when the
@@ -35,7 +42,8 @@ lowering is Python, so threads would share one GIL: the compiles run in worker *
   never a wrong piece (one that fails here too keeps the dynamic-shape piece, logged).
 - **Size**: ``CompileConfig.compile_workers``: "auto" is two less than the usable CPUs (per rank,
   under ``LOCAL_WORLD_SIZE`` ranks per host), at most ``MAX_AUTO_WORKERS``, and none below
-  ``MIN_AUTO_WORKERS``; 0 compiles in-process.
+  ``MIN_AUTO_WORKERS``; 0 compiles in-process. Workers are started only where there are static
+  sizes to compile (``compile_sizes``).
 - **Lifetime**: ``release`` (the end of every backend call) closes the workers' stdin; they exit.
   With ``CompileConfig.background_static_compiles`` (the default) the backend instead hands the
   pool, with the tasks still out, to a ``landing.StaticLanding`` (``detach``), which closes it once
@@ -54,6 +62,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import socket
 import struct
 import subprocess
 import sys
@@ -66,7 +75,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 import torch
 
 from .. import _torch_compat
-from . import inductor_piece
+from . import fork_server, inductor_piece
 
 logger = logging.getLogger("compileattn")
 
@@ -104,6 +113,12 @@ INJECT_FAILURE: str | None = None
 #: shape took 3.6 s instead of 1.3 s without workers, the Llama-3-8B shape's 6.9 s instead of 4.4 s
 #: (run S7-1); niced, 1.5 s against 1.3 and 4.2 s against 3.9 (S7-3).
 WORKER_NICENESS = 10
+
+#: Pools of at least this many workers fork them from one process that imported once
+#: (``fork_server.py``); below, each worker is a fresh interpreter (a fork server is one more
+#: process importing torch, which one worker does not amortise). Off (False): always fresh.
+FORK_MIN_WORKERS = 2
+FORK_WORKERS = True
 
 _HEADER = struct.Struct("<Q")
 
@@ -155,9 +170,12 @@ class Task:
     result: tuple | None = None
     #: ``time.monotonic()`` when a worker took it
     started: float | None = None
+    #: A dynamic-shape compile: the compile cannot return without it, so workers take urgent tasks
+    #: first and ``drain(urgent_only=True)`` waits for these alone.
+    urgent: bool = False
 
 
-class StaticCompilePool:
+class CompilePool:
     """Worker processes compiling ``Task``s; see the module docstring."""
 
     def __init__(self, workers: int, start: bool = True):
@@ -165,7 +183,9 @@ class StaticCompilePool:
         self.size = workers
         self._cond = threading.Condition()
         self._pending: collections.deque[Task] = collections.deque()
+        self._urgent: collections.deque[Task] = collections.deque()
         self._inflight = 0
+        self._urgent_inflight = 0
         self._live = workers
         self._closing = False
         self._procs: list[subprocess.Popen] = []
@@ -181,6 +201,7 @@ class StaticCompilePool:
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"compileattn-compile-worker-{i}",
                                           daemon=True) for i in range(workers)]
         self.started = False
+        self._fork_server: fork_server.ForkServer | None = None
         if start:
             self.start()
 
@@ -190,6 +211,7 @@ class StaticCompilePool:
             return
         self.started = True
         self._started = time.perf_counter()
+        self._fork_server = _start_fork_server(self.size)
         for t in self._threads:
             t.start()
 
@@ -197,20 +219,24 @@ class StaticCompilePool:
 
     def submit(self, task: Task) -> None:
         with self._cond:
-            self._pending.append(task)
+            (self._urgent if task.urgent else self._pending).append(task)
             self._cond.notify()
 
-    def drain(self, compile_here: Callable[[Task], None]) -> None:
-        """Return once every submitted task has a result: tasks no worker took are compiled here
-        (``compile_here``), the newest first, while the workers go on from the oldest (only once
-        no worker is left, if ``COMPILE_UNSTARTED_HERE`` is off)."""
+    def drain(self, compile_here: Callable[[Task], None], urgent_only: bool = False) -> None:
+        """Return once every submitted task (``urgent_only``: every urgent one) has a result:
+        tasks no worker took are compiled here (``compile_here``), urgent ones first, the newest
+        first, while the workers go on from the oldest (only once no worker is left, if
+        ``COMPILE_UNSTARTED_HERE`` is off)."""
         while True:
             with self._cond:
                 while True:
-                    if self._pending and (COMPILE_UNSTARTED_HERE or self._live == 0):
-                        task = self._pending.pop()
+                    queue = self._urgent or (None if urgent_only else self._pending)
+                    if queue and (COMPILE_UNSTARTED_HERE or self._live == 0):
+                        task = queue.pop()
                         break
-                    if not self._pending and not self._inflight:
+                    if urgent_only and not self._urgent and not self._urgent_inflight:
+                        return
+                    if not self._urgent and not self._pending and not self._inflight:
                         return
                     self._cond.wait(self._kill_overdue())
             compile_here(task)
@@ -225,7 +251,7 @@ class StaticCompilePool:
             if left <= 0:
                 proc = self._proc_of.get(index)
                 if proc is not None and proc.poll() is None:
-                    logger.info("compileattn: static-compile worker %d (pid %d) took over %.0f s on %s; killed, "
+                    logger.info("compileattn: compile worker %d (pid %d) took over %.0f s on %s; killed, "
                                 "the compiling process compiles it", index, proc.pid, TASK_TIMEOUT_S, task.label)
                     proc.kill()
                 self._running.pop(index, None)
@@ -245,8 +271,9 @@ class StaticCompilePool:
 
     def _fail_pending(self, why: str) -> None:
         """``fail_pending`` with ``_cond`` held."""
-        while self._pending:
-            self._pending.popleft().result = ("error", why)
+        for queue in (self._urgent, self._pending):
+            while queue:
+                queue.popleft().result = ("error", why)
 
     def watch(self) -> None:
         """Enforce ``TASK_TIMEOUT_S`` and ``READY_TIMEOUT_S`` from a thread of its own until the
@@ -270,7 +297,7 @@ class StaticCompilePool:
         if left > 0:
             return max(left, 0.05)
         for index, proc in unready:
-            logger.info("compileattn: static-compile worker %d (pid %d) not ready after %.0f s; killed", index,
+            logger.info("compileattn: compile worker %d (pid %d) not ready after %.0f s; killed", index,
                         proc.pid, READY_TIMEOUT_S)
             proc.kill()
         return READY_TIMEOUT_S
@@ -286,10 +313,12 @@ class StaticCompilePool:
         until they have. Tasks no worker took are answered with an error."""
         with self._cond:
             self._closing = True
-            self._fail_pending("the static-compile pool was closed")
+            self._fail_pending("the compile pool was closed")
             self._cond.notify_all()
             unready = [proc for index, proc in self._proc_of.items()
                        if kill or self.ready_after[index] is None]
+        if self._fork_server is not None:
+            self._fork_server.close()
         for proc in unready:
             if proc.poll() is None:
                 proc.kill()
@@ -315,12 +344,13 @@ class StaticCompilePool:
 
     def _next(self, index: int) -> Task | None:
         with self._cond:
-            while not self._pending and not self._closing:
+            while not self._urgent and not self._pending and not self._closing:
                 self._cond.wait()
             if self._closing:
                 return None
             self._inflight += 1
-            task = self._pending.popleft()
+            task = (self._urgent or self._pending).popleft()
+            self._urgent_inflight += task.urgent
             task.started = time.monotonic()
             self._running[index] = task
             self._cond.notify_all()  # drain's wait now has a deadline
@@ -333,13 +363,14 @@ class StaticCompilePool:
             task.result = result
             self._running.pop(index, None)
             self._inflight -= 1
+            self._urgent_inflight -= task.urgent
             self._cond.notify_all()
         self._notify()
 
     def _serve(self, index: int) -> None:
         proc = None
         try:
-            proc = _start_worker()
+            proc = _start_worker(self._fork_server)
             with self._cond:
                 self._procs.append(proc)
                 self._proc_of[index] = proc
@@ -364,7 +395,7 @@ class StaticCompilePool:
             with self._cond:
                 if not self._closing:
                     self.failures.append(why)
-                    logger.info("compileattn: static-compile worker %d stopped (%s); the compiling process "
+                    logger.info("compileattn: compile worker %d stopped (%s); the compiling process "
                                 "compiles what the workers do not", index, why)
         finally:
             with self._cond:
@@ -381,19 +412,51 @@ def _exit_note(proc: subprocess.Popen | None, exc: BaseException) -> str:
     return note if code is None else f"{note}; exit status {code}"
 
 
-def _start_worker() -> subprocess.Popen:
-    root = str(Path(__file__).resolve().parents[2])  # the directory holding the compileattn package
+def _worker_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (fork_server.package_root(), env.get("PYTHONPATH", "")) if p)
     # One compile at a time, its Triton kernels compiled in the worker itself: no pool of pools
     # (the environment variable wins over a config patch, so it is set here too).
     env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    return env
+
+
+def _start_worker(server: fork_server.ForkServer | None = None):
+    """A worker process: forked by ``server`` when there is one that can fork, else a fresh
+    interpreter (a ``subprocess.Popen``)."""
+    if server is not None:
+        try:
+            return server.fork()
+        except fork_server.ForkServerClosed:
+            raise
+        except fork_server.ForkError as exc:
+            _note_no_fork(str(exc))
     # The answers' pipe is set aside before any import: whatever an import prints to stdout (a
     # sitecustomize, a library's banner) goes to stderr and cannot be read as a message header.
     code = (f"import os; os.nice({WORKER_NICENESS}); answers = os.dup(1); os.dup2(2, 1); "
-            "from compileattn.compilation.static_pool import _worker_main; _worker_main(answers)")
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                            close_fds=True)
+            "from compileattn.compilation.compile_pool import _worker_main; _worker_main(answers)")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=_worker_env(), close_fds=True)
+
+
+_no_fork_noted: set[str] = set()
+
+
+def _note_no_fork(why: str) -> None:
+    if why not in _no_fork_noted:
+        _no_fork_noted.add(why)
+        logger.info("compileattn: compile workers start as fresh interpreters: %s", why)
+
+
+def _start_fork_server(workers: int) -> fork_server.ForkServer | None:
+    """The fork server of a pool of ``workers``, or None where forking does not pay or work."""
+    if workers < FORK_MIN_WORKERS or not FORK_WORKERS or not hasattr(socket, "send_fds") or os.name != "posix":
+        return None
+    try:
+        return fork_server.ForkServer(_worker_env(), WORKER_NICENESS, READY_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 (spawning failed): fresh interpreters, as without it
+        _note_no_fork(f"the fork server did not start ({type(exc).__name__}: {exc})")
+        return None
 
 
 def _close_worker(proc: subprocess.Popen) -> None:
@@ -430,7 +493,7 @@ def static_input_specs(args: Sequence[Any], token_symbol, size: int) -> list[tup
 
 def static_args_from_specs(specs: Sequence[tuple]) -> list[Any]:
     """Example inputs of ``static_input_specs``: fresh fake tensors of a FakeTensorMode without a
-    ShapeEnv (so Inductor specialises every shape), no real memory. A static-compile worker makes
+    ShapeEnv (so Inductor specialises every shape), no real memory. A compile worker makes
     them the same way."""
     out = []
     with _torch_compat.unset_fake_temporarily(), _torch_compat.static_fake_mode():
@@ -457,7 +520,7 @@ def unsendable_context() -> str | None:
 
 # -- the process-wide pool ---------------------------------------------------------------------------
 
-_pool: StaticCompilePool | None = None
+_pool: CompilePool | None = None
 #: The thread whose compile is using ``_pool`` (``acquire``), None while unclaimed. One compile at
 #: a time: task ids are per compile and ``drain`` takes any pending task, so two compiles (two
 #: threads making first calls) sharing the workers would get each other's pieces.
@@ -465,19 +528,19 @@ _owner: int | None = None
 _lock = threading.Lock()
 
 
-def prestart(workers: int, start: bool = True) -> StaticCompilePool | None:
+def prestart(workers: int, start: bool = True) -> CompilePool | None:
     """Start the workers (if none run and ``workers`` > 0): their import overlaps what the
     compiling process does until the first static compile. ``start=False``: make the pool, its
-    processes started later by ``StaticCompilePool.start``."""
+    processes started later by ``CompilePool.start``."""
     global _pool
     if workers <= 0:
         return None
     with _lock:
         if _pool is None:
             try:
-                _pool = StaticCompilePool(workers, start=start)
+                _pool = CompilePool(workers, start=start)
             except Exception as exc:  # noqa: BLE001 (threads unavailable, ...): compile in-process
-                logger.info("compileattn: static-compile workers not started (%s: %s); compiling in-process",
+                logger.info("compileattn: compile workers not started (%s: %s); compiling in-process",
                             type(exc).__name__, exc)
                 return None
         elif start:
@@ -485,7 +548,7 @@ def prestart(workers: int, start: bool = True) -> StaticCompilePool | None:
         return _pool
 
 
-def acquire(workers: int, start: bool = True) -> StaticCompilePool | None:
+def acquire(workers: int, start: bool = True) -> CompilePool | None:
     """The running pool (``prestart``'s), else a new one of ``workers``, claimed by this thread's
     compile; None for in-process, which is also what a compile gets while another thread's uses
     the workers."""
@@ -493,7 +556,7 @@ def acquire(workers: int, start: bool = True) -> StaticCompilePool | None:
     me = threading.get_ident()
     with _lock:
         if _owner is not None and _owner != me:
-            logger.info("compileattn: another thread's compile is using the static-compile workers; this one "
+            logger.info("compileattn: another thread's compile is using the compile workers; this one "
                         "compiles its static pieces in-process")
             return None
     pool = prestart(workers, start=start)
@@ -516,11 +579,11 @@ def release(wait: bool = False) -> None:
         pool.close(wait=wait)
 
 
-def current() -> StaticCompilePool | None:
+def current() -> CompilePool | None:
     return _pool
 
 
-def detach() -> StaticCompilePool | None:
+def detach() -> CompilePool | None:
     """Hand this thread's claimed pool over to the caller (``landing.py``), who closes it: it is
     no longer the process-wide pool, so ``release`` leaves it running and the next compile starts
     its own."""
@@ -535,20 +598,31 @@ def detach() -> StaticCompilePool | None:
 # -- the worker process ------------------------------------------------------------------------------
 
 
+def import_for_worker() -> None:
+    """What a worker imports before it is ready: compileattn (its custom ops must be registered to
+    unpickle a piece) and Inductor (seconds; once, in the fork server, for forked workers)."""
+    import compileattn  # noqa: F401
+
+    _torch_compat.import_inductor()
+
+
 def _worker_main(answers_fd: int) -> None:
-    """A compile worker: stdin brings messages, ``answers_fd`` (the original stdout) takes the
-    answers; stdout itself already goes to stderr."""
-    inp = sys.stdin.buffer
-    out = os.fdopen(answers_fd, "wb")
+    """A fresh-interpreter worker: stdin brings messages, ``answers_fd`` (the original stdout)
+    takes the answers; stdout itself already goes to stderr."""
+    with os.fdopen(answers_fd, "wb") as out:
+        serve_tasks(sys.stdin.buffer, out)
+
+
+def serve_tasks(inp: BinaryIO, out: BinaryIO) -> None:
+    """A worker's life: the compiling process's ``sys.path``, the imports (none left to do in a
+    forked worker), "ready", then one answer per task until ``inp`` closes."""
     try:
         init = _receive(inp)
     except EOFError:
         return
     sys.path[:] = init["sys_path"]
     start = time.perf_counter()
-    import compileattn  # noqa: F401  (registers compileattn's ops: pieces call them)
-
-    _torch_compat.import_inductor()
+    import_for_worker()
     _send(out, ("ready", os.getpid(), time.perf_counter() - start))
     while True:
         try:
@@ -562,7 +636,7 @@ def _worker_main(answers_fd: int) -> None:
             if message.get("inject") == "hang":
                 time.sleep(3600)
             if message.get("inject") == "error":
-                raise RuntimeError("injected failure (static_pool.INJECT_FAILURE)")
+                raise RuntimeError("injected failure (compile_pool.INJECT_FAILURE)")
             data = compile_message(message)
             reply = ("ok", data, time.perf_counter() - start, os.getpid())
         except Exception as exc:  # noqa: BLE001 (the compiling process compiles it itself)
@@ -575,9 +649,18 @@ def _worker_main(answers_fd: int) -> None:
 
 
 def compile_message(message: dict[str, Any]) -> bytes:
-    """Compile one task's piece (in a worker): the artifact's bytes."""
+    """Compile one task's piece (in a worker): the artifact's bytes. A static task's inputs are
+    specs (``static_input_specs``); a dynamic one's (``"inputs": None``) are the placeholders'
+    own example values, fake tensors with the graph's symbolic sizes in the ShapeEnv that
+    travelled with the graph, compiled as the compiling process compiles them, under a tracing
+    context of that fake mode."""
     gm = _torch_compat.piece_unpickle(message["graph"])
-    args = static_args_from_specs(message["inputs"])
     with _torch_compat.compile_settings_applied(message["settings"]):
-        artifact = inductor_piece.compile_piece(gm, args, "from_example_inputs", message["options"])
+        if message["inputs"] is None:
+            args = [_torch_compat.node_example_value(node) for node in gm.graph.nodes if node.op == "placeholder"]
+            with _torch_compat.tracing_fake_mode(_torch_compat.detect_fake_mode(args)):
+                artifact = inductor_piece.compile_piece(gm, args, "from_tracing_context", message["options"])
+        else:
+            args = static_args_from_specs(message["inputs"])
+            artifact = inductor_piece.compile_piece(gm, args, "from_example_inputs", message["options"])
     return _torch_compat.artifact_bytes(artifact)

@@ -1,0 +1,315 @@
+"""Compile workers forked, ready, from one process that imported torch, compileattn and Inductor.
+
+A compile worker (``compile_pool.py``) is useful only once it has imported torch, compileattn and
+Inductor: several seconds of CPU per interpreter. Eight fresh interpreters importing at once, beside
+the compiling process's Dynamo trace, were ready only 10-16 s after they started on the H200's
+16-CPU host (runs S7-1, S11-5), when the compile had long done its own work. A **fork server** pays
+the import once: one interpreter (``python -c``, never a fork of the compiling process, which may
+hold a CUDA context, threads and gigabytes) imports everything a worker needs, says it is ready,
+and then forks a worker per request; a forked worker shares the imported modules' pages and is
+ready at once. Inductor's own compile subprocess does the same (it imports, then forks its pool).
+
+- **No CUDA before the fork**: a process forked after CUDA's driver was initialised cannot use
+  CUDA, and a worker compiling a GPU piece does (device properties, Triton's target). The server
+  asks torch whether a GPU exists through NVML only (``PYTORCH_NVML_BASED_CUDA_CHECK``) and, after
+  its imports, checks that neither torch's CUDA state nor the driver library (``libcuda`` in its
+  memory map) is loaded; if one is, it refuses to fork, saying why, and the pool starts fresh
+  interpreters instead (``compile_pool._start_worker``).
+- **Protocol**: the compiling process gives the server its ``sys.path`` on stdin; the server
+  answers on a Unix socket ("ready" with its import seconds, or why it cannot fork), then serves
+  fork requests on that socket: each carries the two pipe ends (SCM_RIGHTS) the worker talks over,
+  made by the compiling process, so a forked worker is reached exactly like a fresh one (its
+  stdin/stdout), and the answer is the worker's pid.
+- **Children**: the server ignores SIGCHLD, so the kernel reaps its exited workers (no zombies);
+  a worker restores the default at once (its compiles run ``ptxas`` and ``subprocess`` must see
+  their exit status). A worker exits when its stdin closes, as a fresh one does; the server exits
+  when its socket closes (the pool's ``close``, or the compiling process's exit).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("compileattn")
+
+_PID = struct.Struct("<q")
+_HEADER = struct.Struct("<Q")
+#: The request byte of a fork (its two pipe ends ride along as SCM_RIGHTS).
+_FORK = b"F"
+
+
+class ForkError(RuntimeError):
+    """The server cannot (or can no longer) fork workers; the pool starts fresh interpreters."""
+
+
+class ForkServerClosed(ForkError):
+    """The pool closed the server: no worker is wanted any more."""
+
+
+class ForkedWorker:
+    """A worker forked by the server, reached over two pipes; what the pool needs of a
+    ``subprocess.Popen`` (``stdin``, ``stdout``, ``pid``, ``poll``, ``kill``, ``wait``). It is the
+    server's child, not this process's, so its exit status is unknown: ``poll`` says -1 once the
+    pid is gone (the server's kernel-side reaping makes that prompt)."""
+
+    def __init__(self, pid: int, stdin, stdout):
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _alive(self.pid):
+            self.returncode = -1
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"compile worker {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+class ForkServer:
+    """The server process, seen from the compiling process. ``fork`` blocks until the server is
+    ready (the first call after its start waits for its imports) and is safe from several threads."""
+
+    def __init__(self, env: dict[str, str], niceness: int, ready_timeout: float):
+        parent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(env, PYTORCH_NVML_BASED_CUDA_CHECK="1")
+        code = (f"import os; os.nice({niceness}); os.dup2(2, 1); "
+                f"from compileattn.compilation.fork_server import serve; serve({server_end.fileno()})")
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env=env,
+                                          stdout=subprocess.DEVNULL, pass_fds=(server_end.fileno(),))
+        finally:
+            server_end.close()
+        self._sock = parent_end
+        self._ready_timeout = ready_timeout
+        self._started = time.perf_counter()
+        self._lock = threading.Lock()
+        self._ready: bool | None = None
+        self._why_not: str | None = None
+        self._closed = False
+        #: seconds from the server's start to its readiness, and of its imports
+        self.ready_after: float | None = None
+        self.import_seconds: float | None = None
+        _send(self._proc.stdin, {"sys_path": list(sys.path)})
+        self._proc.stdin.close()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def fork(self) -> ForkedWorker:
+        with self._lock:
+            if self._ready is None and not self._closed:
+                self._handshake()
+            if self._closed:
+                raise ForkServerClosed("the compile-worker pool is closing")
+            if not self._ready:
+                raise ForkError(self._why_not)
+            worker_in, to_worker = os.pipe()
+            from_worker, worker_out = os.pipe()
+            try:
+                socket.send_fds(self._sock, [_FORK], [worker_in, worker_out])
+                answer = _recv_exact(self._sock, _PID.size)
+            except (OSError, EOFError) as exc:
+                for fd in (to_worker, from_worker):
+                    os.close(fd)
+                self._fail(f"the fork server stopped ({type(exc).__name__}: {exc})")
+                raise ForkError(self._why_not) from exc
+            finally:
+                os.close(worker_in)
+                os.close(worker_out)
+            pid = _PID.unpack(answer)[0]
+            if pid < 0:
+                os.close(to_worker)
+                os.close(from_worker)
+                raise ForkError(f"the fork server's fork failed (errno {-pid})")
+            return ForkedWorker(pid, os.fdopen(to_worker, "wb"), os.fdopen(from_worker, "rb"))
+
+    def _handshake(self) -> None:
+        self._sock.settimeout(self._ready_timeout)
+        try:
+            _, import_seconds, why_not = _receive(self._sock)
+        except (OSError, EOFError, pickle.UnpicklingError) as exc:  # socket.timeout is an OSError
+            self._fail(f"the fork server did not start ({type(exc).__name__}: {exc}; exit status "
+                       f"{self._proc.poll()})")
+            return
+        self._sock.settimeout(None)
+        self.ready_after = time.perf_counter() - self._started
+        self.import_seconds = import_seconds
+        if why_not is not None:
+            self._fail(why_not)
+            return
+        self._ready = True
+        logger.debug("compile-worker fork server (pid %d) ready after %.2f s (its imports %.2f s)", self.pid,
+                     self.ready_after, import_seconds)
+
+    def _fail(self, why: str) -> None:
+        self._ready, self._why_not = False, why
+        self._stop()
+
+    def close(self) -> None:
+        """Stop the server: one still importing is killed; a ready one forks no more and exits
+        once its workers have (each when its own stdin closes), reaped here by a daemon thread."""
+        self._closed = True
+        self._stop()
+
+    def _stop(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        if self._ready is not True and self._proc.poll() is None:
+            self._proc.kill()
+        threading.Thread(target=self._proc.wait, name="compileattn-fork-server-reaper", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, which an orphan becomes under a PID 1 that does not reap,
+    has ended)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # PermissionError: the pid now is another user's
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _send(stream, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise EOFError("the fork server's socket closed")
+        data += chunk
+    return data
+
+
+def _receive(sock: socket.socket) -> Any:
+    size = _HEADER.unpack(_recv_exact(sock, _HEADER.size))[0]
+    return pickle.loads(_recv_exact(sock, size))
+
+
+# -- the server process ------------------------------------------------------------------------------
+
+
+def cuda_touched() -> str | None:
+    """Why a fork of this process could not use CUDA, or None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "torch initialised CUDA during the imports"
+    try:
+        with open("/proc/self/maps") as maps:
+            if any("libcuda.so" in line for line in maps):
+                return "the CUDA driver library was loaded during the imports"
+    except OSError:
+        return "its memory map cannot be read to check that CUDA is untouched"
+    return None
+
+
+def serve(sock_fd: int) -> None:
+    """The server: import, answer ready, fork a worker per request until the socket closes."""
+    sock = socket.socket(fileno=sock_fd)
+    init = _read_init(sys.stdin.buffer)
+    if init is None:
+        return
+    sys.path[:] = init["sys_path"]
+    start = time.perf_counter()
+    from .compile_pool import import_for_worker
+
+    import_for_worker()
+    why_not = cuda_touched()
+    if why_not is None and threading.active_count() > 1:
+        why_not = f"{threading.active_count()} Python threads run after the imports"
+    data = pickle.dumps(("ready", time.perf_counter() - start, why_not))
+    sock.sendall(_HEADER.pack(len(data)) + data)
+    if why_not is not None:
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 1, 2)
+        except OSError:
+            message, fds = b"", []
+        if message != _FORK or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            _outlive_workers()
+            return
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            pid = -(exc.errno or 1)
+        if pid == 0:
+            _forked_worker(sock, fds)
+        for fd in fds:
+            os.close(fd)
+        sock.sendall(_PID.pack(pid))
+
+
+def _outlive_workers() -> None:
+    """Block until every forked worker has exited: with SIGCHLD ignored, ``wait`` returns (with
+    ECHILD) only then. The server stays their parent, so they are reaped on exit rather than left
+    to a PID 1 that may not reap."""
+    try:
+        while True:
+            os.wait()
+    except ChildProcessError:
+        pass
+
+
+def _forked_worker(sock: socket.socket, fds: list[int]) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    sock.close()
+    code = 0
+    try:
+        from .compile_pool import serve_tasks
+
+        with os.fdopen(fds[0], "rb") as inp, os.fdopen(fds[1], "wb") as out:
+            serve_tasks(inp, out)
+    except BaseException:  # noqa: BLE001 (a worker's end; the pool sees its pipe close)
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _read_init(stream) -> dict | None:
+    head = stream.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None
+    return pickle.loads(stream.read(_HEADER.unpack(head)[0]))
+
+
+def package_root() -> str:
+    """The directory holding the compileattn package (a child's ``PYTHONPATH``)."""
+    return str(Path(__file__).resolve().parents[2])

@@ -1,0 +1,99 @@
+"""The compile workers' fork server (compilation/fork_server.py): forked workers are ready at once
+and serve tasks like fresh ones; a server that cannot fork leaves the pool to fresh interpreters;
+nothing outlives the pool."""
+import logging
+import os
+import time
+
+import pytest
+import torch
+
+from compileattn.compilation import compile_pool, fork_server
+
+
+def _ready(pool: compile_pool.CompilePool, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while any(r is None for r in pool.ready_after) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert all(r is not None for r in pool.ready_after), pool.failures
+
+
+def test_a_pool_of_several_forks_its_workers_from_one_server():
+    pool = compile_pool.CompilePool(3)
+    try:
+        _ready(pool)
+        server = pool._fork_server
+        assert server is not None and server.ready_after is not None
+        assert all(isinstance(p, fork_server.ForkedWorker) for p in pool._procs)
+        assert len(set(pool.pids())) == 3 and server.pid not in pool.pids()
+        # ready when the server is: the imports were the server's, once
+        assert max(pool.ready_after) - server.ready_after < 5
+    finally:
+        pool.close(wait=True)
+    deadline = time.monotonic() + 10
+    while any(p.poll() is None for p in pool._procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert all(p.poll() is not None for p in pool._procs)
+
+
+def test_a_forked_worker_answers_a_task_like_a_fresh_one(monkeypatch):
+    """An injected error goes through the whole path: the task reaches the forked worker, which
+    answers with its error and traceback (the pool then compiles it here)."""
+    monkeypatch.setattr(compile_pool, "INJECT_FAILURE", "error")
+    pool = compile_pool.CompilePool(2)
+    try:
+        task = compile_pool.Task(0, "piece (2 tokens)", {"graph": b"", "inputs": None})
+        pool.submit(task)
+        deadline = time.monotonic() + 120
+        while task.result is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert task.result is not None and task.result[0] == "error"
+        assert "injected failure" in task.result[1]
+        assert pool._fork_server is not None and all(isinstance(p, fork_server.ForkedWorker) for p in pool._procs)
+    finally:
+        pool.close(wait=True)
+
+
+def test_a_server_that_cannot_start_leaves_the_pool_to_fresh_interpreters(monkeypatch, caplog):
+    """A server that dies before it is ready (here: an interpreter that cannot start) answers
+    nothing; the workers start as fresh interpreters, saying why once."""
+    real = fork_server.ForkServer
+
+    def broken(env, niceness, ready_timeout):
+        return real(dict(env, PYTHONHOME=os.devnull), niceness, ready_timeout)
+
+    monkeypatch.setattr(fork_server, "ForkServer", broken)
+    monkeypatch.setattr(compile_pool, "_no_fork_noted", set())
+    with caplog.at_level(logging.INFO, logger="compileattn"):
+        pool = compile_pool.CompilePool(2)
+        try:
+            _ready(pool)
+            assert all(not isinstance(p, fork_server.ForkedWorker) for p in pool._procs)
+        finally:
+            pool.close(wait=True)
+    assert caplog.text.count("compile workers start as fresh interpreters: the fork server did not start") == 1
+
+
+def test_one_worker_is_a_fresh_interpreter():
+    pool = compile_pool.CompilePool(1, start=False)
+    pool.start()
+    try:
+        assert pool._fork_server is None
+    finally:
+        pool.close(wait=True)
+
+
+def test_this_process_is_untouched_by_cuda_only_without_a_gpu():
+    """The check the server makes before it forks: on a CPU box nothing loads CUDA's driver; where
+    torch has initialised CUDA, a fork could not use it and the check says so."""
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        assert fork_server.cuda_touched() is not None
+    else:
+        assert fork_server.cuda_touched() is None
+
+
+@pytest.mark.cuda
+def test_cuda_initialised_here_is_seen_by_the_check():
+    torch.zeros(1, device="cuda")
+    assert fork_server.cuda_touched() is not None
