@@ -3,6 +3,8 @@ and serve tasks like fresh ones; a server that cannot fork leaves the pool to fr
 nothing outlives the pool."""
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -91,6 +93,28 @@ def test_this_process_is_untouched_by_cuda_only_without_a_gpu():
         assert fork_server.cuda_touched() is not None
     else:
         assert fork_server.cuda_touched() is None
+
+
+_SERVER_CHECK = """
+import ctypes, os
+from compileattn.compilation import compile_pool, fork_server
+compile_pool.import_for_worker()
+print("after imports:", fork_server.cuda_touched())
+ctypes.CDLL("libcuda.so.1").cuInit(0)
+print("after cuInit:", fork_server.cuda_touched())
+"""
+
+
+@pytest.mark.cuda
+def test_the_servers_imports_leave_cuda_uninitialised_and_the_check_sees_cuinit():
+    """What the server relies on, on a GPU machine: its imports (with torch's NVML-only GPU check)
+    do not initialise the CUDA driver, so forked workers can; and ``cuda_touched`` tells an
+    initialised driver from a merely loaded library."""
+    env = dict(compile_pool._worker_env(), PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    out = subprocess.run([sys.executable, "-c", _SERVER_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "after imports: None" in out.stdout
+    assert "after cuInit: the CUDA driver was initialised during the imports" in out.stdout
 
 
 @pytest.mark.cuda

@@ -48,7 +48,8 @@ lowering is Python, so threads would share one GIL: the compiles run in worker *
   With ``CompileConfig.background_static_compiles`` (the default) the backend instead hands the
   pool, with the tasks still out, to a ``landing.StaticLanding`` (``detach``), which closes it once
   every task has its answer, or at the process's exit.
-- **Priority**: workers run at niceness ``WORKER_NICENESS``, below the compiling process.
+- **Priority**: workers run at niceness ``WORKER_NICENESS``, below the compiling process (a fork
+  server imports at normal priority: until it is ready, no worker helps).
 
 Inductor's own out-of-process compile (``torch._inductor.config.fx_compile_mode``, torch 2.11-2.13)
 was not used: it is set process-wide from an environment variable at import, works below

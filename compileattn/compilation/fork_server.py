@@ -12,9 +12,13 @@ ready at once. Inductor's own compile subprocess does the same (it imports, then
 - **No CUDA before the fork**: a process forked after CUDA's driver was initialised cannot use
   CUDA, and a worker compiling a GPU piece does (device properties, Triton's target). The server
   asks torch whether a GPU exists through NVML only (``PYTORCH_NVML_BASED_CUDA_CHECK``) and, after
-  its imports, checks that neither torch's CUDA state nor the driver library (``libcuda`` in its
-  memory map) is loaded; if one is, it refuses to fork, saying why, and the pool starts fresh
-  interpreters instead (``compile_pool._start_worker``).
+  its imports, checks that neither torch nor anything else initialised the driver (``cuda_touched``:
+  its imports do load the driver library, Triton's CUDA utilities link it, as run S12-3 found);
+  if one did, it refuses to fork, saying why, and the pool starts fresh interpreters instead
+  (``compile_pool._start_worker``).
+- **Priority**: the server imports at normal priority (at niceness 10, beside Inductor's own
+  compile subprocesses, it was ready only 12 s after its start in run S12-3: too late to take any
+  of the compiling process's work); each forked worker lowers its own priority.
 - **Protocol**: the compiling process gives the server its ``sys.path`` on stdin; the server
   answers on a Unix socket ("ready" with its import seconds, or why it cannot fork), then serves
   fork requests on that socket: each carries the two pipe ends (SCM_RIGHTS) the worker talks over,
@@ -27,6 +31,7 @@ ready at once. Inductor's own compile subprocess does the same (it imports, then
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import pickle
@@ -46,6 +51,8 @@ _PID = struct.Struct("<q")
 _HEADER = struct.Struct("<Q")
 #: The request byte of a fork (its two pipe ends ride along as SCM_RIGHTS).
 _FORK = b"F"
+#: What a CUDA driver call returns before ``cuInit``.
+_CUDA_ERROR_NOT_INITIALIZED = 3
 
 
 class ForkError(RuntimeError):
@@ -92,10 +99,12 @@ class ForkServer:
     ready (the first call after its start waits for its imports) and is safe from several threads."""
 
     def __init__(self, env: dict[str, str], niceness: int, ready_timeout: float):
+        """``niceness``: the forked workers'; the server itself imports at normal priority, since
+        until it is ready no worker can help."""
         parent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(env, PYTORCH_NVML_BASED_CUDA_CHECK="1")
-        code = (f"import os; os.nice({niceness}); os.dup2(2, 1); "
-                f"from compileattn.compilation.fork_server import serve; serve({server_end.fileno()})")
+        code = ("import os; os.dup2(2, 1); "
+                f"from compileattn.compilation.fork_server import serve; serve({server_end.fileno()}, {niceness})")
         try:
             self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env=env,
                                           stdout=subprocess.DEVNULL, pass_fds=(server_end.fileno(),))
@@ -224,20 +233,29 @@ def _receive(sock: socket.socket) -> Any:
 
 
 def cuda_touched() -> str | None:
-    """Why a fork of this process could not use CUDA, or None."""
+    """Why a fork of this process could not use CUDA, or None. Loading the driver library is
+    harmless (Triton's CUDA utilities link it); initialising the driver is not, and a driver call
+    made before ``cuInit`` answers CUDA_ERROR_NOT_INITIALIZED without initialising anything."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "torch initialised CUDA during the imports"
     try:
         with open("/proc/self/maps") as maps:
-            if any("libcuda.so" in line for line in maps):
-                return "the CUDA driver library was loaded during the imports"
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "libcuda.so" in line}
     except OSError:
         return "its memory map cannot be read to check that CUDA is untouched"
+    for path in paths:
+        try:
+            driver = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            return f"the loaded CUDA driver library {path} cannot be queried"
+        count = ctypes.c_int()
+        if driver.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED:
+            return "the CUDA driver was initialised during the imports"
     return None
 
 
-def serve(sock_fd: int) -> None:
+def serve(sock_fd: int, worker_niceness: int) -> None:
     """The server: import, answer ready, fork a worker per request until the socket closes."""
     sock = socket.socket(fileno=sock_fd)
     init = _read_init(sys.stdin.buffer)
@@ -271,7 +289,7 @@ def serve(sock_fd: int) -> None:
         except OSError as exc:
             pid = -(exc.errno or 1)
         if pid == 0:
-            _forked_worker(sock, fds)
+            _forked_worker(sock, fds, worker_niceness)
         for fd in fds:
             os.close(fd)
         sock.sendall(_PID.pack(pid))
@@ -288,9 +306,10 @@ def _outlive_workers() -> None:
         pass
 
 
-def _forked_worker(sock: socket.socket, fds: list[int]) -> None:
+def _forked_worker(sock: socket.socket, fds: list[int], niceness: int) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     sock.close()
+    os.nice(niceness)
     code = 0
     try:
         from .compile_pool import serve_tasks
