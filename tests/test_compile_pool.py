@@ -204,3 +204,30 @@ def test_an_unstarted_pool_closes_and_starts_when_wanted(monkeypatch):
         assert compile_pool.prestart(1) is pool and started == [pool]
     finally:
         compile_pool.release()
+
+
+def test_an_urgent_task_running_in_a_worker_is_compiled_here_too_rather_than_waited_for(monkeypatch):
+    """With nothing left to start, the compiling process compiles an urgent task a worker is
+    still on (here: a worker that never answers) instead of waiting; the first answer is kept."""
+    monkeypatch.setattr(compile_pool, "INJECT_FAILURE", "hang")
+    pool = compile_pool.CompilePool(1)
+    try:
+        task = compile_pool.Task(0, "piece (dynamic shapes)", {}, urgent=True)
+        pool.submit(task)
+        deadline = time.monotonic() + 120
+        while task.started is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert task.started is not None  # the worker took it (and hangs)
+        compiled_here = []
+
+        def here(t):
+            compiled_here.append(t)
+            assert pool.settle(t, ("here", "code"))
+
+        start = time.monotonic()
+        pool.drain(here, urgent_only=True)
+        assert time.monotonic() - start < 5
+        assert compiled_here == [task] and task.duplicated and task.result == ("here", "code")
+        assert not pool.settle(task, ("ok", b"", 0.0, 0))  # a later answer does not replace it
+    finally:
+        pool.close(kill=True, wait=True)

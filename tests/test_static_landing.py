@@ -70,6 +70,12 @@ class HeldPool:
     def watch(self) -> None:
         pass
 
+    def settle(self, task, result) -> bool:
+        if task.result is not None:
+            return False
+        task.result = result
+        return True
+
     def drain(self, here, urgent_only: bool = False) -> None:  # CompilePool.drain with no worker taking
         for task in self.urgent + ([] if urgent_only else self.tasks):
             if task.result is None:

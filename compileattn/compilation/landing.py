@@ -124,9 +124,10 @@ class StaticLanding:
 
         def here(task: compile_pool.Task) -> None:
             try:
-                task.result = ("here", self.resolve(keys[task.id], task))
+                result = ("here", self.resolve(keys[task.id], task))
             except Exception as exc:  # noqa: BLE001 (the task must be answered: the landing waits for it)
-                task.result = ("here-failed", f"{type(exc).__name__}: {exc}")
+                result = ("here-failed", f"{type(exc).__name__}: {exc}")
+            self.pool.settle(task, result)
 
         self.pool.drain(here)
         self._result_arrived()  # closes the pool when every task is answered (those compiled here too)

@@ -468,7 +468,7 @@ class _PieceCompiler(torch.fx.Interpreter):
 
         def here(task: compile_pool.Task) -> None:
             _, piece, args = self.dynamic_tasks[keys[task.id]]
-            task.result = ("here", self._compile_here(piece, keys[task.id][0], args, None))
+            self.pool.settle(task, ("here", self._compile_here(piece, keys[task.id][0], args, None)))
 
         self.pool.drain(here, urgent_only=True)
         in_workers = 0
@@ -497,7 +497,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         keys = {task.id: key for key, (task, _, _) in self.tasks.items()}
 
         def here(task: compile_pool.Task) -> None:
-            task.result = ("here", self.code_for(keys[task.id], task))
+            self.pool.settle(task, ("here", self.code_for(keys[task.id], task)))
 
         self.pool.drain(here)
         in_workers = 0
