@@ -103,8 +103,9 @@ class ForkServer:
         until it is ready no worker can help."""
         parent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(env, PYTORCH_NVML_BASED_CUDA_CHECK="1")
-        code = ("import os; os.dup2(2, 1); "
-                f"from compileattn.compilation.fork_server import serve; serve({server_end.fileno()}, {niceness})")
+        code = ("import os, time; started = time.perf_counter(); os.dup2(2, 1); "
+                "from compileattn.compilation.fork_server import serve; "
+                f"serve({server_end.fileno()}, {niceness}, started)")
         try:
             self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env=env,
                                           stdout=subprocess.DEVNULL, pass_fds=(server_end.fileno(),))
@@ -255,21 +256,21 @@ def cuda_touched() -> str | None:
     return None
 
 
-def serve(sock_fd: int, worker_niceness: int) -> None:
-    """The server: import, answer ready, fork a worker per request until the socket closes."""
+def serve(sock_fd: int, worker_niceness: int, started: float) -> None:
+    """The server: import, answer ready (with the seconds since ``started``, the interpreter's
+    first statement: torch's import included), fork a worker per request until the socket closes."""
     sock = socket.socket(fileno=sock_fd)
     init = _read_init(sys.stdin.buffer)
     if init is None:
         return
     sys.path[:] = init["sys_path"]
-    start = time.perf_counter()
     from .compile_pool import import_for_worker
 
     import_for_worker()
     why_not = cuda_touched()
     if why_not is None and threading.active_count() > 1:
         why_not = f"{threading.active_count()} Python threads run after the imports"
-    data = pickle.dumps(("ready", time.perf_counter() - start, why_not))
+    data = pickle.dumps(("ready", time.perf_counter() - started, why_not))
     sock.sendall(_HEADER.pack(len(data)) + data)
     if why_not is not None:
         return
