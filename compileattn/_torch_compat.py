@@ -212,6 +212,13 @@ def tracing_fake_mode(fake_mode):
         yield
 
 
+def size_assumptions(shape_env) -> tuple:
+    """What a ShapeEnv has assumed of its symbols: its guards, its replacements and its deferred
+    runtime assertions (a compile that adds one of them narrowed the sizes its code is valid for)."""
+    return (len(shape_env.guards), tuple(sorted((str(k), str(v)) for k, v in shape_env.replacements.items())),
+            sum(len(v) for v in shape_env.deferred_runtime_asserts.values()))
+
+
 def piece_unpickle(data: bytes):
     shape_env = resolve("torch.fx.experimental.symbolic_shapes.ShapeEnv")()
     gm = resolve("torch.fx._graph_pickler.GraphPickler").loads(

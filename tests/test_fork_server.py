@@ -36,6 +36,7 @@ def test_a_pool_of_several_forks_its_workers_from_one_server():
     while any(p.poll() is None for p in pool._procs) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert all(p.poll() is not None for p in pool._procs)
+    assert server._proc.wait(timeout=10) == 0  # the server too, once its workers are gone
 
 
 def test_a_forked_worker_answers_a_task_like_a_fresh_one(monkeypatch):

@@ -32,9 +32,12 @@ lowering is Python, so threads would share one GIL: the compiles run in worker *
   the compile cache and warm start save, which the compiling process loads.
 - **Scheduling**: a task goes to a worker only once that worker is ready and idle, urgent tasks
   first. The compiling process, once it has sent a graph's tasks, compiles the urgent tasks no
-  worker has started (the newest first, while the workers take the oldest) and waits for the
-  rest (``drain(urgent_only=True)``); when the compile waits for the static pieces too, it then
-  does the same with them. So slow-starting workers never hold it up.
+  worker has started (the newest first, while the workers take the oldest), then, rather than
+  wait, those a worker is still on, keeping the first answer (``drain(urgent_only=True)``); when
+  the compile waits for the static pieces too, it then compiles those no worker has started. So
+  slow-starting or slow workers never hold it up. A worker's dynamic-shape compile that guarded
+  on the piece's symbolic sizes is not used (``SizeAssumptionsAdded``): such a guard belongs in
+  the compiling process's ShapeEnv, where Dynamo installs it.
 - **Failures**: a worker that does not start, answers an error, dies or runs past
   ``TASK_TIMEOUT_S`` leaves its task to the compiling process, which compiles it itself (the
   serial path; logged at INFO with why), at once while the compile waits, at the next step when the
@@ -162,7 +165,7 @@ def worker_count(setting: int | str) -> int:
 
 @dataclasses.dataclass
 class Task:
-    """One static compile. ``message`` is what the worker gets; ``result`` is set once it is done:
+    """One piece compile (a static size, or dynamic shapes). ``message`` is what the worker gets; ``result`` is set once it is done:
     ("ok", artifact bytes, seconds, worker pid) or ("error", why[, the worker's traceback])."""
 
     id: int
@@ -231,10 +234,11 @@ class CompilePool:
             self._cond.notify()
 
     def settle(self, task: Task, result: tuple) -> bool:
-        """Give ``task`` its result unless it has one (a worker's or the compiling process's
-        answer to a duplicated task came first); whether this one was kept."""
+        """Give ``task`` its result unless it has a usable one (a worker's or the compiling
+        process's answer to a duplicated task came first; a worker's error is replaced);
+        whether this one was kept."""
         with self._cond:
-            if task.result is not None:
+            if task.result is not None and task.result[0] != "error":
                 return False
             task.result = result
             self._cond.notify_all()
@@ -674,18 +678,31 @@ def serve_tasks(inp: BinaryIO, out: BinaryIO) -> None:
             return
 
 
+class SizeAssumptionsAdded(RuntimeError):
+    """Inductor's compile of a dynamic-shape piece guarded on its symbolic sizes (32-bit indexing
+    below a size, say): in the compiling process the guard joins Dynamo's ShapeEnv and Dynamo's
+    guards, in a worker it would be lost with the worker's copy. Such a piece is compiled in the
+    compiling process instead (the task answers this error)."""
+
+
 def compile_message(message: dict[str, Any]) -> bytes:
     """Compile one task's piece (in a worker): the artifact's bytes. A static task's inputs are
     specs (``static_input_specs``); a dynamic one's (``"inputs": None``) are the placeholders'
     own example values, fake tensors with the graph's symbolic sizes in the ShapeEnv that
-    travelled with the graph, compiled as the compiling process compiles them, under a tracing
-    context of that fake mode."""
+    travelled with the graph, compiled under a tracing context of that fake mode, as Dynamo's is
+    around the backend, and answered only if the compile assumed nothing new of those sizes
+    (``SizeAssumptionsAdded``)."""
     gm = _torch_compat.piece_unpickle(message["graph"])
     with _torch_compat.compile_settings_applied(message["settings"]):
         if message["inputs"] is None:
             args = [_torch_compat.node_example_value(node) for node in gm.graph.nodes if node.op == "placeholder"]
-            with _torch_compat.tracing_fake_mode(_torch_compat.detect_fake_mode(args)):
+            fake_mode = _torch_compat.detect_fake_mode(args)
+            before = _torch_compat.size_assumptions(fake_mode.shape_env)
+            with _torch_compat.tracing_fake_mode(fake_mode):
                 artifact = inductor_piece.compile_piece(gm, args, "from_tracing_context", message["options"])
+            if _torch_compat.size_assumptions(fake_mode.shape_env) != before:
+                raise SizeAssumptionsAdded("the compile guarded on the piece's symbolic sizes, which the compiling "
+                                           "process's Dynamo would not see")
         else:
             args = static_args_from_specs(message["inputs"])
             artifact = inductor_piece.compile_piece(gm, args, "from_example_inputs", message["options"])

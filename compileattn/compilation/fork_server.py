@@ -35,6 +35,7 @@ import ctypes
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
@@ -66,22 +67,36 @@ class ForkServerClosed(ForkError):
 class ForkedWorker:
     """A worker forked by the server, reached over two pipes; what the pool needs of a
     ``subprocess.Popen`` (``stdin``, ``stdout``, ``pid``, ``poll``, ``kill``, ``wait``). It is the
-    server's child, not this process's, so its exit status is unknown: ``poll`` says -1 once the
-    pid is gone (the server's kernel-side reaping makes that prompt)."""
+    server's child, not this process's, so its exit status is unknown (``poll`` says -1 once it
+    has ended), and the server's kernel-side reaping frees its pid at once: it is held through a
+    pidfd (Linux 5.3+), which a reused pid cannot redirect; without one, by its pid."""
 
     def __init__(self, pid: int, stdin, stdout):
         self.pid, self.stdin, self.stdout = pid, stdin, stdout
         self.returncode: int | None = None
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfd here, or the worker is gone already
+            self._pidfd = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and not _alive(self.pid):
-            self.returncode = -1
+        if self.returncode is None:
+            if self._pidfd is not None:
+                ended = bool(select.select([self._pidfd], [], [], 0)[0])
+            else:
+                ended = not _alive(self.pid)
+            if ended:
+                self.returncode = -1
+                self._close_pidfd()
         return self.returncode
 
     def kill(self) -> None:
         if self.poll() is None:
             try:
-                os.kill(self.pid, signal.SIGKILL)
+                if self._pidfd is not None:
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                else:
+                    os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -92,6 +107,11 @@ class ForkedWorker:
                 raise subprocess.TimeoutExpired(f"compile worker {self.pid}", timeout)
             time.sleep(0.01)
         return self.returncode
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 class ForkServer:
@@ -144,6 +164,8 @@ class ForkServer:
             except (OSError, EOFError) as exc:
                 for fd in (to_worker, from_worker):
                     os.close(fd)
+                if self._closed:
+                    raise ForkServerClosed("the compile-worker pool is closing") from exc
                 self._fail(f"the fork server stopped ({type(exc).__name__}: {exc})")
                 raise ForkError(self._why_not) from exc
             finally:
@@ -190,8 +212,8 @@ class ForkServer:
         except OSError:
             pass
         self._sock.close()
-        if self._ready is not True and self._proc.poll() is None:
-            self._proc.kill()
+        if self.ready_after is None and self._proc.poll() is None:  # still importing; a ready one's
+            self._proc.kill()                                          # workers outlive it
         threading.Thread(target=self._proc.wait, name="compileattn-fork-server-reaper", daemon=True).start()
 
 
@@ -293,7 +315,11 @@ def serve(sock_fd: int, worker_niceness: int, started: float) -> None:
             _forked_worker(sock, fds, worker_niceness)
         for fd in fds:
             os.close(fd)
-        sock.sendall(_PID.pack(pid))
+        try:
+            sock.sendall(_PID.pack(pid))
+        except OSError:  # the pool closed meanwhile
+            _outlive_workers()
+            return
 
 
 def _outlive_workers() -> None:

@@ -287,9 +287,10 @@ class _PieceCompiler(torch.fx.Interpreter):
     symbolic token count into a guard on its traced value, and the compile then fails with a
     ``ConstraintViolationError`` for the dynamic dim.
 
-    With a ``pool`` (``compile_pool.py``) the static-shape compiles of a distinct piece go to worker
-    processes as soon as its inputs are known, before its dynamic-shape compile here; ``finish``
-    compiles here what no worker took and loads the workers' artifacts."""
+    With a ``pool`` (``compile_pool.py``) a distinct piece's compiles go to worker processes as
+    soon as its inputs are known: its dynamic-shape compile (urgent) and its static-shape ones;
+    ``finish_dynamic`` compiles here the urgent ones no worker took (and duplicates those a worker
+    is still on), ``finish`` the static ones, each loading the workers' artifacts."""
 
     def __init__(self, split_gm, pieces: list[Piece], config: CompileConfig, cache: CompileCache | None,
                  token_symbol, static_sizes: tuple[int, ...], pool: compile_pool.CompilePool | None = None,
@@ -314,11 +315,14 @@ class _PieceCompiler(torch.fx.Interpreter):
         self._graphs: dict[str, bytes | None] = {}
         #: the static compiles left to land after the compile (``finish``)
         self.landing: StaticLanding | None = None
+        #: the pieces' inputs are the placeholders' traced example values (``compile_all``)
+        self._traced = False
 
     def compile_all(self, fake_mode, fake_args) -> None:
         traced = {name: _placeholder_values(p) for name, p in self.pieces.items() if not p.is_splitting_op}
         with fake_mode:
             if all(v is not None for v in traced.values()):
+                self._traced = True
                 for name, args in traced.items():
                     self.compile_piece(self.pieces[name], args)
             else:
@@ -362,8 +366,11 @@ class _PieceCompiler(torch.fx.Interpreter):
     def _dynamic_in_workers(self) -> bool:
         """Whether the dynamic-shape compiles go to the workers too (the compiling process
         compiling those no worker has started): only Inductor's, and only with workers running
-        from the first call (``compile_workers_start="after_dynamic"`` keeps them to itself)."""
-        return self.pool is not None and self.pool.started and self.config.piece_compiler == "inductor"
+        from the first call (``compile_workers_start="after_dynamic"`` keeps them to itself), and
+        only for pieces whose inputs Dynamo traced (a worker compiles from the placeholders'
+        example values, which a graph run on fake inputs instead lacks)."""
+        return (self.pool is not None and self.pool.started and self.config.piece_compiler == "inductor"
+                and self._traced)
 
     @property
     def _use_cache(self) -> bool:
