@@ -74,28 +74,37 @@ class ForkedWorker:
     def __init__(self, pid: int, stdin, stdout):
         self.pid, self.stdin, self.stdout = pid, stdin, stdout
         self.returncode: int | None = None
+        #: the pool's worker thread, its watchdog and ``close`` may all poll or kill it
+        self._lock = threading.Lock()
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):  # no pidfd here, or the worker is gone already
             self._pidfd = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            if self._pidfd is not None:
-                ended = bool(select.select([self._pidfd], [], [], 0)[0])
-            else:
-                ended = not _alive(self.pid)
-            if ended:
-                self.returncode = -1
-                self._close_pidfd()
-        return self.returncode
+        with self._lock:
+            if self.returncode is None:
+                if self._pidfd is not None:
+                    watch = select.poll()  # not select.select: fd numbers past 1024
+                    watch.register(self._pidfd, select.POLLIN)
+                    ended = bool(watch.poll(0))
+                else:
+                    ended = not _alive(self.pid)
+                if ended:
+                    self.returncode = -1
+                    if self._pidfd is not None:
+                        os.close(self._pidfd)
+                        self._pidfd = None
+            return self.returncode
 
     def kill(self) -> None:
-        if self.poll() is None:
+        if self.poll() is not None:
+            return
+        with self._lock:
             try:
                 if self._pidfd is not None:
                     signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-                else:
+                elif self.returncode is None:
                     os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
@@ -107,11 +116,6 @@ class ForkedWorker:
                 raise subprocess.TimeoutExpired(f"compile worker {self.pid}", timeout)
             time.sleep(0.01)
         return self.returncode
-
-    def _close_pidfd(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
 
 
 class ForkServer:
