@@ -65,7 +65,7 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
-from . import regions, compile_pool, warm_start
+from . import compile_pool, regions, warm_start
 from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
 from .replay import MISS, FullStepShortcut, graph_call_of
 

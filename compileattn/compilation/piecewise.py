@@ -32,7 +32,7 @@ from ..config import CompileConfig
 from ..counters import counters
 from ..passes import capture_kv_write, cleanup, hoist_shape_logic, inline_regions, split_graph
 from ..passes.split import Piece, is_splitting_node
-from . import inductor_piece, compile_pool
+from . import compile_pool, inductor_piece
 from .cache import CompileCache, cache_key
 from .landing import StaticLanding
 from .piece_signature import parametrize_layer_names, piece_signature
@@ -401,7 +401,7 @@ class _PieceCompiler(torch.fx.Interpreter):
             self.cache.save(signature, compiled.artifact, size)
         return compiled
 
-    # -- static compiles in worker processes ---------------------------------------------------------
+    # -- compiles in worker processes ---------------------------------------------------------------
 
     def _send(self, piece: Piece, signature: str, args: list[Any], size: int | None) -> None:
         """Send one compile (``size`` None: the dynamic-shape one) to the workers, unless an
