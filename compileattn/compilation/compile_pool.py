@@ -65,9 +65,7 @@ import collections
 import dataclasses
 import logging
 import os
-import pickle
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -79,7 +77,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 import torch
 
 from .. import _torch_compat
-from . import fork_server, inductor_piece
+from . import fork_server, inductor_piece, wire
 
 logger = logging.getLogger("compileattn")
 
@@ -123,26 +121,6 @@ WORKER_NICENESS = 10
 #: process importing torch, which one worker does not amortise). Off (False): always fresh.
 FORK_MIN_WORKERS = 2
 FORK_WORKERS = True
-
-_HEADER = struct.Struct("<Q")
-
-
-def _send(stream: BinaryIO, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
-    stream.flush()
-
-
-def _receive(stream: BinaryIO) -> Any:
-    head = stream.read(_HEADER.size)
-    if len(head) < _HEADER.size:
-        raise EOFError("compile worker pipe closed")
-    size = _HEADER.unpack(head)[0]
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError("compile worker pipe closed mid-message")
-    return pickle.loads(data)
-
 
 def usable_cpus() -> int:
     try:
@@ -190,7 +168,6 @@ class CompilePool:
         self._cond = threading.Condition()
         self._pending: collections.deque[Task] = collections.deque()
         self._urgent: collections.deque[Task] = collections.deque()
-        self._inflight = 0
         #: every task submitted, and the urgent ones: ``drain`` returns once these have results
         self._submitted: list[Task] = []
         self._submitted_urgent: list[Task] = []
@@ -379,7 +356,6 @@ class CompilePool:
                 self._cond.wait()
             if self._closing:
                 return None
-            self._inflight += 1
             task = (self._urgent or self._pending).popleft()
             task.started = time.monotonic()
             self._running[index] = task
@@ -393,7 +369,6 @@ class CompilePool:
             if task.result is None:  # else the compiling process's duplicate came first
                 task.result = result
             self._running.pop(index, None)
-            self._inflight -= 1
             self._cond.notify_all()
         self._notify()
 
@@ -406,16 +381,16 @@ class CompilePool:
                 self._proc_of[index] = proc
                 closing = self._closing
             if not closing:
-                _send(proc.stdin, {"sys_path": list(sys.path)})
-                kind, pid, seconds = _receive(proc.stdout)
+                wire.send(proc.stdin, {"sys_path": list(sys.path)})
+                kind, pid, seconds = wire.receive(proc.stdout)
                 self.ready_after[index] = time.perf_counter() - self._started
                 logger.debug("compile worker %d (pid %d) ready after %.2f s (its imports %.2f s)", index, pid,
                              self.ready_after[index], seconds)
                 while (task := self._next(index)) is not None:
                     message = dict(task.message, inject=INJECT_FAILURE)
                     try:
-                        _send(proc.stdin, message)
-                        reply = _receive(proc.stdout)
+                        wire.send(proc.stdin, message)
+                        reply = wire.receive(proc.stdout)
                     except BaseException as exc:
                         self._done(index, task, ("error", f"worker pid {proc.pid} died ({_exit_note(proc, exc)})"))
                         raise
@@ -647,16 +622,16 @@ def serve_tasks(inp: BinaryIO, out: BinaryIO) -> None:
     """A worker's life: the compiling process's ``sys.path``, the imports (none left to do in a
     forked worker), "ready", then one answer per task until ``inp`` closes."""
     try:
-        init = _receive(inp)
+        init = wire.receive(inp)
     except EOFError:
         return
     sys.path[:] = init["sys_path"]
     start = time.perf_counter()
     import_for_worker()
-    _send(out, ("ready", os.getpid(), time.perf_counter() - start))
+    wire.send(out, ("ready", os.getpid(), time.perf_counter() - start))
     while True:
         try:
-            message = _receive(inp)
+            message = wire.receive(inp)
         except EOFError:
             return
         start = time.perf_counter()
@@ -673,7 +648,7 @@ def serve_tasks(inp: BinaryIO, out: BinaryIO) -> None:
             first = str(exc).strip().splitlines()
             reply = ("error", f"{type(exc).__name__}: {first[0] if first else ''}", traceback.format_exc())
         try:
-            _send(out, reply)
+            wire.send(out, reply)
         except (BrokenPipeError, OSError):
             return
 

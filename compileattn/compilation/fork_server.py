@@ -44,12 +44,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+
+from . import wire
 
 logger = logging.getLogger("compileattn")
 
 _PID = struct.Struct("<q")
-_HEADER = struct.Struct("<Q")
 #: The request byte of a fork (its two pipe ends ride along as SCM_RIGHTS).
 _FORK = b"F"
 #: What a CUDA driver call returns before ``cuInit``.
@@ -145,7 +145,7 @@ class ForkServer:
         #: seconds from the server's start to its readiness, and of its imports
         self.ready_after: float | None = None
         self.import_seconds: float | None = None
-        _send(self._proc.stdin, {"sys_path": list(sys.path)})
+        wire.send(self._proc.stdin, {"sys_path": list(sys.path)})
         self._proc.stdin.close()
 
     @property
@@ -164,7 +164,7 @@ class ForkServer:
             from_worker, worker_out = os.pipe()
             try:
                 socket.send_fds(self._sock, [_FORK], [worker_in, worker_out])
-                answer = _recv_exact(self._sock, _PID.size)
+                answer = wire.recv_exact(self._sock, _PID.size)
             except (OSError, EOFError) as exc:
                 for fd in (to_worker, from_worker):
                     os.close(fd)
@@ -185,7 +185,7 @@ class ForkServer:
     def _handshake(self) -> None:
         self._sock.settimeout(self._ready_timeout)
         try:
-            _, import_seconds, why_not = _receive(self._sock)
+            _, import_seconds, why_not = wire.receive_from_socket(self._sock)
         except (OSError, EOFError, pickle.UnpicklingError) as exc:  # socket.timeout is an OSError
             self._fail(f"the fork server did not start ({type(exc).__name__}: {exc}; exit status "
                        f"{self._proc.poll()})")
@@ -235,27 +235,6 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _send(stream, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
-    stream.flush()
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise EOFError("the fork server's socket closed")
-        data += chunk
-    return data
-
-
-def _receive(sock: socket.socket) -> Any:
-    size = _HEADER.unpack(_recv_exact(sock, _HEADER.size))[0]
-    return pickle.loads(_recv_exact(sock, size))
-
-
 # -- the server process ------------------------------------------------------------------------------
 
 
@@ -286,8 +265,9 @@ def serve(sock_fd: int, worker_niceness: int, started: float) -> None:
     """The server: import, answer ready (with the seconds since ``started``, the interpreter's
     first statement: torch's import included), fork a worker per request until the socket closes."""
     sock = socket.socket(fileno=sock_fd)
-    init = _read_init(sys.stdin.buffer)
-    if init is None:
+    try:
+        init = wire.receive(sys.stdin.buffer)
+    except EOFError:
         return
     sys.path[:] = init["sys_path"]
     from .compile_pool import import_for_worker
@@ -296,8 +276,7 @@ def serve(sock_fd: int, worker_niceness: int, started: float) -> None:
     why_not = cuda_touched()
     if why_not is None and threading.active_count() > 1:
         why_not = f"{threading.active_count()} Python threads run after the imports"
-    data = pickle.dumps(("ready", time.perf_counter() - started, why_not))
-    sock.sendall(_HEADER.pack(len(data)) + data)
+    sock.sendall(wire.frame(("ready", time.perf_counter() - started, why_not)))
     if why_not is not None:
         return
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
@@ -351,13 +330,6 @@ def _forked_worker(sock: socket.socket, fds: list[int], niceness: int) -> None:
         code = 1
     finally:
         os._exit(code)
-
-
-def _read_init(stream) -> dict | None:
-    head = stream.read(_HEADER.size)
-    if len(head) < _HEADER.size:
-        return None
-    return pickle.loads(stream.read(_HEADER.unpack(head)[0]))
 
 
 def package_root() -> str:
