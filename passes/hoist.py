@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .._torch_compat import call_schema
+from .._torch_compat import call_schema, node_example_value
 from .split import is_splitting_node
 
 #: call_method names known not to mutate their receiver.
@@ -70,7 +70,7 @@ def _make_inputs_contiguous(gm: torch.fx.GraphModule, node: torch.fx.Node) -> in
     written = set(_mutated_args(node))
     fixed = 0
     for arg in _inputs(node):
-        value = arg.meta.get("example_value", arg.meta.get("val"))
+        value = node_example_value(arg)
         if not isinstance(value, torch.Tensor) or value.is_contiguous():
             continue
         if arg in written:

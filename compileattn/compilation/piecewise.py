@@ -197,7 +197,7 @@ class CompiledSplit:
 
 
 def _meta(node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+    return _torch_compat.node_example_value(node) if isinstance(node, torch.fx.Node) else None
 
 
 def _splitting_call(piece: Piece) -> tuple[SplittingCall, LayerSignature | None]:
