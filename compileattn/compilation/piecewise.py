@@ -471,20 +471,12 @@ class _PieceCompiler(torch.fx.Interpreter):
         if not self.dynamic_tasks:
             return
         start = time.perf_counter()
-        keys = {task.id: key for key, (task, _, _) in self.dynamic_tasks.items()}
 
-        def here(task: compile_pool.Task) -> None:
-            _, piece, args = self.dynamic_tasks[keys[task.id]]
-            self.pool.settle(task, ("here", self._compile_here(piece, keys[task.id][0], args, None)))
+        def compile_here(key: tuple[str, None], task: compile_pool.Task) -> PieceCode:
+            _, piece, args = self.dynamic_tasks[key]
+            return self._compile_here(piece, key[0], args, None)
 
-        self.pool.drain(here, urgent_only=True)
-        in_workers = 0
-        for key, (task, _, _) in self.dynamic_tasks.items():
-            if task.result[0] == "here":
-                self.code[key] = task.result[1]
-            else:
-                self.code[key], from_worker = self._worker_code_or_here(key, task)
-                in_workers += from_worker
+        in_workers, _ = self._drain(self.dynamic_tasks, compile_here, urgent_only=True)
         logger.info("compileattn: %d dynamic-shape compiles: %d in worker processes, %d in-process, in %.2f s",
                     len(self.dynamic_tasks), in_workers, len(self.dynamic_tasks) - in_workers,
                     time.perf_counter() - start)
@@ -501,15 +493,26 @@ class _PieceCompiler(torch.fx.Interpreter):
         if self.background and self._leave_to_land():
             self.static_seconds += time.perf_counter() - start
             return
-        keys = {task.id: key for key, (task, _, _) in self.tasks.items()}
+        in_workers, worker_seconds = self._drain(self.tasks, self.code_for)
+        seconds = time.perf_counter() - start
+        self.static_seconds += seconds
+        logger.info("compileattn: %d static-shape compiles: %d in %d worker processes (%.2f s of compiling), %d "
+                    "in-process; waiting for and loading them took %.2f s", len(self.tasks), in_workers,
+                    self.pool.size, worker_seconds, len(self.tasks) - in_workers, seconds)
+
+    def _drain(self, tasks: dict, compile_here: Callable[[tuple, compile_pool.Task], PieceCode],
+               urgent_only: bool = False) -> tuple[int, float]:
+        """Wait for ``tasks`` (``CompilePool.drain``), those the compiling process takes going
+        through ``compile_here``, and put every task's code in ``self.code`` (a worker's answer
+        loaded, a failed one compiled here): how many came from workers, and their compile seconds."""
+        keys = {task.id: key for key, (task, _, _) in tasks.items()}
 
         def here(task: compile_pool.Task) -> None:
-            self.pool.settle(task, ("here", self.code_for(keys[task.id], task)))
+            self.pool.settle(task, ("here", compile_here(keys[task.id], task)))
 
-        self.pool.drain(here)
-        in_workers = 0
-        worker_seconds = 0.0
-        for key, (task, _, _) in self.tasks.items():
+        self.pool.drain(here, urgent_only=urgent_only)
+        in_workers, worker_seconds = 0, 0.0
+        for key, (task, _, _) in tasks.items():
             if task.result[0] == "here":
                 self.code[key] = task.result[1]
                 continue
@@ -517,11 +520,7 @@ class _PieceCompiler(torch.fx.Interpreter):
             if from_worker:
                 in_workers += 1
                 worker_seconds += task.result[2]
-        seconds = time.perf_counter() - start
-        self.static_seconds += seconds
-        logger.info("compileattn: %d static-shape compiles: %d in %d worker processes (%.2f s of compiling), %d "
-                    "in-process; waiting for and loading them took %.2f s", len(self.tasks), in_workers,
-                    self.pool.size, worker_seconds, len(self.tasks) - in_workers, seconds)
+        return in_workers, worker_seconds
 
     def code_for(self, key: tuple[str, int], task: compile_pool.Task) -> PieceCode:
         """A static compile's code: the worker's artifact, else (no answer, or a failed one, logged)
