@@ -759,6 +759,15 @@ def test_coldwarm_timeline_recorder_takes_debug_and_restores_the_level():
         log.setLevel(before)
 
 
+def test_inductor_options_on_the_command_line_must_be_a_json_object():
+    """``--inductor-options`` of latency.py and piecewise_gaps.py (``common.json_object``)."""
+    assert common.json_object('{"post_grad_custom_post_pass": null}') == {"post_grad_custom_post_pass": None}
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        common.json_object('["post_grad_custom_post_pass"]')
+    with pytest.raises(ValueError):
+        common.json_object("{post_grad_custom_post_pass: null}")  # not JSON at all
+
+
 def test_latency_cold_warm_probes_run_coldwarms_phases(monkeypatch):
     """latency.py's cold/warm subprocesses go through coldwarm.run_phase with every option it
     reads (one it lacked would crash the probes after a model's whole column run)."""
