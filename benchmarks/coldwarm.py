@@ -20,6 +20,11 @@ run eagerly. Phases:
 - ``cold, layers traced flat``: empty dirs again with ``trace_layers_once=False``: Dynamo traces
   every decoder layer rather than one for all (``compilation/regions.py``); the two rows' Dynamo
   columns are the trace time the regions save;
+- ``cold, workers from the first call``: empty dirs again with ``compile_workers_start="first_call"``:
+  the workers' fork server starts with the first call rather than at decoration (the default), so
+  its import overlaps the compile rather than the model's build;
+- ``cold, attention kernels at first launch``: empty dirs again with ``compile_kernels_ahead=False``:
+  the first run compiles the attention kernels itself rather than a thread while Dynamo traces;
 - ``cold, workers after dynamic``: empty dirs again with ``compile_workers_start="after_dynamic"``:
   the workers start once the dynamic-shape pieces are compiled, so nothing competes with those
   compiles (the cold row's difference to this one is what the competition costs).
@@ -36,8 +41,8 @@ table. Goals: warm start <= 2 s (Llama-8B shape), cold <= 10 s (OPT-125m) and <=
     PYTHONPATH=. python benchmarks/coldwarm.py --out $OUT/coldwarm     # ~2-3 min on an H200
 
 Under ``--budget-s`` (default 170) phases run in priority order (OPT cold, OPT warm, Llama cold,
-Llama warm, then the flat-trace cold rows and the dynamic-only ones, Llama first); what is past the budget is reported as
-skipped.
+Llama warm, then the rows that turn one cold-start measure off, then the flat-trace cold rows and
+the dynamic-only ones, Llama first); what is past the budget is reported as skipped.
 On a machine without CUDA it prints why and exits 0 (``--device cpu`` runs the plumbing on a tiny
 config, for tests).
 """
@@ -64,8 +69,12 @@ import common  # noqa: E402
 MODELS = {"opt": "OPT-125m shape", "llama": "Llama-3-8B shape"}
 #: (model, phase) in priority order under the budget.
 PHASES = [("opt", "cold"), ("opt", "warm"), ("llama", "cold"), ("llama", "warm"),
+          ("opt", "cold, workers from the first call"), ("opt", "cold, attention kernels at first launch"),
+          ("llama", "cold, workers from the first call"), ("llama", "cold, attention kernels at first launch"),
           ("llama", "cold, layers traced flat"), ("opt", "cold, layers traced flat"), ("llama", "cold, dynamic only"), ("llama", "cold, workers after dynamic"), ("opt", "cold, dynamic only"),
           ("opt", "cold, workers after dynamic"), ("opt", "cold, waiting for static")]
+#: Phases that start the compile workers other than by default (``compile_workers_start``).
+WORKERS_START = {"cold, workers after dynamic": "after_dynamic", "cold, workers from the first call": "first_call"}
 GOALS = {("opt", "cold"): 10.0, ("llama", "cold"): 15.0, ("llama", "warm"): 2.0, ("opt", "warm"): 2.0}
 #: Norm-relative difference to eager allowed (latency.py's TOLERANCE: fused kernels round differently).
 TOLERANCE = {"float16": 5e-2, "bfloat16": 1e-1, "float32": 1e-3}
@@ -129,7 +138,8 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
                               **({"compile_sizes": ()} if spec["dynamic_only"] else {}),
                               background_static_compiles=not spec.get("wait_static", False),
                               compile_workers=spec.get("compile_workers", "auto"),
-                              compile_workers_start="after_dynamic" if spec.get("workers_after") else "first_call",
+                              compile_workers_start=spec.get("workers_start", "decoration"),
+                              compile_kernels_ahead=not spec.get("kernels_at_launch", False),
                               trace_layers_once=not spec.get("flat_trace", False),
                               **({} if device == "cuda" else {"piece_compiler": "eager"}))
     compiled_cls = ca.compile(type(f"Compiled{cls.__name__}", (cls,), {}),
@@ -253,7 +263,8 @@ def run_phase(model: str, phase: str, dirs: dict[str, Path], args, budget: commo
     spec = {"model": model, "device": args.device, "backend": args.backend, "cache_dir": str(root / "compileattn"),
             "layers": args.llama_layers if model == "llama" else None, "dynamic_only": phase.startswith("cold, dynamic"),
             "wait_static": phase == "cold, waiting for static",
-            "workers_after": phase == "cold, workers after dynamic",
+            "workers_start": WORKERS_START.get(phase, "decoration"),
+            "kernels_at_launch": phase == "cold, attention kernels at first launch",
             "flat_trace": phase == "cold, layers traced flat",
             "compile_workers": args.compile_workers}
     t = time.monotonic()
@@ -336,6 +347,13 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
             out.append(f"- {MODELS[model]}: Dynamo {cold['cold']['dynamo_s']:.2f} s with the layers traced once "
                        f"(regions {cold['cold'].get('regions')}) against {flat.get('dynamo_s', 0):.2f} s traced flat; "
                        f"first call {cold['cold']['first_call_s']:.2f} against {flat['first_call_s']:.2f} s")
+        for phase, what in (("cold, workers from the first call", "with the fork server started at the first call "
+                                                                  "rather than at decoration"),
+                            ("cold, attention kernels at first launch", "with the attention kernels compiled at "
+                                                                        "their first launch rather than ahead")):
+            if phase in cold and "cold" in cold:
+                out.append(f"- {MODELS[model]}: {what}, the first call took {cold[phase]['first_call_s']:.2f} s "
+                           f"(default: {cold['cold']['first_call_s']:.2f} s)")
         after = cold.get("cold, workers after dynamic")
         if after is not None:
             landed = (f"; every static piece in place {after['static_landed_s']:.2f} s after it started"

@@ -122,3 +122,125 @@ def test_the_servers_imports_leave_cuda_uninitialised_and_the_check_sees_cuinit(
 def test_cuda_initialised_here_is_seen_by_the_check():
     torch.zeros(1, device="cuda")
     assert fork_server.cuda_touched() is not None
+
+
+# -- the fork server started at decoration (compile_workers_start="decoration") -----------------------
+
+
+@pytest.fixture
+def no_early_server():
+    compile_pool.drop_early_fork_server()
+    yield
+    compile_pool.drop_early_fork_server()
+
+
+def test_a_pool_takes_the_fork_server_started_early(no_early_server):
+    assert compile_pool.start_fork_server_early(2)
+    early, _ = compile_pool._early
+    pool = compile_pool.CompilePool(2)
+    try:
+        assert pool._fork_server is early and compile_pool._early is None
+        _ready(pool)
+        assert all(isinstance(p, fork_server.ForkedWorker) for p in pool._procs)
+    finally:
+        pool.close(wait=True)
+
+
+def test_a_fork_server_started_under_another_environment_is_not_used(no_early_server, monkeypatch):
+    """Its workers would inherit the old environment (a cache dir, a setting): closed, and the
+    pool starts its own."""
+    assert compile_pool.start_fork_server_early(2)
+    early, _ = compile_pool._early
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/changed")
+    pool = compile_pool.CompilePool(2, start=False)
+    pool.start()
+    try:
+        assert pool._fork_server is not None and pool._fork_server is not early
+        assert early._closed and early._proc.wait(timeout=30) is not None
+    finally:
+        pool.close(wait=True)
+
+
+def test_an_unused_early_server_is_dropped(no_early_server):
+    assert not compile_pool.start_fork_server_early(1)  # one worker is a fresh interpreter: no server
+    assert compile_pool.start_fork_server_early(2)
+    early, _ = compile_pool._early
+    compile_pool.drop_early_fork_server()
+    assert compile_pool._early is None and early._closed
+    assert early._proc.wait(timeout=30) is not None  # killed while importing, or exits once ready
+
+
+def _forward(x):
+    return x + 1
+
+
+def _decorate(config):
+    import compileattn as ca
+
+    return ca.compile(_forward, dynamic_arg_dims={"x": 0}, config=config)
+
+
+@pytest.mark.parametrize("case", ["decoration", "first_call", "no static sizes", "warm start file"])
+def test_decoration_starts_the_fork_server_only_where_a_compile_will_fork_workers(no_early_server, tmp_path,
+                                                                                   case):
+    import compileattn as ca
+    from compileattn.compilation import warm_start
+
+    config = ca.CompileConfig(compile_sizes=() if case == "no static sizes" else (1, 2), compile_workers=2,
+                              cache_dir=str(tmp_path / "cache"),
+                              compile_workers_start="first_call" if case == "first_call" else "decoration")
+    if case == "warm start file":
+        saved = tmp_path / "cache" / "warm_start" / f"{warm_start.function_tag(_forward)}-0123.bin"
+        saved.parent.mkdir(parents=True)
+        saved.write_bytes(b"")
+        assert warm_start.saved_for(config, _forward)
+    _decorate(config)
+    assert (compile_pool._early is not None) == (case == "decoration")
+
+
+def test_the_first_calls_pool_forks_from_the_early_server(no_early_server, monkeypatch):
+    import compileattn as ca
+
+    taken = []
+    start = compile_pool.CompilePool.start
+    monkeypatch.setattr(compile_pool.CompilePool, "start", lambda pool: (start(pool), taken.append(pool))[0])
+    config = ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2, compile_workers_start="decoration",
+                              cudagraph_mode="none")
+    compiled = _decorate(config)
+    early, _ = compile_pool._early
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    assert compile_pool._early is None and taken and all(pool._fork_server is early for pool in taken)
+    assert compiled.wait_for_static_pieces(timeout=300)
+
+
+def test_a_first_call_without_workers_closes_the_early_server(no_early_server, monkeypatch):
+    """No pool takes the server (here: another thread's compile holds the workers): the first
+    call closes it rather than leave a process importing for nothing."""
+    import compileattn as ca
+
+    monkeypatch.setattr(compile_pool, "acquire", lambda *a, **k: None)
+    monkeypatch.setattr(compile_pool, "prestart", lambda *a, **k: None)
+    config = ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2, compile_workers_start="decoration",
+                              cudagraph_mode="none")
+    compiled = _decorate(config)
+    early, _ = compile_pool._early
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    assert compile_pool._early is None and early._closed
+
+
+def test_saved_for_reads_only_this_functions_files(tmp_path):
+    import compileattn as ca
+    from compileattn.compilation import warm_start
+
+    def first(x):
+        return x
+
+    def second(x):
+        return x
+
+    config = ca.CompileConfig(cache_dir=str(tmp_path))
+    assert not warm_start.saved_for(config, first)
+    (tmp_path / "warm_start").mkdir()
+    (tmp_path / "warm_start" / f"{warm_start.function_tag(first)}-abc.bin").write_bytes(b"")
+    assert warm_start.saved_for(config, first) and not warm_start.saved_for(config, second)
+    assert not warm_start.saved_for(ca.CompileConfig(), first)

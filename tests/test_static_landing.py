@@ -573,14 +573,14 @@ def test_no_warm_start_file_when_a_static_piece_never_landed(held, simulated_gra
     assert "no warm start file saved" in caplog.text
 
 
-@pytest.mark.parametrize("when", ["first_call", "after_dynamic"])
+@pytest.mark.parametrize("when", ["decoration", "first_call", "after_dynamic"])
 def test_workers_start_when_configured(held, simulated_graphs, when):
     """"after_dynamic": the pool is made unstarted (no prestart before Dynamo either) and its
     workers start only once every task is submitted, i.e. after the last dynamic-shape compile
     (each piece's static tasks are sent just before its dynamic compile)."""
     run = _Compiled(0, compile_workers_start=when)
     (pool,) = held
-    assert pool.tasks and pool.started_after == (0 if when == "first_call" else len(pool.tasks))
+    assert pool.tasks and pool.started_after == (len(pool.tasks) if when == "after_dynamic" else 0)
     for task in pool.tasks:
         pool.answer(task)
     run.step(decode=True)

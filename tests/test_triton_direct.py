@@ -168,3 +168,154 @@ def test_cuda_direct_launch_follows_a_misaligned_query(kind):
         outs.append(out)
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
+
+
+# -- compiling ahead of the first launch (compilation/kernel_warmup.py) ------------------------------
+
+
+class _WarmupJit(_StandInJit):
+    """Records warm-up compiles apart from launches' ``run`` calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.warmups = []
+
+    def run(self, *args, grid, warmup, **constexprs):
+        if warmup:
+            self.warmups.append(args)
+            return types.SimpleNamespace(run="launcher")
+        return super().run(*args, grid=grid, warmup=warmup, **constexprs)
+
+
+@pytest.fixture
+def no_awaiting():
+    direct._awaiting.clear()
+    yield
+    direct._awaiting.clear()
+
+
+def test_expected_variant_is_compiled_ahead_once_per_distinct_variant(no_awaiting):
+    """Two prepared calls of one kernel with equal specializations (two layers' caches, both
+    16-byte aligned) compile ahead once; the free tensor goes as Triton's MockTensor of the
+    expected dtype (address 0: aligned), the fixed one as itself; the launch then takes ``run``."""
+    from triton.runtime.jit import MockTensor
+
+    jit, active = _WarmupJit(), _Active()
+    layers = [_kernel(jit, active, args=(None, torch.zeros(16, dtype=torch.float16)), free=(0,)) for _ in range(2)]
+    for launch in layers:
+        launch.expect(torch.float16)
+    assert direct.has_awaiting()
+    assert direct.precompile_awaiting() == 1
+    assert not direct.has_awaiting()
+    (args,) = jit.warmups
+    assert isinstance(args[0], MockTensor) and args[0].dtype == torch.float16 and args[1] is layers[0].args[1]
+    layers[0](torch.zeros(16, dtype=torch.float16))
+    assert len(jit.runs) == 1  # the first launch asks run (which finds the compiled variant)
+
+
+def test_different_expected_specializations_compile_apart(no_awaiting):
+    jit, active = _WarmupJit(), _Active()
+    a, b = _kernel(jit, active), _kernel(jit, active)
+    a.expect(torch.float16, 32)
+    b.expect(torch.float16, 1)  # == 1: another variant
+    assert direct.precompile_awaiting() == 2
+
+
+def test_a_launched_kernel_is_not_compiled_ahead(no_awaiting):
+    jit, active = _WarmupJit(), _Active()
+    launch = _kernel(jit, active)
+    launch.expect(torch.float16, 32)
+    launch(torch.zeros(16, dtype=torch.float16), 32)
+    assert not direct.has_awaiting() and direct.precompile_awaiting() == 0 and jit.warmups == []
+
+
+def test_a_failed_compile_ahead_is_left_to_the_first_launch(no_awaiting, caplog):
+    jit, active = _WarmupJit(), _Active()
+
+    def failing(*args, grid, warmup, **constexprs):
+        if warmup:
+            raise RuntimeError("no target")
+        return _StandInJit.run(jit, *args, grid=grid, warmup=warmup, **constexprs)
+
+    jit.run = failing
+    launch = _kernel(jit, active)
+    launch.expect(torch.float16, 32)
+    with caplog.at_level("DEBUG", logger="compileattn"):
+        assert direct.precompile_awaiting() == 0
+    assert "compiling ahead failed (RuntimeError: no target)" in caplog.text
+    launch(torch.zeros(16, dtype=torch.float16), 32)
+    assert len(jit.runs) == 1 and jit.launches == []
+
+
+def test_a_first_launch_waits_for_a_compile_ahead_in_progress(no_awaiting):
+    """The launch would compile the variant the background thread is making: it waits for it."""
+    import threading
+
+    jit, active = _WarmupJit(), _Active()
+    events, started, release = [], threading.Event(), threading.Event()
+    plain = jit.run
+
+    def slow(*args, grid, warmup, **constexprs):
+        if warmup:
+            started.set()
+            release.wait(10)
+            events.append("compiled ahead")
+        else:
+            events.append("launch's run")
+        return plain(*args, grid=grid, warmup=warmup, **constexprs)
+
+    jit.run = slow
+    launch = _kernel(jit, active)
+    launch.expect(torch.float16, 32)
+    thread = threading.Thread(target=direct.precompile_awaiting)
+    thread.start()
+    assert started.wait(10)
+    first = threading.Thread(target=launch, args=(torch.zeros(16, dtype=torch.float16), 32))
+    first.start()
+    first.join(0.2)
+    assert first.is_alive()  # waiting
+    release.set()
+    thread.join(10)
+    first.join(10)
+    assert events == ["compiled ahead", "launch's run"]
+
+
+def test_expect_checks_its_arity():
+    jit, active = _WarmupJit(), _Active()
+    with pytest.raises(TypeError, match="kernel: expect takes 2 values, got 1"):
+        _kernel(jit, active).expect(torch.float16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_cuda_compiled_ahead_variant_is_the_one_launched(kind, no_awaiting):
+    """The real kernels: the prepared calls' expected variants, compiled ahead, are exactly what the
+    layer's launches use (Triton's in-memory caches gain no entry at the launch, where a wrong
+    guess would compile another), and the output matches the reference backend's."""
+    from compileattn import AttentionSpec, KVCache, set_forward_context
+    from compileattn.backends.reference import ReferenceBackend
+    from compileattn.backends.triton import decode, kv_write, unified
+    from test_triton_backend import TOL, builder, make_case, run_forward, triton_backend
+
+    def cached_variants() -> int:
+        return sum(len(jit.device_caches[d][0]) for jit in (decode.decode_kernel, decode.combine_kernel,
+                                                               kv_write.kv_write_kernel, unified.unified_kernel)
+                   for d in jit.device_caches)
+
+    spec = AttentionSpec(16, 4, 128)
+    lens = [(1, 900), (1, 5), (1, 2500)] if kind == "decode" else [(1, 500), (20, 30), (11, 0)]
+    case = make_case(spec, torch.float16, 16, lens, device="cuda")
+    md = builder(case, 16, triton_backend("cuda")).build(case["seqs"])
+    cache = KVCache(case["kc"].clone(), case["vc"].clone(), spec)
+    caches = {"l0": cache}
+    out = torch.full_like(case["q"], 7.0)
+    with set_forward_context(md, caches):
+        assert direct.has_awaiting()
+        assert direct.precompile_awaiting(torch.device("cuda")) >= 2  # the KV write and the attention
+        before = cached_variants()
+        torch.ops.compileattn.attention(case["q"], case["k"], case["v"], out, "l0")
+        torch.cuda.synchronize()
+        assert cached_variants() == before
+    want, _, _ = run_forward(ReferenceBackend(), spec, case, 16)
+    atol, rtol = TOL[torch.float16]
+    torch.testing.assert_close(out, want, atol=atol, rtol=rtol)

@@ -16,9 +16,10 @@ lowering is Python, so threads would share one GIL: the compiles run in worker *
   cannot fork (it says why, logged), starts fresh interpreters (``python -c``). Either kind talks to
   the compiling process over two pipes (length-prefixed pickles), its stdin and stdout; whatever
   a worker prints goes to its stderr.
-- **Start early**: ``prestart`` (``@compileattn.compile`` calls it when its first call will compile,
-  before Dynamo traces) or, at the latest, the backend's ``acquire``; the workers' import overlaps
-  Dynamo's trace.
+- **Start early**: the fork server at ``@compileattn.compile``'s decoration
+  (``start_fork_server_early``), its import overlapping the model's build; the workers at
+  ``prestart`` (``@compileattn.compile`` calls it when its first call will compile, before Dynamo
+  traces) or, at the latest, the backend's ``acquire``.
 - **A task** is one (piece, size) compile: the piece's graph (GraphPickler, node metadata other
   than stack traces and example values dropped: Dynamo's other metadata holds sources that do not
   pickle), the Inductor options, and the settings that steer Inductor: the non-default entries of
@@ -61,6 +62,7 @@ parallel.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import logging
@@ -453,15 +455,77 @@ def _note_no_fork(why: str) -> None:
         logger.info("compileattn: compile workers start as fresh interpreters: %s", why)
 
 
-def _start_fork_server(workers: int) -> fork_server.ForkServer | None:
-    """The fork server of a pool of ``workers``, or None where forking does not pay or work."""
-    if workers < FORK_MIN_WORKERS or not FORK_WORKERS or not hasattr(socket, "send_fds") or os.name != "posix":
-        return None
+def _forks(workers: int) -> bool:
+    """Whether a pool of ``workers`` forks them from a fork server."""
+    return workers >= FORK_MIN_WORKERS and FORK_WORKERS and hasattr(socket, "send_fds") and os.name == "posix"
+
+
+def _new_fork_server(env: dict[str, str]) -> fork_server.ForkServer | None:
     try:
-        return fork_server.ForkServer(_worker_env(), WORKER_NICENESS, READY_TIMEOUT_S)
+        return fork_server.ForkServer(env, WORKER_NICENESS, READY_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 (spawning failed): fresh interpreters, as without it
         _note_no_fork(f"the fork server did not start ({type(exc).__name__}: {exc})")
         return None
+
+
+def _start_fork_server(workers: int) -> fork_server.ForkServer | None:
+    """The fork server of a pool of ``workers`` (the one started early, if its environment is
+    still the workers'), or None where forking does not pay or work."""
+    early = _take_early_fork_server()
+    if not _forks(workers):
+        if early is not None:
+            early[0].close()
+        return None
+    env = _worker_env()
+    if early is not None:
+        server, early_env = early
+        if early_env == env:
+            return server
+        server.close()  # the environment changed since (a cache dir, a setting): its workers would differ
+    return _new_fork_server(env)
+
+
+#: The fork server ``start_fork_server_early`` started before any pool wanted one, with the
+#: environment it was started under; the next pool takes it. Its own lock: a pool starts (and
+#: takes it) under ``_lock``.
+_early: tuple[fork_server.ForkServer, dict[str, str]] | None = None
+_early_lock = threading.Lock()
+
+
+def start_fork_server_early(workers: int) -> bool:
+    """Start the fork server now, before the first call (``@compileattn.compile`` at decoration,
+    ``CompileConfig.compile_workers_start="decoration"``), so that its import of torch, compileattn
+    and Inductor overlaps the model's build and weight loading rather than the first call: started
+    with the first call, it was ready only 9-13 s in on the H200 (runs S12-3..5), after the
+    compiling process had done every dynamic-shape compile itself. Whether one runs now."""
+    global _early
+    if not _forks(workers):
+        return False
+    with _early_lock:
+        if _early is not None or _pool is not None:
+            return _early is not None
+        env = _worker_env()
+        server = _new_fork_server(env)
+        if server is None:
+            return False
+        _early = (server, env)
+    atexit.register(drop_early_fork_server)
+    return True
+
+
+def _take_early_fork_server() -> tuple[fork_server.ForkServer, dict[str, str]] | None:
+    global _early
+    with _early_lock:
+        early, _early = _early, None
+        return early
+
+
+def drop_early_fork_server() -> None:
+    """Close the early fork server if no pool took it (a warm start, a first call without static
+    compiles, the process's exit): killed if still importing."""
+    early = _take_early_fork_server()
+    if early is not None:
+        early[0].close()
 
 
 def _close_worker(proc: subprocess.Popen) -> None:

@@ -65,7 +65,7 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
-from . import compile_pool, regions, warm_start
+from . import compile_pool, kernel_warmup, regions, warm_start
 from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
 from .replay import MISS, FullStepShortcut, graph_call_of
 
@@ -254,6 +254,8 @@ class _Site:
             self.fast = fn
             return fn(*full_args, **kwargs)
 
+        if config.compile_kernels_ahead:
+            kernel_warmup.start()
         values = all_arguments(owner._sig, self.bound, args, kwargs)
         dynamic = _mark_dynamic(values, owner._dynamic_arg_dims)
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
@@ -266,9 +268,10 @@ class _Site:
         elif config.cache_dir is not None:
             instance = full_args[:1] if self.bound else ()
             key = warm_start.key_of(fn, config, dynamic, checker.key(), (*instance, *values.values()))
-            path = warm_start.path_of(config, key)
+            path = warm_start.path_of(config, key, fn)
             loaded = warm_start.load(path, fn, config, what)
             if loaded is not None:
+                compile_pool.drop_early_fork_server()
                 self.runtimes = loaded.dispatchers
                 stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait,
                          "regions": "off: warm start (no trace)"}
@@ -280,6 +283,7 @@ class _Site:
             return self._compile_cold(fn, config, what, checker, start, path, full_args, kwargs)
         finally:
             compile_pool.release()  # the backend releases it; this covers a trace that never reached it
+            compile_pool.drop_early_fork_server()  # no pool took it: this compile wanted no workers
 
     def _compile_cold(self, fn: Callable, config: CompileConfig, what: str, checker: ArgChecker, start: float,
                       path, full_args: tuple, kwargs: dict):
@@ -462,11 +466,23 @@ def _when_all_settled(dispatchers: list, start: float, stats: dict[str, Any], sa
 def _prestart_static_compiles(config: CompileConfig, values: Mapping[str, Any]) -> None:
     """Start the compile workers before Dynamo traces, when the backend will want them
     (static sizes for the device of the call's tensors): their import overlaps the trace."""
-    if config.piece_compiler != "inductor" or config.compile_workers_start != "first_call":
+    if config.piece_compiler != "inductor" or config.compile_workers_start == "after_dynamic":
         return
     device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), None)
     if device is not None and config.resolved_compile_sizes(device.type):
         compile_pool.prestart(compile_pool.worker_count(config.compile_workers))
+
+
+def _start_fork_server_early(fn: Callable, config: CompileConfig) -> None:
+    """At decoration (``compile_workers_start="decoration"``): start the compile workers' fork
+    server where the first call will likely compile static pieces in workers: on a machine with a
+    GPU (static sizes are for CUDA pieces unless given), with no warm start file of ``fn`` saved."""
+    if config.piece_compiler != "inductor" or config.compile_workers_start != "decoration":
+        return
+    device_type = "cuda" if torch.cuda.device_count() else "cpu"  # NVML where it can: no CUDA context
+    if not config.resolved_compile_sizes(device_type) or warm_start.saved_for(config, fn):
+        return
+    compile_pool.start_fork_server_early(compile_pool.worker_count(config.compile_workers))
 
 
 def _log_ready(what: str, stats: dict[str, Any]) -> None:
@@ -536,8 +552,10 @@ class CompiledFunction:
         self._site = _Site(self, bound=False)
         self._sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._last: BoundCompiledFunction | None = None
-        if self._config.cache_dir is not None and backend is None and not self._disabled():
-            warm_start.preload_inductor()
+        if backend is None and not self._disabled():
+            if self._config.cache_dir is not None:
+                warm_start.preload_inductor()
+            _start_fork_server_early(fn, self._config)
 
     @property
     def compile_stats(self) -> dict[str, Any]:

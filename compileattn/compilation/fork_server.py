@@ -130,6 +130,7 @@ class ForkServer:
         code = ("import os, time; started = time.perf_counter(); os.dup2(2, 1); "
                 "from compileattn.compilation.fork_server import serve; "
                 f"serve({server_end.fileno()}, {niceness}, started)")
+        self._started = time.perf_counter()
         try:
             self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env=env,
                                           stdout=subprocess.DEVNULL, pass_fds=(server_end.fileno(),))
@@ -137,14 +138,16 @@ class ForkServer:
             server_end.close()
         self._sock = parent_end
         self._ready_timeout = ready_timeout
-        self._started = time.perf_counter()
         self._lock = threading.Lock()
         self._ready: bool | None = None
         self._why_not: str | None = None
         self._closed = False
-        #: seconds from the server's start to its readiness, and of its imports
+        #: seconds from the server's start to its readiness; of that, the interpreter's start (to
+        #: its first statement) and its imports; and how late this process read the answer
         self.ready_after: float | None = None
+        self.interpreter_seconds: float | None = None
         self.import_seconds: float | None = None
+        self.read_lag: float | None = None
         wire.send(self._proc.stdin, {"sys_path": list(sys.path)})
         self._proc.stdin.close()
 
@@ -185,20 +188,24 @@ class ForkServer:
     def _handshake(self) -> None:
         self._sock.settimeout(self._ready_timeout)
         try:
-            _, import_seconds, why_not = wire.receive_from_socket(self._sock)
+            _, first_statement, ready_at, why_not = wire.receive_from_socket(self._sock)
         except (OSError, EOFError, pickle.UnpicklingError) as exc:  # socket.timeout is an OSError
             self._fail(f"the fork server did not start ({type(exc).__name__}: {exc}; exit status "
                        f"{self._proc.poll()})")
             return
         self._sock.settimeout(None)
-        self.ready_after = time.perf_counter() - self._started
-        self.import_seconds = import_seconds
+        now = time.perf_counter()  # perf_counter is the system-wide monotonic clock: comparable
+        self.ready_after = now - self._started
+        self.interpreter_seconds = first_statement - self._started
+        self.import_seconds = ready_at - first_statement
+        self.read_lag = now - ready_at
         if why_not is not None:
             self._fail(why_not)
             return
         self._ready = True
-        logger.debug("compile-worker fork server (pid %d) ready after %.2f s (its imports %.2f s)", self.pid,
-                     self.ready_after, import_seconds)
+        logger.debug("compile-worker fork server (pid %d) ready after %.2f s (interpreter start %.2f s, its imports "
+                     "%.2f s, answer read %.2f s after it was sent)", self.pid, self.ready_after,
+                     self.interpreter_seconds, self.import_seconds, self.read_lag)
 
     def _fail(self, why: str) -> None:
         self._ready, self._why_not = False, why
@@ -262,8 +269,9 @@ def cuda_touched() -> str | None:
 
 
 def serve(sock_fd: int, worker_niceness: int, started: float) -> None:
-    """The server: import, answer ready (with the seconds since ``started``, the interpreter's
-    first statement: torch's import included), fork a worker per request until the socket closes."""
+    """The server: import, answer ready (with ``started``, the ``perf_counter`` of the interpreter's
+    first statement, and that of its readiness: torch's import lies between), fork a worker per
+    request until the socket closes."""
     sock = socket.socket(fileno=sock_fd)
     try:
         init = wire.receive(sys.stdin.buffer)
@@ -276,7 +284,7 @@ def serve(sock_fd: int, worker_niceness: int, started: float) -> None:
     why_not = cuda_touched()
     if why_not is None and threading.active_count() > 1:
         why_not = f"{threading.active_count()} Python threads run after the imports"
-    sock.sendall(wire.frame(("ready", time.perf_counter() - started, why_not)))
+    sock.sendall(wire.frame(("ready", started, time.perf_counter(), why_not)))
     if why_not is not None:
         return
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)

@@ -639,7 +639,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     if workers:
         why_not = compile_pool.unsendable_context()
         if why_not is None:
-            pool = compile_pool.acquire(workers, start=config.compile_workers_start == "first_call")
+            pool = compile_pool.acquire(workers, start=config.compile_workers_start != "after_dynamic")
         else:
             logger.info("compileattn: static pieces compile in-process: %s, which workers would not see", why_not)
     background = config.background_static_compiles

@@ -5,7 +5,7 @@ skip_all_guards_unsafe}).aot_compile((args, kwargs))``: one Dynamo trace that in
 ``fn`` and hands back its transformed code as a plain function (``AOTCompiledFunction.fn``), which
 the decorator calls directly behind its own argument check. Its bytes (torch pickles Dynamo's code,
 and the backend's ``StepDispatcher`` saves the split graph and each distinct piece, ``artifact.py``)
-go to ``<cache_dir>/warm_start/<key>.bin``. A later process with the same key loads that file
+go to ``<cache_dir>/warm_start/<function tag>-<key>.bin``. A later process with the same key loads that file
 (``torch.compiler.load_compiled_function``) and runs no Dynamo, no graph passes and no compile.
 
 The key is computed *before* anything is traced, from what decides the compiled code:
@@ -100,8 +100,27 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def path_of(config: CompileConfig, key: str) -> Path:
-    return secure_dir(secure_dir(config.cache_dir) / "warm_start") / f"{key}.bin"
+def function_tag(fn: Callable) -> str:
+    """A short digest of the function itself (where it is defined), the prefix of its warm start
+    files: ``saved_for`` finds them before a first call's key can be computed."""
+    code = fn.__code__
+    return hashlib.sha256(f"{fn.__module__}.{fn.__qualname__}@{code.co_filename}:{code.co_firstlineno}".encode()
+                          ).hexdigest()[:8]
+
+
+def path_of(config: CompileConfig, key: str, fn: Callable) -> Path:
+    return secure_dir(secure_dir(config.cache_dir) / "warm_start") / f"{function_tag(fn)}-{key}.bin"
+
+
+def saved_for(config: CompileConfig, fn: Callable) -> bool:
+    """Whether ``config.cache_dir`` holds a warm start file of ``fn`` (for any arguments): its
+    first call will likely load rather than compile. Reads the directory only."""
+    if config.cache_dir is None:
+        return False
+    try:
+        return any((Path(config.cache_dir) / "warm_start").glob(f"{function_tag(fn)}-*.bin"))
+    except OSError:
+        return False
 
 
 def _sources_unchanged(aot_fn) -> str | None:

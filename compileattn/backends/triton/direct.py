@@ -12,12 +12,24 @@ profiler's) goes through ``run``, which compiles or finds that variant, so the f
 launches a kernel compiled for other arguments.
 
 Only compiled kernels take this path; under the interpreter ``make_launch`` calls ``run``.
+
+**Before the first launch.** A variant's first launch compiles it (or loads it from Triton's disk
+cache): on the H200 the KV write, decode and combine kernels took 0.35-0.40, 0.93-1.09 and
+0.38 s in a cold start's first run (run S12-5), after the compile. A prepared call is bound
+before the model runs (``set_forward_context`` builds the step's call table), with its free
+arguments' likely form (``expect``: the query's dtype, contiguous); ``precompile_awaiting``
+compiles those variants ahead, from a background thread while Dynamo traces
+(``compilation/kernel_warmup.py``), and a first launch that finds one compiling waits for it
+rather than compiling it twice. A guess that turns out wrong (a misaligned query) only means the
+launch compiles its own variant, as without it.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -39,6 +51,13 @@ COMPILE_LOG_S = 1e-3
 _HOOK_CHAINS = hasattr(knobs.runtime.launch_enter_hook, "calls")
 #: The Triton whose ``CudaLauncher`` internals the scratch-free fast path was checked against.
 _LAUNCHER_CHECKED = triton.__version__.startswith("3.6.")
+
+
+#: Prepared calls whose ``expect``ed variant has not been launched nor compiled ahead yet.
+_awaiting: "weakref.WeakSet[DirectKernel]" = weakref.WeakSet()
+#: Held while ``precompile_awaiting`` compiles; a first launch takes it before compiling, so it waits
+#: for a compile ahead that may be making its very variant.
+_ahead_lock = threading.Lock()
 
 
 def _hooks_active() -> bool:
@@ -83,7 +102,7 @@ class DirectKernel:
     tensors of the compiled dtype and alignment."""
 
     __slots__ = ("jit", "kwargs", "grid", "tail", "free", "args", "addresses", "variants", "device",
-                 "current_device", "current_stream")
+                 "current_device", "current_stream", "expected", "__weakref__")
 
     def __init__(self, jit, kwargs: dict, args: tuple, free: tuple[int, ...], active=None):
         self.jit = jit
@@ -104,6 +123,36 @@ class DirectKernel:
         # during CUDA-graph capture goes to the capturing stream).
         active = active if active is not None else driver.active
         self.current_device, self.current_stream = active.get_current_device, active.get_current_stream
+        #: the free arguments' likely values (``expect``), a tensor given as its dtype
+        self.expected: tuple | None = None
+
+    def expect(self, *values) -> None:
+        """The free arguments the first launch will likely pass (a tensor as its ``torch.dtype``:
+        Triton's ``MockTensor``, 16-byte aligned), for ``precompile_awaiting``."""
+        if len(values) != len(self.free):
+            raise TypeError(f"{self.jit.__name__}: expect takes {len(self.free)} values, got {len(values)}")
+        self.expected = values
+        if not self.variants:
+            _awaiting.add(self)
+
+    def ahead_key(self) -> tuple:
+        """What decides the expected variant: kernels with equal keys compile to the same one."""
+        args = [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in self.args]
+        for i, a in zip(self.free, self.expected):
+            args[i] = a
+        return (self.jit, tuple(args), tuple(sorted((k, v) for k, v in self.kwargs.items() if k != "grid")))
+
+    def compile_expected(self) -> None:
+        """Compile (or load) the expected variant and its launcher without launching: Triton keeps
+        it, and the first launch with those arguments finds it."""
+        from triton.runtime.jit import MockTensor
+
+        args = list(self.args)
+        for i, a in zip(self.free, self.expected):
+            args[i] = MockTensor.wrap_dtype(a)
+        kernel = self.jit.run(*args, **dict(self.kwargs, warmup=True))
+        if kernel is not None:
+            kernel.run  # noqa: B018 (loads the binary and builds its C launcher, both cached by Triton)
 
     def __call__(self, *values) -> None:
         # A refinement of Triton's specialization of each free argument (a tensor's dtype and
@@ -131,6 +180,10 @@ class DirectKernel:
 
     def _run(self, key: tuple, values: tuple) -> None:
         """Through ``JITFunction.run`` (compiles or finds the variant), kept for the next call."""
+        _awaiting.discard(self)
+        if not self.variants:
+            with _ahead_lock:  # a compile ahead may be making this variant: wait rather than compile it too
+                pass
         args = self.args.copy()
         for i, a in zip(self.free, values):
             args[i] = a
@@ -146,11 +199,51 @@ class DirectKernel:
             self.variants[key] = _variant(kernel)
 
 
-def make_launch(jit, kwargs: dict, args: tuple, free: tuple[int, ...]) -> Callable[..., None]:
+def has_awaiting() -> bool:
+    """Whether a prepared call's expected variant awaits its first launch."""
+    return any(k.expected is not None and not k.variants for k in list(_awaiting))
+
+
+def precompile_awaiting(device=None) -> int:
+    """Compile, without launching, the expected variant of every prepared call not launched yet
+    (once per distinct variant): the number compiled or loaded. A kernel that fails to compile
+    here is left to its first launch, which raises the error where it belongs. ``device``: the
+    CUDA device to compile for (a new thread's current device is the first)."""
+    with _ahead_lock:
+        if device is not None:
+            torch.cuda.set_device(device)
+        done, count = set(), 0
+        for kernel in list(_awaiting):
+            _awaiting.discard(kernel)
+            if kernel.variants or kernel.expected is None:
+                continue
+            key = kernel.ahead_key()
+            if key in done:
+                continue
+            done.add(key)
+            start = time.perf_counter()
+            try:
+                kernel.compile_expected()
+            except Exception as exc:  # noqa: BLE001 (the first launch compiles it and raises there)
+                logger.debug("triton %s: compiling ahead failed (%s: %s); its first launch compiles it",
+                             kernel.jit.__name__, type(exc).__name__, exc)
+                continue
+            count += 1
+            logger.debug("triton %s: compiled ahead of its first launch in %.3f s (or loaded from Triton's "
+                         "cache)", kernel.jit.__name__, time.perf_counter() - start)
+        return count
+
+
+def make_launch(jit, kwargs: dict, args: tuple, free: tuple[int, ...],
+                expect: tuple | None = None) -> Callable[..., None]:
     """``launch(*values)``: ``jit`` with ``args``, the positions ``free`` replaced by ``values``.
-    A ``DirectKernel`` for compiled kernels; ``run`` under the interpreter (no compiled launcher)."""
+    A ``DirectKernel`` for compiled kernels; ``run`` under the interpreter (no compiled launcher).
+    ``expect``: the free values the first launch will likely pass (``DirectKernel.expect``)."""
     if not _mode.interpreting():
-        return DirectKernel(jit, kwargs, args, free)
+        kernel = DirectKernel(jit, kwargs, args, free)
+        if expect is not None:
+            kernel.expect(*expect)
+        return kernel
     run, template = functools.partial(jit.run, **kwargs), list(args)
 
     def launch(*values):

@@ -80,9 +80,15 @@ class KVWriteLaunch:
         cache_strides = (kc[0], kc[1], kc[2], vc[0], vc[1], vc[2])
         k_scale, v_scale = kv_scales if kv_scales is not None else (slot_mapping, slot_mapping)
         # key, value, their head count and strides may differ per call (a fused projection's views)
+        # The likely first call: unquantized, key/value of the cache's dtype; a fused projection's
+        # views have other row strides, but every supported head dim is a multiple of 16, so
+        # Triton specializes them alike.
+        _, _, kv_heads, head_dim = key_cache.shape
+        expect = None if self.kwargs["QUANT"] else (key_cache.dtype, key_cache.dtype, kv_heads, kv_heads * head_dim,
+                                                    head_dim, kv_heads * head_dim, head_dim)
         run = make_launch(kv_write.kv_write_kernel, self.kwargs,
                           (None, None, key_cache, value_cache, slot_mapping, k_scale, v_scale, None, None, None, None,
-                           None, *cache_strides), (0, 1, 7, 8, 9, 10, 11))
+                           None, *cache_strides), (0, 1, 7, 8, 9, 10, 11), expect)
 
         def write(key, value):
             run(key, value, key.shape[1], key.stride(0), key.stride(1), value.stride(0), value.stride(1))
@@ -112,7 +118,7 @@ class DecodeLaunch:
     ``scratch``: a ``FreshScratch`` or anything with its two methods."""
 
     __slots__ = ("run", "kwargs", "combine_run", "combine_kwargs", "splits", "sm", "o_part", "lse_part",
-                 "arrivals")
+                 "arrivals", "dtype")
 
     def __init__(self, cfg: DecodeConfig, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, sm: Softmax, splits: int, scratch, has_alibi: bool = False,
@@ -120,6 +126,7 @@ class DecodeLaunch:
         d_pad = next_pow2(head_dim)
         self.splits = splits
         self.sm = sm
+        self.dtype = dtype
         self.run = decode.decode_kernel.run
         merged = merges_in_kernel(splits)
         self.kwargs = _launch_kwargs(
@@ -163,11 +170,13 @@ class DecodeLaunch:
         """``attend(q, out)`` for contiguous (tokens, num_heads, head_dim) q and out."""
         strides = (num_heads * head_dim, head_dim)
         tail = self._tail(key_cache, cu_q, seq_lens, block_table, strides, strides, alibi, kv_scales)
-        run = make_launch(decode.decode_kernel, self.kwargs, (None, key_cache, value_cache, None, *tail), (0, 3))
+        run = make_launch(decode.decode_kernel, self.kwargs, (None, key_cache, value_cache, None, *tail), (0, 3),
+                          (self.dtype, self.dtype))
         if self.combine_run is None:
             return run  # attend(q, out) itself: no frame in between
         combine = make_launch(decode.combine_kernel, self.combine_kwargs,
-                              (None, self.o_part, self.lse_part, cu_q, strides[0], strides[1], self.splits), (0,))
+                              (None, self.o_part, self.lse_part, cu_q, strides[0], strides[1], self.splits), (0,),
+                              (self.dtype,))
 
         def attend_split(q, out):
             run(q, out)
@@ -179,7 +188,7 @@ class DecodeLaunch:
 class UnifiedLaunch:
     """Unified varlen kernel for one layer shape and one (tokens, sequences) shape."""
 
-    __slots__ = ("run", "kwargs", "num_seqs", "sm", "paged")
+    __slots__ = ("run", "kwargs", "num_seqs", "sm", "paged", "dtype")
 
     def __init__(self, cfg: UnifiedConfig, num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, block_size: int, dtype: torch.dtype, sm: Softmax, causal: bool, paged: bool,
@@ -187,6 +196,7 @@ class UnifiedLaunch:
         self.num_seqs = num_seqs
         self.sm = sm
         self.paged = paged
+        self.dtype = dtype
         grid = (num_tokens // cfg.block_q + num_seqs, num_kv_heads)
         self.run = None if grid[0] == 0 else unified.unified_kernel.run
         self.kwargs = _launch_kwargs(
@@ -221,7 +231,8 @@ class UnifiedLaunch:
             return lambda q, out: None
         strides = (num_heads * head_dim, head_dim)
         tail = self._tail(key_cache, cu_q, None, seq_lens, block_table, strides, strides, alibi, kv_scales)
-        run = make_launch(unified.unified_kernel, self.kwargs, (None, key_cache, value_cache, None, *tail), (0, 3))
+        run = make_launch(unified.unified_kernel, self.kwargs, (None, key_cache, value_cache, None, *tail), (0, 3),
+                          (self.dtype, self.dtype))
 
         def attend(q, out):
             run(q, out)
