@@ -725,7 +725,9 @@ def test_coldwarm_plumbing_on_the_cpu(tmp_path):
     assert {p: r["status"] for p, r in rows.items()} == {"cold": "ok", "warm": "ok", "cold, dynamic only": "ok",
                                                          "cold, waiting for static": "ok",
                                                          "cold, workers after dynamic": "ok",
-                                                         "cold, layers traced flat": "ok"}
+                                                         "cold, layers traced flat": "ok",
+                                                         "cold, workers from the first call": "ok",
+                                                         "cold, attention kernels at first launch": "ok"}
     assert rows["cold"]["path"] == "cold" and rows["cold"]["counters"]["dynamo_graphs"] == 1
     assert rows["cold"]["regions"] == "on: OPTDecoderLayer x2" and rows["cold"]["counters"]["regions_inlined"] == 2
     assert rows["cold, layers traced flat"]["regions"] == "off: config.trace_layers_once is False"
