@@ -26,6 +26,9 @@ three ways:
    Dynamo's cache is reset a call raises instead of silently tracing again. Costs more per call
    than (1)/(2) (torch.compile's frame-evaluation machinery); logged at INFO with the reason.
 
+Before any of them, the first call starts compiling the Triton attention kernels its first step
+will launch, in other processes (``kernel_warmup.py``, ``config.compile_kernels_ahead``).
+
 Limits, because guards are skipped: everything that is not an argument is frozen at the first
 call: Python globals and non-parameter module attributes the forward reads; shapes, dtypes and
 devices of parameters and buffers (their *values* are read at each call, so in-place weight

@@ -1,57 +1,126 @@
-"""The first step's Triton attention kernels, compiled while the first call compiles the model.
+"""The first step's Triton attention kernels, compiled in other processes while the first call
+compiles the model.
 
 A cold start's first run launched the KV-write, decode and combine kernels for the first time and
 compiled them then, one after another: 1.7-1.8 s of it on the H200 (OPT-125m and Llama-3-8B shapes,
 run S12-5), after Dynamo and Inductor were done. The step's prepared calls exist before the model
 runs (``set_forward_context`` builds them) and know every argument but the query and output,
-whose likely form they record (``backends/triton/direct.py``: ``DirectKernel.expect``), so a
-background thread started at the first call compiles those variants while Dynamo traces and
-Inductor compiles. What it compiles goes into Triton's own caches (in memory and on disk), where
-the first launch finds it; a first launch that comes while it still compiles waits for it
-(``direct.precompile_awaiting`` holds the lock a first launch takes) rather than compiling the
-same variant twice.
+whose likely form they record (``backends/triton/direct.py``: ``DirectKernel.expect``). So the
+first call, before Dynamo traces, computes each awaiting variant's compile spec and starts one
+process per variant (``backends/triton/compile_ahead.py``: it imports only Triton and the kernel
+modules, a fraction of a second) that compiles it into Triton's disk cache, where the first
+launch finds it. A first launch that comes while they still compile waits for them
+(``direct.wait_for_ahead``), at most ``WAIT_S``, rather than compiling the same variant twice.
 
-A thread, not a compile worker: the workers are ready seconds after the first call starts, by
-which time the thread is done; Triton's compile spends much of its time in ``ptxas`` and the C
-compiler (subprocesses, the GIL released), so it costs the trace little.
+Processes, not a thread: in a thread of the compiling process the compiles held the GIL most of
+the time, and on the H200 they stretched from 1.7 to 6.9 s (OPT) and 9.8 s (Llama) beside Dynamo's
+trace, slowing it (run S13-1).
 """
 from __future__ import annotations
 
 import logging
+import os
+import pickle
+import subprocess
+import sys
 import threading
 import time
-
-import torch
+from pathlib import Path
 
 log = logging.getLogger("compileattn")
 
-_thread: threading.Thread | None = None
+#: Seconds a first launch waits for the compiles ahead before compiling its variant itself (they
+#: take 1-2 s; a stuck one must not hold the model up).
+WAIT_S = 60.0
+#: At most this many compile processes at once (distinct variants of a first step: 2-3 per
+#: kind of layer).
+MAX_PROCESSES = 8
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "backends" / "triton" / "compile_ahead.py"
 
 
-def start() -> threading.Thread | None:
-    """Start compiling the current forward context's awaiting kernels in a daemon thread, where
-    there are any (compiled Triton on CUDA); the thread, or None."""
-    global _thread
+def start() -> int:
+    """Start compiling the current forward context's awaiting kernel variants (compiled Triton on
+    CUDA) in other processes; how many were started."""
     from .. import context
 
     current = context._current
     if current is None or current.metadata.device.type != "cuda":
-        return None
+        return 0
     from ..backends.triton import _mode, direct
 
     if _mode.interpreting() or not direct.has_awaiting():
-        return None
-    device = current.metadata.device
-    _thread = threading.Thread(target=_compile_awaiting, args=(device,), name="compileattn-kernel-warmup",
-                               daemon=True)
-    _thread.start()
-    return _thread
+        return 0
+    from triton.runtime import driver
+
+    specs = direct.awaiting_specs(driver.active.get_current_target())
+    return launch(specs) if specs else 0
 
 
-def _compile_awaiting(device: torch.device) -> None:
+def launch(specs: list[dict]) -> int:
+    """One compile process per spec (at most ``MAX_PROCESSES``); the next first launch waits for them."""
     from ..backends.triton import direct
 
+    started = time.perf_counter()
+    procs = []
+    for spec in specs[:MAX_PROCESSES]:
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", f"import runpy; runpy.run_path({str(_SCRIPT)!r}, "
+                                     "run_name='__main__')"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, env=dict(os.environ), close_fds=True)
+        except Exception as exc:  # noqa: BLE001 (no process: the first launch compiles it)
+            log.debug("compileattn: could not start compiling triton %s ahead (%s: %s)", spec["name"],
+                      type(exc).__name__, exc)
+            continue
+        procs.append((spec["name"], proc, pickle.dumps(spec)))
+    if not procs:
+        return 0
+    done = threading.Event()
+    threading.Thread(target=_collect, args=(procs, started, done), name="compileattn-kernels-ahead",
+                     daemon=True).start()
+    direct.set_ahead_wait(lambda: _wait(done))
+    return len(procs)
+
+
+def _collect(procs: list, started: float, done: threading.Event) -> None:
+    """Feed each process its spec and wait for it (a thread each: they compile at once)."""
+    try:
+        threads = [threading.Thread(target=_feed, args=(name, proc, payload), daemon=True)
+                   for name, proc, payload in procs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        log.debug("compileattn: %d attention kernel variants compiled ahead in other processes in %.2f s",
+                  len(procs), time.perf_counter() - started)
+    finally:
+        done.set()
+
+
+def _feed(name: str, proc: subprocess.Popen, payload: bytes) -> None:
+    try:
+        _, err = proc.communicate(payload, timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        log.debug("compileattn: compiling triton %s ahead took over %.0f s; killed", name, WAIT_S)
+        return
+    except OSError as exc:  # the process died before reading its spec
+        proc.kill()
+        proc.wait()
+        log.debug("compileattn: compiling triton %s ahead failed (%s: %s)", name, type(exc).__name__, exc)
+        return
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        log.debug("compileattn: compiling triton %s ahead failed (exit %d: %s); its first launch compiles it",
+                  name, proc.returncode, tail[0])
+
+
+def _wait(done: threading.Event) -> None:
     start = time.perf_counter()
-    count = direct.precompile_awaiting(device)
-    log.debug("compileattn: %d attention kernel variants compiled ahead of the first run in %.2f s", count,
-              time.perf_counter() - start)
+    if not done.wait(WAIT_S):
+        log.debug("compileattn: the attention kernels compiled ahead were not done after %.0f s", WAIT_S)
+        return
+    waited = time.perf_counter() - start
+    if waited >= 1e-3:
+        log.debug("compileattn: the first launch waited %.3f s for the kernels compiled ahead", waited)

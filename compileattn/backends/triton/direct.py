@@ -17,11 +17,11 @@ Only compiled kernels take this path; under the interpreter ``make_launch`` call
 cache): on the H200 the KV write, decode and combine kernels took 0.35-0.40, 0.93-1.09 and
 0.38 s in a cold start's first run (run S12-5), after the compile. A prepared call is bound
 before the model runs (``set_forward_context`` builds the step's call table), with its free
-arguments' likely form (``expect``: the query's dtype, contiguous); ``precompile_awaiting``
-compiles those variants ahead, from a background thread while Dynamo traces
-(``compilation/kernel_warmup.py``), and a first launch that finds one compiling waits for it
-rather than compiling it twice. A guess that turns out wrong (a misaligned query) only means the
-launch compiles its own variant, as without it.
+arguments' likely form (``expect``: the query's dtype, 16-byte aligned); ``awaiting_specs`` turns
+those variants into what ``triton.compile`` needs, which ``compilation/kernel_warmup.py``
+compiles in other processes while Dynamo traces, and a first launch while they still compile
+waits for them (``wait_for_ahead``) rather than compiling the same variant twice. A guess that
+turns out wrong (a misaligned query) only means the launch compiles its own variant, as without.
 """
 from __future__ import annotations
 
@@ -53,10 +53,11 @@ _HOOK_CHAINS = hasattr(knobs.runtime.launch_enter_hook, "calls")
 _LAUNCHER_CHECKED = triton.__version__.startswith("3.6.")
 
 
-#: Prepared calls whose ``expect``ed variant has not been launched nor compiled ahead yet.
+#: Prepared calls whose ``expect``ed variant has not been launched nor sent to be compiled ahead.
 _awaiting: "weakref.WeakSet[DirectKernel]" = weakref.WeakSet()
-#: Held while ``precompile_awaiting`` compiles; a first launch takes it before compiling, so it waits
-#: for a compile ahead that may be making its very variant.
+#: Called (once) by the next first launch of a variant: waits for the compiles ahead in flight
+#: (``compilation/kernel_warmup.py`` sets it).
+_ahead_wait: Callable[[], None] | None = None
 _ahead_lock = threading.Lock()
 
 
@@ -128,31 +129,35 @@ class DirectKernel:
 
     def expect(self, *values) -> None:
         """The free arguments the first launch will likely pass (a tensor as its ``torch.dtype``:
-        Triton's ``MockTensor``, 16-byte aligned), for ``precompile_awaiting``."""
+        Triton's ``MockTensor``, 16-byte aligned), for ``awaiting_specs``."""
         if len(values) != len(self.free):
             raise TypeError(f"{self.jit.__name__}: expect takes {len(self.free)} values, got {len(values)}")
         self.expected = values
         if not self.variants:
             _awaiting.add(self)
 
-    def ahead_key(self) -> tuple:
-        """What decides the expected variant: kernels with equal keys compile to the same one."""
-        args = [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in self.args]
-        for i, a in zip(self.free, self.expected):
-            args[i] = a
-        return (self.jit, tuple(args), tuple(sorted((k, v) for k, v in self.kwargs.items() if k != "grid")))
+    def ahead_spec(self, target) -> dict:
+        """What ``JITFunction.run`` would hand ``triton.compile`` for the expected variant on
+        ``target`` (its binder and argument packing, as ``run`` calls them), plus the kernel's
+        module and name: a plain-data spec ``compile_ahead.py`` compiles in another process,
+        into the disk cache entry ``run`` then finds."""
+        from triton import knobs
+        from triton.compiler import make_backend
+        from triton.runtime.jit import MockTensor, create_function_from_signature
 
-    def compile_expected(self) -> None:
-        """Compile (or load) the expected variant and its launcher without launching: Triton keeps
-        it, and the first launch with those arguments finds it."""
-        from triton.runtime.jit import MockTensor
-
+        jit = self.jit
         args = list(self.args)
         for i, a in zip(self.free, self.expected):
             args[i] = MockTensor.wrap_dtype(a)
-        kernel = self.jit.run(*args, **dict(self.kwargs, warmup=True))
-        if kernel is not None:
-            kernel.run  # noqa: B018 (loads the binary and builds its C launcher, both cached by Triton)
+        kwargs = {k: v for k, v in self.kwargs.items() if k not in ("grid", "warmup")}
+        kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        backend = make_backend(target)
+        binder = create_function_from_signature(jit.signature, jit.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, options)
+        return {"module": jit.fn.__module__, "name": jit.fn.__name__, "signature": signature,
+                "constexprs": constexprs, "attrs": attrs, "options": dict(options.__dict__), "target": target}
 
     def __call__(self, *values) -> None:
         # A refinement of Triton's specialization of each free argument (a tensor's dtype and
@@ -182,8 +187,7 @@ class DirectKernel:
         """Through ``JITFunction.run`` (compiles or finds the variant), kept for the next call."""
         _awaiting.discard(self)
         if not self.variants:
-            with _ahead_lock:  # a compile ahead may be making this variant: wait rather than compile it too
-                pass
+            wait_for_ahead()  # a compile ahead may be making this variant: wait rather than compile it too
         args = self.args.copy()
         for i, a in zip(self.free, values):
             args[i] = a
@@ -204,34 +208,41 @@ def has_awaiting() -> bool:
     return any(k.expected is not None and not k.variants for k in list(_awaiting))
 
 
-def precompile_awaiting(device=None) -> int:
-    """Compile, without launching, the expected variant of every prepared call not launched yet
-    (once per distinct variant): the number compiled or loaded. A kernel that fails to compile
-    here is left to its first launch, which raises the error where it belongs. ``device``: the
-    CUDA device to compile for (a new thread's current device is the first)."""
+def awaiting_specs(target) -> list[dict]:
+    """The ``ahead_spec`` of every prepared call not launched yet, once per distinct variant; those
+    calls no longer await (a later call asks again only for calls bound since). A call whose
+    spec cannot be computed is left to its first launch, logged at DEBUG."""
+    specs, seen = [], set()
+    for kernel in list(_awaiting):
+        _awaiting.discard(kernel)
+        if kernel.variants or kernel.expected is None:
+            continue
+        try:
+            spec = kernel.ahead_spec(target)
+        except Exception as exc:  # noqa: BLE001 (the first launch compiles it and raises there)
+            logger.debug("triton %s: no spec to compile ahead (%s: %s); its first launch compiles it",
+                         kernel.jit.__name__, type(exc).__name__, exc)
+            continue
+        key = repr({k: v for k, v in spec.items() if k != "target"})
+        if key not in seen:
+            seen.add(key)
+            specs.append(spec)
+    return specs
+
+
+def set_ahead_wait(wait: Callable[[], None] | None) -> None:
+    global _ahead_wait
     with _ahead_lock:
-        if device is not None:
-            torch.cuda.set_device(device)
-        done, count = set(), 0
-        for kernel in list(_awaiting):
-            _awaiting.discard(kernel)
-            if kernel.variants or kernel.expected is None:
-                continue
-            key = kernel.ahead_key()
-            if key in done:
-                continue
-            done.add(key)
-            start = time.perf_counter()
-            try:
-                kernel.compile_expected()
-            except Exception as exc:  # noqa: BLE001 (the first launch compiles it and raises there)
-                logger.debug("triton %s: compiling ahead failed (%s: %s); its first launch compiles it",
-                             kernel.jit.__name__, type(exc).__name__, exc)
-                continue
-            count += 1
-            logger.debug("triton %s: compiled ahead of its first launch in %.3f s (or loaded from Triton's "
-                         "cache)", kernel.jit.__name__, time.perf_counter() - start)
-        return count
+        _ahead_wait = wait
+
+
+def wait_for_ahead() -> None:
+    """Wait for the compiles ahead in flight, once: the first launch that calls it."""
+    global _ahead_wait
+    with _ahead_lock:
+        wait, _ahead_wait = _ahead_wait, None
+    if wait is not None:
+        wait()
 
 
 def make_launch(jit, kwargs: dict, args: tuple, free: tuple[int, ...],

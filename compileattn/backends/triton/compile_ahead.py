@@ -1,0 +1,65 @@
+"""Compile one Triton kernel variant into Triton's disk cache, in a process that never imports torch.
+
+Run by path (``run_path``: ``-m`` would import the compileattn package, and with it torch,
+seconds of import on the H200 host) with one pickled *spec* on stdin:
+the kernel's module and name and what ``JITFunction.run`` would hand ``triton.compile`` for that
+variant (signature, constexprs, attributes, options, target; ``direct.DirectKernel.ahead_spec``
+computes them in the compiling process). ``triton.compile`` keys its disk cache on exactly those
+and the kernel's source, so the compiling process's first launch of the variant finds it there
+and loads it (milliseconds) instead of compiling it (0.4-1.1 s per kernel on the H200, S12-5).
+It also builds the variant's C launcher, which Triton caches too. Stdout stays empty; a failure
+exits non-zero with its traceback on stderr, and the launch then compiles the variant itself.
+
+The kernel modules import only ``triton`` and each other; their package is registered here as
+an empty stand-in for ``compileattn.backends.triton`` (same module names: a kernel's cache key
+includes its module-qualified name), so importing them runs none of compileattn.
+"""
+from __future__ import annotations
+
+import importlib
+import pickle
+import sys
+import types
+from pathlib import Path
+
+_PACKAGE = "compileattn.backends.triton"
+
+
+def _stand_in_packages() -> None:
+    """Register ``compileattn``, ``compileattn.backends`` and ``compileattn.backends.triton`` as
+    empty packages over their directories, so their kernel modules import without the packages'
+    ``__init__`` (which import torch)."""
+    directory = Path(__file__).resolve().parent
+    parts = _PACKAGE.split(".")
+    for depth in range(len(parts), 0, -1):  # the innermost package lives in this file's directory
+        name = ".".join(parts[:depth])
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [str(directory)]
+            sys.modules[name] = package
+        directory = directory.parent
+
+
+def compile_spec(spec: dict) -> None:
+    from triton.compiler import ASTSource, compile
+
+    module = importlib.import_module(spec["module"])
+    fn = getattr(module, spec["name"])
+    src = ASTSource(fn, spec["signature"], spec["constexprs"], spec["attrs"])
+    kernel = compile(src, target=spec["target"], options=spec["options"])
+    if spec["target"].backend == "cuda":
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        CudaLauncher(kernel.src, kernel.metadata)  # compiles (and caches) the variant's C launcher
+
+
+def main() -> int:
+    spec = pickle.load(sys.stdin.buffer)
+    if spec["module"].startswith(_PACKAGE + "."):
+        _stand_in_packages()
+    compile_spec(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
