@@ -367,3 +367,28 @@ def _triton_kernels():
     from compileattn.backends.triton import decode, kv_write, unified
 
     return decode.decode_kernel, decode.combine_kernel, kv_write.kv_write_kernel, unified.unified_kernel
+
+
+def _add_one(x):
+    return x + 1
+
+
+def test_only_a_cold_first_call_compiles_kernels_ahead(tmp_path, monkeypatch):
+    """A warm start finds the attention kernels in Triton's disk cache (the cold run left them
+    there): compiling them ahead is for the cold path, and only with ``compile_kernels_ahead``."""
+    import compileattn as ca
+    from compileattn.compilation import kernel_warmup
+
+    calls = []
+    monkeypatch.setattr(kernel_warmup, "start", lambda: calls.append("start") or 0)
+
+    def first_call(cache="a", **config):
+        compiled = ca.compile(_add_one, dynamic_arg_dims={"x": 0},
+                              config=ca.CompileConfig(cache_dir=str(tmp_path / cache), piece_compiler="eager",
+                                                      **config))
+        assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+        return compiled.compile_stats["path"]
+
+    assert first_call() == "cold" and calls == ["start"]
+    assert first_call() == "warm" and calls == ["start"]
+    assert first_call("b", compile_kernels_ahead=False) == "cold" and calls == ["start"]

@@ -26,8 +26,9 @@ three ways:
    Dynamo's cache is reset a call raises instead of silently tracing again. Costs more per call
    than (1)/(2) (torch.compile's frame-evaluation machinery); logged at INFO with the reason.
 
-Before any of them, the first call starts compiling the Triton attention kernels its first step
-will launch, in other processes (``kernel_warmup.py``, ``config.compile_kernels_ahead``).
+Before (2) or (3), the first call starts compiling the Triton attention kernels its first step
+will launch, in other processes (``kernel_warmup.py``, ``config.compile_kernels_ahead``); a warm
+start finds them in Triton's disk cache, where the cold run left them.
 
 Limits, because guards are skipped: everything that is not an argument is frozen at the first
 call: Python globals and non-parameter module attributes the forward reads; shapes, dtypes and
@@ -257,8 +258,6 @@ class _Site:
             self.fast = fn
             return fn(*full_args, **kwargs)
 
-        if config.compile_kernels_ahead:
-            kernel_warmup.start()
         values = all_arguments(owner._sig, self.bound, args, kwargs)
         dynamic = _mark_dynamic(values, owner._dynamic_arg_dims)
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
@@ -280,6 +279,8 @@ class _Site:
                          "regions": "off: warm start (no trace)"}
                 return self._first_call(what, loaded.function, checker, stats, start, full_args, kwargs)
 
+        if config.compile_kernels_ahead:
+            kernel_warmup.start()  # not before a warm start: the cold run left them in Triton's disk cache
         if owner._backend is None:
             _prestart_static_compiles(config, values)
         try:
