@@ -324,7 +324,7 @@ def test_the_compile_process_imports_no_torch(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
-def test_cuda_compiled_ahead_variant_is_the_one_launched(kind, no_awaiting, monkeypatch, tmp_path):
+def test_cuda_compiled_ahead_variant_is_the_one_launched(kind, no_awaiting, monkeypatch, tmp_path, caplog):
     """The real kernels: the prepared calls' expected variants, compiled ahead in other processes,
     are exactly what the layer's launches use (each first launch finds its variant in Triton's
     disk cache: no IR is generated here), and the output matches the reference backend's."""
@@ -348,11 +348,19 @@ def test_cuda_compiled_ahead_variant_is_the_one_launched(kind, no_awaiting, monk
         assert direct.has_awaiting()
         from compileattn.compilation import kernel_warmup
 
-        assert kernel_warmup.start() >= 2  # the KV write and the attention
-        direct.wait_for_ahead()
+        with caplog.at_level("DEBUG", logger="compileattn"):
+            assert kernel_warmup.start() >= 2  # the KV write and the attention
+            direct.wait_for_ahead()
+        cached = sorted(p.name for p in tmp_path.glob("*/*"))
         with monkeypatch.context() as patch:
             patch.setattr(compiler.ASTSource, "make_ir", _compiled_here)
-            torch.ops.compileattn.attention(case["q"], case["k"], case["v"], out, "l0")
+            try:
+                torch.ops.compileattn.attention(case["q"], case["k"], case["v"], out, "l0")
+            except AssertionError as exc:
+                from triton import knobs
+
+                raise AssertionError(f"{exc}; Triton's cache dir here {knobs.cache.dir}, in the compile processes "
+                                     f"{tmp_path}, holding {cached}; log: {caplog.text}") from None
         torch.cuda.synchronize()
     want, _, _ = run_forward(ReferenceBackend(), spec, case, 16)
     atol, rtol = TOL[torch.float16]

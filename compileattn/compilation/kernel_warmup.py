@@ -61,13 +61,18 @@ def launch(specs: list[dict]) -> int:
     """One compile process per spec (at most ``MAX_PROCESSES``); the next first launch waits for them."""
     from ..backends.triton import direct
 
+    from triton import knobs
+
     started = time.perf_counter()
+    # The cache this process reads: a directory set through Triton's knobs rather than the
+    # environment would otherwise not reach the compile processes.
+    env = dict(os.environ, TRITON_CACHE_DIR=str(knobs.cache.dir))
     procs = []
     for spec in specs[:MAX_PROCESSES]:
         try:
             proc = subprocess.Popen([sys.executable, "-c", f"import runpy; runpy.run_path({str(_SCRIPT)!r}, "
                                      "run_name='__main__')"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, env=dict(os.environ), close_fds=True)
+                                    stderr=subprocess.PIPE, env=env, close_fds=True)
         except Exception as exc:  # noqa: BLE001 (no process: the first launch compiles it)
             log.debug("compileattn: could not start compiling triton %s ahead (%s: %s)", spec["name"],
                       type(exc).__name__, exc)
