@@ -328,6 +328,16 @@ def artifact_callable(artifact):
     return fn if callable(fn) else artifact
 
 
+def inductor_triton_cache_dir(device_index: int) -> str | None:
+    """The Triton cache directory Inductor sets ``TRITON_CACHE_DIR`` to, when it is unset, the first
+    time it builds a Triton kernel (``torch._inductor.runtime.cache_dir_utils.triton_cache_dir``,
+    torch 2.11-2.13); None if this torch has no such function."""
+    try:
+        return resolve("torch._inductor.runtime.cache_dir_utils.triton_cache_dir")(device_index)
+    except (ImportError, AttributeError):
+        return None
+
+
 def import_inductor() -> None:
     """Import what the first compiled-artifact load needs (seconds, once per process)."""
     resolve("torch._inductor.compile_fx")

@@ -5,6 +5,7 @@ changes, or a launch hook is active. CPU: a stand-in JIT function records which 
 took; the GPU test runs the real kernels both ways, eagerly and under CUDA-graph capture."""
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -400,3 +401,54 @@ def test_only_a_cold_first_call_compiles_kernels_ahead(tmp_path, monkeypatch):
     assert first_call() == "cold" and calls == ["start"]
     assert first_call() == "warm" and calls == ["start"]
     assert first_call("b", compile_kernels_ahead=False) == "cold" and calls == ["start"]
+
+
+def test_awaiting_specs_past_the_limit_stay_awaiting(no_awaiting, monkeypatch):
+    monkeypatch.setattr(direct.DirectKernel, "ahead_spec", _spec_of)
+    jit, active = _StandInJit(), _Active()
+    calls = [_kernel(jit, active, args=(None, torch.zeros(16, dtype=dtype)), free=(0,))
+             for dtype in (torch.float16, torch.float32, torch.bfloat16)]
+    for call in calls:
+        call.expect(call.args[1].dtype)
+    assert len(direct.awaiting_specs("target", limit=2)) == 2
+    assert direct.has_awaiting() and len(direct.awaiting_specs("target")) == 1
+
+
+def test_compiling_ahead_never_fails_the_first_call(no_awaiting, monkeypatch, caplog):
+    """Whatever goes wrong while starting the compiles ahead leaves the kernels to their first
+    launch; without a prepared Triton call (its module never imported) nothing is started."""
+    import sys
+    import types
+
+    from compileattn import context
+    from compileattn.compilation import kernel_warmup
+
+    monkeypatch.setattr(context, "_current", types.SimpleNamespace(
+        metadata=types.SimpleNamespace(device=torch.device("cuda", 0))))
+    monkeypatch.setattr(direct, "has_awaiting", lambda: True)
+    monkeypatch.setattr("compileattn.backends.triton._mode.interpreting", lambda: False)
+
+    def broken(*a, **k):
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(direct, "awaiting_specs", broken)
+    monkeypatch.setattr(kernel_warmup, "_settle_cache_dir", lambda device: None)
+    with caplog.at_level("DEBUG", logger="compileattn"):
+        assert kernel_warmup.start() == 0
+    assert "not compiled ahead" in caplog.text
+    monkeypatch.delitem(sys.modules, "compileattn.backends.triton.direct")
+    assert kernel_warmup.start() == 0
+
+
+def test_the_cache_dir_is_settled_before_the_compile_processes_start(monkeypatch):
+    """With ``TRITON_CACHE_DIR`` unset, Inductor sets it when it builds its first kernel, after
+    the compile processes started: set it first, to the same directory, so both sides agree."""
+    from compileattn import _torch_compat
+    from compileattn.compilation import kernel_warmup
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    kernel_warmup._settle_cache_dir(torch.device("cuda", 1))
+    assert os.environ["TRITON_CACHE_DIR"] == _torch_compat.inductor_triton_cache_dir(1) is not None
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
+    kernel_warmup._settle_cache_dir(torch.device("cuda", 0))
+    assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"

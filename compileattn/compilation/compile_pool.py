@@ -73,7 +73,6 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
 
 import torch
@@ -481,7 +480,10 @@ def _start_fork_server(workers: int) -> fork_server.ForkServer | None:
         server, early_env = early
         if early_env == env:
             return server
-        server.close()  # the environment changed since (a cache dir, a setting): its workers would differ
+        changed = sorted(k for k in set(env) | set(early_env) if env.get(k) != early_env.get(k))
+        logger.debug("compileattn: the fork server started at decoration is not used: the environment changed "
+                     "since (%s); starting another", ", ".join(changed[:8]))
+        server.close()  # its workers would inherit the old environment
     return _new_fork_server(env)
 
 

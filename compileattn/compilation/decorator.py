@@ -281,6 +281,7 @@ class _Site:
 
         if config.compile_kernels_ahead:
             kernel_warmup.start()  # not before a warm start: the cold run left them in Triton's disk cache
+            # (never raises: an optimisation)
         if owner._backend is None:
             _prestart_static_compiles(config, values)
         try:

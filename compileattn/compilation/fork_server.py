@@ -20,8 +20,9 @@ ready at once. Inductor's own compile subprocess does the same (it imports, then
   compile subprocesses, it was ready only 12 s after its start in run S12-3: too late to take any
   of the compiling process's work); each forked worker lowers its own priority.
 - **Protocol**: the compiling process gives the server its ``sys.path`` on stdin; the server
-  answers on a Unix socket ("ready" with its import seconds, or why it cannot fork), then serves
-  fork requests on that socket: each carries the two pipe ends (SCM_RIGHTS) the worker talks over,
+  answers on a Unix socket ("ready" with the clock times of its first statement and of its
+  readiness, or why it cannot fork), then serves fork requests on that socket: each carries
+  the two pipe ends (SCM_RIGHTS) the worker talks over,
   made by the compiling process, so a forked worker is reached exactly like a fresh one (its
   stdin/stdout), and the answer is the worker's pid.
 - **Children**: the server ignores SIGCHLD, so the kernel reaps its exited workers (no zombies);

@@ -10,7 +10,9 @@ first call, before Dynamo traces, computes each awaiting variant's compile spec 
 process per variant (``backends/triton/compile_ahead.py``: it imports only Triton and the kernel
 modules, a fraction of a second) that compiles it into Triton's disk cache, where the first
 launch finds it. A first launch that comes while they still compile waits for them
-(``direct.wait_for_ahead``), at most ``WAIT_S``, rather than compiling the same variant twice.
+(``direct.wait_for_ahead``), at most ``WAIT_S``, rather than compiling the same variant twice:
+any first launch, the first one to come, once (a variant that was not compiled ahead, a
+quantized KV write, say, waits too, as long as they run, about 2 s).
 
 Processes, not a thread: in a thread of the compiling process the compiles held the GIL most of
 the time, and on the H200 they stretched from 1.7 to 6.9 s (OPT) and 9.8 s (Llama) beside Dynamo's
@@ -27,13 +29,17 @@ import threading
 import time
 from pathlib import Path
 
+from .. import _torch_compat
+
 log = logging.getLogger("compileattn")
 
 #: Seconds a first launch waits for the compiles ahead before compiling its variant itself (they
 #: take 1-2 s; a stuck one must not hold the model up).
 WAIT_S = 60.0
-#: At most this many compile processes at once (distinct variants of a first step: 2-3 per
-#: kind of layer).
+#: At most this many variants compiled ahead (distinct variants of a first step: 2-3 per kind of
+#: layer); the rest are left to their first launch. The processes run at normal priority, beside
+#: the compiling process's one busy core: niced, they would risk finishing after the compile,
+#: which then waits for them.
 MAX_PROCESSES = 8
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "backends" / "triton" / "compile_ahead.py"
@@ -41,24 +47,42 @@ _SCRIPT = Path(__file__).resolve().parents[1] / "backends" / "triton" / "compile
 
 def start() -> int:
     """Start compiling the current forward context's awaiting kernel variants (compiled Triton on
-    CUDA) in other processes; how many were started."""
+    CUDA) in other processes; how many were started. Never raises: whatever fails here leaves
+    the kernels to their first launch (logged at DEBUG)."""
     from .. import context
 
     current = context._current
-    if current is None or current.metadata.device.type != "cuda":
+    # No prepared Triton call can exist unless its module was imported: do not import Triton here.
+    direct = sys.modules.get("compileattn.backends.triton.direct")
+    if current is None or current.metadata.device.type != "cuda" or direct is None:
         return 0
-    from ..backends.triton import _mode, direct
+    try:
+        from ..backends.triton import _mode
 
-    if _mode.interpreting() or not direct.has_awaiting():
+        if _mode.interpreting() or not direct.has_awaiting():
+            return 0
+        from triton.runtime import driver
+
+        _settle_cache_dir(current.metadata.device)
+        specs = direct.awaiting_specs(driver.active.get_current_target(), limit=MAX_PROCESSES)
+        return launch(specs) if specs else 0
+    except Exception as exc:  # noqa: BLE001 (an optimisation: the first launches compile instead)
+        log.debug("compileattn: the attention kernels are not compiled ahead (%s: %s)", type(exc).__name__, exc)
         return 0
-    from triton.runtime import driver
 
-    specs = direct.awaiting_specs(driver.active.get_current_target())
-    return launch(specs) if specs else 0
+
+def _settle_cache_dir(device) -> None:
+    """Fix ``TRITON_CACHE_DIR`` now if it is unset, to what Inductor sets it to when it builds its
+    first Triton kernel (later in this first call): otherwise the compile processes would write to
+    Triton's default directory and the first launches, after Inductor's change, read another."""
+    if os.environ.get("TRITON_CACHE_DIR") is None:
+        directory = _torch_compat.inductor_triton_cache_dir(device.index or 0)
+        if directory is not None:
+            os.environ["TRITON_CACHE_DIR"] = directory
 
 
 def launch(specs: list[dict]) -> int:
-    """One compile process per spec (at most ``MAX_PROCESSES``); the next first launch waits for them."""
+    """One compile process per spec; the next first launch waits for them."""
     from ..backends.triton import direct
 
     from triton import knobs
@@ -68,8 +92,9 @@ def launch(specs: list[dict]) -> int:
     # environment would otherwise not reach the compile processes.
     env = dict(os.environ, TRITON_CACHE_DIR=str(knobs.cache.dir))
     procs = []
-    for spec in specs[:MAX_PROCESSES]:
+    for spec in specs:
         try:
+            payload = pickle.dumps(spec)
             proc = subprocess.Popen([sys.executable, "-c", f"import runpy; runpy.run_path({str(_SCRIPT)!r}, "
                                      "run_name='__main__')"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, env=env, close_fds=True)
@@ -77,7 +102,7 @@ def launch(specs: list[dict]) -> int:
             log.debug("compileattn: could not start compiling triton %s ahead (%s: %s)", spec["name"],
                       type(exc).__name__, exc)
             continue
-        procs.append((spec["name"], proc, pickle.dumps(spec)))
+        procs.append((spec["name"], proc, payload))
     if not procs:
         return 0
     done = threading.Event()

@@ -17,7 +17,8 @@ Only compiled kernels take this path; under the interpreter ``make_launch`` call
 cache): on the H200 the KV write, decode and combine kernels took 0.35-0.40, 0.93-1.09 and
 0.38 s in a cold start's first run (run S12-5), after the compile. A prepared call is bound
 before the model runs (``set_forward_context`` builds the step's call table), with its free
-arguments' likely form (``expect``: the query's dtype, 16-byte aligned); ``awaiting_specs`` turns
+arguments' likely values (``expect``: the query and output as their dtype, 16-byte aligned; the
+KV write's head count and row strides as a contiguous projection has them); ``awaiting_specs`` turns
 those variants into what ``triton.compile`` needs, which ``compilation/kernel_warmup.py``
 compiles in other processes while Dynamo traces, and a first launch while they still compile
 waits for them (``wait_for_ahead``) rather than compiling the same variant twice. A guess that
@@ -134,7 +135,8 @@ class DirectKernel:
             raise TypeError(f"{self.jit.__name__}: expect takes {len(self.free)} values, got {len(values)}")
         self.expected = values
         if not self.variants:
-            _awaiting.add(self)
+            with _ahead_lock:
+                _awaiting.add(self)
 
     def ahead_spec(self, target) -> dict:
         """What ``JITFunction.run`` would hand ``triton.compile`` for the expected variant on
@@ -185,8 +187,9 @@ class DirectKernel:
 
     def _run(self, key: tuple, values: tuple) -> None:
         """Through ``JITFunction.run`` (compiles or finds the variant), kept for the next call."""
-        _awaiting.discard(self)
         if not self.variants:
+            with _ahead_lock:
+                _awaiting.discard(self)
             wait_for_ahead()  # a compile ahead may be making this variant: wait rather than compile it too
         args = self.args.copy()
         for i, a in zip(self.free, values):
@@ -203,20 +206,34 @@ class DirectKernel:
             self.variants[key] = _variant(kernel)
 
 
+def _take_awaiting() -> list:
+    with _ahead_lock:  # other threads add (``expect``) and drop (a first launch) entries
+        kernels = list(_awaiting)
+        _awaiting.clear()
+    return kernels
+
+
 def has_awaiting() -> bool:
     """Whether a prepared call's expected variant awaits its first launch."""
-    return any(k.expected is not None and not k.variants for k in list(_awaiting))
+    with _ahead_lock:
+        kernels = list(_awaiting)
+    return any(k.expected is not None and not k.variants for k in kernels)
 
 
-def awaiting_specs(target) -> list[dict]:
-    """The ``ahead_spec`` of every prepared call not launched yet, once per distinct variant; those
-    calls no longer await (a later call asks again only for calls bound since). A call whose
-    spec cannot be computed is left to its first launch, logged at DEBUG."""
+def awaiting_specs(target, limit: int | None = None) -> list[dict]:
+    """The ``ahead_spec`` of every prepared call not launched yet, once per distinct variant (at
+    most ``limit`` variants: the calls of others stay awaiting); the calls taken no longer await
+    (a later call asks again only for calls bound since). A call whose spec cannot be computed is
+    left to its first launch, logged at DEBUG."""
     specs, seen = [], set()
-    for kernel in list(_awaiting):
-        _awaiting.discard(kernel)
+    kernels = _take_awaiting()
+    for i, kernel in enumerate(kernels):
         if kernel.variants or kernel.expected is None:
             continue
+        if limit is not None and len(specs) >= limit:
+            with _ahead_lock:
+                _awaiting.update(k for k in kernels[i:] if not k.variants)
+            break
         try:
             spec = kernel.ahead_spec(target)
         except Exception as exc:  # noqa: BLE001 (the first launch compiles it and raises there)
