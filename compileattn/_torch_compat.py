@@ -219,6 +219,18 @@ def size_assumptions(shape_env) -> tuple:
             sum(len(v) for v in shape_env.deferred_runtime_asserts.values()))
 
 
+def size_assumptions_added(shape_env, before: tuple) -> str:
+    """What a ShapeEnv assumed since ``size_assumptions`` gave ``before``, on one line: the new
+    guards' expressions, replacements and the count of deferred runtime assertions."""
+    guards, replacements, deferred = before
+    now_guards, now_replacements, now_deferred = size_assumptions(shape_env)
+    parts = [f"guard {g.expr}" for g in list(shape_env.guards)[guards:]]
+    parts += [f"replacement {k} -> {v}" for k, v in sorted(set(now_replacements) - set(replacements))]
+    if now_deferred > deferred:
+        parts.append(f"{now_deferred - deferred} deferred runtime assertions")
+    return "; ".join(parts)
+
+
 def piece_unpickle(data: bytes):
     shape_env = resolve("torch.fx.experimental.symbolic_shapes.ShapeEnv")()
     gm = resolve("torch.fx._graph_pickler.GraphPickler").loads(

@@ -254,7 +254,20 @@ def test_a_dynamic_compile_that_guards_on_the_symbolic_sizes_is_refused_in_a_wor
     compile_pool.release()
     dynamic = next(m for m in messages if m.get("inputs", ()) is None)
     assert compile_pool.compile_message(dynamic)  # what a worker answers: the artifact's bytes
-    states = iter([(0, (), 0), (1, (), 0)])
+    states = iter([(0, (), 0), (0, (("s0", "8"),), 0), (0, (("s0", "8"),), 0)])
     monkeypatch.setattr(_torch_compat, "size_assumptions", lambda shape_env: next(states))
-    with pytest.raises(compile_pool.SizeAssumptionsAdded):
+    with pytest.raises(compile_pool.SizeAssumptionsAdded, match=r"replacement s0 -> 8\)$"):
         compile_pool.compile_message(dynamic)
+
+
+def test_what_a_compile_assumed_is_said_on_one_line():
+    import types
+
+    def shape_env(guards, replacements, deferred):
+        return types.SimpleNamespace(guards=[types.SimpleNamespace(expr=g) for g in guards],
+                                     replacements=replacements, deferred_runtime_asserts={"s0": [None] * deferred})
+
+    before = _torch_compat.size_assumptions(shape_env(["Eq(s0, s1)"], {}, 0))
+    after = shape_env(["Eq(s0, s1)", "s0 < 2**31"], {"s2": 4}, 2)
+    assert _torch_compat.size_assumptions_added(after, before) == ("guard s0 < 2**31; replacement s2 -> 4; "
+                                                                   "2 deferred runtime assertions")

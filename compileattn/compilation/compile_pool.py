@@ -742,8 +742,9 @@ def compile_message(message: dict[str, Any]) -> bytes:
             with _torch_compat.tracing_fake_mode(fake_mode):
                 artifact = inductor_piece.compile_piece(gm, args, "from_tracing_context", message["options"])
             if _torch_compat.size_assumptions(fake_mode.shape_env) != before:
-                raise SizeAssumptionsAdded("the compile guarded on the piece's symbolic sizes, which the compiling "
-                                           "process's Dynamo would not see")
+                added = _torch_compat.size_assumptions_added(fake_mode.shape_env, before)
+                raise SizeAssumptionsAdded(f"the compile guarded on the piece's symbolic sizes, which the compiling "
+                                           f"process's Dynamo would not see ({added})")
         else:
             args = static_args_from_specs(message["inputs"])
             artifact = inductor_piece.compile_piece(gm, args, "from_example_inputs", message["options"])
