@@ -120,9 +120,10 @@ class CompileConfig:
     disable: bool = False
     #: Verify on the first replay of every size that piece inputs live where they were captured.
     check_input_addresses: bool = True
-    #: ``@compileattn.compile``'s first call compiles the Triton attention kernels its first step
-    #: will launch in other processes while Dynamo traces (``compilation/kernel_warmup.py``);
-    #: False leaves them to their first launch in the first run.
+    #: ``@compileattn.compile``'s first call (``torch.compile``'s: the backend, once Dynamo has
+    #: traced) compiles the Triton attention kernels its first step will launch in other processes
+    #: while the model compiles (``compilation/kernel_warmup.py``); False leaves them to their
+    #: first launch in the first run.
     compile_kernels_ahead: bool = True
     #: ``@compileattn.compile`` replays a full-decode graph itself, skipping Dynamo's code, where
     #: that provably returns the same (compilation/replay.py); False always runs Dynamo's code.

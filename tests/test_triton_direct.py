@@ -398,9 +398,9 @@ def test_only_a_cold_first_call_compiles_kernels_ahead(tmp_path, monkeypatch):
         assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
         return compiled.compile_stats["path"]
 
-    assert first_call() == "cold" and calls == ["start"]
-    assert first_call() == "warm" and calls == ["start"]
-    assert first_call("b", compile_kernels_ahead=False) == "cold" and calls == ["start"]
+    assert first_call() == "cold" and calls == ["start"] * 2  # before Dynamo, and the backend's (no-op then)
+    assert first_call() == "warm" and calls == ["start"] * 2
+    assert first_call("b", compile_kernels_ahead=False) == "cold" and calls == ["start"] * 2
 
 
 def test_awaiting_specs_past_the_limit_stay_awaiting(no_awaiting, monkeypatch):
@@ -452,3 +452,17 @@ def test_the_cache_dir_is_settled_before_the_compile_processes_start(monkeypatch
     monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
     kernel_warmup._settle_cache_dir(torch.device("cuda", 0))
     assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"
+
+
+def test_torch_compiles_backend_compiles_kernels_ahead_too(monkeypatch):
+    import compileattn as ca
+    from compileattn.compilation import kernel_warmup
+
+    calls = []
+    monkeypatch.setattr(kernel_warmup, "start", lambda: calls.append("start") or 0)
+    for ahead in (True, False):
+        torch._dynamo.reset()
+        compiled = torch.compile(_add_one, backend="compileattn", dynamic=False,
+                                 options={"piece_compiler": "eager", "compile_kernels_ahead": ahead})
+        assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+    assert calls == ["start"]

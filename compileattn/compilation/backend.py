@@ -19,6 +19,10 @@ def compileattn_backend(gm, example_inputs, options: dict[str, Any] | None = Non
     from .piecewise import split_and_compile
 
     config = CompileConfig.from_options(options)
+    if config.compile_kernels_ahead:  # torch.compile's path (the decorator's first call has started them)
+        from .kernel_warmup import start
+
+        start()  # the Inductor compiles of the pieces are still ahead: seconds to overlap
     compiled = split_and_compile(gm, example_inputs, config)
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
     try:
