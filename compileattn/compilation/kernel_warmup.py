@@ -27,9 +27,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
-
 from .. import _torch_compat
+from ..backends.triton import compile_ahead
 
 log = logging.getLogger("compileattn")
 
@@ -42,7 +41,9 @@ WAIT_S = 60.0
 #: which then waits for them.
 MAX_PROCESSES = 8
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "backends" / "triton" / "compile_ahead.py"
+#: Run by path: importing it here imports only the standard library (the package ``__init__``
+#: imports nothing).
+_SCRIPT = compile_ahead.__file__
 
 
 def start() -> int:
@@ -95,7 +96,7 @@ def launch(specs: list[dict]) -> int:
     for spec in specs:
         try:
             payload = pickle.dumps(spec)
-            proc = subprocess.Popen([sys.executable, "-c", f"import runpy; runpy.run_path({str(_SCRIPT)!r}, "
+            proc = subprocess.Popen([sys.executable, "-c", f"import runpy; runpy.run_path({_SCRIPT!r}, "
                                      "run_name='__main__')"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, env=env, close_fds=True)
         except Exception as exc:  # noqa: BLE001 (no process: the first launch compiles it)

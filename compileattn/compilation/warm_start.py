@@ -86,11 +86,10 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
     """The cache key of a compile: everything that decides Dynamo's code and the pieces that is
     known before tracing. ``arguments``: the argument checker's text of the first call;
     ``values``: the call's argument values (modules among them are fingerprinted)."""
-    code = fn.__code__
     parts = [
         f"format={FORMAT}", f"torch={torch.__version__}", f"python={sys.version}",
         f"compileattn={compileattn_source_digest()}",
-        f"fn={fn.__module__}.{fn.__qualname__}@{code.co_filename}:{code.co_firstlineno}",
+        f"fn={_function_identity(fn)}",
         f"config={config.hash()}",
         f"dynamic={sorted(dynamic.items())}", f"arguments={arguments}", *environment_key(),
     ]
@@ -100,12 +99,16 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
+def _function_identity(fn: Callable) -> str:
+    """The function as the key and its tag name it: where it is defined."""
+    code = fn.__code__
+    return f"{fn.__module__}.{fn.__qualname__}@{code.co_filename}:{code.co_firstlineno}"
+
+
 def function_tag(fn: Callable) -> str:
     """A short digest of the function itself (where it is defined), the prefix of its warm start
     files: ``saved_for`` finds them before a first call's key can be computed."""
-    code = fn.__code__
-    return hashlib.sha256(f"{fn.__module__}.{fn.__qualname__}@{code.co_filename}:{code.co_firstlineno}".encode()
-                          ).hexdigest()[:8]
+    return hashlib.sha256(_function_identity(fn).encode()).hexdigest()[:8]
 
 
 def path_of(config: CompileConfig, key: str, fn: Callable) -> Path:
