@@ -53,7 +53,10 @@ PRIVATE_APIS = {
     "torch.fx.experimental.symbolic_shapes.statically_known_true": "that pass's shape checks on symbolic sizes",
     "torch._guards.detect_fake_mode": "the fake mode of the graph's example inputs",
     "torch._guards.tracing": "a tracing context around a worker's dynamic-shape piece compile (as Dynamo's)",
-    "torch._guards.TracingContext": "that context, of the fake mode that travelled with the piece",
+    "torch._guards.TracingContext": "that context, of the fake mode that travelled with the piece; the ShapeEnv "
+                                    "of Dynamo's around the backend (the sizes its compile assumed)",
+    "torch.utils._sympy.printers.PythonPrinter": "a compile's size guards as Python, which the decorator "
+                                                 "evaluates per call (size_guards.py)",
     "torch._subclasses.fake_tensor.unset_fake_temporarily": "compiling a piece for static shapes",
     "torch._subclasses.fake_tensor.FakeTensorMode": "fake inputs with every size fixed",
     "torch._subclasses.fake_tensor.FakeTensor": "example values of a piece sent to a compile worker",
@@ -231,6 +234,59 @@ def size_assumptions_added(shape_env, before: tuple) -> str:
     if now_deferred > deferred:
         parts.append(f"{now_deferred - deferred} deferred runtime assertions")
     return "; ".join(parts)
+
+
+def guards_since(shape_env, before: tuple) -> tuple:
+    """The expressions (sympy) of the guards a ShapeEnv added since ``size_assumptions`` gave
+    ``before``."""
+    return tuple(g.expr for g in list(shape_env.guards)[before[0]:])
+
+
+def tracing_shape_env():
+    """The ShapeEnv of the tracing context around a backend call (Dynamo's), or None."""
+    context = resolve("torch._guards.TracingContext").try_get()
+    fake_mode = getattr(context, "fake_mode", None) if context is not None else None
+    return getattr(fake_mode, "shape_env", None)
+
+
+def reassume_guard(shape_env, expr) -> bool:
+    """Assume ``expr``, a guard that another ShapeEnv over the same symbols added (a compile
+    worker's, a cached piece's), in ``shape_env`` as Inductor's own checks do (a guard where the
+    symbols are backed): whether it holds here. False for an expression over symbols this ShapeEnv
+    does not have (2.13 renamed ``var_to_val`` to ``backed_var_to_val``)."""
+    known = getattr(shape_env, "backed_var_to_val", None)
+    if known is None:
+        known = shape_env.var_to_val
+    if not expr.free_symbols <= set(known):
+        return False
+    return bool(shape_env.guard_or_defer_runtime_assert(expr, "compileattn: a piece compiled elsewhere assumed it"))
+
+
+def size_guard_expressions(shape_env) -> list:
+    """Every guard expression (sympy) of a ShapeEnv, in the order they were added."""
+    return [g.expr for g in shape_env.guards]
+
+
+def symbol_sources(shape_env) -> dict[str, list[str]]:
+    """symbol name -> the names of the sources Dynamo made it for (``L['x'].size()[0]``, ...)."""
+    out = {}
+    for symbol, sources in shape_env.var_to_sources.items():
+        out[str(symbol)] = [s.name() if callable(s.name) else s.name for s in sources]
+    return out
+
+
+def dynamo_size_source(argument: str, dim: int) -> str:
+    """The name of Dynamo's source for dim ``dim`` of argument ``argument`` of the traced frame,
+    as ``argcheck.all_arguments`` names arguments: ``x`` -> ``L['x'].size()[0]``, a ``*args`` item
+    ``args[1]`` -> ``L['args'][1].size()[0]``, a ``**kw`` item ``kw['z']`` -> ``L['kw']['z']...``."""
+    base, bracket, rest = argument.partition("[")
+    return f"L[{base!r}]{bracket}{rest}.size()[{dim}]"
+
+
+def python_code_of(expr) -> str:
+    """A sympy size expression as Python code over its symbols' names (torch's printer: ``//``
+    for FloorDiv, ``%`` for Mod, ``==`` for Eq)."""
+    return resolve("torch.utils._sympy.printers.PythonPrinter")().doprint(expr)
 
 
 def piece_unpickle(data: bytes):

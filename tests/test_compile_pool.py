@@ -224,7 +224,7 @@ def test_an_urgent_task_running_in_a_worker_is_compiled_here_too_rather_than_wai
         pool.drain(here, urgent_only=True)
         assert time.monotonic() - start < 5
         assert compiled_here == [task] and task.duplicated and task.result == ("here", "code")
-        assert not pool.settle(task, ("ok", b"", 0.0, 0))  # a later answer does not replace it
+        assert not pool.settle(task, ("ok", b"", 0.0, 0, ()))  # a later answer does not replace it
     finally:
         pool.close(kill=True, wait=True)
 
@@ -234,13 +234,14 @@ def test_a_settled_task_keeps_its_answer_but_an_error_is_replaced():
     task = compile_pool.Task(0, "piece (dynamic shapes)", {}, urgent=True)
     assert pool.settle(task, ("error", "the worker died"))
     assert pool.settle(task, ("here", "code"))  # the compiling process's duplicate still counts
-    assert not pool.settle(task, ("ok", b"", 0.0, 0)) and task.result == ("here", "code")
+    assert not pool.settle(task, ("ok", b"", 0.0, 0, ())) and task.result == ("here", "code")
 
 
-def test_a_dynamic_compile_that_guards_on_the_symbolic_sizes_is_refused_in_a_worker(monkeypatch):
+def test_a_dynamic_compile_that_replaces_a_symbolic_size_is_refused_in_a_worker(monkeypatch):
     """A worker compiles a dynamic-shape piece as the compiling process does, but refuses the
-    result if the compile added a guard to the piece's ShapeEnv (here: said to, the CPU pieces of
-    the tiny model add none), since that guard would not reach the compiling process's Dynamo."""
+    result if the compile replaced a symbol of the piece's ShapeEnv (here: said to, the CPU pieces
+    of the tiny model make none): what the code computes then depends on a ShapeEnv the compiling
+    process's Dynamo would not see. Guards alone travel back with the answer (the test below)."""
     messages = []
     real_send = compile_pool.CompilePool.submit
 
@@ -253,7 +254,8 @@ def test_a_dynamic_compile_that_guards_on_the_symbolic_sizes_is_refused_in_a_wor
     _compile_and_run(workers=1)
     compile_pool.release()
     dynamic = next(m for m in messages if m.get("inputs", ()) is None)
-    assert compile_pool.compile_message(dynamic)  # what a worker answers: the artifact's bytes
+    data, guards = compile_pool.compile_message(dynamic)  # what a worker answers
+    assert data and guards == ()
     states = iter([(0, (), 0), (0, (("s0", "8"),), 0), (0, (("s0", "8"),), 0)])
     monkeypatch.setattr(_torch_compat, "size_assumptions", lambda shape_env: next(states))
     with pytest.raises(compile_pool.SizeAssumptionsAdded, match=r"replacement s0 -> 8\)$"):

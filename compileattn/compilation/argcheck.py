@@ -3,7 +3,8 @@
 The compiled code runs with every Dynamo guard dropped (``warm_start``/``decorator``), so this is
 the only check between a call and code traced for the first call: dtype, device, ndim, static
 sizes, requires_grad and contiguity of tensors, values of scalars, strings, dtypes and devices,
-types of other objects, containers item by item, and grad mode. torch's own guard filters cannot
+types of other objects, containers item by item, and grad mode; and, once the compile is done,
+what it assumed of the dynamic sizes (``size_guards.py``). torch's own guard filters cannot
 replace it: ``keep_tensor_guards_unsafe`` checks tensors but not scalar values or grad mode, and
 its failure is a ``RuntimeError`` naming ``L['x']`` from inside the guard manager; a change must
 instead raise ``RecompileError`` naming the argument, before any kernel runs (with no check at all,
@@ -19,6 +20,8 @@ import inspect
 from typing import Any, Mapping
 
 import torch
+
+from .size_guards import SizeGuards
 
 
 class RecompileError(RuntimeError):
@@ -227,7 +230,16 @@ class ArgChecker:
         self._bound_self = bound_self
         self._specs = specs
         self._grad_enabled = grad_enabled
-        self._plans: dict[Any, list[tuple[int | str, str, Any]]] = {}
+        #: per call layout: (position or keyword, name, spec) of each argument, and the size
+        #: guards' check of that layout (None without guards)
+        self._plans: dict[Any, tuple[list[tuple[int | str, str, Any]], Any]] = {}
+        self._size_guards: SizeGuards | None = None
+
+    def assume_sizes(self, guards: SizeGuards) -> None:
+        """Check ``guards``, what the compile assumed of the dynamic dims (``size_guards.py``), on
+        every call from now on."""
+        self._size_guards = guards if guards else None
+        self._plans.clear()
 
     def key(self) -> str:
         """Stable text of what the first call looked like (part of the warm-start cache key)."""
@@ -236,19 +248,30 @@ class ArgChecker:
 
     def check(self, args: tuple, kwargs: dict) -> None:
         key = (len(args), *kwargs) if kwargs else len(args)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._plan(args, kwargs)
+        layout = self._plans.get(key)
+        if layout is None:
+            layout = self._plans[key] = self._plan(args, kwargs)
+        plan, sizes_hold = layout
         for src, name, spec in plan:
             v = args[src] if src.__class__ is int else kwargs[src]
             if not spec.matches(v):
                 raise recompile_error(name, spec.explain(v))
+        if sizes_hold is not None and not sizes_hold(args, kwargs):
+            sources = {name: src for src, name, _ in plan}
+
+            def size_of(name: str, dim: int) -> int:
+                src = sources.get(name)
+                if src is None:
+                    return self._sig.parameters[name].default.shape[dim]
+                return (args[src] if src.__class__ is int else kwargs[src]).shape[dim]
+
+            raise recompile_error(*self._size_guards.explain(size_of))
         if torch.is_grad_enabled() is not self._grad_enabled:
             raise recompile_error(
                 None, f"grad mode (torch.is_grad_enabled()) changed from {self._grad_enabled} to "
                 f"{not self._grad_enabled}; use the same torch.no_grad()/inference_mode() as the first call")
 
-    def _plan(self, args: tuple, kwargs: dict) -> list:
+    def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
         names = _argument_names(self._sig, self._bound_self, args, kwargs)
         plan = [(src, name, self._specs[name]) for src, name in names if name in self._specs]
         unexpected = [name for _, name in names if name not in self._specs]
@@ -263,7 +286,10 @@ class ArgChecker:
                 raise recompile_error(name, "was passed on the first call, now missing")
             if not spec.matches(param.default):
                 raise recompile_error(name, f"now left at its default ({spec.explain(param.default)})")
-        return plan
+        if self._size_guards is None:
+            return plan, None
+        defaults = {name: self._sig.parameters[name].default for name in self._specs if name not in passed}
+        return plan, self._size_guards.checker({name: src for src, name in names}, defaults)
 
 
 def _argument_names(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict):

@@ -36,9 +36,10 @@ lowering is Python, so threads would share one GIL: the compiles run in worker *
   worker has started (the newest first, while the workers take the oldest), then, rather than
   wait, those a worker is still on, keeping the first answer (``drain(urgent_only=True)``); when
   the compile waits for the static pieces too, it then compiles those no worker has started. So
-  slow-starting or slow workers never hold it up. A worker's dynamic-shape compile that guarded
-  on the piece's symbolic sizes is not used (``SizeAssumptionsAdded``): such a guard belongs in
-  the compiling process's ShapeEnv, where Dynamo installs it.
+  slow-starting or slow workers never hold it up. The guards a worker's dynamic-shape compile
+  added on the piece's symbolic sizes come back with its answer, and the compiling process assumes
+  them in its ShapeEnv, where an in-process compile would have left them (a replacement or a
+  deferred runtime assertion is refused instead: ``SizeAssumptionsAdded``).
 - **Failures**: a worker that does not start, answers an error, dies or runs past
   ``TASK_TIMEOUT_S`` leaves its task to the compiling process, which compiles it itself (the
   serial path; logged at INFO with why), at once while the compile waits, at the next step when the
@@ -145,7 +146,8 @@ def worker_count(setting: int | str) -> int:
 @dataclasses.dataclass
 class Task:
     """One piece compile (a static size, or dynamic shapes). ``message`` is what the worker gets; ``result`` is set once it is done:
-    ("ok", artifact bytes, seconds, worker pid) or ("error", why[, the worker's traceback])."""
+    ("ok", artifact bytes, seconds, worker pid, the guards it added on the piece's symbolic sizes)
+    or ("error", why[, the worker's traceback])."""
 
     id: int
     label: str
@@ -708,8 +710,8 @@ def serve_tasks(inp: BinaryIO, out: BinaryIO) -> None:
                 time.sleep(3600)
             if message.get("inject") == "error":
                 raise RuntimeError("injected failure (compile_pool.INJECT_FAILURE)")
-            data = compile_message(message)
-            reply = ("ok", data, time.perf_counter() - start, os.getpid())
+            data, guards = compile_message(message)
+            reply = ("ok", data, time.perf_counter() - start, os.getpid(), guards)
         except Exception as exc:  # noqa: BLE001 (the compiling process compiles it itself)
             first = str(exc).strip().splitlines()
             reply = ("error", f"{type(exc).__name__}: {first[0] if first else ''}", traceback.format_exc())
@@ -720,20 +722,25 @@ def serve_tasks(inp: BinaryIO, out: BinaryIO) -> None:
 
 
 class SizeAssumptionsAdded(RuntimeError):
-    """Inductor's compile of a dynamic-shape piece guarded on its symbolic sizes (32-bit indexing
-    below a size, say): in the compiling process the guard joins Dynamo's ShapeEnv and Dynamo's
-    guards, in a worker it would be lost with the worker's copy. Such a piece is compiled in the
-    compiling process instead (the task answers this error)."""
+    """Inductor's compile of a dynamic-shape piece replaced a symbol of its sizes (by another, or
+    a constant) or deferred a runtime assertion on them: what the code computes then depends on
+    the compiling process's ShapeEnv, which a worker's copy cannot change. Such a piece is
+    compiled in the compiling process instead (the task answers this error). A plain guard
+    travels back with the answer instead (``compile_message``)."""
 
 
-def compile_message(message: dict[str, Any]) -> bytes:
-    """Compile one task's piece (in a worker): the artifact's bytes. A static task's inputs are
-    specs (``static_input_specs``); a dynamic one's (``"inputs": None``) are the placeholders'
-    own example values, fake tensors with the graph's symbolic sizes in the ShapeEnv that
-    travelled with the graph, compiled under a tracing context of that fake mode, as Dynamo's is
-    around the backend, and answered only if the compile assumed nothing new of those sizes
-    (``SizeAssumptionsAdded``)."""
+def compile_message(message: dict[str, Any]) -> tuple[bytes, tuple]:
+    """Compile one task's piece (in a worker): the artifact's bytes, and the guards the compile
+    added on the piece's symbolic sizes (sympy expressions; none for a static task). A static
+    task's inputs are specs (``static_input_specs``); a dynamic one's (``"inputs": None``) are
+    the placeholders' own example values, fake tensors with the graph's symbolic sizes in the
+    ShapeEnv that travelled with the graph, compiled under a tracing context of that fake mode, as
+    Dynamo's is around the backend. Its guards (32-bit indexing below a size, say) would be lost
+    with the worker's copy of the ShapeEnv, so they are answered, and the compiling process
+    assumes them in its own (``piecewise.py``), where an in-process compile would have put them;
+    a replacement or a deferred runtime assertion refuses the answer (``SizeAssumptionsAdded``)."""
     gm = _torch_compat.piece_unpickle(message["graph"])
+    guards: tuple = ()
     with _torch_compat.compile_settings_applied(message["settings"]):
         if message["inputs"] is None:
             args = [_torch_compat.node_example_value(node) for node in gm.graph.nodes if node.op == "placeholder"]
@@ -741,11 +748,13 @@ def compile_message(message: dict[str, Any]) -> bytes:
             before = _torch_compat.size_assumptions(fake_mode.shape_env)
             with _torch_compat.tracing_fake_mode(fake_mode):
                 artifact = inductor_piece.compile_piece(gm, args, "from_tracing_context", message["options"])
-            if _torch_compat.size_assumptions(fake_mode.shape_env) != before:
+            after = _torch_compat.size_assumptions(fake_mode.shape_env)
+            if after[1:] != before[1:]:
                 added = _torch_compat.size_assumptions_added(fake_mode.shape_env, before)
-                raise SizeAssumptionsAdded(f"the compile guarded on the piece's symbolic sizes, which the compiling "
+                raise SizeAssumptionsAdded(f"the compile changed the piece's symbolic sizes, which the compiling "
                                            f"process's Dynamo would not see ({added})")
+            guards = _torch_compat.guards_since(fake_mode.shape_env, before)
         else:
             args = static_args_from_specs(message["inputs"])
             artifact = inductor_piece.compile_piece(gm, args, "from_example_inputs", message["options"])
-    return _torch_compat.artifact_bytes(artifact)
+    return _torch_compat.artifact_bytes(artifact), guards

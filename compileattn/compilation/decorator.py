@@ -72,6 +72,7 @@ from ..config import CompileConfig
 from . import compile_pool, kernel_warmup, regions, warm_start
 from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
 from .replay import MISS, FullStepShortcut, graph_call_of
+from .size_guards import SizeGuards
 
 log = logging.getLogger("compileattn")
 
@@ -190,8 +191,13 @@ class _TimedBackend:
         self.seconds = 0.0
         self.results: list = []
         self.failed = False
+        #: Dynamo's ShapeEnv around the first backend call: after the compile, its guards are what
+        #: the trace and the compile assumed of the dynamic sizes (``size_guards.py``)
+        self.shape_env = None
 
     def __call__(self, gm, example_inputs):
+        if self.shape_env is None:
+            self.shape_env = _torch_compat.tracing_shape_env()
         start = time.perf_counter()
         try:
             out = self.backend(gm, example_inputs)
@@ -277,6 +283,7 @@ class _Site:
                 self.runtimes = loaded.dispatchers
                 stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait,
                          "regions": "off: warm start (no trace)"}
+                checker.assume_sizes(loaded.size_guards)
                 return self._first_call(what, loaded.function, checker, stats, start, full_args, kwargs)
 
         if config.compile_kernels_ahead:
@@ -285,13 +292,13 @@ class _Site:
         if owner._backend is None:
             _prestart_static_compiles(config, values)
         try:
-            return self._compile_cold(fn, config, what, checker, start, path, full_args, kwargs)
+            return self._compile_cold(fn, config, what, checker, dynamic, start, path, full_args, kwargs)
         finally:
             compile_pool.release()  # the backend releases it; this covers a trace that never reached it
             compile_pool.drop_early_fork_server()  # no pool took it: this compile wanted no workers
 
-    def _compile_cold(self, fn: Callable, config: CompileConfig, what: str, checker: ArgChecker, start: float,
-                      path, full_args: tuple, kwargs: dict):
+    def _compile_cold(self, fn: Callable, config: CompileConfig, what: str, checker: ArgChecker,
+                      dynamic: dict[str, tuple[int, ...]], start: float, path, full_args: tuple, kwargs: dict):
         owner = self.owner
         backend = _resolve_backend(owner._backend, config)
         reason = None
@@ -311,11 +318,14 @@ class _Site:
                     raise  # the backend itself failed: the frame path would only fail again
                 reason = f"aot_compile failed ({_first_line(exc)})"
             else:
+                size_guards = SizeGuards.from_shape_env(timed.shape_env, dynamic)
+                checker.assume_sizes(size_guards)
                 stats = self._compile_stats(timed, path="cold")
                 stats["import_wait_s"] = import_wait
                 stats["regions"] = traced_regions
                 self.runtimes = timed.dispatchers()
-                save = (lambda: warm_start.save(path, aot_fn, what)) if path is not None and self.runtimes else None
+                save = ((lambda: warm_start.save(path, aot_fn, size_guards, what))
+                        if path is not None and self.runtimes else None)
                 late = [d for d in self.runtimes if d.pending_static_compiles()]
                 if late:
                     stats["static_pending"] = sum(d.pending_static_compiles() for d in late)
@@ -327,7 +337,7 @@ class _Site:
                 return self._first_call(what, _torch_compat.aot_function(aot_fn), checker, stats, start, full_args,
                                         kwargs)
         log.info("compileattn: compiling %s through torch.compile's frame evaluation: %s", what, reason)
-        return self._compile_frame(fn, backend, checker, start, what, full_args, kwargs)
+        return self._compile_frame(fn, backend, checker, dynamic, start, what, full_args, kwargs)
 
     def _trace_ahead(self, fn: Callable, config: CompileConfig, what: str, full_args: tuple, kwargs: dict,
                      timed: "_TimedBackend"):
@@ -399,8 +409,8 @@ class _Site:
             return None, "Dynamo's code calls something other than the compileattn dispatcher"
         return FullStepShortcut(runtimes[0]), "on"
 
-    def _compile_frame(self, fn: Callable, backend: Callable, checker: ArgChecker, start: float, what: str,
-                       full_args: tuple, kwargs: dict):
+    def _compile_frame(self, fn: Callable, backend: Callable, checker: ArgChecker, dynamic: dict[str, tuple[int, ...]],
+                       start: float, what: str, full_args: tuple, kwargs: dict):
         from . import debug
 
         timed = _TimedBackend(backend, wrap=False)
@@ -418,6 +428,7 @@ class _Site:
         self._total(self.stats, start)
         _log_ready(what, self.stats)
         self.runtimes = timed.dispatchers()
+        checker.assume_sizes(SizeGuards.from_shape_env(timed.shape_env, dynamic))
         self.checker = checker
         self.fast = torch.compiler.set_stance("fail_on_recompile")(compiled)
         return out

@@ -384,21 +384,28 @@ class _PieceCompiler(torch.fx.Interpreter):
         if not self._use_cache:
             return None
         loaded = self.cache.load(signature, size)
-        if loaded is None:
+        unassumed = assume_guards(loaded[1]) if loaded is not None else None
+        if loaded is None or unassumed is not None:
+            if unassumed is not None:
+                logger.info("compileattn: the compile cache's %s (%s) is not used: %s", piece.name, _shape(size),
+                            unassumed)
             counters.cache_misses += 1
             return None
         counters.cache_hits += 1
         logger.info("loaded %s (%s) from the compile cache %s", piece.name, _shape(size), self.cache.dir)
-        return PieceCode("inductor", loaded)
+        return PieceCode("inductor", loaded[0])
 
     def _compile_here(self, piece: Piece, signature: str, args: list[Any], size: int | None) -> PieceCode:
         start = time.perf_counter()
+        shape_env = _torch_compat.tracing_shape_env() if size is None and self._use_cache else None
+        before = _torch_compat.size_assumptions(shape_env) if shape_env is not None else None
         compiled = _compile_piece(piece, args, self.config, static=size is not None)
         counters.backend_compiles += 1
         logger.info("compiled %s (%s) with %s in %.2f s", piece.name, _shape(size),
                     "inductor" if size is not None else self.config.piece_compiler, time.perf_counter() - start)
         if self._use_cache:
-            self.cache.save(signature, compiled.artifact, size)
+            guards = _torch_compat.guards_since(shape_env, before) if shape_env is not None else ()
+            self.cache.save(signature, compiled.artifact, size, guards)
         return compiled
 
     # -- compiles in worker processes ---------------------------------------------------------------
@@ -570,11 +577,14 @@ def adopt(task: compile_pool.Task, signature: str, size: int | None, cache: Comp
         if task.result is not None and len(task.result) > 2:
             logger.debug("compileattn: the worker's traceback for %s:\n%s", task.label, task.result[2])
         return why
-    _, data, seconds, pid = task.result
+    _, data, seconds, pid, guards = task.result
     try:
         code = PieceCode("inductor", _torch_compat.artifact_from_bytes(data))
     except Exception as exc:  # noqa: BLE001
         return f"its artifact does not load here ({type(exc).__name__}: {exc})"
+    unassumed = assume_guards(guards)
+    if unassumed is not None:
+        return unassumed
     counters.backend_compiles += 1
     if size is None:
         counters.dynamic_compiles_in_workers += 1
@@ -582,8 +592,28 @@ def adopt(task: compile_pool.Task, signature: str, size: int | None, cache: Comp
         counters.static_compiles_in_workers += 1
     logger.info("compiled %s with inductor in a worker (pid %d) in %.2f s", task.label, pid, seconds)
     if cache is not None:
-        cache.save_bytes(signature, data, size)
+        cache.save_bytes(signature, data, size, guards)
     return code
+
+
+def assume_guards(guards: tuple) -> str | None:
+    """Assume, in the ShapeEnv of the compile under way (Dynamo's, through its tracing context),
+    the guards a dynamic-shape piece's compile added elsewhere (a compile worker, an earlier
+    process whose piece the compile cache holds): None once they are, else why the piece cannot
+    be used. Compiled here, Inductor would have put them there itself; left out, Dynamo (or the
+    decorator's size check, ``size_guards.py``) would let a call past them run code that does not
+    hold there (32-bit indices that wrap)."""
+    if not guards:
+        return None
+    shape_env = _torch_compat.tracing_shape_env()
+    if shape_env is None:
+        return "no ShapeEnv to assume its size guards in"
+    for expr in guards:
+        if not _torch_compat.reassume_guard(shape_env, expr):
+            return f"its size guard {expr} does not hold in this compile"
+    logger.debug("compileattn: assumed the size guards a piece's compile added elsewhere: %s",
+                 "; ".join(map(str, guards)))
+    return None
 
 
 def _shape(size: int | None) -> str:

@@ -7,6 +7,8 @@ the decorator calls directly behind its own argument check. Its bytes (torch pic
 and the backend's ``StepDispatcher`` saves the split graph and each distinct piece, ``artifact.py``)
 go to ``<cache_dir>/warm_start/<function tag>-<key>.bin``. A later process with the same key loads that file
 (``torch.compiler.load_compiled_function``) and runs no Dynamo, no graph passes and no compile.
+Beside Dynamo's code the file holds what the compile assumed of the dynamic sizes
+(``size_guards.py``), which the loading process checks per call as the compiling one did.
 
 The key is computed *before* anything is traced, from what decides the compiled code:
 ``key_of`` lists it (config, versions, compileattn's own source, the function, the first call's
@@ -31,6 +33,7 @@ import hashlib
 import importlib
 import inspect
 import logging
+import pickle
 import sys
 import threading
 import time
@@ -42,11 +45,12 @@ import torch
 from .. import _torch_compat
 from ..config import CompileConfig
 from .cache import compileattn_source_digest, environment_key, secure_dir, write_atomic
+from .size_guards import SizeGuards
 
 log = logging.getLogger("compileattn")
 
 #: Bumped when what is saved changes meaning.
-FORMAT = 1
+FORMAT = 2
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 
@@ -147,6 +151,8 @@ class Loaded:
     #: seconds of the whole load, and of it waiting for Inductor's import
     seconds: float
     import_wait: float
+    #: what the compile assumed of the dynamic sizes, checked per call (``size_guards.py``)
+    size_guards: SizeGuards
 
 
 def load(path: Path, fn: Callable, config: CompileConfig, what: str) -> Loaded | None:
@@ -158,8 +164,11 @@ def load(path: Path, fn: Callable, config: CompileConfig, what: str) -> Loaded |
     start = time.perf_counter()
     import_wait = wait_for_inductor()
     try:
+        compiled, size_guards = pickle.loads(path.read_bytes())
+        if not isinstance(size_guards, SizeGuards):
+            raise TypeError(f"holds {type(size_guards).__name__} where the size guards belong")
         with artifact.loading(config) as dispatchers:
-            aot_fn = _torch_compat.aot_load(path.read_bytes(), fn.__globals__)
+            aot_fn = _torch_compat.aot_load(compiled, fn.__globals__)
     except Exception as exc:  # noqa: BLE001 (another torch/GPU, a corrupt file: compile instead)
         log.warning("compileattn: warm-start cache %s unusable for %s (%s: %s); compiling", path, what,
                     type(exc).__name__, exc)
@@ -168,14 +177,16 @@ def load(path: Path, fn: Callable, config: CompileConfig, what: str) -> Loaded |
     if changed is not None:
         log.info("compileattn: source of %s changed since %s was saved; compiling %s", changed, path, what)
         return None
-    return Loaded(_torch_compat.aot_function(aot_fn), dispatchers, time.perf_counter() - start, import_wait)
+    return Loaded(_torch_compat.aot_function(aot_fn), dispatchers, time.perf_counter() - start, import_wait,
+                  size_guards)
 
 
-def save(path: Path, aot_fn, what: str) -> float | None:
-    """Write the compile to ``path``; seconds taken, or None when it cannot be saved (logged)."""
+def save(path: Path, aot_fn, size_guards: SizeGuards, what: str) -> float | None:
+    """Write the compile, and what it assumed of the dynamic sizes, to ``path``; seconds taken, or
+    None when it cannot be saved (logged)."""
     start = time.perf_counter()
     try:
-        data = _torch_compat.aot_serialize(aot_fn)
+        data = pickle.dumps((_torch_compat.aot_serialize(aot_fn), size_guards))
     except Exception as exc:  # noqa: BLE001 (closure holding a module, unpicklable global, aot_eager pieces)
         log.info("compileattn: %s compiled but cannot be saved for a warm start (%s: %s)", what,
                  type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

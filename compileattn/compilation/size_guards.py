@@ -1,0 +1,125 @@
+"""What a decorated function's compile assumed of its dynamic sizes, checked on every call.
+
+``@compileattn.compile`` runs Dynamo's code with every Dynamo guard skipped, and its argument
+check (``argcheck.py``) compares each call with the first one in everything but the dynamic dims.
+The trace and the compile may still have assumed something of those: a branch on ``x.shape[0] >
+100`` took one side; Inductor chose 32-bit indexing for a kernel whose buffers fit at the traced
+size and guarded ``numel <= 2**31 - 1`` (a Llama-3 logits buffer, ``tokens * 128256`` elements,
+passes it above 16,743 tokens); on the CPU it summed without its accuracy helper up to 4096 terms.
+Dynamo would check each guard per call and recompile; a call past one without the check ran the
+code anyway (the other branch's answer, or indices that wrap).
+
+So after the compile the decorator reads the guards Dynamo's ShapeEnv holds over the dynamic dims'
+symbols (Inductor's among them, and those a compile worker or the compile cache brought,
+``piecewise.assume_guards``), as Python comparisons of the arguments' sizes: ``SizeGuards``, plain
+data, saved in the warm start file with the compiled code. ``ArgChecker`` turns them, per call
+layout, into one generated function (a few hundred ns); a call that breaks one raises
+``RecompileError`` naming the argument and the assumption, before any kernel runs. A symbol Dynamo
+made for two argument dims (equal on the first call) also checks that they are still equal.
+
+The lower bound Dynamo puts on every dynamic dim (2: it specializes 0 and 1) is not a guard in the
+ShapeEnv and is not checked: a later call of size 1 runs the code compiled for >= 2, as documented
+in ``decorator.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Mapping
+
+from .. import _torch_compat
+
+
+class UncheckableGuard(RuntimeError):
+    """A compile assumed something of a size that is not a dynamic argument dim."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeGuards:
+    """``symbols``: (symbol, argument, dim) of each symbol the guards use, its first argument dim;
+    ``equal``: (symbol, argument, dim) of further argument dims Dynamo gave the same symbol;
+    ``guards``: Python expressions over the symbols' names, each of which must hold."""
+
+    symbols: tuple[tuple[str, str, int], ...] = ()
+    equal: tuple[tuple[str, str, int], ...] = ()
+    guards: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.guards or self.equal)
+
+    @classmethod
+    def from_shape_env(cls, shape_env, dynamic: Mapping[str, tuple[int, ...]]) -> "SizeGuards":
+        """The guards of ``shape_env`` (Dynamo's, after the compile) over the dims ``dynamic``
+        (argument name -> dynamic dims, as ``decorator._mark_dynamic`` marked them)."""
+        if shape_env is None:
+            return cls()
+        wanted = {_torch_compat.dynamo_size_source(name, dim): (name, dim)
+                  for name, dims in dynamic.items() for dim in dims}
+        dims_of: dict[str, list[tuple[str, int]]] = {}
+        for symbol, sources in _torch_compat.symbol_sources(shape_env).items():
+            found = [wanted[s] for s in sources if s in wanted]
+            if found:
+                dims_of[symbol] = list(dict.fromkeys(found))
+        guards, used = [], set()
+        for expr in _torch_compat.size_guard_expressions(shape_env):
+            names = {str(s) for s in expr.free_symbols}
+            if not names:
+                continue
+            unknown = sorted(names - set(dims_of))
+            if unknown:
+                raise UncheckableGuard(
+                    f"the compile assumed {expr}, of {', '.join(unknown)}, which is not a dynamic dim of an argument "
+                    f"(dynamic_arg_dims: {dict(dynamic)}); @compileattn.compile cannot check it per call")
+            guards.append(_torch_compat.python_code_of(expr))
+            used |= names
+        used |= {s for s, dims in dims_of.items() if len(dims) > 1}
+        symbols = tuple((s, *dims_of[s][0]) for s in sorted(used))
+        equal = tuple((s, *d) for s in sorted(used) for d in dims_of[s][1:])
+        return cls(symbols, equal, tuple(dict.fromkeys(guards)))
+
+    def checker(self, sources: Mapping[str, int | str], defaults: Mapping[str, Any]) -> Callable[[tuple, dict], bool]:
+        """A function of (args, kwargs) of one call layout, true when every guard holds.
+        ``sources``: argument name -> its position in args or key in kwargs in this layout;
+        ``defaults``: the values of arguments this layout leaves at their default."""
+        def value_of(name: str) -> str:
+            src = sources.get(name)
+            if src is None:
+                return f"d[{name!r}]"
+            return f"a[{src}]" if isinstance(src, int) else f"k[{src!r}]"
+
+        lines = [f"    {symbol} = {value_of(name)}.shape[{dim}]" for symbol, name, dim in self.symbols]
+        conditions = [f"({g})" for g in self.guards]
+        conditions += [f"({symbol} == {value_of(name)}.shape[{dim}])" for symbol, name, dim in self.equal]
+        code = "def check(a, k):\n" + "\n".join(lines) + f"\n    return {' and '.join(conditions) or 'True'}\n"
+        namespace: dict[str, Any] = {"d": dict(defaults), "__builtins__": {"min": min, "max": max, "abs": abs}}
+        exec(compile(code, "<compileattn size guards>", "exec"), namespace)  # noqa: S102 (our own comparisons)
+        return namespace["check"]
+
+    def explain(self, sizes_of: Callable[[str, int], int]) -> tuple[str, str]:
+        """(the first argument a broken guard names, what it assumed), given the call's sizes."""
+        values = {symbol: sizes_of(name, dim) for symbol, name, dim in self.symbols}
+        spelled = {symbol: f"{name}.size({dim})" for symbol, name, dim in self.symbols}
+        namespace = {"__builtins__": {"min": min, "max": max, "abs": abs}}
+        for guard in self.guards:
+            if not eval(guard, namespace, dict(values)):  # noqa: S307 (our own comparisons)
+                names = [s for s in values if _mentions(guard, s)]
+                readable = guard
+                for s in sorted(names, key=len, reverse=True):
+                    readable = _replace_symbol(readable, s, spelled[s])
+                shown = ", ".join(f"{spelled[s]} = {values[s]}" for s in names)
+                first = next(name for symbol, name, _ in self.symbols if symbol in names) if names else None
+                return first, (f"has {shown}, but the compiled code assumes {readable} (a guard of the first "
+                               f"call's trace or compile)")
+        for symbol, name, dim in self.equal:
+            if values[symbol] != sizes_of(name, dim):
+                return name, (f"has {name}.size({dim}) = {sizes_of(name, dim)}, but the compiled code assumes it "
+                              f"equals {spelled[symbol]} ({values[symbol]}), as on the first call")
+        return None, "a size guard failed"
+
+
+def _mentions(code: str, symbol: str) -> bool:
+    return re.search(rf"\b{re.escape(symbol)}\b", code) is not None
+
+
+def _replace_symbol(code: str, symbol: str, text: str) -> str:
+    return re.sub(rf"\b{re.escape(symbol)}\b", text, code)

@@ -1,0 +1,138 @@
+"""What a compile assumed of the dynamic sizes (compilation/size_guards.py, piecewise.assume_guards).
+
+Two assumptions reproduce on the CPU: a branch of the trace on a dynamic size, and Inductor's C++
+summation, which drops its accuracy helper when the sum has at most 4096 terms and guards on that
+(``s <= 4096``): the same kind of guard as the GPU's 32-bit indexing (``tokens * vocab <= 2**31 -
+1``), whose crossing wraps indices. Each path must keep the guard: the decorator checks it per call
+(also after a warm start), a worker's dynamic-shape compile and a compile-cache entry bring it back
+into Dynamo's ShapeEnv, so that ``torch.compile`` recompiles rather than run past it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compileattn as ca
+from compileattn import counters
+from compileattn.compilation import compile_pool
+from compileattn.compilation.backend import compileattn_backend
+from compileattn.compilation.decorator import RecompileError
+from compileattn.compilation.size_guards import SizeGuards
+
+#: Inductor's C++ summation keeps its accuracy helper off up to this many terms, and guards on it.
+CPU_SUM_CHUNK = 4096
+
+
+def branchy(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] > 100:
+        return x * 3
+    return x + 1
+
+
+def column_sums(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sum(0)
+
+
+def test_a_call_past_a_traced_branch_is_refused_not_answered_from_the_other_branch():
+    f = ca.compile(dynamic_arg_dims={"x": 0}, config=ca.CompileConfig(piece_compiler="eager", compile_workers=0))(
+        lambda x: branchy(x))
+    for n in (8, 100, 1, 37):
+        x = torch.randn(n, 4)
+        assert torch.equal(f(x), branchy(x))
+    with pytest.raises(RecompileError, match=r"argument 'x' has x\.size\(0\) = 101, but the compiled code assumes "
+                                             r"x\.size\(0\) <= 100"):
+        f(torch.randn(101, 4))
+
+
+def test_inductor_guards_are_checked_by_the_decorator_and_kept_by_its_warm_start(tmp_path, caplog):
+    config = ca.CompileConfig(compile_workers=0, compile_sizes=(), cache_dir=str(tmp_path))
+    cold = ca.compile(dynamic_arg_dims={"x": 0}, config=config)(column_sums)
+    x = torch.randn(8, 4)
+    assert torch.allclose(cold(x), column_sums(x))
+    assert cold.compile_stats["path"] == "cold"
+    warm = ca.compile(dynamic_arg_dims={"x": 0}, config=config)(column_sums)
+    assert torch.allclose(warm(x), column_sums(x))
+    assert warm.compile_stats["path"] == "warm"
+    for f in (cold, warm):
+        x = torch.randn(CPU_SUM_CHUNK, 4)
+        assert torch.allclose(f(x), column_sums(x), rtol=1e-4)
+        with pytest.raises(RecompileError, match=rf"x\.size\(0\) = {CPU_SUM_CHUNK + 1}, but the compiled code "
+                                                 rf"assumes x\.size\(0\) <= {CPU_SUM_CHUNK}"):
+            f(torch.randn(CPU_SUM_CHUNK + 1, 4))
+
+
+class _CountingBackend:
+    """The compileattn backend, counting Dynamo's compiles (a recompile is a second one)."""
+
+    def __init__(self, **options):
+        self.options = options
+        self.calls = 0
+
+    def __call__(self, gm, example_inputs):
+        self.calls += 1
+        return compileattn_backend(gm, example_inputs, options=self.options)
+
+
+def _compiled_column_sums(backend):
+    compiled = torch.compile(column_sums, backend=backend, fullgraph=True)
+
+    def call(n: int) -> torch.Tensor:
+        x = torch.randn(n, 4)
+        torch._dynamo.mark_dynamic(x, 0)
+        out = compiled(x)
+        assert torch.allclose(out, column_sums(x), rtol=1e-4)
+        return out
+
+    return call
+
+
+def test_a_workers_dynamic_compile_brings_its_guards_back(monkeypatch):
+    """Compiled in a worker (``COMPILE_UNSTARTED_HERE`` off: the compiling process leaves the
+    dynamic-shape compile to it), the piece's guard joins Dynamo's ShapeEnv: a call past it makes
+    Dynamo compile again instead of running the piece there."""
+    monkeypatch.setattr(compile_pool, "COMPILE_UNSTARTED_HERE", False)
+    torch._dynamo.reset()
+    backend = _CountingBackend(compile_sizes=(2,), compile_workers=1, background_static_compiles=False)
+    call = _compiled_column_sums(backend)
+    try:
+        with counters.expect(dynamic_compiles_in_workers=1, static_compiles_in_workers=1):
+            call(8)
+    finally:
+        compile_pool.release()
+    call(CPU_SUM_CHUNK)
+    assert backend.calls == 1
+    call(CPU_SUM_CHUNK + 1)
+    assert backend.calls == 2, "the worker's guard did not reach Dynamo: the piece ran past it"
+
+
+def test_a_cached_dynamic_piece_brings_its_guards_back(tmp_path):
+    """Loaded from the compile cache by a later compile (Dynamo reset), the piece's guard joins
+    Dynamo's ShapeEnv as if it had been compiled there."""
+    options = {"compile_sizes": (), "compile_workers": 0, "cache_dir": str(tmp_path)}
+    torch._dynamo.reset()
+    _compiled_column_sums(_CountingBackend(**options))(8)
+    torch._dynamo.reset()
+    backend = _CountingBackend(**options)
+    call = _compiled_column_sums(backend)
+    with counters.expect(cache_hits=1, backend_compiles=0):
+        call(8)
+    call(CPU_SUM_CHUNK + 1)
+    assert backend.calls == 2, "the cached piece's guard did not reach Dynamo: the piece ran past it"
+
+
+def test_size_guards_check_each_argument_where_the_call_passes_it():
+    guards = SizeGuards(symbols=(("s0", "x", 0), ("s1", "rest[0]", 1)), equal=(("s0", "kw['z']", 0),),
+                        guards=("s0 <= 100", "(s1 % 2) == 0"))
+    check = guards.checker({"x": 0, "rest[0]": 1, "kw['z']": "z"}, {})
+    assert check((torch.empty(5), torch.empty(3, 4)), {"z": torch.empty(5)})
+    assert not check((torch.empty(5), torch.empty(3, 3)), {"z": torch.empty(5)})
+    assert not check((torch.empty(5), torch.empty(3, 4)), {"z": torch.empty(6)})
+    assert not check((torch.empty(101), torch.empty(3, 4)), {"z": torch.empty(101)})
+    sizes = {("x", 0): 5, ("rest[0]", 1): 3, ("kw['z']", 0): 5}
+    assert guards.explain(lambda name, dim: sizes[(name, dim)]) == (
+        "rest[0]", "has rest[0].size(1) = 3, but the compiled code assumes (rest[0].size(1) % 2) == 0 (a guard of "
+                   "the first call's trace or compile)")
+    sizes[("rest[0]", 1)] = 4
+    sizes[("kw['z']", 0)] = 6
+    assert guards.explain(lambda name, dim: sizes[(name, dim)])[0] == "kw['z']"
+    assert not SizeGuards() and SizeGuards().checker({}, {})((), {})
