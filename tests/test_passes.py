@@ -62,6 +62,27 @@ def test_split_at_a_user_op_keeps_semantics_and_order():
     torch.testing.assert_close(split_gm(x), f(x))
 
 
+def test_a_view_made_early_moves_to_the_piece_that_uses_it():
+    """Dynamo may make a later layer's views of a shared input (the rotary cos/sin) before an
+    earlier layer's attention; split by position, that piece would hand them on and differ from
+    its neighbours. A view reads nothing, so it moves to its first user's piece; one the splitting
+    op itself uses stays in the piece before it (a splitting op stays alone)."""
+    def f(x, cos):
+        early = cos.unsqueeze(0)             # used only after the marker
+        y = torch.ops.compileattn_test.marker(x.view(4, 2))   # this view feeds the splitting op
+        return (y + early).sum()
+
+    gm = torch.fx.symbolic_trace(f)
+    split_gm, pieces = split_graph(gm, ("compileattn_test::marker",))
+    assert [p.is_splitting_op for p in pieces] == [False, True, False]
+    first, marker, last = (p.module for p in pieces)
+    methods = lambda gm: [n.target for n in gm.graph.nodes if n.op == "call_method"]  # noqa: E731
+    assert methods(first) == ["view"] and methods(last) == ["unsqueeze", "sum"]
+    assert not any(n.op == "call_method" for n in marker.graph.nodes)
+    x, cos = torch.randn(8), torch.randn(2)
+    torch.testing.assert_close(split_gm(x, cos), f(x, cos))
+
+
 def test_pieces_return_tuples():
     gm = _attention_graph(torch.ops.compileattn.attention)
     _, pieces = split_graph(gm, ATTN)

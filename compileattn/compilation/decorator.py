@@ -30,6 +30,11 @@ Before (2) or (3), the first call starts compiling the Triton attention kernels 
 will launch, in other processes (``kernel_warmup.py``, ``config.compile_kernels_ahead``); a warm
 start finds them in Triton's disk cache, where the cold run left them.
 
+What the trace and the compile assumed of the dynamic sizes (a branch on a size, Inductor's 32-bit
+indexing below a size) is read from Dynamo's ShapeEnv after the compile and checked per call with
+the arguments (``size_guards.py``; saved with a warm start): a call past it raises
+``RecompileError``, where Dynamo would have recompiled.
+
 Limits, because guards are skipped: everything that is not an argument is frozen at the first
 call: Python globals and non-parameter module attributes the forward reads; shapes, dtypes and
 devices of parameters and buffers (their *values* are read at each call, so in-place weight
