@@ -136,3 +136,30 @@ def test_size_guards_check_each_argument_where_the_call_passes_it():
     sizes[("kw['z']", 0)] = 6
     assert guards.explain(lambda name, dim: sizes[(name, dim)])[0] == "kw['z']"
     assert not SizeGuards() and SizeGuards().checker({}, {})((), {})
+
+
+@pytest.mark.cuda
+def test_cuda_a_call_past_inductors_32_bit_indexing_is_refused_or_recompiled():
+    """On the GPU Inductor indexes a kernel in 32 bits where its buffers fit at the traced size and
+    guards ``numel <= 2**31 - 1``; past it the indices would wrap. The decorator refuses such a call,
+    naming the assumption; ``torch.compile`` with the backend recompiles and answers right."""
+    width = 2 ** 20  # 2049 rows: 2,148,532,224 elements, past 2**31 - 1
+
+    def body(x):
+        return torch.relu(x) * 2 + 1
+
+    f = ca.compile(dynamic_arg_dims={"x": 0}, config=ca.CompileConfig(compile_workers=0, compile_sizes=()))(
+        lambda x: body(x))
+    small = torch.randn(8, width, dtype=torch.float16, device="cuda")
+    assert torch.equal(f(small), body(small))
+    big = torch.randn(2049, width, dtype=torch.float16, device="cuda")
+    with pytest.raises(RecompileError, match=r"assumes 1048576\*x\.size\(0\) <= 2147483647"):
+        f(big)
+    torch._dynamo.reset()
+    backend = _CountingBackend(compile_workers=0, compile_sizes=())
+    g = torch.compile(body, backend=backend, fullgraph=True)
+    torch._dynamo.mark_dynamic(small, 0)
+    assert torch.equal(g(small), body(small))
+    torch._dynamo.mark_dynamic(big, 0)
+    out = g(big)
+    assert backend.calls == 2 and torch.equal(out, body(big))
