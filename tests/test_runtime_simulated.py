@@ -84,7 +84,8 @@ def test_shared_piece_code_is_captured_per_layer(simulated_graphs):
     cfg = ca.CompileConfig(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=SIZES, piece_compiler="eager")
     compiled = torch.compile(model, backend=RecordingBackend(config=cfg), fullgraph=True)
     rng = random.Random(2)
-    with ca.counters.expect(dynamo_graphs=1, pieces=6, backend_compiles=4, piece_reuses=2, cudagraph_replays=6):
+    # the first piece, four identical middle ones, the last
+    with ca.counters.expect(dynamo_graphs=1, pieces=6, backend_compiles=3, piece_reuses=3, cudagraph_replays=6):
         for i in range(6):
             seqs = random_step(rng, num_seqs=rng.randint(2, 5), block_size=BLOCK, num_blocks=NUM_BLOCKS,
                                max_query_len=4, max_context_len=60, decode_fraction=1.0 if i % 2 else 0.3)
