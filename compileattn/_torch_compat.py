@@ -236,12 +236,6 @@ def size_assumptions_added(shape_env, before: tuple) -> str:
     return "; ".join(parts)
 
 
-def guards_since(shape_env, before: tuple) -> tuple:
-    """The expressions (sympy) of the guards a ShapeEnv added since ``size_assumptions`` gave
-    ``before``."""
-    return tuple(g.expr for g in list(shape_env.guards)[before[0]:])
-
-
 def tracing_shape_env():
     """The ShapeEnv of the tracing context around a backend call (Dynamo's), or None."""
     context = resolve("torch._guards.TracingContext").try_get()
@@ -249,22 +243,44 @@ def tracing_shape_env():
     return getattr(fake_mode, "shape_env", None)
 
 
-def reassume_guard(shape_env, expr) -> bool:
-    """Assume ``expr``, a guard that another ShapeEnv over the same symbols added (a compile
-    worker's, a cached piece's), in ``shape_env`` as Inductor's own checks do (a guard where the
-    symbols are backed): whether it holds here. False for an expression over symbols this ShapeEnv
-    does not have (2.13 renamed ``var_to_val`` to ``backed_var_to_val``)."""
+def size_hints(shape_env) -> dict:
+    """symbol -> the size it stands for in this compile (the first call's); 2.13 renamed
+    ``var_to_val`` to ``backed_var_to_val``."""
     known = getattr(shape_env, "backed_var_to_val", None)
-    if known is None:
-        known = shape_env.var_to_val
-    if not expr.free_symbols <= set(known):
+    return dict(known if known is not None else shape_env.var_to_val)
+
+
+def holds_at_hints(shape_env, expr) -> bool:
+    """Whether ``expr`` (over this ShapeEnv's symbols) is true at their hints, recording nothing;
+    False for an expression over symbols it does not have."""
+    hints = size_hints(shape_env)
+    if not expr.free_symbols <= set(hints):
         return False
-    return bool(shape_env.guard_or_defer_runtime_assert(expr, "compileattn: a piece compiled elsewhere assumed it"))
+    return bool(expr.xreplace(hints))
+
+
+def reassume_guard(shape_env, expr) -> None:
+    """Assume ``expr``, a guard that another ShapeEnv over the same symbols made (a compile
+    worker's, a cached piece's), in ``shape_env``, as Inductor's own checks do (a guard, the
+    symbols being backed). Only for an ``expr`` that ``holds_at_hints``: one that does not would
+    record its negation."""
+    shape_env.guard_or_defer_runtime_assert(expr, "compileattn: a piece compiled elsewhere assumed it")
 
 
 def size_guard_expressions(shape_env) -> list:
     """Every guard expression (sympy) of a ShapeEnv, in the order they were added."""
     return [g.expr for g in shape_env.guards]
+
+
+def symbol_bounds(shape_env) -> dict[str, tuple[int | None, int | None]]:
+    """symbol name -> its value range's (lower, upper) bound, None where unbounded: a range can
+    narrow without a guard (``torch._check``, ``constrain_range``)."""
+    out = {}
+    for symbol, vr in shape_env.var_to_range.items():
+        lower = int(vr.lower) if vr.lower.is_Integer else None  # int_oo and oo are not Integers
+        upper = int(vr.upper) if vr.upper.is_Integer else None
+        out[str(symbol)] = (lower, upper)
+    return out
 
 
 def symbol_sources(shape_env) -> dict[str, list[str]]:

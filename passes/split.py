@@ -5,7 +5,8 @@ while AOT/Inductor graphs hold the overload (``.default``): both are matched, by
 user's own op "ns::op" or "ns::op.overload" can be a splitting op too.
 The pieces between splitting ops keep the original node order (``keep_original_order``), which
 matters because the attention op mutates its ``output`` argument: a reorder could read it early.
-Only views move, later, to the piece that uses them (``_sink_views``): they read nothing.
+Only views move, later, to the piece that uses them, past no in-place op on their input
+(``_sink_views``): they read no data.
 """
 from __future__ import annotations
 
@@ -112,20 +113,39 @@ def _sink_views(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int], 
     the next layer, say) before the previous layer's attention; split by position, every middle
     piece of a Llama then computes its successor's views and hands them on, except the last
     middle piece, which has no successor with rotary: one distinct piece more (on the Llama-3-8B
-    shape one more dynamic-shape compile of ~3 s and four static ones, run S14-1). A view reads
-    nothing, so where it is made does not change what its users see."""
+    shape one more dynamic-shape compile of ~3 s and four static ones, run S14-1). A view reads no
+    data, so its users see the same values wherever it is made, unless an in-place op in between
+    changes its base's shape or storage (``t_``, ``resize_``, ``set_``): past any in-place op on
+    its input it stays. It never moves into a piece that would hold nothing else."""
+    occupied = {assignment[n] for n in assignment if not is_splitting_node(n, splitting_ops)}
     for node in reversed(list(gm.graph.nodes)):
         if node not in assignment or not _is_view(node) or not node.users:
             continue
         if any(user not in assignment for user in node.users):  # the graph's output
             continue
         first = min(assignment[user] - is_splitting_node(user, splitting_ops) for user in node.users)
-        if first > assignment[node]:
-            assignment[node] = first
-            # and in the graph, before its first user: split_module orders the pieces by their
-            # nodes' original order
-            order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            min(node.users, key=order.__getitem__).prepend(node)
+        if first <= assignment[node] or first not in occupied:
+            continue
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        first_user = min(node.users, key=order.__getitem__)
+        bases = set(node.all_input_nodes)
+        between = list(gm.graph.nodes)[order[node] + 1:order[first_user]]
+        if any(_in_place(n) and bases & set(n.all_input_nodes) for n in between):
+            continue
+        assignment[node] = first
+        first_user.prepend(node)  # split_module orders the pieces by their nodes' original order
+
+
+def _in_place(node: torch.fx.Node) -> bool:
+    """An in-place call (a trailing underscore, as ``add_``, ``t_``, ``aten.resize_``)."""
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+    else:
+        return False
+    name = name.split(".")[0] if isinstance(name, str) else ""
+    return name.endswith("_") and not name.startswith("_")
 
 
 def _return_tuple(split_gm: torch.fx.GraphModule, call: torch.fx.Node, sub: torch.fx.GraphModule) -> None:

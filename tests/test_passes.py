@@ -83,6 +83,29 @@ def test_a_view_made_early_moves_to_the_piece_that_uses_it():
     torch.testing.assert_close(split_gm(x, cos), f(x, cos))
 
 
+def test_a_view_stays_where_an_in_place_op_or_an_empty_piece_would_change_it():
+    def transposed_in_place(x):
+        v = x.transpose(0, 1)               # made before x.t_(), which changes what it views
+        y = torch.ops.compileattn_test.marker(x)
+        x.t_()
+        return v + y.sum()
+
+    def between_two_markers(x):
+        h = x + 1
+        v = h.unsqueeze(0)                  # only the second marker uses it: no piece between the two
+        y = torch.ops.compileattn_test.marker(h)
+        z = torch.ops.compileattn_test.marker(v)
+        return y.sum() + z.sum()
+
+    for f, args, view in ((transposed_in_place, (torch.randn(4, 2),), "transpose"),
+                          (between_two_markers, (torch.randn(3),), "unsqueeze")):
+        gm = torch.fx.symbolic_trace(f)
+        split_gm, split = split_graph(gm, ("compileattn_test::marker",))
+        assert view in [n.target for n in split[0].module.graph.nodes if n.op == "call_method"]
+        x, x2 = args[0].clone(), args[0].clone()
+        torch.testing.assert_close(split_gm(x), f(x2))
+
+
 def test_pieces_return_tuples():
     gm = _attention_graph(torch.ops.compileattn.attention)
     _, pieces = split_graph(gm, ATTN)

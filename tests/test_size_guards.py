@@ -120,6 +120,40 @@ def test_a_cached_dynamic_piece_brings_its_guards_back(tmp_path):
     assert backend.calls == 2, "the cached piece's guard did not reach Dynamo: the piece ran past it"
 
 
+_lib = torch.library.Library("compileattn_size_guards", "DEF")
+_lib.define("boundary(Tensor x) -> Tensor")
+_lib.impl("boundary", lambda x: x.clone(), "CompositeExplicitAutograd")
+torch.library.register_fake("compileattn_size_guards::boundary")(lambda x: torch.empty_like(x))
+
+
+def two_pieces(x: torch.Tensor) -> torch.Tensor:
+    y = (x * 2).sum(0)
+    z = torch.ops.compileattn_size_guards.boundary(x)
+    return y + (z * 3).sum(0)
+
+
+def test_a_cached_piece_keeps_the_guards_an_earlier_piece_made(tmp_path):
+    """The second piece's compile adds no guard of its own: the first piece's ``s <= 4096`` already
+    let it decide statically. Its cache entry must still carry that guard, or a later compile whose
+    first call has 5000 rows (the first piece then compiled afresh, without it) would load code
+    that assumed it."""
+    options = {"compile_sizes": (), "compile_workers": 0, "splitting_ops": ("compileattn_size_guards::boundary",)}
+
+    def compile_and_call(n: int) -> None:
+        compiled = torch.compile(two_pieces, backend=_CountingBackend(**options, cache_dir=str(tmp_path)),
+                                 fullgraph=True)
+        x = torch.randn(n, 4)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert torch.allclose(compiled(x), two_pieces(x), rtol=1e-4)
+
+    torch._dynamo.reset()
+    with counters.expect(backend_compiles=2, cache_hits=0):
+        compile_and_call(8)
+    torch._dynamo.reset()
+    with counters.expect(cache_hits=0, cache_misses=2):
+        compile_and_call(CPU_SUM_CHUNK + 1000)
+
+
 def test_size_guards_check_each_argument_where_the_call_passes_it():
     guards = SizeGuards(symbols=(("s0", "x", 0), ("s1", "rest[0]", 1)), equal=(("s0", "kw['z']", 0),),
                         guards=("s0 <= 100", "(s1 % 2) == 0"))
@@ -163,3 +197,44 @@ def test_cuda_a_call_past_inductors_32_bit_indexing_is_refused_or_recompiled():
     torch._dynamo.mark_dynamic(big, 0)
     out = g(big)
     assert backend.calls == 2 and torch.equal(out, body(big))
+
+
+def three_quarters(x: torch.Tensor) -> torch.Tensor:
+    if int(x.shape[0] * 0.75) > 5:
+        return x * 3
+    return x + 1
+
+
+def test_a_guard_torch_prints_with_math_functions_is_checked_too():
+    f = ca.compile(dynamic_arg_dims={"x": 0}, config=ca.CompileConfig(piece_compiler="eager", compile_workers=0))(
+        lambda x: three_quarters(x))
+    for n in (8, 9, 8):
+        x = torch.randn(n, 2)
+        assert torch.equal(f(x), three_quarters(x))
+    with pytest.raises(RecompileError, match="argument 'x' has x.size"):
+        f(torch.randn(6, 2))
+
+
+def test_guards_that_do_not_all_hold_are_not_assumed_at_all():
+    """A cached piece's guards are assumed only if every one holds at this compile's sizes:
+    assuming one that does not would record its negation in Dynamo's ShapeEnv."""
+    from compileattn import _torch_compat
+    from compileattn.compilation import piecewise
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        shape_env = _torch_compat.tracing_shape_env()
+        values = [_torch_compat.node_example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        (s,) = {v.shape[0].node.expr for v in values if isinstance(v, torch.Tensor)}
+        before = len(shape_env.guards)
+        seen["refused"] = piecewise.assume_guards((s <= 100, s <= 4))
+        seen["added"] = len(shape_env.guards) - before
+        seen["assumed"] = piecewise.assume_guards((s <= 100,))
+        seen["then"] = len(shape_env.guards) - before
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: x * 2, backend=backend, dynamic=True)(torch.randn(8))
+    assert "does not hold" in seen["refused"] and seen["added"] == 0
+    assert seen["assumed"] is None and seen["then"] == 1

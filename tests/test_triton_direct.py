@@ -349,6 +349,8 @@ def test_cuda_compiled_ahead_variant_is_the_one_launched(kind, no_awaiting, monk
         assert direct.has_awaiting()
         from compileattn.compilation import kernel_warmup
 
+        triton_env = lambda: {k: v for k, v in os.environ.items() if k.startswith(("TRITON", "LLVM", "MLIR"))}  # noqa: E731
+        env_at_start = triton_env()  # what the compile processes inherit
         with caplog.at_level("DEBUG", logger="compileattn"):
             assert kernel_warmup.start() >= 2  # the KV write and the attention
             direct.wait_for_ahead()
@@ -360,8 +362,13 @@ def test_cuda_compiled_ahead_variant_is_the_one_launched(kind, no_awaiting, monk
             except AssertionError as exc:
                 from triton import knobs
 
+                from triton.backends.nvidia import compiler as nvidia
+
                 raise AssertionError(f"{exc}; Triton's cache dir here {knobs.cache.dir}, in the compile processes "
-                                     f"{tmp_path}, holding {cached}; log: {caplog.text}") from None
+                                     f"{tmp_path}, holding {cached}; Triton's environment then {env_at_start}, now "
+                                     f"{triton_env()}; ptxas versions cached here "
+                                     f"{nvidia.get_ptxas_version.cache_info()}, ptxas {knobs.nvidia.ptxas.path}; "
+                                     f"log: {caplog.text}") from None
         torch.cuda.synchronize()
     want, _, _ = run_forward(ReferenceBackend(), spec, case, 16)
     atol, rtol = TOL[torch.float16]

@@ -118,10 +118,11 @@ def cache_key(config: CompileConfig, gm: torch.fx.GraphModule) -> str:
 
 
 class CompileCache:
-    """One directory per key; one artifact per distinct piece and size, named by its signature.
-    A dynamic-shape piece's entry has a second file, the guards its compile added on the piece's
-    symbolic sizes (``guards``: sympy expressions, pickled), which a later compile that loads the
-    piece assumes again (``piecewise.py``): without them it would run the piece past them."""
+    """One directory per key; one file per distinct piece and size, named by its signature: the
+    artifact's bytes and, for a dynamic-shape piece, the guards on its symbolic sizes its code
+    relies on (sympy expressions), pickled together (two files could pair one process's artifact
+    with another's guards). A later compile that loads the piece assumes them again
+    (``piecewise.assume_guards``): without them it would run the piece past them."""
 
     def __init__(self, root: str | os.PathLike, key: str):
         self.dir = secure_dir(root) / key
@@ -131,19 +132,14 @@ class CompileCache:
         shape = "dynamic" if size is None else f"static{size}"
         return self.dir / f"piece_{signature}_{shape}.bin"
 
-    def _guards_path(self, signature: str) -> Path:
-        return self.dir / f"piece_{signature}_dynamic.guards"
-
     def load(self, signature: str, size: int | None = None) -> tuple[Callable[..., Any], tuple] | None:
-        """(the artifact, the guards its compile added) or None; a dynamic-shape entry without its
-        guards file (written second) is a miss."""
+        """(the artifact, the guards its code relies on) or None."""
         path = self._path(signature, size)
-        guards_path = self._guards_path(signature) if size is None else None
-        if not path.exists() or (guards_path is not None and not guards_path.exists()):
+        if not path.exists():
             return None
         try:
-            guards = pickle.loads(guards_path.read_bytes()) if guards_path is not None else ()
-            return _torch_compat.artifact_from_bytes(path.read_bytes()), tuple(guards)
+            data, guards = pickle.loads(path.read_bytes())
+            return _torch_compat.artifact_from_bytes(data), tuple(guards)
         except Exception as exc:  # a corrupt or incompatible entry is a miss, not a crash
             logger.warning("compile cache entry %s unusable (%s); recompiling", path, exc)
             return None
@@ -154,6 +150,4 @@ class CompileCache:
     def save_bytes(self, signature: str, data: bytes, size: int | None = None, guards: tuple = ()) -> None:
         """Save an artifact already in bytes (a compile worker's answer), with its guards."""
         secure_dir(self.dir)
-        write_atomic(self._path(signature, size), data)
-        if size is None:
-            write_atomic(self._guards_path(signature), pickle.dumps(tuple(guards)))
+        write_atomic(self._path(signature, size), pickle.dumps((data, tuple(guards))))

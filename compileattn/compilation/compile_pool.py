@@ -146,7 +146,7 @@ def worker_count(setting: int | str) -> int:
 @dataclasses.dataclass
 class Task:
     """One piece compile (a static size, or dynamic shapes). ``message`` is what the worker gets; ``result`` is set once it is done:
-    ("ok", artifact bytes, seconds, worker pid, the guards it added on the piece's symbolic sizes)
+    ("ok", artifact bytes, seconds, worker pid, the guards its code relies on, ``compile_message``)
     or ("error", why[, the worker's traceback])."""
 
     id: int
@@ -730,15 +730,17 @@ class SizeAssumptionsAdded(RuntimeError):
 
 
 def compile_message(message: dict[str, Any]) -> tuple[bytes, tuple]:
-    """Compile one task's piece (in a worker): the artifact's bytes, and the guards the compile
-    added on the piece's symbolic sizes (sympy expressions; none for a static task). A static
-    task's inputs are specs (``static_input_specs``); a dynamic one's (``"inputs": None``) are
-    the placeholders' own example values, fake tensors with the graph's symbolic sizes in the
-    ShapeEnv that travelled with the graph, compiled under a tracing context of that fake mode, as
-    Dynamo's is around the backend. Its guards (32-bit indexing below a size, say) would be lost
-    with the worker's copy of the ShapeEnv, so they are answered, and the compiling process
-    assumes them in its own (``piecewise.py``), where an in-process compile would have put them;
-    a replacement or a deferred runtime assertion refuses the answer (``SizeAssumptionsAdded``)."""
+    """Compile one task's piece (in a worker): the artifact's bytes, and the guards on the piece's
+    symbolic sizes that its code relies on (sympy expressions; none for a static task): every guard
+    of the worker's ShapeEnv after the compile, those it started with (the compiling process's,
+    which travelled with the graph and may have let the compile decide something statically) and
+    those the compile added (32-bit indexing below a size, say), which would be lost with the
+    worker's copy. The compiling process assumes them in its own ShapeEnv (``piecewise.py``), where
+    an in-process compile would have put them. A static task's inputs are specs
+    (``static_input_specs``); a dynamic one's (``"inputs": None``) are the placeholders' own example
+    values, fake tensors with the graph's symbolic sizes in that ShapeEnv, compiled under a tracing
+    context of its fake mode, as Dynamo's is around the backend; a replacement or a deferred
+    runtime assertion refuses the answer (``SizeAssumptionsAdded``)."""
     gm = _torch_compat.piece_unpickle(message["graph"])
     guards: tuple = ()
     with _torch_compat.compile_settings_applied(message["settings"]):
@@ -753,7 +755,7 @@ def compile_message(message: dict[str, Any]) -> tuple[bytes, tuple]:
                 added = _torch_compat.size_assumptions_added(fake_mode.shape_env, before)
                 raise SizeAssumptionsAdded(f"the compile changed the piece's symbolic sizes, which the compiling "
                                            f"process's Dynamo would not see ({added})")
-            guards = _torch_compat.guards_since(fake_mode.shape_env, before)
+            guards = tuple(_torch_compat.size_guard_expressions(fake_mode.shape_env))
         else:
             args = static_args_from_specs(message["inputs"])
             artifact = inductor_piece.compile_piece(gm, args, "from_example_inputs", message["options"])

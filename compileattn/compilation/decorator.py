@@ -42,7 +42,8 @@ updates show, but move the model before its first call); autocast, torch functio
 flags other than grad mode. Objects other than tensors, scalars, strings, dtypes/devices and
 tuples/lists/dicts of those are checked for type only. Dynamic dims need size >= 2 on the first
 call (Dynamo specializes sizes 0 and 1; a size-1 first call is refused rather than compiled
-static); later calls may use any size, including 1.
+static); later calls may use any size, including 1 (so a forward must not branch on a dynamic size
+being > 1: Dynamo decides that without a guard, ``size_guards.py``).
 
 Full-decode steps (``cudagraph_mode="full_and_piecewise"``) skip Dynamo's code too, once a size's
 graph has been replayed through it: the site replays the graph itself where that provably returns
@@ -196,13 +197,12 @@ class _TimedBackend:
         self.seconds = 0.0
         self.results: list = []
         self.failed = False
-        #: Dynamo's ShapeEnv around the first backend call: after the compile, its guards are what
+        #: Dynamo's ShapeEnv around the latest backend call: after the compile, its guards are what
         #: the trace and the compile assumed of the dynamic sizes (``size_guards.py``)
         self.shape_env = None
 
     def __call__(self, gm, example_inputs):
-        if self.shape_env is None:
-            self.shape_env = _torch_compat.tracing_shape_env()
+        self.shape_env = _torch_compat.tracing_shape_env()  # the last trace's (a failed one is traced again)
         start = time.perf_counter()
         try:
             out = self.backend(gm, example_inputs)

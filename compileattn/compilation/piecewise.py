@@ -403,9 +403,15 @@ class _PieceCompiler(torch.fx.Interpreter):
         counters.backend_compiles += 1
         logger.info("compiled %s (%s) with %s in %.2f s", piece.name, _shape(size),
                     "inductor" if size is not None else self.config.piece_compiler, time.perf_counter() - start)
-        if self._use_cache:
-            guards = _torch_compat.guards_since(shape_env, before) if shape_env is not None else ()
-            self.cache.save(signature, compiled.artifact, size, guards)
+        if self._use_cache and size is not None:
+            self.cache.save(signature, compiled.artifact, size)
+        elif self._use_cache and shape_env is not None:
+            # a dynamic-shape piece with every guard its code may rely on (the trace's and earlier
+            # pieces' ones too: they let this compile decide things statically); not one whose
+            # compile replaced a symbol or deferred an assertion, which a guard list cannot carry
+            if _torch_compat.size_assumptions(shape_env)[1:] == before[1:]:
+                self.cache.save(signature, compiled.artifact, size,
+                                tuple(_torch_compat.size_guard_expressions(shape_env)))
         return compiled
 
     # -- compiles in worker processes ---------------------------------------------------------------
@@ -544,7 +550,8 @@ class _PieceCompiler(torch.fx.Interpreter):
             code = adopt(task, key[0], key[1], self.cache if self._use_cache else None)
             if isinstance(code, PieceCode):
                 return code, True
-            logger.info("compileattn: a compile worker failed %s (%s); compiling it in-process", task.label, code)
+            logger.info("compileattn: no compile worker's answer for %s (%s); compiling it in-process", task.label,
+                        code)
         return self._compile_here(piece, key[0], self._example_args(args, key[1]), key[1]), False
 
     def _leave_to_land(self) -> bool:
@@ -598,9 +605,9 @@ def adopt(task: compile_pool.Task, signature: str, size: int | None, cache: Comp
 
 def assume_guards(guards: tuple) -> str | None:
     """Assume, in the ShapeEnv of the compile under way (Dynamo's, through its tracing context),
-    the guards a dynamic-shape piece's compile added elsewhere (a compile worker, an earlier
-    process whose piece the compile cache holds): None once they are, else why the piece cannot
-    be used. Compiled here, Inductor would have put them there itself; left out, Dynamo (or the
+    the guards a dynamic-shape piece's code relies on, compiled elsewhere (a compile worker, an
+    earlier process whose piece the compile cache holds): None once they are, else (none assumed:
+    one does not hold at this compile's sizes) why the piece cannot be used. Compiled here, Inductor would have put them there itself; left out, Dynamo (or the
     decorator's size check, ``size_guards.py``) would let a call past them run code that does not
     hold there (32-bit indices that wrap)."""
     if not guards:
@@ -608,9 +615,11 @@ def assume_guards(guards: tuple) -> str | None:
     shape_env = _torch_compat.tracing_shape_env()
     if shape_env is None:
         return "no ShapeEnv to assume its size guards in"
+    for expr in guards:  # all of them first: assuming one that fails would record its negation
+        if not _torch_compat.holds_at_hints(shape_env, expr):
+            return f"its size guard {expr} does not hold at this compile's sizes"
     for expr in guards:
-        if not _torch_compat.reassume_guard(shape_env, expr):
-            return f"its size guard {expr} does not hold in this compile"
+        _torch_compat.reassume_guard(shape_env, expr)
     logger.debug("compileattn: assumed the size guards a piece's compile added elsewhere: %s",
                  "; ".join(map(str, guards)))
     return None
