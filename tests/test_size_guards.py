@@ -238,3 +238,11 @@ def test_guards_that_do_not_all_hold_are_not_assumed_at_all():
     torch.compile(lambda x: x * 2, backend=backend, dynamic=True)(torch.randn(8))
     assert "does not hold" in seen["refused"] and seen["added"] == 0
     assert seen["assumed"] is None and seen["then"] == 1
+
+
+def test_dynamic_arg_dims_cannot_name_the_extra_arguments():
+    """``*args`` and ``**kwargs`` collect other arguments: their dims cannot be named (they used to be
+    accepted and left static)."""
+    for name, fn in (("rest", lambda x, *rest: x), ("extra", lambda x, **extra: x)):
+        with pytest.raises(ValueError, match=f"'{name}' collects"):
+            ca.compile(dynamic_arg_dims={name: 0})(fn)

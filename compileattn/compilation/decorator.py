@@ -132,6 +132,9 @@ def _normalize_dynamic_arg_dims(dims: Mapping[str, Any] | None, fn: Callable, si
     for name, d in dims.items():
         if name not in params:
             raise ValueError(f"dynamic_arg_dims: {fn.__qualname__} has no argument {name!r}; it has {params}")
+        if sig.parameters[name].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            raise ValueError(f"dynamic_arg_dims: {name!r} collects {fn.__qualname__}'s extra arguments; name a "
+                             f"parameter of its own (its dims are marked dynamic on the tensor passed there)")
         ds = (d,) if isinstance(d, int) else tuple(d) if isinstance(d, (list, tuple)) else None
         if ds is None or not ds or any(not isinstance(x, int) or isinstance(x, bool) for x in ds):
             raise TypeError(f"dynamic_arg_dims[{name!r}] must be an int or a non-empty list of ints, got {d!r}")
