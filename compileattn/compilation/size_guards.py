@@ -50,7 +50,8 @@ def _namespace() -> dict[str, Any]:
 
 
 class UncheckableGuard(RuntimeError):
-    """A compile assumed something of a size that is not a dynamic argument dim."""
+    """A compile assumed something of the sizes the decorator cannot check per call: of a size that
+    is not a dynamic argument dim, or in an expression Python cannot evaluate."""
 
 
 @dataclasses.dataclass(frozen=True)
