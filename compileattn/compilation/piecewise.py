@@ -607,9 +607,10 @@ def assume_guards(guards: tuple) -> str | None:
     """Assume, in the ShapeEnv of the compile under way (Dynamo's, through its tracing context),
     the guards a dynamic-shape piece's code relies on, compiled elsewhere (a compile worker, an
     earlier process whose piece the compile cache holds): None once they are, else (none assumed:
-    one does not hold at this compile's sizes) why the piece cannot be used. Compiled here, Inductor would have put them there itself; left out, Dynamo (or the
-    decorator's size check, ``size_guards.py``) would let a call past them run code that does not
-    hold there (32-bit indices that wrap)."""
+    one does not hold at this compile's sizes) why the piece cannot be used. Compiled here,
+    Inductor would have put them there itself; left out, Dynamo (or the decorator's size check,
+    ``size_guards.py``) would let a call past them run code that does not hold there (32-bit
+    indices that wrap)."""
     if not guards:
         return None
     shape_env = _torch_compat.tracing_shape_env()
@@ -620,7 +621,7 @@ def assume_guards(guards: tuple) -> str | None:
             return f"its size guard {expr} does not hold at this compile's sizes"
     for expr in guards:
         _torch_compat.reassume_guard(shape_env, expr)
-    logger.debug("compileattn: assumed the size guards a piece's compile added elsewhere: %s",
+    logger.debug("compileattn: assumed the size guards of a piece compiled elsewhere: %s",
                  "; ".join(map(str, guards)))
     return None
 
