@@ -4,8 +4,9 @@
 check (``argcheck.py``) compares each call with the first one in everything but the dynamic dims.
 The trace and the compile may still have assumed something of those: a branch on ``x.shape[0] >
 100`` took one side; Inductor chose 32-bit indexing for a kernel whose buffers fit at the traced
-size and guarded ``numel <= 2**31 - 1`` (a Llama-3 logits buffer, ``tokens * 128256`` elements,
-passes it above 16,743 tokens); on the CPU it summed without its accuracy helper up to 4096 terms.
+size and guarded ``numel <= 2**31 - 1`` (the Llama-3-8B shape's pieces: ``6144*tokens <=
+2147483647`` and four more, run S14-3); on the CPU it summed without its accuracy helper up to 4096
+terms.
 Dynamo would check each guard per call and recompile; a call past one without the check ran the
 code anyway (the other branch's answer, or indices that wrap).
 
