@@ -292,11 +292,9 @@ def symbol_sources(shape_env) -> dict[str, list[str]]:
 
 
 def dynamo_size_source(argument: str, dim: int) -> str:
-    """The name of Dynamo's source for dim ``dim`` of argument ``argument`` of the traced frame,
-    as ``argcheck.all_arguments`` names arguments: ``x`` -> ``L['x'].size()[0]``, a ``*args`` item
-    ``args[1]`` -> ``L['args'][1].size()[0]``, a ``**kw`` item ``kw['z']`` -> ``L['kw']['z']...``."""
-    base, bracket, rest = argument.partition("[")
-    return f"L[{base!r}]{bracket}{rest}.size()[{dim}]"
+    """The name of Dynamo's source for dim ``dim`` of parameter ``argument`` of the traced frame
+    (``x`` -> ``L['x'].size()[0]``; ``dynamic_arg_dims`` names parameters, never ``*args`` items)."""
+    return f"L[{argument!r}].size()[{dim}]"
 
 
 def python_code_of(expr) -> str:

@@ -126,10 +126,11 @@ def _sink_views(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int], 
         first = min(assignment[user] - is_splitting_node(user, splitting_ops) for user in node.users)
         if first <= assignment[node] or first not in occupied:
             continue
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        nodes = list(gm.graph.nodes)  # again per move: a move reorders them
+        order = {n: i for i, n in enumerate(nodes)}
         first_user = min(node.users, key=order.__getitem__)
         bases = set(node.all_input_nodes)
-        between = list(gm.graph.nodes)[order[node] + 1:order[first_user]]
+        between = nodes[order[node] + 1:order[first_user]]
         if any(_in_place(n) and bases & set(n.all_input_nodes) for n in between):
             continue
         assignment[node] = first

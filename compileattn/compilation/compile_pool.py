@@ -36,10 +36,10 @@ lowering is Python, so threads would share one GIL: the compiles run in worker *
   worker has started (the newest first, while the workers take the oldest), then, rather than
   wait, those a worker is still on, keeping the first answer (``drain(urgent_only=True)``); when
   the compile waits for the static pieces too, it then compiles those no worker has started. So
-  slow-starting or slow workers never hold it up. The guards a worker's dynamic-shape compile
-  added on the piece's symbolic sizes come back with its answer, and the compiling process assumes
-  them in its ShapeEnv, where an in-process compile would have left them (a replacement or a
-  deferred runtime assertion is refused instead: ``SizeAssumptionsAdded``).
+  slow-starting or slow workers never hold it up. Every guard on the piece's symbolic sizes that a
+  worker's dynamic-shape piece may rely on comes back with its answer, and the compiling process
+  assumes them in its ShapeEnv, where an in-process compile would have left them (a replacement or
+  a deferred runtime assertion is refused instead: ``SizeAssumptionsAdded``).
 - **Failures**: a worker that does not start, answers an error, dies or runs past
   ``TASK_TIMEOUT_S`` leaves its task to the compiling process, which compiles it itself (the
   serial path; logged at INFO with why), at once while the compile waits, at the next step when the

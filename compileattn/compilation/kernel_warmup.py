@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+
 from .. import _torch_compat
 from ..backends.triton import compile_ahead
 

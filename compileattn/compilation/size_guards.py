@@ -112,7 +112,7 @@ class SizeGuards:
         hints = {str(k): int(v) for k, v in _torch_compat.size_hints(shape_env).items()}
         for guard in made.guards:
             try:
-                holds = eval(guard, _namespace(), {s: hints[s] for s, _, _ in symbols})  # noqa: S307
+                holds = _holds(guard, {s: hints[s] for s, _, _ in symbols})
             except Exception as exc:  # noqa: BLE001
                 raise UncheckableGuard(f"the compile assumed {guard}, which Python cannot evaluate per call "
                                        f"({type(exc).__name__}: {exc})") from None
@@ -142,9 +142,8 @@ class SizeGuards:
         """(the first argument a broken guard names, what it assumed), given the call's sizes."""
         values = {symbol: sizes_of(name, dim) for symbol, name, dim in self.symbols}
         spelled = {symbol: f"{name}.size({dim})" for symbol, name, dim in self.symbols}
-        namespace = _namespace()
         for guard in self.guards:
-            if not eval(guard, namespace, dict(values)):  # noqa: S307 (our own comparisons)
+            if not _holds(guard, values):
                 names = [s for s in values if _mentions(guard, s)]
                 readable = guard
                 for s in sorted(names, key=len, reverse=True):
@@ -158,6 +157,11 @@ class SizeGuards:
                 return name, (f"has {name}.size({dim}) = {sizes_of(name, dim)}, but the compiled code assumes it "
                               f"equals {spelled[symbol]} ({values[symbol]}), as on the first call")
         return None, "a size guard failed"
+
+
+def _holds(guard: str, values: Mapping[str, int]) -> bool:
+    """``guard`` evaluated at the symbols' ``values`` (what the generated check does per call)."""
+    return bool(eval(guard, _namespace(), dict(values)))  # noqa: S307 (our own comparisons)
 
 
 def _mentions(code: str, symbol: str) -> bool:
