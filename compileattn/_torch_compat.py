@@ -528,8 +528,8 @@ def symbolic_size_value(size, symbol, value: int) -> int:
     import sympy
 
     expr = sympy.sympify(size.node.expr)
-    values = {s: sympy.Integer(value if s == symbol else size.node.shape_env.size_hint(s))
-              for s in expr.free_symbols}
+    hints = size_hints(size.node.shape_env)
+    values = {s: sympy.Integer(value if s == symbol else hints[s]) for s in expr.free_symbols}
     return int(expr.xreplace(values))
 
 

@@ -56,6 +56,10 @@ class Counters:
     full_graph_direct_steps: int = 0
     #: Forward steps that ran without CUDA graphs (too many tokens, or graphs off).
     eager_steps: int = 0
+    #: Of the calls, those whose dynamic sizes other than the token count differed from the first
+    #: call's, which CUDA graphs and static pieces hold (compilation/pinned_sizes.py): they ran the
+    #: dynamic-shape pieces without graphs.
+    unpinned_steps: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)

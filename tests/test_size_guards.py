@@ -17,7 +17,7 @@ from compileattn import counters
 from compileattn.compilation import compile_pool
 from compileattn.compilation.backend import compileattn_backend
 from compileattn.compilation.decorator import RecompileError
-from compileattn.compilation.size_guards import SizeGuards
+from compileattn.compilation.size_guards import SizeGuards, UncheckableGuard
 
 #: Inductor's C++ summation keeps its accuracy helper off up to this many terms, and guards on it.
 CPU_SUM_CHUNK = 4096
@@ -42,6 +42,23 @@ def test_a_call_past_a_traced_branch_is_refused_not_answered_from_the_other_bran
     with pytest.raises(RecompileError, match=r"argument 'x' has x\.size\(0\) = 101, but the compiled code assumes "
                                              r"x\.size\(0\) <= 100"):
         f(torch.randn(101, 4))
+
+
+def test_a_compile_whose_guards_cannot_be_checked_is_refused_once_for_good(monkeypatch):
+    """A later call raises the same refusal at once: tracing and compiling again would only fail again."""
+    reads = []
+
+    def uncheckable(cls, shape_env, dynamic):
+        reads.append(dynamic)
+        raise UncheckableGuard("the compile assumed s9 <= 7, of s9, which is not a dynamic dim of an argument")
+
+    monkeypatch.setattr(SizeGuards, "from_shape_env", classmethod(uncheckable))
+    f = ca.compile(dynamic_arg_dims={"x": 0}, config=ca.CompileConfig(piece_compiler="eager", compile_workers=0))(
+        lambda x: branchy(x))
+    for _ in range(3):
+        with pytest.raises(UncheckableGuard, match=r"assumed s9 <= 7.*torch\.compile\(backend='compileattn'\)"):
+            f(torch.randn(8, 4))
+    assert reads == [{"x": (0,)}]
 
 
 def test_inductor_guards_are_checked_by_the_decorator_and_kept_by_its_warm_start(tmp_path, caplog):

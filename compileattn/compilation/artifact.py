@@ -3,8 +3,8 @@
 One pickle of plain data (the "mega artifact" of vLLM PR #37198): the split graph's top level
 (GraphPickler, node metadata dropped), each *distinct* compiled piece once (an Inductor AOT
 artifact's bytes, or for ``piece_compiler="eager"`` the piece's graph), the signature of every
-piece, the KV-write slots, how each splitting op is called, the layers' signatures and the index
-of the token-count input. Loading it builds a ``StepDispatcher`` with no tracing, splitting or
+piece, the KV-write slots, how each splitting op is called, the layers' signatures, the index
+of the token-count input and the other dynamic sizes graphs are pinned to (``pinned_sizes.py``). Loading it builds a ``StepDispatcher`` with no tracing, splitting or
 compiling; CUDA graphs are captured lazily as after a cold compile, and each static size's pieces
 are deserialized when that size first runs.
 
@@ -28,7 +28,7 @@ from ..config import CompileConfig
 from ..passes.split import Piece
 from .piecewise import CompiledSplit, PieceCode
 
-FORMAT = 1
+FORMAT = 2
 
 
 class NotSaveable(RuntimeError):
@@ -103,6 +103,7 @@ def dumps(dispatcher) -> bytes:
         "splitting": compiled.splitting,
         "layers": compiled.layers,
         "token_index": compiled.token_index,
+        "pinned": compiled.pinned,
         "config": dispatcher.config,
         "device": str(dispatcher.device),
     }
@@ -119,7 +120,7 @@ def loads(data: bytes):
     pieces = [Piece(name, index, is_split, getattr(split_gm, name)) for name, index, is_split in state["pieces"]]
     code = {key: _code_from_bytes(kind, blob, key[1] is not None) for key, (kind, blob) in state["code"].items()}
     compiled = CompiledSplit(split_gm, pieces, code, state["signatures"], state["static_sizes"], state["layer_slots"],
-                             state["splitting"], state["layers"], state["token_index"])
+                             state["splitting"], state["layers"], state["token_index"], state["pinned"])
     context = getattr(_loading, "state", None)
     config = context[0] if context is not None else state["config"]
     dispatcher = StepDispatcher(compiled, config, torch.device(state["device"]))

@@ -78,7 +78,7 @@ from ..config import CompileConfig
 from . import compile_pool, kernel_warmup, regions, warm_start
 from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
 from .replay import MISS, FullStepShortcut, graph_call_of
-from .size_guards import SizeGuards
+from .size_guards import SizeGuards, UncheckableGuard
 
 log = logging.getLogger("compileattn")
 
@@ -232,7 +232,7 @@ class _TimedBackend:
 class _Site:
     """Compiled state for one function or one module instance. ``fast`` is None until compiled."""
 
-    __slots__ = ("owner", "bound", "fast", "checker", "stats", "runtimes", "bound_call", "direct")
+    __slots__ = ("owner", "bound", "fast", "checker", "stats", "runtimes", "bound_call", "direct", "refused")
 
     def __init__(self, owner: "CompiledFunction", bound: bool):
         self.owner = owner
@@ -244,11 +244,16 @@ class _Site:
         self.bound_call: BoundCompiledFunction | None = None
         #: full-decode steps replayed without Dynamo's code (``replay.py``); None where not provably the same
         self.direct: FullStepShortcut | None = None
+        #: why the compile was refused (its size guards cannot be checked per call): later calls raise
+        #: it again at once instead of tracing and compiling again
+        self.refused: UncheckableGuard | None = None
 
     def call(self, full_args: tuple, args: tuple, kwargs: dict):
         fast = self.fast
         if fast is None:
             with self.owner._lock:
+                if self.refused is not None:
+                    raise UncheckableGuard(str(self.refused))
                 if self.fast is None:
                     return self._compile(full_args, args, kwargs)
                 fast = self.fast
@@ -326,7 +331,7 @@ class _Site:
                     raise  # the backend itself failed: the frame path would only fail again
                 reason = f"aot_compile failed ({_first_line(exc)})"
             else:
-                size_guards = SizeGuards.from_shape_env(timed.shape_env, dynamic)
+                size_guards = self._size_guards(timed, dynamic)
                 checker.assume_sizes(size_guards)
                 stats = self._compile_stats(timed, path="cold")
                 stats["import_wait_s"] = import_wait
@@ -417,6 +422,18 @@ class _Site:
             return None, "Dynamo's code calls something other than the compileattn dispatcher"
         return FullStepShortcut(runtimes[0]), "on"
 
+    def _size_guards(self, timed: _TimedBackend, dynamic: dict[str, tuple[int, ...]]) -> SizeGuards:
+        """The compile's size guards; one the decorator cannot check per call refuses the compile
+        for good (its static compiles are stopped): a later call would trace, compile and fail alike."""
+        try:
+            return SizeGuards.from_shape_env(timed.shape_env, dynamic)
+        except UncheckableGuard as exc:
+            for d in timed.dispatchers():
+                d.abandon_static_compiles()
+            self.refused = UncheckableGuard(f"{exc}. torch.compile(backend='compileattn') checks its guards "
+                                            f"itself and recompiles instead")
+            raise self.refused from None
+
     def _compile_frame(self, fn: Callable, backend: Callable, checker: ArgChecker, dynamic: dict[str, tuple[int, ...]],
                        start: float, what: str, full_args: tuple, kwargs: dict):
         from . import debug
@@ -435,8 +452,8 @@ class _Site:
         self.stats["regions"] = "off: frame path"
         self._total(self.stats, start)
         _log_ready(what, self.stats)
+        checker.assume_sizes(self._size_guards(timed, dynamic))
         self.runtimes = timed.dispatchers()
-        checker.assume_sizes(SizeGuards.from_shape_env(timed.shape_env, dynamic))
         self.checker = checker
         self.fast = torch.compiler.set_stance("fail_on_recompile")(compiled)
         return out

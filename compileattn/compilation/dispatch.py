@@ -23,6 +23,9 @@ may not reach it at all: the decorator replays that graph itself (``replay.py``)
 The dispatcher is what the backend returns to Dynamo, and a ``SerializableCallable``:
 ``torch.compile(...).aot_compile`` saves it (``artifact.py``) and a warm start loads it.
 
+CUDA graphs and static pieces are keyed by the token count; a call whose other dynamic sizes differ
+from the first call's runs the dynamic-shape pieces without graphs (``pinned_sizes.py``).
+
 Checks, once per step (not per layer): the graph inputs' token count equals the metadata's, and
 (once per set of KV caches) every attention layer the graph calls has a cache of its dtype and
 head shape. The compiled forward is inference-only: it runs under ``torch.no_grad()``.
@@ -50,6 +53,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self.config = config
         self.device = device
         self.token_count = compiled.token_count()
+        #: whether a call's other dynamic sizes are those graphs and static pieces hold (None: none)
+        self.pinned_sizes_hold = compiled.pinned.checker()
+        self._warned_unpinned = False
         self.layers = compiled.layers
         self.static_tokens = next((s.static_tokens for s in compiled.layers.values() if s.static_tokens), None)
         graph_device = "cuda" if cudagraph.simulating() else device.type
@@ -175,6 +181,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             size = ctx.metadata.num_tokens
         else:
             size = self.token_count(args) if self.token_count is not None else None
+        if self.pinned_sizes_hold is not None and not self.pinned_sizes_hold(args):
+            self._note_unpinned(args)
+            size = None  # the dynamic-shape pieces, no graphs: both are keyed by the token count alone
         if torch.is_grad_enabled():
             if not self._warned_grad:
                 self._warned_grad = True
@@ -183,6 +192,14 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             with torch.no_grad():
                 return self._step(ctx, size, args)
         return self._step(ctx, size, args)
+
+    def _note_unpinned(self, args) -> None:
+        counters.unpinned_steps += 1
+        if not self._warned_unpinned:
+            self._warned_unpinned = True
+            logger.warning("compileattn: calls whose other dynamic sizes differ from the first call's run the "
+                           "dynamic-shape pieces without CUDA graphs or static pieces, which hold only those: %s",
+                           self.compiled.pinned.describe(args))
 
     def _step(self, ctx, size, args):
         if self.mode == "none" and not self.static:

@@ -36,6 +36,7 @@ from . import compile_pool, inductor_piece
 from .cache import CompileCache, cache_key
 from .landing import StaticLanding
 from .piece_signature import parametrize_layer_names, piece_signature
+from .pinned_sizes import PinnedSizes, pin_other_sizes
 
 logger = logging.getLogger("compileattn")
 
@@ -145,6 +146,8 @@ class CompiledSplit:
     layers: dict[str, LayerSignature]
     #: index of the graph input whose dim 0 is the step's token count (None: no symbolic token dim)
     token_index: int | None
+    #: the inputs' other dynamic sizes, which graphs and static pieces take at their first-call values
+    pinned: PinnedSizes = PinnedSizes()
     #: seconds the static-shape compiles (or loads) added to the compile: in-process compiles and
     #: loads, sending them to worker processes, waiting for and loading the workers' artifacts
     #: (worker time that overlapped the dynamic-shape compiles is not in it)
@@ -669,7 +672,13 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     token_index = _token_input(fake_args)
     token_symbol = _torch_compat.symbol_of(fake_args[token_index].shape[0]) if token_index is not None else None
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    inputs = [n.name for n in split_gm.graph.nodes if n.op == "placeholder"]
+    pinned = pin_other_sizes(fake_args, inputs, token_symbol)
     static_sizes = config.resolved_compile_sizes(device.type) if token_symbol is not None else ()
+    if static_sizes and not pinned.keyed_by_token_count:
+        logger.info("compile_sizes %s ignored: %s, so a call's sizes cannot be matched to a static piece",
+                    list(static_sizes), pinned.describe())
+        static_sizes = ()
     if static_sizes and config.piece_compiler != "inductor":
         logger.info("compile_sizes %s ignored: static compiles need piece_compiler='inductor', not %r",
                     list(static_sizes), config.piece_compiler)
@@ -709,5 +718,5 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     logger.info("%d pieces (%d distinct, %d splitting ops, static sizes %s) ready in %.2f s", len(compiler.signatures),
                 distinct, len(splitting), list(static_sizes) or "none", time.perf_counter() - start)
     return CompiledSplit(split_gm, pieces, compiler.code, compiler.signatures, static_sizes, layer_slots, splitting,
-                         layers, token_index, compiler.static_seconds, compiler.landing,
+                         layers, token_index, pinned, compiler.static_seconds, compiler.landing,
                          cache if compiler._use_cache else None)
