@@ -368,15 +368,37 @@ def test_cuda_compiled_ahead_variant_is_the_one_launched(kind, no_awaiting, monk
                                      f"{tmp_path}, holding {cached}; Triton's environment then {env_at_start}, now "
                                      f"{triton_env()}; ptxas versions cached here "
                                      f"{nvidia.get_ptxas_version.cache_info()}, ptxas {knobs.nvidia.ptxas.path}; "
-                                     f"log: {caplog.text}") from None
+                                     f"log: {caplog.text}; compiled ahead: {_cached_variants(tmp_path)}") from None
         torch.cuda.synchronize()
     want, _, _ = run_forward(ReferenceBackend(), spec, case, 16)
     atol, rtol = TOL[torch.float16]
     torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
 
 
-def _compiled_here(*args, **kwargs):
-    raise AssertionError("a first launch generated IR: its variant was not compiled ahead")
+def _compiled_here(src, target, options, *rest, **kwargs):
+    raise AssertionError(f"a first launch generated IR: its variant was not compiled ahead; "
+                         f"{_variant(src, target, options)}")
+
+
+def _variant(src, target, options) -> str:
+    """What a launch's Triton cache key is made of beside the source: which variant it was (its
+    constexprs and specialised arguments) and its compile options."""
+    return (f"launched {src.fn.__name__} constants {dict(src.constants)} attrs {dict(src.attrs)} "
+            f"signature {dict(src.signature)} target {target} options {vars(options)}")
+
+
+def _cached_variants(cache_dir) -> str:
+    """The metadata of every kernel the compile processes left in Triton's cache (options, target,
+    name), to set beside a launch's own (``_variant``)."""
+    import json
+
+    found = []
+    for meta in sorted(cache_dir.glob("*/*.json")):
+        if meta.name.startswith("__grp__"):
+            continue
+        data = json.loads(meta.read_text())
+        found.append(f"{meta.parent.name[:12]}/{meta.name}: {data}")
+    return "; ".join(found)
 
 
 def _triton_kernels():
