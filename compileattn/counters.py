@@ -56,9 +56,9 @@ class Counters:
     full_graph_direct_steps: int = 0
     #: Forward steps that ran without CUDA graphs (too many tokens, or graphs off).
     eager_steps: int = 0
-    #: Of the calls, those whose dynamic sizes other than the token count differed from the first
-    #: call's, which CUDA graphs and static pieces hold (compilation/pinned_sizes.py): they ran the
-    #: dynamic-shape pieces without graphs.
+    #: Calls that ran the dynamic-shape pieces without CUDA graphs or static pieces because their
+    #: dynamic sizes other than the token count were not those of the compiled call, which graphs
+    #: and static pieces hold, or cannot be read from a call (compilation/pinned_sizes.py).
     unpinned_steps: int = 0
 
     def snapshot(self) -> dict[str, int]:

@@ -264,6 +264,15 @@ cu_q, lens, table = torch.arange(3, dtype=torch.int32), torch.ones(2, dtype=torc
 tail = dl._tail(kc, cu_q, lens, table, (1024, 128), (1024, 128), None, None)
 call = direct.DirectKernel(decode.decode_kernel, dl.kwargs, (None, kc, kc, None, *tail), (0, 3), Active())
 call.expect(torch.bfloat16, torch.bfloat16)
+# This process's Triton read its ptxas version earlier, from another ptxas than the compile
+# processes will find (torch points TRITON_PTXAS_PATH at its own once Inductor compiles): the key
+# of every compile here carries that version.
+from triton import knobs
+from triton.backends.nvidia.compiler import get_ptxas_version
+knobs.nvidia.mock_ptx_version = "ptxas read earlier, from another binary"
+get_ptxas_version.cache_clear()
+get_ptxas_version(target.arch)
+knobs.nvidia.mock_ptx_version = None
 (spec,) = direct.awaiting_specs(target)
 
 # 1. what JITFunction.run would compile for those arguments is exactly the spec
@@ -295,7 +304,8 @@ def test_a_variant_compiled_ahead_is_what_run_would_compile_and_lands_in_the_dis
     """No GPU needed: Triton compiles sm_90 code on the CPU box (it ships ptxas). With Triton's
     driver stood in, ``JITFunction.run`` hands ``_do_compile`` exactly the spec ``ahead_spec``
     computed; a compile process (importing no torch) puts that variant in Triton's disk cache, so
-    compiling it again here finds it there."""
+    compiling it again here finds it there, also when this process keys its compiles on a ptxas
+    version read earlier from another ptxas."""
     import os
     import subprocess
     import sys
@@ -367,7 +377,8 @@ def test_cuda_compiled_ahead_variant_is_the_one_launched(kind, no_awaiting, monk
                 raise AssertionError(f"{exc}; Triton's cache dir here {knobs.cache.dir}, in the compile processes "
                                      f"{tmp_path}, holding {cached}; Triton's environment then {env_at_start}, now "
                                      f"{triton_env()}; ptxas versions cached here "
-                                     f"{nvidia.get_ptxas_version.cache_info()}, ptxas {knobs.nvidia.ptxas.path}; "
+                                     f"{nvidia.get_ptxas_version.cache_info()} (sm90: "
+                                     f"{nvidia.get_ptxas_version(90)!r}), ptxas {knobs.nvidia.ptxas.path}; "
                                      f"log: {caplog.text}; compiled ahead: {_cached_variants(tmp_path)}") from None
         torch.cuda.synchronize()
     want, _, _ = run_forward(ReferenceBackend(), spec, case, 16)

@@ -4,7 +4,8 @@ One pickle of plain data (the "mega artifact" of vLLM PR #37198): the split grap
 (GraphPickler, node metadata dropped), each *distinct* compiled piece once (an Inductor AOT
 artifact's bytes, or for ``piece_compiler="eager"`` the piece's graph), the signature of every
 piece, the KV-write slots, how each splitting op is called, the layers' signatures, the index
-of the token-count input and the other dynamic sizes graphs are pinned to (``pinned_sizes.py``). Loading it builds a ``StepDispatcher`` with no tracing, splitting or
+of the token-count input and the other dynamic sizes graphs are pinned to
+(``pinned_sizes.py``). Loading it builds a ``StepDispatcher`` with no tracing, splitting or
 compiling; CUDA graphs are captured lazily as after a cold compile, and each static size's pieces
 are deserialized when that size first runs.
 

@@ -124,12 +124,16 @@ class CompileCache:
     with another's guards). A later compile that loads the piece assumes them again
     (``piecewise.assume_guards``): without them it would run the piece past them."""
 
-    def __init__(self, root: str | os.PathLike, key: str):
+    def __init__(self, root: str | os.PathLike, key: str, pinned_values: tuple[int, ...] = ()):
         self.dir = secure_dir(root) / key
         self.key = key
+        # A static piece is compiled for the graph's other dynamic sizes at this compile's first
+        # call (``pinned_sizes.py``), which its signature names only as symbols: another process
+        # that pinned other values must not load it.
+        self._static_tag = f"_{hashlib.sha256(repr(pinned_values).encode()).hexdigest()[:12]}" if pinned_values else ""
 
     def _path(self, signature: str, size: int | None) -> Path:
-        shape = "dynamic" if size is None else f"static{size}"
+        shape = "dynamic" if size is None else f"static{size}{self._static_tag}"
         return self.dir / f"piece_{signature}_{shape}.bin"
 
     def load(self, signature: str, size: int | None = None) -> tuple[Callable[..., Any], tuple] | None:

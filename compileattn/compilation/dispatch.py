@@ -24,7 +24,7 @@ The dispatcher is what the backend returns to Dynamo, and a ``SerializableCallab
 ``torch.compile(...).aot_compile`` saves it (``artifact.py``) and a warm start loads it.
 
 CUDA graphs and static pieces are keyed by the token count; a call whose other dynamic sizes differ
-from the first call's runs the dynamic-shape pieces without graphs (``pinned_sizes.py``).
+from the compiled call's runs the dynamic-shape pieces without graphs (``pinned_sizes.py``).
 
 Checks, once per step (not per layer): the graph inputs' token count equals the metadata's, and
 (once per set of KV caches) every attention layer the graph calls has a cache of its dtype and
@@ -53,9 +53,6 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self.config = config
         self.device = device
         self.token_count = compiled.token_count()
-        #: whether a call's other dynamic sizes are those graphs and static pieces hold (None: none)
-        self.pinned_sizes_hold = compiled.pinned.checker()
-        self._warned_unpinned = False
         self.layers = compiled.layers
         self.static_tokens = next((s.static_tokens for s in compiled.layers.values() if s.static_tokens), None)
         graph_device = "cuda" if cudagraph.simulating() else device.type
@@ -63,6 +60,14 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         if self.mode != "none" and graph_device != "cuda":
             raise ValueError(f"cudagraph_mode={config.cudagraph_mode!r} needs CUDA, the graph is on {device}")
         self.capture_sizes = frozenset(config.capture_sizes)
+        #: whether a call's other dynamic sizes are those graphs and static pieces hold (None: no
+        #: other sizes, or neither graphs nor static pieces to keep them from)
+        keyed = self.mode != "none" or bool(compiled.static_sizes) or compiled.landing is not None
+        self.pinned_sizes_hold = compiled.pinned.checker() if keyed else None
+        self._warned_unpinned = False
+        if self.pinned_sizes_hold is not None:
+            logger.info("compileattn: CUDA graphs and static pieces serve calls whose other dynamic sizes are the "
+                        "compiled call's: %s", compiled.pinned.describe())
         self.pool = None
         self.static = {name: compiled.static(name) for name in compiled.signatures if compiled.static_sizes}
         self._landing = compiled.landing
@@ -197,9 +202,14 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         counters.unpinned_steps += 1
         if not self._warned_unpinned:
             self._warned_unpinned = True
-            logger.warning("compileattn: calls whose other dynamic sizes differ from the first call's run the "
-                           "dynamic-shape pieces without CUDA graphs or static pieces, which hold only those: %s",
-                           self.compiled.pinned.describe(args))
+            pinned = self.compiled.pinned
+            if not pinned.keyed_by_token_count:
+                logger.warning("compileattn: every call runs the dynamic-shape pieces without CUDA graphs or static "
+                               "pieces: %s", pinned.describe())
+            else:
+                logger.warning("compileattn: calls whose other dynamic sizes differ from the compiled call's run the "
+                               "dynamic-shape pieces without CUDA graphs or static pieces, which hold only those: %s",
+                               pinned.describe(args))
 
     def _step(self, ctx, size, args):
         if self.mode == "none" and not self.static:
@@ -245,7 +255,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         return out
 
     def full_replay_entry(self, ctx: context.ForwardContext) -> cudagraph.CapturedGraph | None:
-        """The full graph a step in ``ctx`` would replay with no check left to run, or None:
+        """The full graph a step in ``ctx`` would replay with no check of the dispatcher's left
+        to run but those of its arguments (the caller's: their addresses, shapes and strides are
+        those of the graph's first replay, which also keeps the pinned sizes), or None:
         a uniform decode of capturable calls, at a size whose graph was captured and checked,
         through the builder and caches the graphs were captured with, caches already checked
         (``__call__``'s token-count check is the caller's, ``replay.FullStepShortcut``)."""

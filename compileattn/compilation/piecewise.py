@@ -664,7 +664,6 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
         for p in pieces:
             dump_graph(config.debug_dump_dir, f"piece_{p.index}_{p.name}", p.module)
 
-    cache = CompileCache(config.cache_dir, cache_key(config, gm)) if config.cache_dir else None
     fake_mode = _torch_compat.detect_fake_mode(example_inputs)
     # Dynamo hands the backend real tensors, whose shapes are plain ints; only their fake twins
     # say which dims are symbolic.
@@ -674,6 +673,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
     inputs = [n.name for n in split_gm.graph.nodes if n.op == "placeholder"]
     pinned = pin_other_sizes(fake_args, inputs, token_symbol)
+    cache = CompileCache(config.cache_dir, cache_key(config, gm), pinned.values) if config.cache_dir else None
     static_sizes = config.resolved_compile_sizes(device.type) if token_symbol is not None else ()
     if static_sizes and not pinned.keyed_by_token_count:
         logger.info("compile_sizes %s ignored: %s, so a call's sizes cannot be matched to a static piece",

@@ -260,9 +260,9 @@ class FullStepShortcut:
         for src, ptr, shape, stride, read in known.tensors:
             t = args[src] if src.__class__ is int else kwargs[src]
             if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
-                if read:
+                if read and t.data_ptr() != ptr:
                     raise _moved(entry, src, ptr, t)
-                return MISS
+                return MISS  # reshaped in place: the ordinary path decides (argcheck, the pinned sizes)
         counters.cudagraph_replays += 1
         counters.full_graph_steps += 1
         counters.full_graph_direct_steps += 1

@@ -4,9 +4,10 @@ Run by path (``run_path``: ``-m`` would import the compileattn package, and with
 seconds of import on the H200 host) with one pickled *spec* on stdin:
 the kernel's module and name and what ``JITFunction.run`` would hand ``triton.compile`` for that
 variant (signature, constexprs, attributes, options, target; ``direct.DirectKernel.ahead_spec``
-computes them in the compiling process). ``triton.compile`` keys its disk cache on exactly those
-and the kernel's source, so the compiling process's first launch of the variant finds it there
-and loads it (milliseconds) instead of compiling it (0.4-1.1 s per kernel on the H200, S12-5).
+computes them in the compiling process), and the ptxas version that process's Triton keys on.
+``triton.compile`` keys its disk cache on exactly those and the kernel's source, so the
+compiling process's first launch of the variant finds it there and loads it (milliseconds)
+instead of compiling it (0.4-1.1 s per kernel on the H200, S12-5).
 It also builds the variant's C launcher, which Triton caches too. Stdout stays empty; a failure
 exits non-zero with its traceback on stderr, and the launch then compiles the variant itself.
 
@@ -41,8 +42,14 @@ def _stand_in_packages() -> None:
 
 
 def compile_spec(spec: dict) -> None:
+    from triton import knobs
     from triton.compiler import ASTSource, compile
 
+    if spec.get("ptxas_version") is not None:
+        # The cache key's ptxas version must be the compiling process's (``direct._keyed_ptxas_version``),
+        # which may have read another ptxas than TRITON_PTXAS_PATH names now: Triton reads the version
+        # for the key alone and compiles with the ptxas the variable names, as that process would.
+        knobs.nvidia.mock_ptx_version = spec["ptxas_version"]
     module = importlib.import_module(spec["module"])
     fn = getattr(module, spec["name"])
     src = ASTSource(fn, spec["signature"], spec["constexprs"], spec["attrs"])

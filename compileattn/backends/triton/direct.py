@@ -75,6 +75,19 @@ def _hooks_active() -> bool:
     return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
 
 
+def _keyed_ptxas_version(target) -> str | None:
+    """The ptxas version this process's Triton keys its CUDA compiles on: read once per process
+    (``get_ptxas_version``, cached at its first compile) from the ptxas ``TRITON_PTXAS_PATH``
+    named then. torch points that variable at its own ptxas when Inductor compiles, so a process
+    whose Triton compiled a kernel before keys on the other ptxas's version than a process
+    started later would: ``compile_ahead`` files its variant under this one."""
+    if target.backend != "cuda":
+        return None
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    return get_ptxas_version(target.arch)
+
+
 def _variant(kernel) -> tuple:
     """``(call, prefix)`` with ``call(gx, gy, gz, stream, *prefix, *args)`` launching ``kernel``.
 
@@ -159,7 +172,8 @@ class DirectKernel:
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, options)
         return {"module": jit.fn.__module__, "name": jit.fn.__name__, "signature": signature,
-                "constexprs": constexprs, "attrs": attrs, "options": dict(options.__dict__), "target": target}
+                "constexprs": constexprs, "attrs": attrs, "options": dict(options.__dict__), "target": target,
+                "ptxas_version": _keyed_ptxas_version(target)}
 
     def __call__(self, *values) -> None:
         # A refinement of Triton's specialization of each free argument (a tensor's dtype and
