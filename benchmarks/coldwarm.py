@@ -320,8 +320,9 @@ def start_goal_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         label = f"{MODELS.get(r['model'], r['model'])}, {r['phase']} start ≤ {limit:g} s"
         if r["status"] != "ok":
-            out.append(common.goal(label, None, f"{r['status']}: {r['reason']}" if r.get("reason") else r["status"],
-                                   model=r["model"]))
+            reason = r.get("reason") or ""
+            why = reason if reason.startswith(r["status"]) else f"{r['status']}: {reason}" if reason else r["status"]
+            out.append(common.goal(label, None, why, model=r["model"]))
         else:
             out.append(common.goal(label, r["first_call_s"] <= limit, f"{r['first_call_s']:.2f} s", model=r["model"],
                                    seconds=r["first_call_s"]))

@@ -4,7 +4,7 @@
 Each goal is checked by the script that measures it, against its own threshold (one place each):
 ``latency_report`` (piecewise and full-decode ÷ the best full graph, per model and decode cell),
 ``coldwarm`` (cold and warm start, which ``latency.py`` runs in fresh processes after a model's
-columns), ``decode_attention`` (page-16 decode against FlashInfer, TB/s at batch >= 64, per shape)
+columns, and ``coldwarm.py`` alone), ``decode_attention`` (page-16 decode against FlashInfer, TB/s at batch >= 64, per shape)
 and ``op_overhead_report`` (the Triton op's host cost per layer). This script only reads their
 JSON files and lists every goal with its verdict and the run it came from, so "every row in one
 run per model" is one table to read. CPU-only and torch-free.
@@ -25,6 +25,7 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
+import coldwarm  # noqa: E402
 import common  # noqa: E402
 import decode_attention  # noqa: E402
 import latency_report  # noqa: E402
@@ -35,6 +36,7 @@ SOURCES = {
     "latency": ("latency.py", common.read_json, latency_report.goal_records),
     "decode": ("decode_attention.py", common.read_json, decode_attention.shape_goal_records),
     "op_overhead": ("op_overhead.py", op_overhead_report.read_result, op_overhead_report.goal_records),
+    "coldwarm": ("coldwarm.py", common.read_json, lambda payload: coldwarm.start_goal_records(payload["rows"])),
 }
 
 
@@ -74,9 +76,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency", nargs="*", default=[], metavar="JSON", help="latency.py results (one per model)")
     p.add_argument("--decode", nargs="*", default=[], metavar="JSON", help="decode_attention.py results")
     p.add_argument("--op-overhead", nargs="*", default=[], metavar="JSON", help="op_overhead.py results")
+    p.add_argument("--coldwarm", nargs="*", default=[], metavar="JSON",
+                   help="coldwarm.py results (cold and warm start, beside latency.py's own subprocesses)")
     p.add_argument("-o", "--output", required=True, help="output prefix: writes PREFIX.json and PREFIX.md")
     args = p.parse_args(argv)
-    if not (args.latency or args.decode or args.op_overhead):
+    if not (args.latency or args.decode or args.op_overhead or args.coldwarm):
         p.error("give at least one result file")
     return args
 
@@ -84,7 +88,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     files = ([("latency", f) for f in args.latency] + [("decode", f) for f in args.decode]
-             + [("op_overhead", f) for f in args.op_overhead])
+             + [("op_overhead", f) for f in args.op_overhead] + [("coldwarm", f) for f in args.coldwarm])
     payload = gather(files)
     text = render(payload)
     paths = common.output_paths(args.output)

@@ -269,9 +269,16 @@ def test_goals_table_gathers_each_scripts_verdicts(tmp_path):
     common.write_json(overhead, {"benchmark": "op_overhead", "config": {}, "runs": [{"label": "x", "env": {}}],
                                  "rows": [{"run": 0, "variant": opr.op_caller("triton"), "batch": bt, "status": "ok",
                                            "cpu_us": us} for bt, us in ((1, 12.0), (64, 16.5))]})
+    starts = tmp_path / "coldwarm.json"
+    common.write_json(starts, {"benchmark": "coldwarm", "config": {}, "runs": [{"env": {}}], "rows": [
+        {"model": "opt", "phase": "warm", "status": "ok", "first_call_s": 1.5},
+        {"model": "opt", "phase": "cold, dynamic only", "status": "ok", "first_call_s": 30.0}]})
     assert goals_report.main(["--latency", str(latency), "--decode", str(decode), "--op-overhead", str(overhead),
-                              "-o", str(tmp_path / "g")]) == 0
-    got = {g["goal"]: g for g in common.read_json(tmp_path / "g.json")["goals"]}
+                              "--coldwarm", str(starts), "-o", str(tmp_path / "g")]) == 0
+    listed = common.read_json(tmp_path / "g.json")["goals"]
+    warm = [(g["met"], g["source"]) for g in listed if g["goal"] == "OPT-125m shape, warm start ≤ 2 s"]
+    assert warm == [(None, "latency.json"), (True, "coldwarm.json")]  # each run's verdict, side by side
+    got = {g["goal"]: g for g in listed if g["source"] != "coldwarm.json"}
     pw = got["OPT-125m shape: compileattn piecewise ≤ 1.05× the best full graph"]
     assert pw["met"] is False and pw["worst"] == pytest.approx(1.08) and pw["source"] == "latency.json"
     assert got["OPT-125m shape: compileattn full-decode ≤ 1.02× the best full graph"]["met"] is True
