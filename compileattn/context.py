@@ -85,6 +85,9 @@ def set_forward_context(metadata: AttentionMetadata, kv_caches: Mapping[str, KVC
     global _current
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be AttentionMetadata, got {type(metadata).__name__}")
+    if not metadata.current:
+        raise ValueError("metadata: a later build() of the same AttentionMetadataBuilder has overwritten the "
+                         "persistent buffers this step's tensors view; build each step right before it runs")
     selector = metadata.selector
     if selector.checked_caches is not kv_caches:
         _check_caches(metadata, kv_caches)

@@ -8,6 +8,7 @@ step's metadata at the same addresses (the buffers are sized once, for ``max_num
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import NamedTuple, Sequence
 
 import torch
@@ -53,6 +54,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = padding
     #: Which kernels run this step's layers (the builder's; see backends/selector.py).
     selector: KernelSelector
+    #: The builder's build that wrote the persistent buffers these tensors view; the next build
+    #: overwrites them, so only the latest metadata of a builder may run (None: not built by one).
+    generation: int | None = None
+
+    @property
+    def current(self) -> bool:
+        """Whether the persistent buffers still hold this step (no later build overwrote them)."""
+        return self.generation is None or self.generation == self.selector.buffers.generation
 
     @property
     def device(self) -> torch.device:
@@ -97,18 +106,41 @@ class AttentionMetadataBuilder:
         self.buffers = PersistentBuffers(self.device)
         self.selector = KernelSelector(backend, self.device, self.buffers)
 
-    def build(self, seqs: Sequence[SequenceStep], pad_to: int | None = None) -> AttentionMetadata:
+    def _block_ids(self, entries: list, table_lens: list[int]) -> torch.Tensor:
+        """Every sequence's block-table entries, concatenated, as int32, each checked to be an int
+        (a float would be truncated into another block, a bool taken as 0 or 1) in range. One
+        tensor conversion and two reductions for the step rather than a Python loop per entry
+        (256 sequences of 4096 tokens: 66k entries)."""
+        if set(map(type, entries)) - {int}:  # numpy or 0-dim tensor integers: each one looked at
+            entries[:] = [b if type(b) is int else _index(b, f"seqs[{_owner(table_lens, k)}].block_table entry")
+                          for k, b in enumerate(entries)]
+        blocks = torch.tensor(entries, dtype=torch.int64)
+        if entries and (int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks):
+            k = int(((blocks < 0) | (blocks >= self.num_blocks)).nonzero()[0])
+            raise ValueError(f"seqs[{_owner(table_lens, k)}].block_table entry {entries[k]} out of range "
+                             f"[0, {self.num_blocks})")
+        return blocks.to(torch.int32)
+
+    def build(self, seqs: Sequence[SequenceStep], pad_to: int | None = None, *,
+              dummy_writes: bool = False) -> AttentionMetadata:
+        """The step's metadata. ``dummy_writes``: the step's K/V writes may land where its
+        sequences read context (a CUDA-graph capture's dummy step over shared blocks, whose
+        outputs nobody reads); without it such a step is refused."""
         if len(seqs) == 0:
             raise ValueError("seqs: a step needs at least one sequence")
         bs = self.block_size
-        query_lens, seq_lens, tables = [], [], []
+        query_lens, seq_lens, table_lens, entries = [], [], [], []
         for i, seq in enumerate(seqs):
             q, ctx, table = seq
-            if not isinstance(q, int) or q < 1:
+            if type(q) is not int:
+                q = _index(q, f"seqs[{i}].query_len")
+            if q < 1:
                 raise ValueError(f"seqs[{i}].query_len must be an int >= 1, got {q!r}")
-            if not isinstance(ctx, int) or ctx < 0:
+            if type(ctx) is not int:
+                ctx = _index(ctx, f"seqs[{i}].context_len")
+            if ctx < 0:
                 raise ValueError(f"seqs[{i}].context_len must be an int >= 0, got {ctx!r}")
-            table = list(table)
+            table = table if isinstance(table, list) else list(table)
             needed = -(-(ctx + q) // bs)
             if needed > len(table):
                 raise ValueError(
@@ -118,12 +150,11 @@ class AttentionMetadataBuilder:
             if len(table) > self.max_blocks_per_seq:
                 raise ValueError(f"seqs[{i}].block_table has {len(table)} blocks > max_blocks_per_seq "
                                  f"{self.max_blocks_per_seq}")
-            for b in table:
-                if not 0 <= b < self.num_blocks:
-                    raise ValueError(f"seqs[{i}].block_table entry {b} out of range [0, {self.num_blocks})")
             query_lens.append(q)
             seq_lens.append(ctx + q)
-            tables.append(table)
+            table_lens.append(len(table))
+            entries += table
+        blocks = self._block_ids(entries, table_lens)
 
         num_actual_tokens = sum(query_lens)
         num_tokens = num_actual_tokens if pad_to is None else pad_to
@@ -140,9 +171,11 @@ class AttentionMetadataBuilder:
         qsl_cpu = torch.zeros(num_seqs + 1, dtype=torch.int32)
         torch.cumsum(q_cpu, 0, out=qsl_cpu[1:])
         bt_cpu = torch.zeros(num_seqs, self.max_blocks_per_seq, dtype=torch.int32)
-        for i, table in enumerate(tables):
-            if table:
-                bt_cpu[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        if entries:
+            lens = torch.tensor(table_lens)
+            row = torch.repeat_interleave(torch.arange(num_actual_seqs), lens)
+            starts = torch.cumsum(lens, 0) - lens
+            bt_cpu[row, torch.arange(len(entries)) - starts[row]] = blocks
 
         # Slot of every real token: position p of sequence s goes to block_table[s][p // bs] * bs + p % bs.
         seq_of_token = torch.repeat_interleave(torch.arange(num_actual_seqs), q_cpu[:num_actual_seqs])
@@ -162,6 +195,10 @@ class AttentionMetadataBuilder:
         if real_slots.unique().numel() != num_actual_tokens:
             raise ValueError(f"seqs: {_duplicate_slot_message(real_slots, seq_of_token, bs)}; every token a step "
                              f"writes needs its own cache slot (two sequences may share only blocks they read)")
+        if not dummy_writes:
+            _check_writes_outside_context(real_slots, seq_of_token, bt_cpu[:num_actual_seqs],
+                                          (k_cpu - q_cpu)[:num_actual_seqs], bs, self.num_blocks)
+        generation = self.buffers.generation = self.buffers.generation + 1
         md = AttentionMetadata(
             block_size=bs,
             num_blocks=self.num_blocks,
@@ -178,8 +215,55 @@ class AttentionMetadataBuilder:
             block_table=fill("block_table", bt_cpu, (n, self.max_blocks_per_seq)),
             slot_mapping=fill("slot_mapping", slots, (n,)),
             selector=self.selector,
+            generation=generation,
         )
         return md
+
+
+def _owner(table_lens: list[int], k: int) -> int:
+    """The sequence whose block table holds entry ``k`` of the concatenated tables."""
+    for i, n in enumerate(table_lens):
+        if k < n:
+            return i
+        k -= n
+    raise IndexError(k)
+
+
+def _index(value, name: str) -> int:
+    """An integer argument as an int (numpy and 0-dim torch integers too); a float, bool or
+    anything else is refused rather than truncated into a block id or length."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.is_floating_point()):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _check_writes_outside_context(slots: torch.Tensor, seq_of_token: torch.Tensor, tables: torch.Tensor,
+                                  context_lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
+    """No token of the step may be written where a sequence of the step reads context: a slot
+    in rows ``< context_len - j * block_size`` of block ``tables[s, j]`` (its own earlier tokens, or a
+    shared prefix block). The kernels write the step's K/V before they read, so such a write would
+    change what a sequence attends to: one block listed twice in a table, or a block shared by
+    prefix caching that another sequence is still filling. Vectorised: the deepest context row read
+    per block, against each written slot's row."""
+    j = torch.arange(tables.shape[1], dtype=torch.int32)
+    rows_read = (context_lens[:, None] - j[None, :] * block_size).clamp(0, block_size)
+    read = rows_read > 0
+    if not bool(read.any()):
+        return
+    depth = torch.zeros(num_blocks, dtype=torch.int32)
+    depth.scatter_reduce_(0, tables[read].long(), rows_read[read], "amax")
+    written_block, written_row = slots // block_size, slots % block_size
+    clash = depth[written_block] > written_row
+    if bool(clash.any()):
+        t = int(clash.nonzero()[0])
+        block, row = int(written_block[t]), int(written_row[t])
+        readers = [int(s) for s in ((tables == block) & read & (rows_read > row)).any(1).nonzero().flatten()]
+        raise ValueError(f"seqs[{int(seq_of_token[t])}] writes cache slot {int(slots[t])} (block {block}, row {row}), "
+                         f"which seqs{readers} read as context in the same step; a step may write only slots no "
+                         f"sequence reads (a block listed twice in a table, or a shared block still being filled)")
 
 
 def _duplicate_slot_message(slots: torch.Tensor, seq_of_token: torch.Tensor, block_size: int) -> str:

@@ -216,6 +216,26 @@ def test_changed_argument_raises_recompile_error_naming_it(case):
     assert issubclass(RecompileError, RuntimeError)
 
 
+def test_one_tensor_passed_twice_on_the_first_call_must_stay_one():
+    """Dynamo traces one tensor passed for two arguments as one graph input; a later call with two
+    tensors there would read the first for both."""
+    f = compileattn.compile(dynamic_arg_dims={"x": 0, "y": 0},
+                           config=compileattn.CompileConfig(piece_compiler="eager", compile_workers=0))(_shifted)
+    a, b = torch.ones(3), torch.full((3,), 10.0)
+    assert torch.equal(f(a, a), _shifted(a, a))
+    with pytest.raises(RecompileError, match="argument 'y' was the same tensor as argument 'x' on the first call"):
+        f(a, b)
+    assert torch.equal(f(b, b), _shifted(b, b))
+    g = compileattn.compile(dynamic_arg_dims={"x": 0, "y": 0},
+                           config=compileattn.CompileConfig(piece_compiler="eager", compile_workers=0))(_shifted)
+    assert torch.equal(g(a, b), _shifted(a, b))
+    assert torch.equal(g(a, a), _shifted(a, a))  # two graph inputs given one tensor: read right
+
+
+def _shifted(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x * 2 + y
+
+
 def test_changed_grad_mode_raises():
     backend = CountingBackend()
     model, _ = compiled_toy(backend, dynamic_arg_dims={"x": 0, "positions": 0})

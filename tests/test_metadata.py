@@ -53,7 +53,7 @@ def test_lengths_and_cu_seqlens():
 
 
 def test_decode_prefill_split():
-    md = builder().build([SequenceStep(1, 3, [0]), SequenceStep(1, 0, [1])] + SEQS[1:])
+    md = builder().build([SequenceStep(1, 3, [0]), SequenceStep(1, 0, [3])] + SEQS[1:])
     assert (md.num_decodes, md.is_uniform_decode) == (2, False)
     md = builder().build([SequenceStep(1, 3, [0]), SequenceStep(1, 7, [1, 2])])
     assert (md.num_decodes, md.is_uniform_decode) == (2, True)
@@ -183,6 +183,20 @@ def test_forward_context_is_scoped_and_nests():
         assert get_forward_context() is ctx1
     with pytest.raises(RuntimeError, match="no forward context"):
         get_forward_context()
+
+
+def test_metadata_overwritten_by_a_later_build_is_refused():
+    """Every build writes the builder's persistent buffers; an earlier step's metadata views them
+    too, so running it would read the later step's slots and lengths."""
+    b = builder()
+    caches = allocate_kv_caches({"layer0": AttentionSpec(2, 2, 64)}, NB, BS, torch.float32)
+    first = b.build([SequenceStep(3, 0, [0])])
+    second = b.build([SequenceStep(1, 5, [1, 2])])
+    with pytest.raises(ValueError, match="later build\(\) of the same AttentionMetadataBuilder"):
+        with set_forward_context(first, caches):
+            pass
+    with set_forward_context(second, caches):
+        assert get_forward_context().metadata is second
 
 
 def test_forward_context_restored_after_an_exception():

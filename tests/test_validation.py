@@ -372,13 +372,52 @@ def test_missing_cu_seqlens_k_is_named_even_without_max_seqlen():
     ([], None, "^seqs"),
     ([SequenceStep(0, 3, [0])], None, r"seqs\[0\]\.query_len"),
     ([SequenceStep(2, -1, [0])], None, r"seqs\[0\]\.context_len"),
-    ([SequenceStep(2.0, 0, [0])], None, r"seqs\[0\]\.query_len"),
     ([SequenceStep(3, 0, [0])], 2, "pad_to=2"),
     ([SequenceStep(3, 0, [0])], 17, "max_num_tokens"),
 ])
 def test_builder_rejects_bad_steps(seqs, pad_to, match):
     with pytest.raises(ValueError, match=match):
         builder().build(seqs, pad_to=pad_to)
+
+
+@pytest.mark.parametrize("seqs,match", [
+    ([SequenceStep(2.0, 0, [0])], r"seqs\[0\]\.query_len must be an int, got float 2\.0"),
+    ([SequenceStep(True, 0, [0])], r"seqs\[0\]\.query_len must be an int, got True"),
+    ([SequenceStep(2, 1.5, [0])], r"seqs\[0\]\.context_len must be an int"),
+    ([SequenceStep(2, 0, [2.9])], r"seqs\[0\]\.block_table entry must be an int, got float 2\.9"),
+    ([SequenceStep(2, 0, [True])], r"seqs\[0\]\.block_table entry must be an int, got True"),
+])
+def test_builder_refuses_lengths_and_block_ids_that_are_not_ints(seqs, match):
+    """A float block id would be truncated into another block (2.9 -> 2), a bool taken as 0 or 1."""
+    with pytest.raises(TypeError, match=match):
+        builder().build(seqs)
+
+
+def test_builder_takes_numpy_and_tensor_integers():
+    import numpy as np
+
+    md = builder().build([SequenceStep(np.int64(2), torch.tensor(1), [np.int32(3)])])
+    assert md.slot_mapping.tolist() == [3 * BS + 1, 3 * BS + 2]
+
+
+@pytest.mark.parametrize("seqs,match", [
+    # sequence 1 writes rows 0-1 of block 3, whose rows 0-3 sequence 0 reads as its context
+    ([SequenceStep(1, 4, [3, 4]), SequenceStep(2, 0, [3])], r"seqs\[1\] writes cache slot 12 \(block 3, row 0\), "
+                                                          r"which seqs\[0\] read as context"),
+    # one block listed twice: positions 4-5 land on rows 0-1 of block 2, the sequence's own context
+    ([SequenceStep(2, 4, [2, 2])], r"seqs\[0\] writes cache slot 8 \(block 2, row 0\), which seqs\[0\] read"),
+])
+def test_builder_refuses_writes_where_the_step_reads_context(seqs, match):
+    """The kernels write a step's K/V before they read: a write into a block some sequence reads as
+    context would change what it attends to."""
+    with pytest.raises(ValueError, match=match):
+        builder().build(seqs)
+
+
+def test_builder_allows_sequences_sharing_a_prefix_block_they_only_read():
+    """Prefix caching: two sequences read the same full block 3 as context and each writes its own."""
+    md = builder().build([SequenceStep(1, 4, [3, 4]), SequenceStep(2, 4, [3, 5])])
+    assert md.slot_mapping.tolist() == [4 * BS, 5 * BS, 5 * BS + 1]
 
 
 @pytest.mark.parametrize("name", ["block_size", "num_blocks", "max_num_tokens", "max_blocks_per_seq"])

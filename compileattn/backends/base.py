@@ -58,6 +58,8 @@ class PersistentBuffers:
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
         self._memo: dict[tuple, Any] = {}
+        #: builds that wrote the buffers so far: the latest metadata's ``generation``
+        self.generation = 0
 
     def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(name)

@@ -3,8 +3,10 @@
 The compiled code runs with every Dynamo guard dropped (``warm_start``/``decorator``), so this is
 the only check between a call and code traced for the first call: dtype, device, ndim, static
 sizes, requires_grad and contiguity of tensors, values of scalars, strings, dtypes and devices,
-types of other objects, containers item by item, and grad mode; and, once the compile is done,
-what it assumed of the dynamic sizes (``size_guards.py``). torch's own guard filters cannot
+types of other objects, containers item by item, grad mode, which arguments were one and the same
+tensor (Dynamo traces such a tensor as one graph input: a later call passing two tensors there
+would have both read from the first); and, once the compile is done, what it assumed of the
+dynamic sizes (``size_guards.py``). torch's own guard filters cannot
 replace it: ``keep_tensor_guards_unsafe`` checks tensors but not scalar values or grad mode, and
 its failure is a ``RuntimeError`` naming ``L['x']`` from inside the guard manager; a change must
 instead raise ``RecompileError`` naming the argument, before any kernel runs (with no check at all,
@@ -212,6 +214,16 @@ def spec_of(v: Any, dynamic: tuple[int, ...] = ()):
     return _TypeSpec(v)
 
 
+def same_tensors(values: Mapping[str, Any]) -> tuple[tuple[str, ...], ...]:
+    """Groups of argument names (in order) whose values are one tensor object: Dynamo dedupes them
+    into one graph input, and skipping its guards skips the one that says so."""
+    by_id: dict[int, list[str]] = {}
+    for name, v in values.items():
+        if isinstance(v, torch.Tensor):
+            by_id.setdefault(id(v), []).append(name)
+    return tuple(tuple(names) for names in by_id.values() if len(names) > 1)
+
+
 _SELF = object()  # stands for the bound instance when binding a method's signature
 
 
@@ -225,11 +237,14 @@ class ArgChecker:
     once, when the layout is first seen.
     """
 
-    def __init__(self, sig: inspect.Signature, bound_self: bool, specs: dict[str, Any], grad_enabled: bool):
+    def __init__(self, sig: inspect.Signature, bound_self: bool, specs: dict[str, Any], grad_enabled: bool,
+                 same: tuple[tuple[str, ...], ...] = ()):
         self._sig = sig
         self._bound_self = bound_self
         self._specs = specs
         self._grad_enabled = grad_enabled
+        #: groups of argument names that were one tensor on the first call (``same_tensors``)
+        self._same = same
         #: per call layout: (position or keyword, name, spec) of each argument, and the size
         #: guards' check of that layout (None without guards)
         self._plans: dict[Any, tuple[list[tuple[int | str, str, Any]], Any]] = {}
@@ -244,18 +259,25 @@ class ArgChecker:
     def key(self) -> str:
         """Stable text of what the first call looked like (part of the warm-start cache key)."""
         specs = ";".join(f"{name}={spec.key()}" for name, spec in self._specs.items())
-        return f"{specs};grad={self._grad_enabled}"
+        same = f";same={self._same}" if self._same else ""
+        return f"{specs};grad={self._grad_enabled}{same}"
 
     def check(self, args: tuple, kwargs: dict) -> None:
         key = (len(args), *kwargs) if kwargs else len(args)
         layout = self._plans.get(key)
         if layout is None:
             layout = self._plans[key] = self._plan(args, kwargs)
-        plan, sizes_hold = layout
+        plan, sizes_hold, same = layout
         for src, name, spec in plan:
             v = args[src] if src.__class__ is int else kwargs[src]
             if not spec.matches(v):
                 raise recompile_error(name, spec.explain(v))
+        for group in same:
+            first = self._value(group[0][0], args, kwargs)
+            for src, name in group[1:]:
+                if self._value(src, args, kwargs) is not first:
+                    raise recompile_error(name, f"was the same tensor as argument {group[0][1]!r} on the first "
+                                                f"call, now is another: the compiled code reads one input for both")
         if sizes_hold is not None and not sizes_hold(args, kwargs):
             sources = {name: src for src, name, _ in plan}
 
@@ -271,9 +293,19 @@ class ArgChecker:
                 None, f"grad mode (torch.is_grad_enabled()) changed from {self._grad_enabled} to "
                 f"{not self._grad_enabled}; use the same torch.no_grad()/inference_mode() as the first call")
 
-    def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
+    def _value(self, src: int | str | tuple, args: tuple, kwargs: dict) -> Any:
+        if src.__class__ is int:
+            return args[src]
+        if src.__class__ is tuple:
+            return self._sig.parameters[src[1]].default
+        return kwargs[src]
+
+    def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any, list]:
         names = _argument_names(self._sig, self._bound_self, args, kwargs)
         plan = [(src, name, self._specs[name]) for src, name in names if name in self._specs]
+        where = dict((name, src) for src, name in names)
+        # an argument left at its default is read as the default (``_value``'s ``("default", name)``)
+        same = [[(where.get(name, ("default", name)), name) for name in group] for group in self._same]
         unexpected = [name for _, name in names if name not in self._specs]
         if unexpected:
             raise recompile_error(unexpected[0], "was not passed on the first call")
@@ -287,9 +319,9 @@ class ArgChecker:
             if not spec.matches(param.default):
                 raise recompile_error(name, f"now left at its default ({spec.explain(param.default)})")
         if self._size_guards is None:
-            return plan, None
+            return plan, None, same
         defaults = {name: self._sig.parameters[name].default for name in self._specs if name not in passed}
-        return plan, self._size_guards.checker({name: src for src, name in names}, defaults)
+        return plan, self._size_guards.checker({name: src for src, name in names}, defaults), same
 
 
 def _argument_names(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict):

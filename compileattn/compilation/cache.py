@@ -127,8 +127,8 @@ class CompileCache:
     def __init__(self, root: str | os.PathLike, key: str, pinned_values: tuple[int, ...] = ()):
         self.dir = secure_dir(root) / key
         self.key = key
-        # A static piece is compiled for the graph's other dynamic sizes at this compile's first
-        # call (``pinned_sizes.py``), which its signature names only as symbols: another process
+        # A static piece is compiled for the graph's other dynamic sizes at the compiled call's
+        # values (``pinned_sizes.py``), which its signature names only as symbols: another process
         # that pinned other values must not load it.
         self._static_tag = f"_{hashlib.sha256(repr(pinned_values).encode()).hexdigest()[:12]}" if pinned_values else ""
 

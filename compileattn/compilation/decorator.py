@@ -76,7 +76,7 @@ import torch
 from .. import _torch_compat
 from ..config import CompileConfig
 from . import compile_pool, kernel_warmup, regions, warm_start
-from .argcheck import ArgChecker, RecompileError, all_arguments, spec_of
+from .argcheck import ArgChecker, RecompileError, all_arguments, same_tensors, spec_of
 from .replay import MISS, FullStepShortcut, graph_call_of
 from .size_guards import SizeGuards, UncheckableGuard
 
@@ -280,7 +280,8 @@ class _Site:
         values = all_arguments(owner._sig, self.bound, args, kwargs)
         dynamic = _mark_dynamic(values, owner._dynamic_arg_dims)
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
-                                                      for name, v in values.items()}, torch.is_grad_enabled())
+                                                      for name, v in values.items()}, torch.is_grad_enabled(),
+                             same_tensors(values))
         start = time.perf_counter()
         path = None
         if owner._backend is not None and config.cache_dir is not None:

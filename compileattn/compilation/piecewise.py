@@ -146,7 +146,7 @@ class CompiledSplit:
     layers: dict[str, LayerSignature]
     #: index of the graph input whose dim 0 is the step's token count (None: no symbolic token dim)
     token_index: int | None
-    #: the inputs' other dynamic sizes, which graphs and static pieces take at their first-call values
+    #: the inputs' other dynamic sizes, which graphs and static pieces take at the compiled call's values
     pinned: PinnedSizes = PinnedSizes()
     #: seconds the static-shape compiles (or loads) added to the compile: in-process compiles and
     #: loads, sending them to worker processes, waiting for and loading the workers' artifacts

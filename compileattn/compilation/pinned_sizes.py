@@ -17,15 +17,12 @@ call's inputs: such a graph gets neither graphs nor static pieces.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from .. import _torch_compat
-
-logger = logging.getLogger("compileattn")
 
 #: how a call's input carries a size, by kind
 _READ = {"shape": "args[{i}].shape[{d}]", "stride": "args[{i}].stride({d})",

@@ -107,12 +107,14 @@ class ModelRunner:
         # not depend on when a piece landed.
         self.forward.wait_for_static_pieces()
 
-    def prepare(self, seqs: Sequence[SequenceStep], input_ids, positions) -> PreparedStep:
+    def prepare(self, seqs: Sequence[SequenceStep], input_ids, positions, dummy: bool = False) -> PreparedStep:
         """Host side of a step: metadata (and the backend's plan), inputs copied into the persistent
         buffers, padded to ``pad_fn(num_tokens)``. ``input_ids``/``positions`` are the real tokens
         (lists or 1-D tensors). ``input_ids=None``: the caller writes the real tokens' ids into
         ``PreparedStep.input_ids`` before ``run`` (an engine that plans a step while the previous
-        one still computes some of its tokens), so they are copied to the device once."""
+        one still computes some of its tokens), so they are copied to the device once. ``dummy``: a
+        capture's dummy step, whose writes may land where its sequences read (``build``'s
+        ``dummy_writes``)."""
         n = sum(s[0] for s in seqs)
         padded = self.pad_fn(n)
         if not isinstance(padded, int) or padded < n:
@@ -120,7 +122,7 @@ class ModelRunner:
         for name, values in (("input_ids", input_ids), ("positions", positions)):
             if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries but seqs have {n} query tokens")
-        md = self.builder.build(seqs, pad_to=padded)
+        md = self.builder.build(seqs, pad_to=padded, dummy_writes=dummy)
         ids = self.input_ids[:padded]
         pos = self.positions[:padded]
         if input_ids is not None:
@@ -143,16 +145,17 @@ class ModelRunner:
             hidden = self.forward(step.input_ids, step.positions)
         return hidden[: step.num_tokens]
 
-    def execute(self, seqs: Sequence[SequenceStep], input_ids, positions) -> torch.Tensor:
+    def execute(self, seqs: Sequence[SequenceStep], input_ids, positions, dummy: bool = False) -> torch.Tensor:
         """``run(prepare(...))``: one step, host and device side."""
-        return self.run(self.prepare(seqs, input_ids, positions))
+        return self.run(self.prepare(seqs, input_ids, positions, dummy))
 
     def capture_cuda_graphs(self, sizes: Sequence[int], max_num_seqs: int) -> None:
         """Capture every graph a served step can replay, before serving: for each size, a uniform
         decode step (the full graph, up to ``max_num_seqs`` sequences) and a mixed step (the
         piecewise graphs). Dummy steps over the first blocks, each token in its own slot (a step
         may not write a slot twice): captured kernels' grids depend only on the token and sequence
-        counts, and nothing is served yet, so what the dummies write is never read."""
+        counts, and nothing is served yet, so what the dummies write is never read (their sequences
+        share blocks: one writes where another reads, which ``build`` otherwise refuses)."""
         start = time.perf_counter()
         wait = getattr(self.forward, "wait_for_static_pieces", None)
         if wait is not None:  # graphs captured before their static pieces land would be captured again mid-serving
@@ -164,11 +167,12 @@ class ModelRunner:
 
         for size in sorted((s for s in sizes if s <= self.builder.max_num_tokens), reverse=True):
             if size <= max_num_seqs:
-                self.execute([SequenceStep(1, i, table(i + 1)) for i in range(size)], [0] * size, list(range(size)))
+                self.execute([SequenceStep(1, i, table(i + 1)) for i in range(size)], [0] * size, list(range(size)),
+                             dummy=True)
             if size >= 2:
                 self.execute([SequenceStep(2, 0, table(2))] + [SequenceStep(1, 2 + j, table(3 + j))
                                                                for j in range(size - 2)],
-                             [0] * size, list(range(size)))
+                             [0] * size, list(range(size)), dummy=True)
         logger.info("captured CUDA graphs for %d step sizes in %.1f s", len(sizes), time.perf_counter() - start)
 
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
