@@ -223,7 +223,7 @@ def test_one_tensor_passed_twice_on_the_first_call_must_stay_one():
                            config=compileattn.CompileConfig(piece_compiler="eager", compile_workers=0))(_shifted)
     a, b = torch.ones(3), torch.full((3,), 10.0)
     assert torch.equal(f(a, a), _shifted(a, a))
-    with pytest.raises(RecompileError, match="argument 'y' was the same tensor as argument 'x' on the first call"):
+    with pytest.raises(RecompileError, match="argument 'y' was the same tensor as 'x' on the first call"):
         f(a, b)
     assert torch.equal(f(b, b), _shifted(b, b))
     g = compileattn.compile(dynamic_arg_dims={"x": 0, "y": 0},
@@ -234,6 +234,21 @@ def test_one_tensor_passed_twice_on_the_first_call_must_stay_one():
 
 def _shifted(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x * 2 + y
+
+
+def test_one_tensor_twice_inside_containers_must_stay_one():
+    def summed(xs: list, pair: tuple) -> torch.Tensor:
+        return xs[0] * 2 + xs[1] + pair[0]
+
+    f = compileattn.compile(dynamic_arg_dims={}, config=compileattn.CompileConfig(piece_compiler="eager",
+                                                                                compile_workers=0))(summed)
+    a, b = torch.ones(3), torch.full((3,), 10.0)
+    assert torch.equal(f([a, a], (a,)), summed([a, a], (a,)))
+    with pytest.raises(RecompileError, match=r"argument 'xs\[1\]' was the same tensor as 'xs\[0\]'"):
+        f([a, b], (a,))
+    with pytest.raises(RecompileError, match=r"argument 'pair\[0\]' was the same tensor as 'xs\[0\]'"):
+        f([a, a], (b,))
+    assert torch.equal(f([b, b], (b,)), summed([b, b], (b,)))
 
 
 def test_changed_grad_mode_raises():

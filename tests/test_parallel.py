@@ -157,6 +157,21 @@ def test_one_rank_leaves_the_model_alone():
     assert not any(isinstance(m, RowParallelLinear) for m in model.modules())
 
 
+def test_a_one_rank_tp_engine_runs_the_step_it_is_given():
+    """``Engine.run_step`` through the driver's wrapped ``prepare`` (rank 0 decides and broadcasts)."""
+    from compileattn import SequenceStep
+    from compileattn.engine import Engine
+    from compileattn.parallel.driver import TPEngine
+
+    kw = dict(num_blocks=16, max_num_tokens=16, max_num_seqs=4, block_size=4)
+    tp = TPEngine(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), tp=TPGroup(0, 1, torch.device("cpu")),
+                  record_steps=True, **kw)
+    plain = Engine(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), **kw)
+    step = ([SequenceStep(2, 0, [0])], [1, 2], [0, 1])
+    torch.testing.assert_close(tp.run_step(*step), plain.run_step(*step))
+    assert [plan.input_ids for plan in tp.steps_run] == [(1, 2)]
+
+
 def test_init_tp_refuses_what_it_cannot_serve(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")

@@ -385,12 +385,20 @@ def test_builder_rejects_bad_steps(seqs, pad_to, match):
     ([SequenceStep(True, 0, [0])], r"seqs\[0\]\.query_len must be an int, got True"),
     ([SequenceStep(2, 1.5, [0])], r"seqs\[0\]\.context_len must be an int"),
     ([SequenceStep(2, 0, [2.9])], r"seqs\[0\]\.block_table entry must be an int, got float 2\.9"),
-    ([SequenceStep(2, 0, [True])], r"seqs\[0\]\.block_table entry must be an int, got True"),
+    ([SequenceStep(2, 0, [torch.tensor(2.0)])], r"seqs\[0\]\.block_table entry must be an int, got tensor\(2\.\)"),
+    ([SequenceStep(1, 0, [0]), SequenceStep(2, 0, [1.0])], r"seqs\[1\]\.block_table entry must be an int"),
 ])
 def test_builder_refuses_lengths_and_block_ids_that_are_not_ints(seqs, match):
-    """A float block id would be truncated into another block (2.9 -> 2), a bool taken as 0 or 1."""
+    """A float block id would be truncated into another block (2.9 -> 2); a bool length is refused too
+    (block ids take whatever ``operator.index`` takes, a bool as 0 or 1: checking each entry's type
+    would cost as much as converting the step's tables)."""
     with pytest.raises(TypeError, match=match):
         builder().build(seqs)
+
+
+def test_builder_names_a_block_id_past_int64():
+    with pytest.raises(ValueError, match=r"seqs\[1\]\.block_table entry 1180591620717411303424 out of range"):
+        builder().build([SequenceStep(1, 0, [0]), SequenceStep(1, 0, [2 ** 70])])
 
 
 def test_builder_takes_numpy_and_tensor_integers():

@@ -214,14 +214,29 @@ def spec_of(v: Any, dynamic: tuple[int, ...] = ()):
     return _TypeSpec(v)
 
 
-def same_tensors(values: Mapping[str, Any]) -> tuple[tuple[str, ...], ...]:
-    """Groups of argument names (in order) whose values are one tensor object: Dynamo dedupes them
-    into one graph input, and skipping its guards skips the one that says so."""
-    by_id: dict[int, list[str]] = {}
-    for name, v in values.items():
+def same_tensors(values: Mapping[str, Any]) -> tuple[tuple[tuple, ...], ...]:
+    """Groups of places (argument name, then the keys into its containers, as ``spec_of`` walks
+    them) that hold one tensor object: Dynamo dedupes them into one graph input, and skipping its
+    guards skips the one that says so."""
+    by_id: dict[int, list[tuple]] = {}
+
+    def walk(v: Any, path: tuple) -> None:
         if isinstance(v, torch.Tensor):
-            by_id.setdefault(id(v), []).append(name)
-    return tuple(tuple(names) for names in by_id.values() if len(names) > 1)
+            by_id.setdefault(id(v), []).append(path)
+        elif type(v) in (tuple, list) or (isinstance(v, tuple) and hasattr(v, "_fields")):
+            for i, item in enumerate(v):
+                walk(item, (*path, i))
+        elif type(v) is dict:
+            for key, item in v.items():
+                walk(item, (*path, key))
+
+    for name, v in values.items():
+        walk(v, (name,))
+    return tuple(tuple(paths) for paths in by_id.values() if len(paths) > 1)
+
+
+def _shown_path(path: tuple) -> str:
+    return path[0] + "".join(f"[{key!r}]" for key in path[1:])
 
 
 _SELF = object()  # stands for the bound instance when binding a method's signature
@@ -243,7 +258,7 @@ class ArgChecker:
         self._bound_self = bound_self
         self._specs = specs
         self._grad_enabled = grad_enabled
-        #: groups of argument names that were one tensor on the first call (``same_tensors``)
+        #: groups of places that held one tensor on the first call (``same_tensors``)
         self._same = same
         #: per call layout: (position or keyword, name, spec) of each argument, and the size
         #: guards' check of that layout (None without guards)
@@ -259,7 +274,7 @@ class ArgChecker:
     def key(self) -> str:
         """Stable text of what the first call looked like (part of the warm-start cache key)."""
         specs = ";".join(f"{name}={spec.key()}" for name, spec in self._specs.items())
-        same = f";same={self._same}" if self._same else ""
+        same = f";same={[[_shown_path(p) for p in group] for group in self._same]}" if self._same else ""
         return f"{specs};grad={self._grad_enabled}{same}"
 
     def check(self, args: tuple, kwargs: dict) -> None:
@@ -273,11 +288,13 @@ class ArgChecker:
             if not spec.matches(v):
                 raise recompile_error(name, spec.explain(v))
         for group in same:
-            first = self._value(group[0][0], args, kwargs)
-            for src, name in group[1:]:
-                if self._value(src, args, kwargs) is not first:
-                    raise recompile_error(name, f"was the same tensor as argument {group[0][1]!r} on the first "
-                                                f"call, now is another: the compiled code reads one input for both")
+            first = self._value(group[0], args, kwargs)
+            for place in group[1:]:
+                if self._value(place, args, kwargs) is not first:
+                    default = " (left at its default)" if place[0] is None else ""
+                    raise recompile_error(None, f"argument {_shown_path(place[1])!r}{default} was the same tensor "
+                                                f"as {_shown_path(group[0][1])!r} on the first call, now is another: "
+                                                f"the compiled code reads one input for both")
         if sizes_hold is not None and not sizes_hold(args, kwargs):
             sources = {name: src for src, name, _ in plan}
 
@@ -293,19 +310,26 @@ class ArgChecker:
                 None, f"grad mode (torch.is_grad_enabled()) changed from {self._grad_enabled} to "
                 f"{not self._grad_enabled}; use the same torch.no_grad()/inference_mode() as the first call")
 
-    def _value(self, src: int | str | tuple, args: tuple, kwargs: dict) -> Any:
+    def _value(self, place: tuple, args: tuple, kwargs: dict) -> Any:
+        """The object at ``place``: (position, keyword, or None for an argument left at its default;
+        the path of argument name and container keys)."""
+        src, path = place
         if src.__class__ is int:
-            return args[src]
-        if src.__class__ is tuple:
-            return self._sig.parameters[src[1]].default
-        return kwargs[src]
+            v = args[src]
+        elif src is None:
+            v = self._sig.parameters[path[0]].default
+        else:
+            v = kwargs[src]
+        for key in path[1:]:  # the containers' structure matched the first call's (the specs)
+            v = v[key]
+        return v
 
     def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any, list]:
         names = _argument_names(self._sig, self._bound_self, args, kwargs)
         plan = [(src, name, self._specs[name]) for src, name in names if name in self._specs]
         where = dict((name, src) for src, name in names)
-        # an argument left at its default is read as the default (``_value``'s ``("default", name)``)
-        same = [[(where.get(name, ("default", name)), name) for name in group] for group in self._same]
+        # an argument left at its default is read as the default (``_value``'s None)
+        same = [[(where.get(path[0]), path) for path in group] for group in self._same]
         unexpected = [name for _, name in names if name not in self._specs]
         if unexpected:
             raise recompile_error(unexpected[0], "was not passed on the first call")

@@ -49,10 +49,13 @@ class TPEngine(Engine):
         self._runner_prepare = self.runner.prepare
         self.runner.prepare = self._prepare_step
 
-    def _prepare_step(self, seqs: Sequence[SequenceStep], input_ids, positions):
+    def _prepare_step(self, seqs: Sequence[SequenceStep], input_ids, positions, dummy: bool = False):
         """Rank 0: decide (broadcast) the step, then prepare it (the other ranks prepare it in
         ``serve``). Steps the engine runs at construction (warm-up, captures) are the same on every
-        rank and are not broadcast: ``runner.prepare`` is wrapped only afterwards."""
+        rank and are not broadcast: ``runner.prepare`` is wrapped only afterwards, so a capture's
+        ``dummy`` step never comes here."""
+        if dummy:
+            raise RuntimeError("a CUDA-graph capture's dummy step runs at construction, on every rank at once")
         if not self.tp.is_driver:
             raise RuntimeError(f"rank {self.tp.rank} does not schedule: only rank 0 drives a TPEngine; "
                                f"the other ranks call serve()")
