@@ -121,7 +121,7 @@ class AttentionMetadataBuilder:
             raise TypeError(f"seqs[{_owner(table_lens, k)}].block_table entry must be an int, got "
                             f"{_shown(entries[k])}") from None
         except OverflowError:
-            k = next(k for k, b in enumerate(entries) if not -2 ** 63 <= _as_int(b) < 2 ** 63)
+            k = next(k for k, b in enumerate(entries) if not -2 ** 63 <= operator.index(b) < 2 ** 63)
             raise ValueError(f"seqs[{_owner(table_lens, k)}].block_table entry {entries[k]} out of range "
                              f"[0, {self.num_blocks})") from None
         if not entries:

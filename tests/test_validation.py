@@ -398,7 +398,7 @@ def test_builder_refuses_lengths_and_block_ids_that_are_not_ints(seqs, match):
 
 def test_builder_names_a_block_id_past_int64():
     with pytest.raises(ValueError, match=r"seqs\[1\]\.block_table entry 1180591620717411303424 out of range"):
-        builder().build([SequenceStep(1, 0, [0]), SequenceStep(1, 0, [2 ** 70])])
+        builder().build([SequenceStep(1, 0, [True]), SequenceStep(1, 0, [2 ** 70])])
 
 
 def test_builder_takes_numpy_and_tensor_integers():
