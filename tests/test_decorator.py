@@ -236,6 +236,23 @@ def _shifted(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x * 2 + y
 
 
+def test_a_non_contiguous_static_argument_keeps_its_strides(simulated_graphs):
+    """Dynamo specialises a static non-contiguous tensor's strides and a CUDA graph reads that
+    layout: another layout of the same shape at the same address was replayed as the first."""
+    def shifted_by_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * 2 + y.sum()
+
+    f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=compileattn.CompileConfig(
+        piece_compiler="eager", compile_workers=0, cudagraph_mode="piecewise", cudagraph_capture_sizes=[8]))(
+        shifted_by_sum)
+    xs, buf = torch.randn(16, 4), torch.arange(64.0).reshape(8, 8)
+    columns = buf[:, ::2]
+    for _ in range(2):
+        torch.testing.assert_close(f(xs[:8], columns), shifted_by_sum(xs[:8], columns))
+    with pytest.raises(RecompileError, match=r"argument 'y' strides changed from \(8, 2\) to \(4, 1\)"):
+        f(xs[:8], buf.as_strided((8, 4), (4, 1)))
+
+
 def test_one_tensor_twice_inside_containers_must_stay_one():
     def summed(xs: list, pair: tuple) -> torch.Tensor:
         return xs[0] * 2 + xs[1] + pair[0]

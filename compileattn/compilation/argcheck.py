@@ -2,7 +2,8 @@
 
 The compiled code runs with every Dynamo guard dropped (``warm_start``/``decorator``), so this is
 the only check between a call and code traced for the first call: dtype, device, ndim, static
-sizes, requires_grad and contiguity of tensors, values of scalars, strings, dtypes and devices,
+sizes, requires_grad and contiguity of tensors (the exact strides of a non-contiguous one without
+dynamic dims), values of scalars, strings, dtypes and devices,
 types of other objects, containers item by item, grad mode, which arguments were one and the same
 tensor (Dynamo traces such a tensor as one graph input: a later call passing two tensors there
 would have both read from the first); and, once the compile is done, what it assumed of the
@@ -39,7 +40,7 @@ class RecompileError(RuntimeError):
 
 
 class _TensorSpec:
-    __slots__ = ("dtype", "device", "ndim", "shape", "static", "dynamic", "requires_grad", "contiguous")
+    __slots__ = ("dtype", "device", "ndim", "shape", "static", "dynamic", "requires_grad", "contiguous", "strides")
 
     def __init__(self, t: torch.Tensor, dynamic: tuple[int, ...] = ()):
         self.dtype = t.dtype
@@ -50,6 +51,9 @@ class _TensorSpec:
         self.static = tuple((i, s) for i, s in enumerate(self.shape) if i not in dynamic)
         self.requires_grad = t.requires_grad
         self.contiguous = t.is_contiguous()
+        #: a non-contiguous tensor without dynamic dims is traced with its exact strides (Dynamo
+        #: specialises them, and a CUDA graph reads that layout): later calls must keep them
+        self.strides = tuple(t.stride()) if not self.contiguous and not dynamic else None
 
     def matches(self, v: Any) -> bool:
         # Ordered cheapest-first; ~1-2 µs per tensor on a slow CPU, device being the dearest.
@@ -66,6 +70,8 @@ class _TensorSpec:
             for i, s in self.static:
                 if shape[i] != s:
                     return False
+        if self.strides is not None:
+            return v.stride() == self.strides
         return self.contiguous is False or v.is_contiguous()
 
     def explain(self, v: Any) -> str:
@@ -83,6 +89,9 @@ class _TensorSpec:
                         f"{tuple(v.shape)}; dynamic dims: {list(self.dynamic)})")
         if v.requires_grad is not self.requires_grad:
             return f"requires_grad changed from {self.requires_grad} to {v.requires_grad}"
+        if self.strides is not None:
+            return (f"strides changed from {self.strides} to {tuple(v.stride())} (a non-contiguous argument without "
+                    f"dynamic dims is compiled for its layout)")
         return "was contiguous on the first call, now is not"
 
     def describe(self) -> str:
@@ -90,7 +99,7 @@ class _TensorSpec:
 
     def key(self) -> str:
         return (f"T({self.dtype},{self.device},{self.ndim},{self.static},{self.dynamic},{self.requires_grad},"
-                f"{self.contiguous})")
+                f"{self.contiguous},{self.strides})")
 
 
 _VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
