@@ -114,6 +114,10 @@ class AttentionMetadataBuilder:
         quarter of ``torch.tensor``'s time for the 66k entries of 256 sequences of 4096 tokens. A
         bool (or a one-element integer tensor) passes as its integer value: refusing it would mean
         looking at each entry's type, which costs as much again."""
+        def out_of_range(k: int) -> ValueError:
+            return ValueError(f"seqs[{_owner(table_lens, k)}].block_table entry {entries[k]} out of range "
+                              f"[0, {self.num_blocks})")
+
         try:
             packed = array.array("q", entries)
         except TypeError:  # a float, a numpy bool, a tensor that is not one integer: named
@@ -121,17 +125,14 @@ class AttentionMetadataBuilder:
             raise TypeError(f"seqs[{_owner(table_lens, k)}].block_table entry must be an int, got "
                             f"{_shown(entries[k])}") from None
         except OverflowError:
-            k = next(k for k, b in enumerate(entries) if not -2 ** 63 <= operator.index(b) < 2 ** 63)
-            raise ValueError(f"seqs[{_owner(table_lens, k)}].block_table entry {entries[k]} out of range "
-                             f"[0, {self.num_blocks})") from None
+            raise out_of_range(next(k for k, b in enumerate(entries)
+                                    if not -2 ** 63 <= operator.index(b) < 2 ** 63)) from None
         if not entries:
             return torch.empty(0, dtype=torch.int64)
         blocks = torch.frombuffer(packed, dtype=torch.int64).clone()
         low, high = blocks.aminmax()
         if int(low) < 0 or int(high) >= self.num_blocks:
-            k = int(((blocks < 0) | (blocks >= self.num_blocks)).nonzero()[0])
-            raise ValueError(f"seqs[{_owner(table_lens, k)}].block_table entry {entries[k]} out of range "
-                             f"[0, {self.num_blocks})")
+            raise out_of_range(int(((blocks < 0) | (blocks >= self.num_blocks)).nonzero()[0]))
         return blocks
 
     def build(self, seqs: Sequence[SequenceStep], pad_to: int | None = None, *,
@@ -205,12 +206,16 @@ class AttentionMetadataBuilder:
         n = self.max_num_tokens
         fill = self.buffers.fill
         real_slots = slots[:num_actual_tokens]
-        if real_slots.unique().numel() != num_actual_tokens:
-            raise ValueError(f"seqs: {_duplicate_slot_message(real_slots, seq_of_token, bs)}; every token a step "
-                             f"writes needs its own cache slot (two sequences may share only blocks they read)")
-        if not dummy_writes and not _all_distinct(entries, blocks):
-            _check_writes_outside_context(real_slots, seq_of_token, bt_cpu[:num_actual_seqs],
-                                          (k_cpu - q_cpu)[:num_actual_seqs], bs)
+        # With no block twice in the step's tables, every token writes its own slot in its own
+        # sequence's blocks at or past its context: neither check below can fail.
+        if not _all_distinct(entries, blocks):
+            if real_slots.unique().numel() != num_actual_tokens:
+                raise ValueError(f"seqs: {_duplicate_slot_message(real_slots, seq_of_token, bs)}; every token a "
+                                 f"step writes needs its own cache slot (two sequences may share only blocks they "
+                                 f"read)")
+            if not dummy_writes:
+                _check_writes_outside_context(real_slots, seq_of_token, bt_cpu[:num_actual_seqs],
+                                              (k_cpu - q_cpu)[:num_actual_seqs], bs)
         generation = self.buffers.generation = self.buffers.generation + 1
         md = AttentionMetadata(
             block_size=bs,
@@ -270,8 +275,8 @@ def _index(value, name: str) -> int:
 
 def _all_distinct(entries: list, blocks: torch.Tensor) -> bool:
     """No block appears twice in the step's tables: then a sequence writes only its own blocks, at
-    or past its context, and nothing it writes is read as context (``_check_writes_outside_context``
-    need not run: ~100 us of a small step's build on the CPU box)."""
+    or past its context, each token its own slot, and nothing it writes is read as context (the
+    duplicate-slot and context checks need not run: ~100 us of a small step's build on the CPU box)."""
     if len(entries) <= 4096:
         return len(set(entries)) == len(entries)
     return torch.unique(blocks).numel() == blocks.numel()

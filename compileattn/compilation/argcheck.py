@@ -308,10 +308,7 @@ class ArgChecker:
             sources = {name: src for src, name, _ in plan}
 
             def size_of(name: str, dim: int) -> int:
-                src = sources.get(name)
-                if src is None:
-                    return self._sig.parameters[name].default.shape[dim]
-                return (args[src] if src.__class__ is int else kwargs[src]).shape[dim]
+                return self._value((sources.get(name), (name,)), args, kwargs).shape[dim]
 
             raise recompile_error(*self._size_guards.explain(size_of))
         if torch.is_grad_enabled() is not self._grad_enabled:
