@@ -294,7 +294,17 @@ def symbol_sources(shape_env) -> dict[str, list[str]]:
 def dynamo_size_source(argument: str, dim: int) -> str:
     """The name of Dynamo's source for dim ``dim`` of parameter ``argument`` of the traced frame
     (``x`` -> ``L['x'].size()[0]``; ``dynamic_arg_dims`` names parameters, never ``*args`` items)."""
-    return f"L[{argument!r}].size()[{dim}]"
+    return f"{dynamo_argument_source(argument)}.size()[{dim}]"
+
+
+def dynamo_argument_source(argument: str) -> str:
+    """The name of Dynamo's source for parameter ``argument`` of the traced frame (``L['x']``)."""
+    return f"L[{argument!r}]"
+
+
+def dynamo_stride_source(argument: str, dim: int) -> str:
+    """The name of Dynamo's source for stride ``dim`` of parameter ``argument`` (``L['x'].stride()[1]``)."""
+    return f"{dynamo_argument_source(argument)}.stride()[{dim}]"
 
 
 def python_code_of(expr) -> str:

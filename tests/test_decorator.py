@@ -253,6 +253,54 @@ def test_a_non_contiguous_static_argument_keeps_its_strides(simulated_graphs):
         f(xs[:8], buf.as_strided((8, 4), (4, 1)))
 
 
+def test_a_non_contiguous_dynamic_argument_keeps_the_layout_it_was_traced_with(simulated_graphs):
+    """Dynamo traces a transposed ``(s0, 4)`` tensor with strides ``(1, s0)``: a CUDA graph reads
+    that layout, so another layout of the same shape at the same address was answered from the
+    graph captured with the first (shown with simulated graphs), and Inductor's code asserted it."""
+    f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=compileattn.CompileConfig(
+        piece_compiler="eager", compile_workers=0, cudagraph_mode="piecewise", cudagraph_capture_sizes=[8]))(_doubled)
+    buf = torch.arange(64.0)
+    transposed = buf[:32].view(4, 8).t()  # (8, 4), strides (1, 8)
+    for _ in range(2):
+        torch.testing.assert_close(f(transposed), _doubled(transposed))
+    longer = torch.randn(4, 11).t()  # the same layout at another size runs
+    torch.testing.assert_close(f(longer), _doubled(longer))
+    rows = buf[:32].view(8, 4)  # the same shape and address, strides (4, 1)
+    with pytest.raises(RecompileError, match=r"argument 'x' has shape \(8, 4\) and strides \(4, 1\), but the first "
+                                             r"call's layout \(shape \(8, 4\)\) was traced with stride\(0\) = 1"):
+        f(rows)
+
+
+@pytest.mark.parametrize("first, later, refused", [
+    # a column slice: stride(0) = size(1) * stride(1), the step a symbol of its own
+    (lambda n: torch.randn(n, 16)[:, ::2], lambda n: torch.randn(n, 24)[:, ::3], None),
+    (lambda n: torch.randn(n, 16)[:, ::2], lambda n: torch.randn(n, 12)[:, :8],
+     r"was traced with stride\(0\) = size\(1\) \* stride\(1\)"),
+    # an expanded row: stride 0
+    (lambda n: torch.randn(1, 8).expand(n, 8), lambda n: torch.randn(n, 8), r"was traced with stride\(0\) = 0"),
+    # a padded row: its stride a symbol, which Dynamo guarded to differ from the row length
+    (lambda n: torch.randn(n, 16)[:, :8], lambda n: torch.randn(n, 12)[:, :8], None),
+    (lambda n: torch.randn(n, 16)[:, :8], lambda n: torch.randn(n, 8),
+     r"has x\.stride\(0\) = 8, but the compiled code assumes x\.stride\(0\) != 8"),
+], ids=["column-slice", "column-slice-then-padded", "expanded-then-contiguous", "padded", "padded-then-contiguous"])
+def test_strides_of_a_dynamic_argument_are_checked_as_the_trace_assumed_them(first, later, refused):
+    """Inductor's code asserts the traced layout (an AssertionError blaming a fake kernel, before);
+    a padded row's guard on its stride refused the compile (``UncheckableGuard``, before)."""
+    f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=compileattn.CompileConfig(compile_workers=0))(_doubled)
+    x = first(6)
+    torch.testing.assert_close(f(x), _doubled(x))
+    y = later(9)
+    if refused is None:
+        torch.testing.assert_close(f(y), _doubled(y))
+    else:
+        with pytest.raises(RecompileError, match=rf"argument 'x' .*{refused}"):
+            f(y)
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
 def test_one_tensor_twice_inside_containers_must_stay_one():
     def summed(xs: list, pair: tuple) -> torch.Tensor:
         return xs[0] * 2 + xs[1] + pair[0]

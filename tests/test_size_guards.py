@@ -48,7 +48,7 @@ def test_a_compile_whose_guards_cannot_be_checked_is_refused_once_for_good(monke
     """A later call raises the same refusal at once: tracing and compiling again would only fail again."""
     reads = []
 
-    def uncheckable(cls, shape_env, dynamic):
+    def uncheckable(cls, shape_env, dynamic, strided=None):
         reads.append(dynamic)
         raise UncheckableGuard("the compile assumed s9 <= 7, of s9, which is not a dynamic dim of an argument")
 
@@ -187,6 +187,20 @@ def test_size_guards_check_each_argument_where_the_call_passes_it():
     sizes[("kw['z']", 0)] = 6
     assert guards.explain(lambda name, dim: sizes[(name, dim)])[0] == "kw['z']"
     assert not SizeGuards() and SizeGuards().checker({}, {})((), {})
+
+
+def test_size_guards_read_strides_where_a_symbol_was_made_for_one():
+    """A padded row's stride is a symbol of its own, which Dynamo may guard or share with a size."""
+    guards = SizeGuards(symbols=(("s0", "x", 0), ("s7", "x", ("stride", 0))), equal=(("s0", "y", ("stride", 1)),),
+                        guards=("s7 != 8",))
+    check = guards.checker({"x": 0, "y": 1}, {})
+    padded = torch.empty(5, 16)[:, :8]
+    assert check((padded, torch.empty(4, 5).t()), {})
+    assert not check((torch.empty(5, 8), torch.empty(4, 5).t()), {})
+    assert not check((padded, torch.empty(4, 6).t()), {})
+    assert guards.explain(lambda name, read: {"x": padded, "y": torch.empty(4, 6).t()}[name].stride(read[1])
+                          if isinstance(read, tuple) else padded.shape[read]) == (
+        "y", "has y.stride(1) = 6, but the compiled code assumes it equals x.size(0) (5), as on the first call")
 
 
 @pytest.mark.cuda

@@ -3,7 +3,7 @@
 The compiled code runs with every Dynamo guard dropped (``warm_start``/``decorator``), so this is
 the only check between a call and code traced for the first call: dtype, device, ndim, static
 sizes, requires_grad and contiguity of tensors (the exact strides of a non-contiguous one without
-dynamic dims), values of scalars, strings, dtypes and devices,
+dynamic dims; with them, the strides as the trace expressed them in the sizes), values of scalars, strings, dtypes and devices,
 types of other objects, containers item by item, grad mode, which arguments were one and the same
 tensor (Dynamo traces such a tensor as one graph input: a later call passing two tensors there
 would have both read from the first); and, once the compile is done, what it assumed of the
@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .size_guards import SizeGuards
+from .size_guards import SizeGuards, read_value
 
 
 class RecompileError(RuntimeError):
@@ -39,8 +39,26 @@ class RecompileError(RuntimeError):
 # What a call looked like: one spec per argument, compared on every later call.
 
 
+def _layout_rules(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple:
+    """What Dynamo's trace of a non-contiguous tensor with a dynamic dim assumes of its strides
+    (``ShapeEnv._compute_symbolic_stride``): a stride of 0 or 1 is that constant; one equal to
+    ``size(j) * stride(j)`` of another dim may be traced as that product (whichever such ``j``
+    Dynamo meets first: all of them are kept, which can only refuse more); any other is a symbol
+    of its own, left to the size guards. (i, value) for a constant, (i, (j, ...)) for products."""
+    rules = []
+    for i, stride in enumerate(strides):
+        if stride in (0, 1):
+            rules.append((i, stride))
+            continue
+        products = tuple(j for j in range(len(shape)) if j != i and shape[j] * strides[j] == stride)
+        if products:
+            rules.append((i, products))
+    return tuple(rules)
+
+
 class _TensorSpec:
-    __slots__ = ("dtype", "device", "ndim", "shape", "static", "dynamic", "requires_grad", "contiguous", "strides")
+    __slots__ = ("dtype", "device", "ndim", "shape", "static", "dynamic", "requires_grad", "contiguous", "strides",
+                 "layout")
 
     def __init__(self, t: torch.Tensor, dynamic: tuple[int, ...] = ()):
         self.dtype = t.dtype
@@ -51,9 +69,11 @@ class _TensorSpec:
         self.static = tuple((i, s) for i, s in enumerate(self.shape) if i not in dynamic)
         self.requires_grad = t.requires_grad
         self.contiguous = t.is_contiguous()
-        #: a non-contiguous tensor without dynamic dims is traced with its exact strides (Dynamo
-        #: specialises them, and a CUDA graph reads that layout): later calls must keep them
+        #: a non-contiguous tensor is traced with its layout, which Inductor's code asserts and a CUDA
+        #: graph reads: without dynamic dims its exact strides (Dynamo specialises them), with them
+        #: the rules its strides follow in the sizes (``_layout_rules``)
         self.strides = tuple(t.stride()) if not self.contiguous and not dynamic else None
+        self.layout = _layout_rules(self.shape, tuple(t.stride())) if not self.contiguous and dynamic else None
 
     def matches(self, v: Any) -> bool:
         # Ordered cheapest-first; ~1-2 µs per tensor on a slow CPU, device being the dearest.
@@ -72,7 +92,21 @@ class _TensorSpec:
                     return False
         if self.strides is not None:
             return v.stride() == self.strides
+        if self.layout is not None:
+            return self._broken_rule(v) is None
         return self.contiguous is False or v.is_contiguous()
+
+    def _broken_rule(self, v: torch.Tensor) -> str | None:
+        shape, strides = v.shape, v.stride()
+        for i, rule in self.layout:
+            if isinstance(rule, int):
+                if strides[i] != rule:
+                    return f"stride({i}) = {rule}"
+            else:
+                for j in rule:
+                    if strides[i] != shape[j] * strides[j]:
+                        return f"stride({i}) = size({j}) * stride({j})"
+        return None
 
     def explain(self, v: Any) -> str:
         if not isinstance(v, torch.Tensor):
@@ -92,6 +126,9 @@ class _TensorSpec:
         if self.strides is not None:
             return (f"strides changed from {self.strides} to {tuple(v.stride())} (a non-contiguous argument without "
                     f"dynamic dims is compiled for its layout)")
+        if self.layout is not None:
+            return (f"has shape {tuple(v.shape)} and strides {tuple(v.stride())}, but the first call's layout (shape "
+                    f"{self.shape}) was traced with {self._broken_rule(v)}, which the compiled code assumes")
         return "was contiguous on the first call, now is not"
 
     def describe(self) -> str:
@@ -99,7 +136,7 @@ class _TensorSpec:
 
     def key(self) -> str:
         return (f"T({self.dtype},{self.device},{self.ndim},{self.static},{self.dynamic},{self.requires_grad},"
-                f"{self.contiguous},{self.strides})")
+                f"{self.contiguous},{self.strides},{self.layout})")
 
 
 _VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
@@ -280,6 +317,12 @@ class ArgChecker:
         self._size_guards = guards if guards else None
         self._plans.clear()
 
+    def strided(self) -> dict[str, int]:
+        """name -> ndim of the arguments whose strides the trace may have made symbols (tensors
+        traced with a layout rule, ``_TensorSpec.layout``), for ``SizeGuards.from_shape_env``."""
+        return {name: spec.ndim for name, spec in self._specs.items()
+                if isinstance(spec, _TensorSpec) and spec.layout is not None}
+
     def key(self) -> str:
         """Stable text of what the first call looked like (part of the warm-start cache key)."""
         specs = ";".join(f"{name}={spec.key()}" for name, spec in self._specs.items())
@@ -307,10 +350,10 @@ class ArgChecker:
         if sizes_hold is not None and not sizes_hold(args, kwargs):
             sources = {name: src for src, name, _ in plan}
 
-            def size_of(name: str, dim: int) -> int:
-                return self._value((sources.get(name), (name,)), args, kwargs).shape[dim]
+            def value_at(name: str, read) -> int:
+                return read_value(self._value((sources.get(name), (name,)), args, kwargs), read)
 
-            raise recompile_error(*self._size_guards.explain(size_of))
+            raise recompile_error(*self._size_guards.explain(value_at))
         if torch.is_grad_enabled() is not self._grad_enabled:
             raise recompile_error(
                 None, f"grad mode (torch.is_grad_enabled()) changed from {self._grad_enabled} to "

@@ -31,9 +31,10 @@ will launch, in other processes (``kernel_warmup.py``, ``config.compile_kernels_
 start finds them in Triton's disk cache, where the cold run left them.
 
 What the trace and the compile assumed of the dynamic sizes (a branch on a size, Inductor's 32-bit
-indexing below a size) is read from Dynamo's ShapeEnv after the compile and checked per call with
-the arguments (``size_guards.py``; saved with a warm start): a call past it raises
-``RecompileError``, where Dynamo would have recompiled.
+indexing below a size, the strides of a non-contiguous argument) is read from Dynamo's ShapeEnv
+after the compile and checked per call with the arguments (``size_guards.py``, ``argcheck.py``;
+saved with a warm start): a call past it raises ``RecompileError``, where Dynamo would have
+recompiled.
 
 Limits, because guards are skipped: everything that is not an argument is frozen at the first
 call: Python globals and non-parameter module attributes the forward reads; shapes, dtypes and
@@ -332,7 +333,7 @@ class _Site:
                     raise  # the backend itself failed: the frame path would only fail again
                 reason = f"aot_compile failed ({_first_line(exc)})"
             else:
-                size_guards = self._size_guards(timed, dynamic)
+                size_guards = self._size_guards(timed, dynamic, checker)
                 checker.assume_sizes(size_guards)
                 stats = self._compile_stats(timed, path="cold")
                 stats["import_wait_s"] = import_wait
@@ -423,11 +424,14 @@ class _Site:
             return None, "Dynamo's code calls something other than the compileattn dispatcher"
         return FullStepShortcut(runtimes[0]), "on"
 
-    def _size_guards(self, timed: _TimedBackend, dynamic: dict[str, tuple[int, ...]]) -> SizeGuards:
-        """The compile's size guards; one the decorator cannot check per call refuses the compile
-        for good (its static compiles are stopped): a later call would trace, compile and fail alike."""
+    def _size_guards(self, timed: _TimedBackend, dynamic: dict[str, tuple[int, ...]],
+                     checker: ArgChecker) -> SizeGuards:
+        """The compile's size guards (over the dynamic dims, and the strides of the arguments whose
+        layout the argument check leaves partly free); one the decorator cannot check per call
+        refuses the compile for good (its static compiles are stopped): a later call would trace,
+        compile and fail alike."""
         try:
-            return SizeGuards.from_shape_env(timed.shape_env, dynamic)
+            return SizeGuards.from_shape_env(timed.shape_env, dynamic, checker.strided())
         except UncheckableGuard as exc:
             for d in timed.dispatchers():
                 d.abandon_static_compiles()
@@ -453,7 +457,7 @@ class _Site:
         self.stats["regions"] = "off: frame path"
         self._total(self.stats, start)
         _log_ready(what, self.stats)
-        checker.assume_sizes(self._size_guards(timed, dynamic))
+        checker.assume_sizes(self._size_guards(timed, dynamic, checker))
         self.runtimes = timed.dispatchers()
         self.checker = checker
         self.fast = torch.compiler.set_stance("fail_on_recompile")(compiled)

@@ -55,31 +55,55 @@ class UncheckableGuard(RuntimeError):
     is not a dynamic argument dim, or in an expression Python cannot evaluate."""
 
 
+def _read_code(read) -> str:
+    return f".shape[{read}]" if isinstance(read, int) else f".stride({read[1]})"
+
+
+def _spelled(name: str, read) -> str:
+    return f"{name}.size({read})" if isinstance(read, int) else f"{name}.stride({read[1]})"
+
+
+def read_value(tensor, read) -> int:
+    """The value ``read`` names on a call's tensor (a size or a stride)."""
+    return tensor.shape[read] if isinstance(read, int) else tensor.stride(read[1])
+
+
 @dataclasses.dataclass(frozen=True)
 class SizeGuards:
-    """``symbols``: (symbol, argument, dim) of each symbol the guards use, its first argument dim;
-    ``equal``: (symbol, argument, dim) of further argument dims Dynamo gave the same symbol;
-    ``guards``: Python expressions over the symbols' names, each of which must hold."""
+    """``symbols``: (symbol, argument, read) of each symbol the guards use, its first place in the
+    arguments (``read``: a dim, or ``("stride", i)``); ``equal``: (symbol, argument, read) of
+    further places Dynamo gave the same symbol; ``guards``: Python expressions over the symbols'
+    names, each of which must hold.
 
-    symbols: tuple[tuple[str, str, int], ...] = ()
-    equal: tuple[tuple[str, str, int], ...] = ()
+    Strides: a non-contiguous argument with a dynamic dim is traced with some strides as symbols
+    of their own (a column slice's step, a padded row's length), which Dynamo may share with a size
+    of the same value or guard (a padded row's ``Ne(s7, 8)``); the argument check pins the others
+    (``argcheck._TensorSpec``), and these places are mapped here like the dims."""
+
+    symbols: tuple[tuple, ...] = ()
+    equal: tuple[tuple, ...] = ()
     guards: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.guards or self.equal)
 
     @classmethod
-    def from_shape_env(cls, shape_env, dynamic: Mapping[str, tuple[int, ...]]) -> "SizeGuards":
+    def from_shape_env(cls, shape_env, dynamic: Mapping[str, tuple[int, ...]],
+                       strided: Mapping[str, int] | None = None) -> "SizeGuards":
         """The guards of ``shape_env`` (Dynamo's, after the compile) over the dims ``dynamic``
-        (argument name -> dynamic dims, as ``decorator._mark_dynamic`` marked them), and the
-        bounds of their ranges that no guard states (``torch._check`` narrows a range alone).
-        Each is evaluated at the first call's sizes here: one that Python cannot evaluate, or
-        that is false there, raises ``UncheckableGuard`` now rather than at a later call."""
+        (argument name -> dynamic dims, as ``decorator._mark_dynamic`` marked them) and the
+        strides of the arguments ``strided`` (name -> ndim: those whose strides the trace may have
+        made symbols), and the bounds of their ranges that no guard states (``torch._check``
+        narrows a range alone). Each is evaluated at the first call's sizes here: one that Python
+        cannot evaluate, or that is false there, raises ``UncheckableGuard`` now rather than at a
+        later call."""
         if shape_env is None:
             return cls()
         wanted = {_torch_compat.dynamo_size_source(name, dim): (name, dim)
                   for name, dims in dynamic.items() for dim in dims}
-        dims_of: dict[str, list[tuple[str, int]]] = {}
+        wanted.update({_torch_compat.dynamo_stride_source(name, i): (name, ("stride", i))
+                       for name, ndim in (strided or {}).items() for i in range(ndim)})
+        dims_of: dict[str, list[tuple[str, Any]]] = {}
         for symbol, sources in _torch_compat.symbol_sources(shape_env).items():
             found = [wanted[s] for s in sources if s in wanted]
             if found:
@@ -130,18 +154,19 @@ class SizeGuards:
                 return f"d[{name!r}]"
             return f"a[{src}]" if isinstance(src, int) else f"k[{src!r}]"
 
-        lines = [f"    {symbol} = {value_of(name)}.shape[{dim}]" for symbol, name, dim in self.symbols]
+        lines = [f"    {symbol} = {value_of(name)}{_read_code(read)}" for symbol, name, read in self.symbols]
         conditions = [f"({g})" for g in self.guards]
-        conditions += [f"({symbol} == {value_of(name)}.shape[{dim}])" for symbol, name, dim in self.equal]
+        conditions += [f"({symbol} == {value_of(name)}{_read_code(read)})" for symbol, name, read in self.equal]
         code = "def check(a, k):\n" + "\n".join(lines) + f"\n    return {' and '.join(conditions) or 'True'}\n"
         namespace: dict[str, Any] = {"d": dict(defaults), **_namespace()}
         exec(compile(code, "<compileattn size guards>", "exec"), namespace)  # noqa: S102 (our own comparisons)
         return namespace["check"]
 
-    def explain(self, sizes_of: Callable[[str, int], int]) -> tuple[str, str]:
-        """(the first argument a broken guard names, what it assumed), given the call's sizes."""
-        values = {symbol: sizes_of(name, dim) for symbol, name, dim in self.symbols}
-        spelled = {symbol: f"{name}.size({dim})" for symbol, name, dim in self.symbols}
+    def explain(self, value_at: Callable[[str, Any], int]) -> tuple[str, str]:
+        """(the first argument a broken guard names, what it assumed), given ``value_at(argument,
+        read)``, the call's value at each place a symbol is read from."""
+        values = {symbol: value_at(name, read) for symbol, name, read in self.symbols}
+        spelled = {symbol: _spelled(name, read) for symbol, name, read in self.symbols}
         for guard in self.guards:
             if not _holds(guard, values):
                 names = [s for s in values if _mentions(guard, s)]
@@ -152,9 +177,9 @@ class SizeGuards:
                 first = next(name for symbol, name, _ in self.symbols if symbol in names) if names else None
                 return first, (f"has {shown}, but the compiled code assumes {readable} (a guard of the first "
                                f"call's trace or compile)")
-        for symbol, name, dim in self.equal:
-            if values[symbol] != sizes_of(name, dim):
-                return name, (f"has {name}.size({dim}) = {sizes_of(name, dim)}, but the compiled code assumes it "
+        for symbol, name, read in self.equal:
+            if values[symbol] != value_at(name, read):
+                return name, (f"has {_spelled(name, read)} = {value_at(name, read)}, but the compiled code assumes it "
                               f"equals {spelled[symbol]} ({values[symbol]}), as on the first call")
         return None, "a size guard failed"
 
