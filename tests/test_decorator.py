@@ -257,13 +257,22 @@ def test_a_non_contiguous_dynamic_argument_keeps_the_layout_it_was_traced_with(s
     """Dynamo traces a transposed ``(s0, 4)`` tensor with strides ``(1, s0)``: a CUDA graph reads
     that layout, so another layout of the same shape at the same address was answered from the
     graph captured with the first (shown with simulated graphs), and Inductor's code asserted it."""
+    _check_traced_layout_is_kept("cpu")
+
+
+@pytest.mark.cuda
+def test_cuda_a_non_contiguous_dynamic_argument_keeps_the_layout_it_was_traced_with():
+    _check_traced_layout_is_kept("cuda")
+
+
+def _check_traced_layout_is_kept(device: str) -> None:
     f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=compileattn.CompileConfig(
         piece_compiler="eager", compile_workers=0, cudagraph_mode="piecewise", cudagraph_capture_sizes=[8]))(_doubled)
-    buf = torch.arange(64.0)
+    buf = torch.arange(64.0, device=device)
     transposed = buf[:32].view(4, 8).t()  # (8, 4), strides (1, 8)
     for _ in range(2):
         torch.testing.assert_close(f(transposed), _doubled(transposed))
-    longer = torch.randn(4, 11).t()  # the same layout at another size runs
+    longer = torch.randn(4, 11, device=device).t()  # the same layout at another size runs
     torch.testing.assert_close(f(longer), _doubled(longer))
     rows = buf[:32].view(8, 4)  # the same shape and address, strides (4, 1)
     with pytest.raises(RecompileError, match=r"argument 'x' has shape \(8, 4\) and strides \(4, 1\), but the first "

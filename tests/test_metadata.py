@@ -192,7 +192,7 @@ def test_metadata_overwritten_by_a_later_build_is_refused():
     caches = allocate_kv_caches({"layer0": AttentionSpec(2, 2, 64)}, NB, BS, torch.float32)
     first = b.build([SequenceStep(3, 0, [0])])
     second = b.build([SequenceStep(1, 5, [1, 2])])
-    with pytest.raises(ValueError, match="later build\(\) of the same AttentionMetadataBuilder"):
+    with pytest.raises(ValueError, match=r"later build\(\) of the same AttentionMetadataBuilder"):
         with set_forward_context(first, caches):
             pass
     with set_forward_context(second, caches):
