@@ -105,6 +105,36 @@ def test_a_new_specialization_goes_through_run(change):
     assert len(jit.runs) == 2 and len(jit.launches) == 1
 
 
+class _CountingVariants(dict):
+    """A DirectKernel's variants, counting lookups (each keyed launch looks its key up once)."""
+
+    lookups = 0
+
+    def get(self, key, default=None):
+        self.lookups += 1
+        return super().get(key, default)
+
+
+def test_the_last_launchs_arguments_serve_only_equal_free_values():
+    """A launch with the last launch's free values (a tensor's dtype, device type and address; an
+    int's value) reuses its argument tuple without building a key; anything else is keyed again."""
+    jit, active = _StandInJit(), _Active()
+    launch = _kernel(jit, active)
+    launch.variants = _CountingVariants()
+    base = torch.zeros(64, dtype=torch.float16)
+    launch(base, 32)  # compiled through run
+    launch(base, 32)  # keyed: the variant is known
+    assert launch.variants.lookups == 2
+    launch(base, 32)  # the same values: reused
+    assert launch.variants.lookups == 2
+    launch(base.view(torch.int16), 32)  # the same address, another dtype: keyed, and through run
+    assert launch.variants.lookups == 3 and len(jit.runs) == 2
+    launch(base, 48)  # another int: keyed (the variant of 32), then reused
+    launch(base, 48)
+    assert launch.variants.lookups == 4
+    assert [a[9:11] for a in jit.launches] == [(base.data_ptr(), 32)] * 2 + [(base.data_ptr(), 48)] * 2
+
+
 def test_scratch_free_kernel_launches_through_the_c_entry(monkeypatch):
     """Triton 3.6's ``CudaLauncher.__call__`` only allocates scratch and calls ``launch``: with no
     scratch the direct path calls ``launch`` itself, with what ``__call__`` would pass."""

@@ -117,7 +117,7 @@ class DirectKernel:
     tensors of the compiled dtype and alignment."""
 
     __slots__ = ("jit", "kwargs", "grid", "tail", "free", "args", "addresses", "variants", "device",
-                 "current_device", "current_stream", "expected", "__weakref__")
+                 "current_device", "current_stream", "expected", "last", "__weakref__")
 
     def __init__(self, jit, kwargs: dict, args: tuple, free: tuple[int, ...], active=None):
         self.jit = jit
@@ -140,6 +140,9 @@ class DirectKernel:
         self.current_device, self.current_stream = active.get_current_device, active.get_current_stream
         #: the free arguments' likely values (``expect``), a tensor given as its dtype
         self.expected: tuple | None = None
+        #: (what the free values were: a tensor's (dtype, is_cuda, address), an int's (None, value);
+        #: call; the whole argument tuple) of the last keyed launch
+        self.last: tuple | None = None
 
     def expect(self, *values) -> None:
         """The free arguments the first launch will likely pass (a tensor as its ``torch.dtype``:
@@ -176,6 +179,24 @@ class DirectKernel:
                 "ptxas_version": _keyed_ptxas_version(target)}
 
     def __call__(self, *values) -> None:
+        # Free values equal to the last launch's in everything its key and arguments read (a
+        # tensor's dtype, device type and address, an int's value): the same variant and argument
+        # tuple, with no key to build. A piece's CUDA graph hands the attention op the same query
+        # and output every step; about half of this call's Python (6.1 -> 2.3 µs on the CPU box).
+        last = self.last
+        if last is not None and len(values) == len(last[0]) and not _hooks_active():
+            specs, call, full = last
+            for a, (dtype, cuda, value) in zip(values, specs):
+                if dtype is None:
+                    if type(a) is not int or a != value:
+                        break
+                elif (not isinstance(a, torch.Tensor) or a.data_ptr() != value or a.dtype is not dtype
+                      or a.is_cuda is not cuda):
+                    break
+            else:
+                g0, g1, g2 = self.grid
+                call(g0, g1, g2, self.current_stream(self.device), *full)
+                return
         # A refinement of Triton's specialization of each free argument (a tensor's dtype and
         # 16-byte alignment; an int's == 1 (a constant), % 16 and width): equal keys, same kernel.
         key = []
@@ -196,8 +217,12 @@ class DirectKernel:
             self._run(key, values)
             return
         call, prefix = variant
+        full = (*prefix, *args, *self.tail)
+        if len(values) == len(self.free):
+            self.last = (tuple((a.dtype, a.is_cuda, args[i]) if isinstance(a, torch.Tensor) else (None, None, a)
+                               for i, a in zip(self.free, values)), call, full)
         g0, g1, g2 = self.grid
-        call(g0, g1, g2, self.current_stream(self.device), *prefix, *args, *self.tail)
+        call(g0, g1, g2, self.current_stream(self.device), *full)
 
     def _run(self, key: tuple, values: tuple) -> None:
         """Through ``JITFunction.run`` (compiles or finds the variant), kept for the next call."""
