@@ -48,9 +48,9 @@ def flash_attn_varlen_func(
         out = torch.empty_like(q)
     window_left, causal = _window_and_causal(window_size, causal)
     # Structure first: the defaults below read the index tensors, which must exist and be tensors.
-    check_varlen_args(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, 0, 0,
-                      window_left, softcap, check_values=False, alibi_slopes=alibi_slopes, k_scale=k_scale,
-                      v_scale=v_scale)
+    check_varlen_args(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
+                      max_seqlen_k, window_left, softcap, check_values=False, alibi_slopes=alibi_slopes,
+                      k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
     if max_seqlen_k is None:
@@ -94,7 +94,7 @@ def flash_attn_with_kvcache(
         raise TypeError(f"q must be a tensor, got {type(q).__name__}")
     window_left, causal = _window_and_causal(window_size, causal)
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, window_left, softcap,
-                       alibi_slopes, k_scale, v_scale)
+                       alibi_slopes, k_scale, v_scale, softmax_scale)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_new = k.shape[1] if k is not None else 0
     page = k_cache.shape[1]

@@ -7,6 +7,9 @@ path and to the once-per-step metadata builder, never to the per-layer op.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from .kv_cache import check_cache_dtype, check_dtype, check_head_dim, is_fp8
@@ -29,6 +32,27 @@ def _index_tensor(name: str, t: torch.Tensor | None, ndim: int, device: torch.de
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     _same_device(name, t, device)
+    # The kernels read entries at unit stride (a block table's rows by its row stride): a strided
+    # view would be read past its elements (FlashAttention requires the same).
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous{' in its last dim' if ndim > 1 else ''}, got strides "
+                         f"{tuple(t.stride())} for shape {tuple(t.shape)}")
+
+
+def _check_softmax(softmax_scale, softcap, max_seqlens: tuple = ()) -> None:
+    """Real, finite numbers: a NaN scale or an infinite softcap gives NaN rows, and a NaN softcap
+    compares false with 0 and would silently mean "no softcap"."""
+    for name, value, positive in (("softmax_scale", softmax_scale, True), ("softcap", softcap, False)):
+        if value is None and name == "softmax_scale":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+        if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+            raise ValueError(f"{name} must be a finite float {'> 0' if positive else '>= 0 (0: no softcap)'}, "
+                             f"got {value}")
+    for name, value in max_seqlens:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
 def _float_vector(name: str, t, length: int, what: str, device: torch.device) -> None:
@@ -67,9 +91,10 @@ def check_alibi(alibi_slopes, num_heads: int, device: torch.device) -> None:
 def check_varlen_args(
     q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
     window_left: int, softcap: float, check_values: bool = True, alibi_slopes=None, k_scale=None, v_scale=None,
+    softmax_scale: float | None = None,
 ) -> None:
     """K/V in q's dtype, or float8_e4m3fn with ``k_scale``/``v_scale``; ``alibi_slopes`` float32
-    (num_heads,)."""
+    (num_heads,); ``softmax_scale`` None (1/sqrt(head_dim)) or a finite float > 0."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -120,8 +145,7 @@ def check_varlen_args(
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences")
     if window_left < -1:
         raise ValueError(f"window_size left must be -1 or >= 0, got {window_left}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    _check_softmax(softmax_scale, softcap, (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
     check_alibi(alibi_slopes, q.shape[1], q.device)
     check_kv_scales(k.dtype, k_scale, v_scale, kv_heads, q.device)
     if check_values:
@@ -180,7 +204,7 @@ def _tensor(name: str, t) -> None:
 
 
 def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, window_left: int,
-                       softcap: float, alibi_slopes, k_scale, v_scale) -> None:
+                       softcap: float, alibi_slopes, k_scale, v_scale, softmax_scale: float | None = None) -> None:
     """Structure of a ``flash_attn_with_kvcache`` call (no device tensor is read)."""
     _tensor("q", q)
     check_dtype(q.dtype, "q")
@@ -249,8 +273,7 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
         _same_device("out", out, q.device)
     if window_left < -1:
         raise ValueError(f"window_size left must be -1 or >= 0, got {window_left}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    _check_softmax(softmax_scale, softcap)
     check_alibi(alibi_slopes, num_heads, q.device)
     check_kv_scales(k_cache.dtype, k_scale, v_scale, kv_heads, q.device, cache="caches")
 
@@ -303,6 +326,9 @@ def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_
     check_kv_scales(key_cache.dtype, k_scale, v_scale, key_cache.shape[2], key_cache.device, cache="caches")
     if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
         raise TypeError(f"slot_mapping must be 1-D int64, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if slot_mapping.shape[0] > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError(f"slot_mapping must be contiguous, got stride {slot_mapping.stride(0)} (the kernels read "
+                         f"it at unit stride)")
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens of key/value; "
                          f"give every token a slot (-1 for one that writes nothing)")

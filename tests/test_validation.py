@@ -437,3 +437,65 @@ def test_builder_rejects_bad_sizes(name):
 def test_builder_rejects_unknown_backend():
     with pytest.raises(ValueError, match="attention_backend='nope'"):
         builder(backend="nope")
+
+
+# ---------------------------------------------------------------- layouts and softmax numbers
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values, every other element of a buffer twice as long."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize("make,name", [(contiguous, "cu_seqlens_q"), (contiguous, "cu_seqlens_k"),
+                                       (paged, "seqused_k"), (paged, "block_table")])
+def test_index_tensors_the_kernels_read_at_unit_stride_must_be_contiguous(make, name):
+    """The Triton kernels read them at unit stride (a strided view crashed or read the wrong blocks)."""
+    args = make()
+    args[name] = _strided(args[name])
+    with pytest.raises(ValueError, match=rf"^{name} must be contiguous"):
+        call(args)
+
+
+def test_a_block_table_with_padded_rows_is_accepted():
+    args = paged(block_table=torch.zeros(2, 5, dtype=torch.int32)[:, :2].copy_(i32([[2, 0], [5, 1]])))
+    with pytest.raises(KernelRan):  # valid: reaches the (patched) kernel
+        call(args)
+
+
+def test_write_kv_cache_slot_mapping_must_be_contiguous():
+    args = kv_write()
+    args["slot_mapping"] = _strided(args["slot_mapping"])
+    with pytest.raises(ValueError, match="^slot_mapping must be contiguous"):
+        compileattn.write_kv_cache(**args)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -0.5])
+def test_softmax_scale_must_be_finite_and_positive(scale):
+    with pytest.raises(ValueError, match=rf"^softmax_scale must be a finite float > 0, got {scale}"):
+        call(paged(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("softcap", [float("nan"), float("inf"), -1.0])
+def test_softcap_must_be_finite(softcap):
+    """An infinite softcap made every row NaN; a NaN one silently meant no softcap."""
+    with pytest.raises(ValueError, match=rf"^softcap must be a finite float >= 0"):
+        call(paged(), softcap=softcap)
+
+
+def test_kvcache_checks_its_softmax_numbers_before_writing_the_cache():
+    """The append to the cache ran before the scale was refused (and named ``scale``)."""
+    k_cache, v_cache = torch.zeros(NB, BS, KVH, D), torch.zeros(NB, BS, KVH, D)
+    q, k = torch.randn(2, 1, H, D), torch.randn(2, 1, KVH, D)
+    for bad in (dict(softmax_scale=float("nan")), dict(softcap=float("inf"))):
+        with pytest.raises(ValueError, match=rf"^{next(iter(bad))} must be a finite float"):
+            compileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, k.clone(), cache_seqlens=i32([3, 2]),
+                                                block_table=i32([[2, 0], [5, 1]]), **bad)
+        assert not k_cache.any()
+
+
+def test_max_seqlen_must_be_an_int():
+    args = paged(max_seqlen_q=3.0)
+    with pytest.raises(TypeError, match="^max_seqlen_q must be an int, got float"):
+        call(args)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import compileattn as ca
+from compileattn.compilation.cache import secure_dir
 from compileattn.kv_cache import AttentionSpec
 from compileattn.models.attention import Attention
 from compileattn.testing import assert_matches_eager, random_step
@@ -226,6 +227,47 @@ def test_cache_dir_owned_by_another_user_is_refused(tmp_path):
     os.chown(cache, 4242, 4242)
     with pytest.raises(PermissionError, match=r"owned by uid 4242"):
         _run_stack(cache)
+
+
+def test_a_cache_dir_whose_parent_others_can_write_is_refused(tmp_path):
+    """Whoever can write a directory above the cache can put their own cache in its place; a sticky
+    one (``/tmp``) lets nobody rename another user's entries."""
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    with pytest.raises(PermissionError, match=r"lies under .*open', writable by anyone \(mode 777, not sticky\)"):
+        secure_dir(open_parent / "cache")
+    open_parent.chmod(0o1777)
+    assert secure_dir(open_parent / "cache").is_dir()
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
+def test_a_cache_reached_through_another_users_directory_or_link_is_refused(tmp_path):
+    """A symlink's target was checked, but its owner could point it elsewhere after the check."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    (theirs / "link").symlink_to(mine)
+    os.chown(theirs, 4242, 4242)
+    with pytest.raises(PermissionError, match=r"lies under .*theirs', owned by uid 4242"):
+        secure_dir(theirs / "link")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
+def test_a_key_directory_planted_by_another_user_is_not_loaded(tmp_path):
+    """The root was checked, but the key's directory under it, where the pickles are, was not."""
+    from compileattn.compilation.cache import CompileCache
+
+    cache = CompileCache(tmp_path / "cache", "k" * 24)
+    cache.dir.mkdir(mode=0o700)
+    os.chown(cache.dir, 4242, 4242)
+    with pytest.raises(PermissionError, match="owned by uid 4242"):
+        cache.load("signature")
+    cache.dir.chmod(0o777)
+    os.chown(cache.dir, os.geteuid(), os.getegid())
+    with pytest.raises(PermissionError, match="writable by group or others"):
+        cache.load("signature")
 
 
 def test_missing_cache_dir_is_created_private(tmp_path):

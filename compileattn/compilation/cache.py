@@ -50,6 +50,8 @@ def secure_dir(path: str | os.PathLike) -> Path:
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"compile cache_dir {str(path)!r} is not a directory")
     getuid = getattr(os, "getuid", None)
+    if getuid is not None:
+        _check_ancestors(path, getuid())
     if getuid is not None and st.st_uid != getuid():
         raise PermissionError(
             f"compile cache_dir {str(path)!r} is owned by uid {st.st_uid}, not by this user (uid {getuid()}): "
@@ -60,6 +62,29 @@ def secure_dir(path: str | os.PathLike) -> Path:
             f"loading a compile cache runs code, so anyone who can write there could run code in your process; "
             f"chmod 700 {str(path)!r} or choose another cache_dir")
     return path
+
+
+def _check_ancestors(path: Path, uid: int) -> None:
+    """Whoever can write a directory above the cache can rename it and put their own in its place
+    (or retarget a symlink on the way): every directory above it, on the path as given and as
+    resolved, must be owned by this user or root and not writable by others unless sticky (``/tmp``).
+    Group-writable parents are allowed (a user-private group's home)."""
+    seen = set()
+    for parent in (*Path(os.path.abspath(path)).parents, *path.resolve().parents):
+        if parent in seen:
+            continue
+        seen.add(parent)
+        st = parent.stat()
+        if st.st_uid not in (uid, 0):
+            raise PermissionError(
+                f"compile cache_dir {str(path)!r} lies under {str(parent)!r}, owned by uid {st.st_uid}: its owner "
+                f"could replace the cache, and loading a compile cache runs code; choose a cache_dir under "
+                f"directories you or root own")
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise PermissionError(
+                f"compile cache_dir {str(path)!r} lies under {str(parent)!r}, writable by anyone (mode "
+                f"{stat.S_IMODE(st.st_mode):o}, not sticky): anyone could replace the cache, and loading a compile "
+                f"cache runs code; choose another cache_dir")
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -137,8 +162,12 @@ class CompileCache:
         return self.dir / f"piece_{signature}_{shape}.bin"
 
     def load(self, signature: str, size: int | None = None) -> tuple[Callable[..., Any], tuple] | None:
-        """(the artifact, the guards its code relies on) or None."""
+        """(the artifact, the guards its code relies on) or None. The key's directory is checked
+        like the root (``secure_dir``): its entries are pickles."""
         path = self._path(signature, size)
+        if not self.dir.exists():
+            return None
+        secure_dir(self.dir)
         if not path.exists():
             return None
         try:
