@@ -3,12 +3,12 @@
 The compiled code runs with every Dynamo guard dropped (``warm_start``/``decorator``), so this is
 the only check between a call and code traced for the first call: dtype, device, ndim, static
 sizes, requires_grad and contiguity of tensors (the exact strides of a non-contiguous one without
-dynamic dims; with them, the strides as the trace expressed them in the sizes), values of scalars, strings, dtypes and devices,
-types of other objects, containers item by item, grad mode, which arguments were one and the same
-tensor (Dynamo traces such a tensor as one graph input: a later call passing two tensors there
-would have both read from the first); and, once the compile is done, what it assumed of the
-dynamic sizes (``size_guards.py``). torch's own guard filters cannot
-replace it: ``keep_tensor_guards_unsafe`` checks tensors but not scalar values or grad mode, and
+dynamic dims; with them, the strides as the trace expressed them in the sizes), values of
+scalars, strings, dtypes and devices, types of other objects, containers item by item, grad mode,
+which arguments were one and the same tensor (Dynamo traces such a tensor as one graph input: a
+later call passing two tensors there would have both read from the first); and, once the compile
+is done, what it assumed of the dynamic sizes (``size_guards.py``). torch's own guard filters
+cannot replace it: ``keep_tensor_guards_unsafe`` checks tensors but not scalar values or grad mode, and
 its failure is a ``RuntimeError`` naming ``L['x']`` from inside the guard manager; a change must
 instead raise ``RecompileError`` naming the argument, before any kernel runs (with no check at all,
 an int32 token-id input ran the code compiled for int64 and aborted the process on the CPU).
