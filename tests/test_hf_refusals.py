@@ -66,6 +66,26 @@ def test_pickled_weights_need_allow_pickle_and_nothing_is_downloaded(tmp_path):
         ca.LLM("meta-llama/Llama-3-8B", compile_config=None)
 
 
+@pytest.mark.parametrize("change, refused", [
+    ("drop", r"has no weights for model\.layers\.1\.self_attn\.q_proj\.weight"),
+    ("add", r"holds weights the model has no place for: model\.layers\.1\.self_attn\.bogus\.weight"),
+])
+def test_a_checkpoint_whose_keys_do_not_match_the_model_is_refused(tmp_path, change, refused):
+    """transformers left a missing weight random (the model generated other tokens) and dropped an
+    unexpected one, logging it only."""
+    from safetensors.torch import load_file, save_file
+
+    directory = save_family("llama", tmp_path / change)
+    weights = load_file(directory / "model.safetensors")
+    if change == "drop":
+        del weights["model.layers.1.self_attn.q_proj.weight"]
+    else:
+        weights["model.layers.1.self_attn.bogus.weight"] = torch.zeros(2, 2)
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=refused):
+        ca.LLM(str(directory), compile_config=None, num_blocks=16)
+
+
 def test_string_prompts_use_the_directory_tokenizer(tmp_path):
     directory = save_family("llama", tmp_path / "tok", vocab_size=256)
     byte_level_tokenizer().save_pretrained(directory)

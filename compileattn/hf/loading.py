@@ -32,6 +32,18 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
     raise FileNotFoundError(f"{path} has no weights (*.safetensors)")
 
 
+def _check_loaded_keys(path: Path, info: dict) -> None:
+    """transformers leaves a parameter the checkpoint lacks at its random initial value and drops
+    one the model lacks, and only logs it: a model that would generate from random weights, or
+    without weights the checkpoint holds (a config that does not match), is refused instead."""
+    for kind, what in (("missing_keys", "has no weights for"), ("unexpected_keys", "holds weights the model "
+                                                                                      "has no place for:")):
+        keys = sorted(info.get(kind) or ())
+        if keys:
+            shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+            raise ValueError(f"the checkpoint in {path} {what} {shown} (its config.json and weights do not match)")
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype, device: torch.device, allow_pickle: bool = False):
     """The directory's ``*ForCausalLM`` in ``dtype`` on ``device``, in eval mode."""
     from transformers import AutoModelForCausalLM
@@ -43,9 +55,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype, device: torch.device, al
     # transformers places weights on a device while loading only through accelerate; without it
     # they are loaded into CPU memory and moved once.
     direct = device.type == "cpu" or is_accelerate_available()
-    model = AutoModelForCausalLM.from_pretrained(
+    model, info = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, device_map=str(device) if direct and device.type != "cpu" else None,
-        local_files_only=True, trust_remote_code=False, use_safetensors=None if allow_pickle else True)
+        local_files_only=True, trust_remote_code=False, use_safetensors=None if allow_pickle else True,
+        output_loading_info=True)
+    _check_loaded_keys(path, info)
     if not direct:
         model.to(device)
     logger.info("loaded %s from %s (%s on %s%s)", type(model).__name__, path, dtype, device,
