@@ -114,5 +114,11 @@ def test_bad_generate_arguments_raise_before_running(tmp_path):
         llm.generate([[1, 2], [3] * 60], 8)
     with pytest.raises(ValueError, match="kv_cache_memory or num_blocks"):
         ca.LLM(llm.model.hf, num_blocks=4, kv_cache_memory=1 << 20)
+    with pytest.raises(TypeError, match="got a Tensor"):
+        llm.generate(torch.tensor([1, 2]), 2)
+    with pytest.raises(TypeError, match=r"stop_token_ids must be a sequence of token ids, got the int 5"):
+        llm.generate([1, 2], 2, stop_token_ids=5)
     assert not llm.engine.has_unfinished()
     assert llm.generate([[1, 2], [3]], [0, 1], use_tqdm=False)[0].finish_reason == "length"
+    # an iterator's prompts are read once, all of them (its first one was lost to a type test)
+    assert len(llm.generate((p for p in [[1, 2], [3], [4, 5]]), 1, use_tqdm=False)) == 3

@@ -245,9 +245,16 @@ class LLM:
         """Generate for every prompt (a string, needing a tokenizer, or a list of token ids);
         results in prompt order. ``max_new_tokens`` may be one per prompt. ``seed`` seeds the
         sampling of ``temperature`` > 0 (None: a fresh random seed)."""
+        if isinstance(prompts, torch.Tensor):
+            raise TypeError("prompts must be a string, a list of token ids or a list of those, got a Tensor "
+                            "(pass tensor.tolist())")
+        if not isinstance(prompts, str):
+            prompts = list(prompts)  # once: an iterator's items are read here, not also by the test below
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
-        prompts = list(prompts)
+        if isinstance(stop_token_ids, int):
+            raise TypeError(f"stop_token_ids must be a sequence of token ids, got the int {stop_token_ids} "
+                            f"(pass [{stop_token_ids}])")
         lengths = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(lengths) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(lengths)} entries for {len(prompts)} prompts")
