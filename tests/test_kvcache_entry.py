@@ -310,7 +310,7 @@ BAD = [
     (dict(alibi_slopes=torch.ones(2)), ValueError, r"^alibi_slopes must have shape \(8,\)"),
     (dict(window_size=(3, 2)), ValueError, "^window_size right=2"),
     (dict(window_size=(-2, -1)), ValueError, "^window_size left must be -1 or >= 0"),
-    (dict(softcap=-1.0), ValueError, "^softcap must be >= 0"),
+    (dict(softcap=-1.0), ValueError, "^softcap must be a finite float >= 0"),
     (dict(out=torch.empty(3, 1, 8, 32)), ValueError, "^out must have q's shape"),
     (dict(k_scale=torch.ones(2), v_scale=torch.ones(2)), ValueError, "^k_scale/v_scale apply to float8_e4m3fn"),
 ]
