@@ -39,7 +39,7 @@ def _index_tensor(name: str, t: torch.Tensor | None, ndim: int, device: torch.de
                          f"{tuple(t.stride())} for shape {tuple(t.shape)}")
 
 
-def _check_softmax(softmax_scale, softcap, max_seqlens: tuple = ()) -> None:
+def _check_softmax(softmax_scale, softcap) -> None:
     """Real, finite numbers: a NaN scale or an infinite softcap gives NaN rows, and a NaN softcap
     compares false with 0 and would silently mean "no softcap"."""
     for name, value, positive in (("softmax_scale", softmax_scale, True), ("softcap", softcap, False)):
@@ -50,9 +50,6 @@ def _check_softmax(softmax_scale, softcap, max_seqlens: tuple = ()) -> None:
         if not math.isfinite(value) or (value <= 0 if positive else value < 0):
             raise ValueError(f"{name} must be a finite float {'> 0' if positive else '>= 0 (0: no softcap)'}, "
                              f"got {value}")
-    for name, value in max_seqlens:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
 def _float_vector(name: str, t, length: int, what: str, device: torch.device) -> None:
@@ -145,7 +142,10 @@ def check_varlen_args(
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences")
     if window_left < -1:
         raise ValueError(f"window_size left must be -1 or >= 0, got {window_left}")
-    _check_softmax(softmax_scale, softcap, (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
+    _check_softmax(softmax_scale, softcap)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     check_alibi(alibi_slopes, q.shape[1], q.device)
     check_kv_scales(k.dtype, k_scale, v_scale, kv_heads, q.device)
     if check_values:

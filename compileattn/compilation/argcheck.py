@@ -248,12 +248,17 @@ class _DictSpec:
         return f"dict{{{','.join(f'{k!r}:{spec.key()}' for k, spec in self.items.items())}}}"
 
 
+def _is_sequence(v: Any) -> bool:
+    """Checked item by item (``_SeqSpec``), and walked for tensors passed twice (``same_tensors``)."""
+    return type(v) in (tuple, list, torch.Size) or (isinstance(v, tuple) and hasattr(v, "_fields"))
+
+
 def spec_of(v: Any, dynamic: tuple[int, ...] = ()):
     if isinstance(v, torch.Tensor):
         return _TensorSpec(v, dynamic)
     if isinstance(v, _VALUE_TYPES):
         return _ValueSpec(v)
-    if type(v) in (tuple, list, torch.Size) or (isinstance(v, tuple) and hasattr(v, "_fields")):
+    if _is_sequence(v):
         return _SeqSpec(v, [spec_of(x) for x in v])
     if type(v) is dict:
         return _DictSpec(v, {k: spec_of(x) for k, x in v.items()})
@@ -269,7 +274,7 @@ def same_tensors(values: Mapping[str, Any]) -> tuple[tuple[tuple, ...], ...]:
     def walk(v: Any, path: tuple) -> None:
         if isinstance(v, torch.Tensor):
             by_id.setdefault(id(v), []).append(path)
-        elif type(v) in (tuple, list) or (isinstance(v, tuple) and hasattr(v, "_fields")):
+        elif _is_sequence(v):
             for i, item in enumerate(v):
                 walk(item, (*path, i))
         elif type(v) is dict:

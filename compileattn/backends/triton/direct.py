@@ -199,15 +199,18 @@ class DirectKernel:
                 return
         # A refinement of Triton's specialization of each free argument (a tensor's dtype and
         # 16-byte alignment; an int's == 1 (a constant), % 16 and width): equal keys, same kernel.
-        key = []
+        key, specs = [], []
         args = self.addresses.copy()
         for i, a in zip(self.free, values):
             if isinstance(a, torch.Tensor):
                 address = a.data_ptr()
-                key.append((a.dtype, a.is_cuda, address % 16 == 0))
+                dtype, cuda = a.dtype, a.is_cuda
+                key.append((dtype, cuda, address % 16 == 0))
+                specs.append((dtype, cuda, address))
                 args[i] = address
             elif type(a) is int:
                 key.append((a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), a >= (1 << 63)))
+                specs.append((None, None, a))
                 args[i] = a
             else:
                 raise TypeError(f"{self.jit.__name__}: argument {i} must be a tensor or an int, got {type(a).__name__}")
@@ -219,8 +222,7 @@ class DirectKernel:
         call, prefix = variant
         full = (*prefix, *args, *self.tail)
         if len(values) == len(self.free):
-            self.last = (tuple((a.dtype, a.is_cuda, args[i]) if isinstance(a, torch.Tensor) else (None, None, a)
-                               for i, a in zip(self.free, values)), call, full)
+            self.last = (tuple(specs), call, full)
         g0, g1, g2 = self.grid
         call(g0, g1, g2, self.current_stream(self.device), *full)
 
