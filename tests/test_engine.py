@@ -244,6 +244,22 @@ def test_bad_requests_raise_before_running(llama):
     assert engine.generate([[1, 2]], 0, 8) == [[]]
 
 
+def test_add_requests_queues_all_or_none(llama):
+    """zip dropped the prompts past the last params; a float token was truncated into another one;
+    only a ValueError took the earlier prompts back out of the queue."""
+    from compileattn.engine import SamplingParams
+
+    engine = engine_for(llama)
+    params = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ValueError, match="1 SamplingParams for 3 prompts"):
+        engine.add_requests([params], [[1], [2], [3]])
+    with pytest.raises(TypeError, match=r"prompt tokens must be ints, got float 2\.7"):
+        engine.add_request([1, 2.7])
+    with pytest.raises(TypeError, match=r"^prompts\[1\]: prompt tokens must be ints, got NoneType"):
+        engine.add_requests([params] * 2, [[1, 2], [None]])
+    assert not engine.has_unfinished()
+
+
 def test_bad_engine_arguments_raise(llama):
     with pytest.raises(TypeError, match="dtype"):
         engine_for(llama, dtype=torch.float16)

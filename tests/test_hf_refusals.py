@@ -102,6 +102,20 @@ def test_string_prompts_use_the_directory_tokenizer(tmp_path):
         no_tokenizer.generate("Hello")
 
 
+@pytest.mark.parametrize("arguments, refused", [
+    (dict(num_blocks=0), "num_blocks must be a positive int, got 0"),
+    (dict(block_size=0), "block_size must be a positive int, got 0"),
+    (dict(max_model_len=0), "max_model_len must be a positive int, got 0"),
+    (dict(max_model_len=-5), "max_model_len must be a positive int, got -5"),
+    (dict(attention_backend="bogus"), r"attention_backend='bogus' is unknown"),
+])
+def test_bad_llm_arguments_are_named_before_the_model_loads(tmp_path, arguments, refused):
+    """They divided by zero in the KV budget's log line, or were reported as a model the backends
+    cannot serve."""
+    with pytest.raises(ValueError, match=refused):
+        ca.LLM(str(tmp_path / "not-loaded"), compile_config=None, **arguments)
+
+
 def test_bad_generate_arguments_raise_before_running(tmp_path):
     llm = ca.LLM(str(save_family("qwen3", tmp_path / "q")), compile_config=None, num_blocks=16, block_size=4)
     with pytest.raises(ValueError, match="temperature"):

@@ -149,6 +149,19 @@ def test_plan_problems_are_refused_with_the_reason():
         shard_model(nn.Sequential(nn.Linear(4, 4)), tp=fake_tp(0, 2))
 
 
+def test_a_refused_plan_leaves_the_model_as_it_was():
+    """The layers before the one that does not divide were sharded before the refusal; a second
+    attempt then failed on the half-sharded model."""
+    model = LlamaForCausalLM(LlamaConfig.tiny(intermediate_size=130), seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.\w+ \(\w+\): \d+ rows cannot be split evenly over "
+                                         r"4 ranks"):
+        shard_model(model, tp=fake_tp(0, 4))
+    assert set(before) == set(model.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(isinstance(m, RowParallelLinear) for m in model.modules())
+
+
 def test_one_rank_leaves_the_model_alone():
     model = LlamaForCausalLM(LlamaConfig.tiny(), seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -109,6 +109,7 @@ def _log_fallback_once(src: str, dst: str, reason: str) -> None:
 
 
 def _candidates(requested: str | AttentionBackend, regime: str) -> list[str | AttentionBackend]:
+    check_backend_name(requested, "backend")
     if isinstance(requested, AttentionBackend):  # an instance (tests and sweeps tune one)
         start = FALLBACK_ORDER.index(requested.name) + 1 if requested.name in FALLBACK_ORDER else 0
         return [requested, *FALLBACK_ORDER[start:]]

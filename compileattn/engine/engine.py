@@ -7,6 +7,7 @@ sizing and result objects on top of it.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -62,6 +63,13 @@ class _Launched:
     num_padded: int
 
 
+def check_positive_ints(**values) -> None:
+    """Each value a positive int (not a bool), or a ValueError naming it."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 class Engine:
     """Continuous batching over a paged KV cache: chunked prefills mixed with decodes under a
     per-step token budget, blocks allocated as sequences grow, preemption by recompute when they
@@ -108,10 +116,8 @@ class Engine:
                 raise ValueError(f"attention_backend={attention_backend!r} contradicts "
                                  f"compile_config.attention_backend={compile_config.attention_backend!r}")
             attention_backend = compile_config.attention_backend
-        for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
-                            ("max_num_tokens", max_num_tokens), ("max_num_seqs", max_num_seqs)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(block_size=block_size, num_blocks=num_blocks, max_num_tokens=max_num_tokens,
+                            max_num_seqs=max_num_seqs)
         param = next(model.parameters())
         self.model = model
         self.dtype = param.dtype if dtype is None else dtype
@@ -210,7 +216,11 @@ class Engine:
             params = SamplingParams(max_new_tokens=16 if max_new_tokens is None else max_new_tokens)
         elif max_new_tokens is not None:
             raise ValueError("pass max_new_tokens inside params, not both")
-        prompt = [int(t) for t in prompt]
+        try:  # int() would truncate a float into another token
+            prompt = [operator.index(t) for t in prompt]
+        except TypeError:
+            bad = next(t for t in prompt if not hasattr(type(t), "__index__"))
+            raise TypeError(f"prompt tokens must be ints, got {type(bad).__name__} {bad!r}") from None
         if not prompt:
             raise ValueError("prompt must have at least one token")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -375,14 +385,17 @@ class Engine:
     def add_requests(self, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]]) -> list[int]:
         """Queue several prompts, all or none: on a bad prompt the ones queued before it are dropped
         and the ValueError names the prompt's index."""
+        params, prompts = list(params), list(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         ids: list[int] = []
         try:
             for p, prompt in zip(params, prompts):
                 ids.append(self.add_request(prompt, params=p))
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             for i in ids:
                 req = self._requests.pop(i)
                 if req in self.scheduler.waiting:
                     self.scheduler.waiting.remove(req)
-            raise ValueError(f"prompts[{len(ids)}]: {exc}") from None
+            raise type(exc)(f"prompts[{len(ids)}]: {exc}") from None
         return ids

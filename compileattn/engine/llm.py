@@ -18,7 +18,7 @@ import torch
 
 from ..config import CompileConfig
 from . import kv_budget
-from .engine import Engine
+from .engine import Engine, check_positive_ints
 from .request import FinishReason, Request, SamplingParams
 
 logger = logging.getLogger("compileattn")
@@ -118,6 +118,14 @@ class LLM:
                  enable_prefix_caching: bool = False):
         if kv_cache_memory is not None and num_blocks is not None:
             raise ValueError("pass kv_cache_memory or num_blocks, not both")
+        # Before anything is loaded or sized with them (a 0 divided the KV budget's log line).
+        check_positive_ints(block_size=block_size, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            **{k: v for k, v in (("num_blocks", num_blocks), ("max_model_len", max_model_len))
+                               if v is not None})
+        from ..backends.selector import check_backend_name
+
+        check_backend_name(attention_backend)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:

@@ -49,7 +49,6 @@ class _Attention:
     head_dim: int
     #: child name -> role: "q", "k", "v", "qkv" (fused) or "o"
     roles: dict[str, str]
-    sharded: set[str] = dataclasses.field(default_factory=set)
 
 
 def _pattern(pattern: str) -> re.Pattern:
@@ -138,6 +137,9 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
              for path, attn in attentions.items() for child, role in attn.roles.items()}
     patterns = [(_pattern(p), p, style) for p, style in plan.items()]
     matched = {p: 0 for p in plan}
+    # Every module's share is worked out (and a plan that does not fit refused) before any module
+    # changes: a refusal halfway left the caller's model half-sharded.
+    shares = []
     for name, module in list(root.named_modules()):
         hits = [(p, style) for rx, p, style in patterns if rx.fullmatch(name)]
         if not hits:
@@ -151,30 +153,41 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
         if type(module) is not nn.Linear:
             raise TypeError(f"{name} ({type(module).__name__}) is planned {style!r}; only nn.Linear can be sharded")
         attn, role = owner.get(name, (None, None))
-        if style == "colwise":
-            shard_columns_out(module, _rows(role, module, attn, tp.rank, tp.world_size))
-        elif style == "packed_colwise":
-            half = module.out_features // 2
-            if role is not None or module.out_features % 2:
-                raise ValueError(f"{name}: packed_colwise needs a fused projection of two equal halves (gate|up)")
-            shard_columns_out(module, torch.cat([even_rows(half, tp.rank, tp.world_size),
-                                                 even_rows(half, tp.rank, tp.world_size, half)]))
-        else:  # rowwise
-            parent, _, child = name.rpartition(".")
-            replacement = row_parallel(module, _columns(role, module, attn, tp.rank, tp.world_size), tp.group_name)
-            setattr(root.get_submodule(parent) if parent else root, child, replacement)
-        if attn is not None:
-            attn.sharded.add(name.rpartition(".")[2])
+        try:
+            if style == "colwise":
+                share = _rows(role, module, attn, tp.rank, tp.world_size)
+            elif style == "packed_colwise":
+                half = module.out_features // 2
+                if role is not None or module.out_features % 2:
+                    raise ValueError("packed_colwise needs a fused projection of two equal halves (gate|up)")
+                share = torch.cat([even_rows(half, tp.rank, tp.world_size),
+                                   even_rows(half, tp.rank, tp.world_size, half)])
+            else:  # rowwise
+                share = _columns(role, module, attn, tp.rank, tp.world_size)
+        except ValueError as exc:
+            raise ValueError(f"{name} ({style}): {exc}") from None
+        shares.append((name, module, style, attn, share))
     missing = [p for p, n in matched.items() if n == 0 and plan[p] not in _NOOP_STYLES]
     if missing:
         raise ValueError(f"plan entries matched no module: {missing}")
+    planned: dict[str, set] = {}
+    for name, _, _, attn, _ in shares:
+        if attn is not None:
+            planned.setdefault(attn.path, set()).add(name.rpartition(".")[2])
     for attn in attentions.values():
-        if not attn.sharded:
-            continue
-        if attn.sharded != set(attn.roles):
-            raise ValueError(f"{attn.path}: the plan shards {sorted(attn.sharded)} but not "
-                             f"{sorted(set(attn.roles) - attn.sharded)}; an attention's projections shard together")
-        _localize(attn)
+        roles = planned.get(attn.path)
+        if roles and roles != set(attn.roles):
+            raise ValueError(f"{attn.path}: the plan shards {sorted(roles)} but not "
+                             f"{sorted(set(attn.roles) - roles)}; an attention's projections shard together")
+    for name, module, style, attn, share in shares:
+        if style == "rowwise":
+            parent, _, child = name.rpartition(".")
+            setattr(root.get_submodule(parent) if parent else root, child, row_parallel(module, share, tp.group_name))
+        else:
+            shard_columns_out(module, share)
+    for attn in attentions.values():
+        if attn.path in planned:
+            _localize(attn)
     model.tp_shard = (tp.rank, tp.world_size)
     return model
 
