@@ -367,20 +367,39 @@ def test_llm_with_prefix_caching_equals_hf_generate_across_calls(tmp_path, caplo
     assert f"prefix cache: {hits} of {sum(map(len, prompts))} looked-up tokens hit" in caplog.text
 
 
-def test_sampling_params_and_stop_tokens_are_unchanged_by_caching(llama):
+def test_seeded_sampling_is_unchanged_by_caching_and_batching(llama):
+    """Seeded requests draw the same tokens with the cache on and off, one at a time or batched:
+    cache hits and batching move a request to other steps and rows, not to other draws."""
     prompts = shared_prompts(15, [3, 1, 6])
-    params = [SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.8)] * len(prompts)
+    params = [SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.8, seed=100 + i) for i in range(3)]
 
-    def sampled(caching):
-        engine = engine_for(llama, caching=caching, max_num_seqs=1)
-        engine.generator.manual_seed(5)
+    def sampled(caching, max_num_seqs):
+        engine = engine_for(llama, caching=caching, max_num_seqs=max_num_seqs)
         ids = engine.add_requests(params, prompts)
         while engine.has_unfinished():
             engine.step(16)
         return [engine.pop_request(i).output for i in ids], engine.prefix_cache_stats.hit_tokens
 
-    (off, _), (on, hits) = sampled(False), sampled(True)
-    assert on == off and hits > 0
+    (off, _), (on, hits), (on_batched, _) = sampled(False, 1), sampled(True, 1), sampled(True, 3)
+    assert on == off == on_batched and hits > 0
+    greedy = generate(engine_for(llama, caching=False), prompts, new=6, budget=16)
+    assert off != greedy  # the draws were not all the argmax
+
+
+def test_a_seeded_generate_repeats_with_prefix_caching():
+    """The LLM's seed gives every prompt its own stream: a second call, served from the prefix
+    cache the first one filled, draws the same tokens; another seed draws others."""
+    llm = ca.LLM(LlamaForCausalLM(LlamaConfig.tiny()), compile_config=None, num_blocks=64, block_size=BS,
+                 max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    prompts = shared_prompts(16, [2, 5, 3, 2])
+    kw = dict(temperature=1.0, top_p=0.95, use_tqdm=False)
+    first = [o.token_ids for o in llm.generate(prompts, 8, seed=7, **kw)]
+    hits = llm.engine.prefix_cache_stats.hit_tokens
+    assert [o.token_ids for o in llm.generate(prompts, 8, seed=7, **kw)] == first
+    assert llm.engine.prefix_cache_stats.hit_tokens > hits
+    assert [o.token_ids for o in llm.generate(prompts, 8, seed=8, **kw)] != first
+    with pytest.raises(TypeError, match="seed"):
+        llm.generate(prompts, 8, seed=7.0, **kw)
 
 
 def test_requests_arriving_together_compute_their_prefix_once(llama):

@@ -1,26 +1,61 @@
-"""The engine's sampler: greedy rows, temperature, top-p, seeding, batched in one call."""
+"""The engine's sampler: greedy rows, temperature, top-p, per-request seeded draws, batched in one call."""
 import pytest
 import torch
 
 from compileattn.engine.request import SamplingParams
-from compileattn.engine.sampler import sample
+from compileattn.engine.sampler import sample, sampling_key, uniform
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
 
 
 def draws(n, temperature, top_p, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return sample(LOGITS.expand(n, -1).clone(), [temperature] * n, [top_p] * n, gen)
+    """n requests seeded together, each drawing its first token."""
+    uniforms = [uniform(sampling_key(seed, i), 0) for i in range(n)]
+    return sample(LOGITS.expand(n, -1).clone(), [temperature] * n, [top_p] * n, uniforms)
 
 
-def test_greedy_rows_take_the_argmax_and_draw_nothing():
+def test_greedy_rows_take_the_argmax():
     logits = torch.randn(6, 50)
-    gen = torch.Generator().manual_seed(0)
-    state = gen.get_state()
-    assert sample(logits, [0.0] * 6, [1.0] * 6, gen).tolist() == logits.argmax(-1).tolist()
-    assert torch.equal(gen.get_state(), state)
-    mixed = sample(logits, [0.0, 1.0] * 3, [1.0] * 6, gen)
+    assert sample(logits, [0.0] * 6, [1.0] * 6, [0.5] * 6).tolist() == logits.argmax(-1).tolist()
+    mixed = sample(logits, [0.0, 1.0] * 3, [1.0] * 6, [0.999] * 6)
     assert mixed[0::2].tolist() == logits[0::2].argmax(-1).tolist()
+
+
+def test_a_row_takes_the_token_where_its_cumulative_distribution_passes_its_uniform():
+    probs = torch.tensor([0.1, 0.0, 0.3, 0.6])
+    logits = probs.log().expand(7, -1).clone()
+    got = sample(logits, [1.0] * 7, [1.0] * 7, [0.0, 0.05, 0.11, 0.25, 0.39, 0.41, 0.99]).tolist()
+    assert got == [0, 0, 2, 2, 2, 3, 3]  # never token 1, of probability 0
+
+
+def test_no_uniform_reaches_a_token_of_probability_zero():
+    """Top-p removes the tail; uniforms at the very top of [0, 1) still land on kept tokens, and
+    so does 1.0 (which ``uniform`` never gives): it stands for a target rounded past the last
+    kept token's sum, or a GPU scan whose sums dip by an ulp."""
+    torch.manual_seed(0)
+    top = 1.0 - 2.0 ** -53
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: ties in the sorted probabilities
+        logits = torch.randn(64, 1000).to(dtype).float()
+        logits[:, 500:] = -float("inf")  # half the vocabulary impossible
+        uniforms = [top, 1 - 1e-9, 1.0, 0.0] * 16
+        picked = sample(logits, [1.0] * 64, [0.7] * 64, uniforms)
+        probs = torch.softmax(logits, -1)
+        kept = probs.sort(-1, descending=True)
+        mass_above = kept.values.cumsum(-1) - kept.values
+        allowed = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, kept.indices, mass_above < 0.7)
+        assert allowed.gather(1, picked.unsqueeze(1)).all()
+
+
+def test_uniforms_are_uniform_and_independent_across_keys_and_tokens():
+    us = torch.tensor([uniform(sampling_key(3, i), k) for i in range(200) for k in range(100)], dtype=torch.float64)
+    assert 0 <= us.min() and us.max() < 1
+    counts = torch.histc(us, bins=20, min=0, max=1)
+    assert ((counts - 1000).abs() < 150).all(), counts  # 1000 +- ~32 per bin
+    grid = us.view(200, 100)
+    for a, b in ((grid[:, :-1], grid[:, 1:]), (grid[:-1], grid[1:])):  # next token, next request
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < 0.05
+    assert sampling_key(3, 0) != sampling_key(4, 0) and sampling_key(3, 0) != sampling_key(3, 1)
+    assert sampling_key(None) != sampling_key(None)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
@@ -43,6 +78,18 @@ def test_a_seed_repeats_its_draws():
     assert not torch.equal(draws(64, 1.0, 0.9, seed=3), draws(64, 1.0, 0.9, seed=4))
 
 
+def test_a_rows_draw_does_not_depend_on_its_batch():
+    """The same request's uniform gives the same token alone and among other rows, wherever it sits."""
+    torch.manual_seed(1)
+    logits = torch.randn(9, 300)
+    uniforms = [uniform(sampling_key(11, i), 4) for i in range(9)]
+    together = sample(logits, [0.8] * 9, [0.95] * 9, uniforms).tolist()
+    alone = [sample(logits[i:i + 1], [0.8], [0.95], uniforms[i:i + 1]).item() for i in range(9)]
+    order = [4, 0, 8, 2, 6, 1, 7, 3, 5]
+    shuffled = sample(logits[order], [0.8] * 9, [0.95] * 9, [uniforms[i] for i in order]).tolist()
+    assert together == alone == [shuffled[order.index(i)] for i in range(9)]
+
+
 def test_sampling_params_are_validated():
     for bad in (dict(max_new_tokens=-1), dict(temperature=-0.1), dict(temperature=float("nan")),
                 dict(top_p=0.0), dict(top_p=1.5)):
@@ -50,3 +97,27 @@ def test_sampling_params_are_validated():
             SamplingParams(**bad)
     with pytest.raises(TypeError):
         SamplingParams(stop_token_ids=["a"])
+    for bad_seed in (1.5, "3", True):
+        with pytest.raises(TypeError, match="seed"):
+            SamplingParams(seed=bad_seed)
+
+
+@pytest.mark.cuda
+def test_cuda_draws_equal_the_cpus_and_keep_to_the_nucleus():
+    """The CUDA sampler (a parallel float64 scan, batched searchsorted) picks the CPU's tokens for
+    the same logits and uniforms, and never a token top-p removed."""
+    torch.manual_seed(2)
+    logits = torch.randn(256, 32000) * 3
+    uniforms = [uniform(sampling_key(5, i), 0) for i in range(255)] + [1.0]
+    temperatures = [0.7] * 128 + [1.3] * 127 + [1.0]
+    top_ps = [0.9, 1.0] * 128
+    on_cpu = sample(logits, temperatures, top_ps, uniforms)
+    on_gpu = sample(logits.cuda(), temperatures, top_ps, uniforms)
+    assert on_gpu.device.type == "cuda"
+    assert (on_gpu.cpu() == on_cpu).float().mean() > 0.99  # a boundary within rounding may differ
+    probs = torch.softmax(logits / torch.tensor(temperatures).unsqueeze(1), -1)
+    kept = probs.sort(-1, descending=True)
+    mass_above = kept.values.cumsum(-1) - kept.values
+    allowed = torch.zeros_like(probs, dtype=torch.bool).scatter_(
+        1, kept.indices, mass_above < torch.tensor(top_ps).unsqueeze(1))
+    assert allowed.gather(1, on_gpu.cpu().unsqueeze(1)).all()

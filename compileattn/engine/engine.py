@@ -17,7 +17,7 @@ from ..metadata import AttentionMetadata, SequenceStep
 from .block_allocator import BlockAllocator
 from .model_runner import ModelRunner, PreparedStep
 from .request import Request, SamplingParams
-from .sampler import sample
+from .sampler import sample, uniform
 from .scheduler import PrefixCacheStats, ScheduledStep, Scheduler
 
 if TYPE_CHECKING:
@@ -152,8 +152,6 @@ class Engine:
                 and compile_config.resolved_cudagraph_mode(self.device.type) != "none"):
             # Captured now, so no served step pays for a capture.
             self.runner.capture_cuda_graphs(compile_config.capture_sizes, max_num_seqs)
-        #: Draws of sampled (temperature > 0) rows; ``generate(seed=...)`` reseeds it.
-        self.generator = torch.Generator(device=self.device)
         self._requests: dict[int, Request] = {}
         self._next_id = 0
         #: Page-locked host buffer the sampled tokens are copied into (CUDA), made on first use.
@@ -320,8 +318,11 @@ class Engine:
             if sampler is not None:
                 tokens = [int(t) for t in sampler(logits, [r.seq_id for r in reqs])]
             else:
-                on_device = sample(logits, [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
-                                   self.generator)
+                temperatures = [r.params.temperature for r in reqs]
+                # A request's k-th output token draws its k-th uniform; k counts a pending token too.
+                uniforms = [uniform(r.sampling_key, r.num_output_tokens + r.num_pending) if t else 0.0
+                            for r, t in zip(reqs, temperatures)]
+                on_device = sample(logits, temperatures, [r.params.top_p for r in reqs], uniforms)
                 tokens, copied = self._to_host(on_device)
         for req, seq in zip(sched.requests, sched.seqs):
             req.num_computed += seq.query_len

@@ -20,6 +20,7 @@ from ..config import CompileConfig
 from . import kv_budget
 from .engine import Engine, check_positive_ints
 from .request import FinishReason, Request, SamplingParams
+from .sampler import sampling_key
 
 logger = logging.getLogger("compileattn")
 
@@ -251,8 +252,10 @@ class LLM:
                  seed: int | None = None, stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (a string, needing a tokenizer, or a list of token ids);
-        results in prompt order. ``max_new_tokens`` may be one per prompt. ``seed`` seeds the
-        sampling of ``temperature`` > 0 (None: a fresh random seed)."""
+        results in prompt order. ``max_new_tokens`` may be one per prompt. ``seed`` fixes the
+        sampling of ``temperature`` > 0: prompt i draws with the seed ``sampling_key(seed, i)``, so
+        a call repeats its tokens, prefix caching, batch sizes and preemptions notwithstanding
+        (None: random draws)."""
         if isinstance(prompts, torch.Tensor):
             raise TypeError("prompts must be a string, a list of token ids or a list of those, got a Tensor "
                             "(pass tensor.tolist())")
@@ -266,16 +269,16 @@ class LLM:
         lengths = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(lengths) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(lengths)} entries for {len(prompts)} prompts")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
         params = [SamplingParams(max_new_tokens=n, temperature=temperature, top_p=top_p,
-                                 stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos) for n in lengths]
+                                 stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
+                                 seed=None if seed is None else sampling_key(seed, i))
+                  for i, n in enumerate(lengths)]
         token_prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
         engine = self.engine
         if engine.has_unfinished():
             raise RuntimeError("the engine has unfinished requests from an interrupted call; create a new LLM")
-        if seed is None:
-            engine.generator.seed()
-        else:
-            engine.generator.manual_seed(seed)
         if self.tp is not None and not self.tp.is_driver:
             engine.serve()  # rank 0's steps, until its generate ends
             result = self.tp.broadcast_object(None)

@@ -6,21 +6,26 @@ import math
 import time
 from typing import Literal, Sequence
 
+from .sampler import sampling_key
+
 FinishReason = Literal["length", "stop"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded. ``temperature`` 0 is greedy; ``top_p`` < 1 samples from the
-    smallest set of tokens whose probability reaches ``top_p``. A request stops after
-    ``max_new_tokens``, or at an EOS token (unless ``ignore_eos``) or one of ``stop_token_ids``;
-    the token that stopped it is the last of its output."""
+    smallest set of tokens whose probability reaches ``top_p``. ``seed`` (an int) fixes the
+    request's draws: the same seed, prompt and parameters give the same tokens whatever else the
+    engine serves beside it (None: random draws). A request stops after ``max_new_tokens``, or at
+    an EOS token (unless ``ignore_eos``) or one of ``stop_token_ids``; the token that stopped it is
+    the last of its output."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
@@ -29,6 +34,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
         stop = tuple(self.stop_token_ids)
         if any(not isinstance(t, int) or isinstance(t, bool) for t in stop):
             raise TypeError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
@@ -53,6 +60,8 @@ class Request:
     num_prompt_tokens: int
     params: SamplingParams
     stop_ids: frozenset[int]
+    #: The key its sampled tokens are drawn with (``sampler.uniform``): from ``params.seed``, else random.
+    sampling_key: int
     num_computed: int = 0
     #: Tokens sampled by a launched step whose values have not reached the host yet (0 or 1):
     #: the engine schedules the next step while the previous one runs on the device.
@@ -78,7 +87,7 @@ class Request:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(eos_token_ids)
-        req = cls(seq_id, list(prompt), len(prompt), params, frozenset(stop))
+        req = cls(seq_id, list(prompt), len(prompt), params, frozenset(stop), sampling_key(params.seed))
         if params.max_new_tokens == 0:
             req.finish_reason = "length"
         return req

@@ -1,22 +1,54 @@
 """Next tokens from a step's logits, on the logits' device, one batch per step.
 
 Greedy rows take the argmax. Sampled rows draw from softmax(logits / temperature), restricted to
-the top-p nucleus, by the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with
-probability p_i, and needs one batched draw instead of a cumulative sum per row. The draw uses
-the engine's ``torch.Generator``, so a seeded ``generate`` repeats its tokens exactly; the stream
-is consumed per step, so the same seed gives the same tokens for the same prompts and engine
-settings (the steps, and so the draws, follow from those).
+the top-p nucleus, by inverse-transform sampling: the token where the row's cumulative
+distribution first exceeds a uniform ``u``. Each request brings its own ``u`` for its k-th output
+token, a hash of (the request's sampling key, k) computed on the host (``uniform``). So a
+request's tokens depend on its seed and its logits only, not on the step or row it is drawn in:
+batch composition, prefix-cache hits, preemptions and ``max_num_seqs`` all move those, and a draw
+from one shared generator stream per step repeated only when none of them changed. One number per
+row is also the whole draw (no (rows, vocab) noise tensor); a cumulative sum and one binary search
+per row do the rest.
+
+The cumulative sum is float64: float32 loses ~1e-5 of the mass over a 128k vocabulary, more than
+a rare token's probability. Float64 needs a device that has it (CPU and CUDA do).
 """
 from __future__ import annotations
 
+import secrets
 from typing import Sequence
 
 import torch
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit ints whose output bits each depend on every input bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sampling_key(seed: int | None, index: int = 0) -> int:
+    """The 64-bit key of a request's draws: from ``seed`` (any int) and the request's ``index``
+    among those one seed serves, so prompts seeded together draw independently; None: random."""
+    if seed is None:
+        return secrets.randbits(64)
+    return _mix64((_mix64(seed & _MASK64) + (index + 1) * _GOLDEN64) & _MASK64)
+
+
+def uniform(key: int, k: int) -> float:
+    """The uniform in [0, 1) of a request's ``k``-th output token: splitmix64's ``k``-th output
+    from the state ``key``, 53 bits."""
+    return (_mix64((key + (k + 1) * _GOLDEN64) & _MASK64) >> 11) * 2.0 ** -53
+
 
 def sample(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence[float],
-           generator: torch.Generator | None) -> torch.Tensor:
-    """logits fp32 (N, vocab); one temperature and top-p per row -> token ids (N,) int64, on the device."""
+           uniforms: Sequence[float]) -> torch.Tensor:
+    """logits fp32 (N, vocab); per row a temperature, a top-p and a uniform in [0, 1) (read only
+    where the temperature is > 0) -> token ids (N,) int64, on the device."""
     greedy = logits.argmax(dim=-1)
     if not any(temperatures):
         return greedy
@@ -30,6 +62,11 @@ def sample(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence
         # top_p, and always the most likely token.
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    sampled = (probs / race).argmax(dim=-1)
-    return torch.where(temp == 0, greedy, sampled)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    u = torch.tensor(uniforms, dtype=torch.float64).to(device, non_blocking=True)
+    target = u.unsqueeze(1) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(probs.shape[-1] - 1)
+    # The first cdf entry above the target has probability > 0, unless rounding put the target at
+    # the top or a parallel scan's sums dip by an ulp: the row's most likely token stands in then.
+    picked = torch.where(probs.gather(1, picked.unsqueeze(1)).squeeze(1) > 0, picked, greedy)
+    return torch.where(temp == 0, greedy, picked)
