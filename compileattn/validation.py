@@ -295,6 +295,22 @@ def check_kvcache_values(k_cache, cache_seqlens: torch.Tensor, seqlen_new: int, 
             raise ValueError(f"block_table row {b} has an entry outside [0, {num_blocks})")
 
 
+def check_append_slots(slots: torch.Tensor, page: int) -> None:
+    """No two appended tokens of ``flash_attn_with_kvcache`` land in one cache slot: (batch,
+    seqlen_new) slots from ``block_table`` and ``cache_seqlens``; the error names the sequences
+    (the flat slot list the write gets is internal)."""
+    flat = slots.reshape(-1)
+    values, counts = flat.unique(return_counts=True)
+    if not (counts > 1).any():
+        return
+    slot = int(values[counts > 1][0])
+    hits = (slots == slot).nonzero().tolist()
+    (b1, j1), (b2, j2) = hits[0], hits[1]
+    raise ValueError(f"new token {j1} of sequence {b1} and new token {j2} of sequence {b2} would both be written "
+                     f"to row {slot % page} of block {slot // page}: their block_table rows share a block that "
+                     f"cache_seqlens appends into (which value lands there would depend on the write order)")
+
+
 def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_values: bool = True,
                         k_scale=None, v_scale=None) -> None:
     """Caches in key's dtype, or float8_e4m3fn with ``k_scale``/``v_scale`` to quantize with."""

@@ -303,7 +303,7 @@ BAD = [
     (dict(block_table=torch.zeros(2, 3, dtype=torch.int32)), ValueError, "^block_table has 2 rows"),
     (dict(block_table=torch.full((3, 3), 99, dtype=torch.int32)), ValueError, "^block_table row 0 has an entry"),
     (dict(block_table=torch.zeros(3, 3, dtype=torch.int32), cache_seqlens=torch.tensor([9, 9, 0], dtype=torch.int32)),
-     ValueError, "writes slot 9 more than once"),
+     ValueError, "^new token 0 of sequence 0 and new token 0 of sequence 1 would both be written to row 9 of block 0"),
     (dict(block_table=None, k_cache=torch.randn(2, 40, 2, 64), v_cache=torch.randn(2, 40, 2, 64)), ValueError,
      "^k_cache holds 2 sequences for a batch of 3"),
     (dict(alibi_slopes=torch.ones(8, dtype=torch.float64)), TypeError, "^alibi_slopes must be float32"),
