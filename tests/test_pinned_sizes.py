@@ -17,6 +17,7 @@ import compileattn as ca
 from compileattn import counters
 from compileattn.compilation import artifact
 from compileattn.compilation.pinned_sizes import PinnedSizes, pin_other_sizes
+from compileattn.compilation.size_reads import SizeRead
 
 #: (x rows: the token count, y rows: the second dynamic size); y = 3 is the first call's. The
 #: second call's replay checks the graph's inputs once; the third, with another y, is the one a
@@ -131,7 +132,7 @@ def test_pinned_sizes_survive_the_artifact(simulated_graphs):
     torch._dynamo.mark_dynamic(y, 0)
     torch.compile(two_sums, backend=backend, fullgraph=True)(x, y)
     pinned = captured[0].compiled.pinned
-    assert [(kind, value) for _, kind, _, value, _ in pinned.sizes] == [("shape", 3)]
+    assert [(read, value) for _, read, value, _ in pinned.sizes] == [(SizeRead("shape", 0), 3)]
     assert artifact.loads(artifact.dumps(captured[0])).compiled.pinned == pinned
 
 

@@ -18,6 +18,7 @@ from compileattn.compilation import compile_pool
 from compileattn.compilation.backend import compileattn_backend
 from compileattn.compilation.decorator import RecompileError
 from compileattn.compilation.size_guards import SizeGuards, UncheckableGuard
+from compileattn.compilation.size_reads import SizeRead
 
 #: Inductor's C++ summation keeps its accuracy helper off up to this many terms, and guards on it.
 CPU_SUM_CHUNK = 4096
@@ -172,34 +173,32 @@ def test_a_cached_piece_keeps_the_guards_an_earlier_piece_made(tmp_path):
 
 
 def test_size_guards_check_each_argument_where_the_call_passes_it():
-    guards = SizeGuards(symbols=(("s0", "x", 0), ("s1", "rest[0]", 1)), equal=(("s0", "kw['z']", 0),),
-                        guards=("s0 <= 100", "(s1 % 2) == 0"))
+    guards = SizeGuards(symbols=(("s0", "x", SizeRead("shape", 0)), ("s1", "rest[0]", SizeRead("shape", 1))),
+                        equal=(("s0", "kw['z']", SizeRead("shape", 0)),), guards=("s0 <= 100", "(s1 % 2) == 0"))
     check = guards.checker({"x": 0, "rest[0]": 1, "kw['z']": "z"}, {})
     assert check((torch.empty(5), torch.empty(3, 4)), {"z": torch.empty(5)})
     assert not check((torch.empty(5), torch.empty(3, 3)), {"z": torch.empty(5)})
     assert not check((torch.empty(5), torch.empty(3, 4)), {"z": torch.empty(6)})
     assert not check((torch.empty(101), torch.empty(3, 4)), {"z": torch.empty(101)})
-    sizes = {("x", 0): 5, ("rest[0]", 1): 3, ("kw['z']", 0): 5}
-    assert guards.explain(lambda name, dim: sizes[(name, dim)]) == (
+    call = {"x": torch.empty(5), "rest[0]": torch.empty(2, 3), "kw['z']": torch.empty(5)}
+    assert guards.explain(call.__getitem__) == (
         "rest[0]", "has rest[0].size(1) = 3, but the compiled code assumes (rest[0].size(1) % 2) == 0 (a guard of "
                    "the first call's trace or compile)")
-    sizes[("rest[0]", 1)] = 4
-    sizes[("kw['z']", 0)] = 6
-    assert guards.explain(lambda name, dim: sizes[(name, dim)])[0] == "kw['z']"
+    call.update({"rest[0]": torch.empty(2, 4), "kw['z']": torch.empty(6)})
+    assert guards.explain(call.__getitem__)[0] == "kw['z']"
     assert not SizeGuards() and SizeGuards().checker({}, {})((), {})
 
 
 def test_size_guards_read_strides_where_a_symbol_was_made_for_one():
     """A padded row's stride is a symbol of its own, which Dynamo may guard or share with a size."""
-    guards = SizeGuards(symbols=(("s0", "x", 0), ("s7", "x", ("stride", 0))), equal=(("s0", "y", ("stride", 1)),),
-                        guards=("s7 != 8",))
+    guards = SizeGuards(symbols=(("s0", "x", SizeRead("shape", 0)), ("s7", "x", SizeRead("stride", 0))),
+                        equal=(("s0", "y", SizeRead("stride", 1)),), guards=("s7 != 8",))
     check = guards.checker({"x": 0, "y": 1}, {})
     padded = torch.empty(5, 16)[:, :8]
     assert check((padded, torch.empty(4, 5).t()), {})
     assert not check((torch.empty(5, 8), torch.empty(4, 5).t()), {})
     assert not check((padded, torch.empty(4, 6).t()), {})
-    assert guards.explain(lambda name, read: {"x": padded, "y": torch.empty(4, 6).t()}[name].stride(read[1])
-                          if isinstance(read, tuple) else padded.shape[read]) == (
+    assert guards.explain({"x": padded, "y": torch.empty(4, 6).t()}.__getitem__) == (
         "y", "has y.stride(1) = 6, but the compiled code assumes it equals x.size(0) (5), as on the first call")
 
 

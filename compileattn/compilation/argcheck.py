@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .size_guards import SizeGuards, read_value
+from .size_guards import SizeGuards
 
 
 class RecompileError(RuntimeError):
@@ -355,10 +355,8 @@ class ArgChecker:
         if sizes_hold is not None and not sizes_hold(args, kwargs):
             sources = {name: src for src, name, _ in plan}
 
-            def value_at(name: str, read) -> int:
-                return read_value(self._value((sources.get(name), (name,)), args, kwargs), read)
-
-            raise recompile_error(*self._size_guards.explain(value_at))
+            raise recompile_error(*self._size_guards.explain(
+                lambda name: self._value((sources.get(name), (name,)), args, kwargs)))
         if torch.is_grad_enabled() is not self._grad_enabled:
             raise recompile_error(
                 None, f"grad mode (torch.is_grad_enabled()) changed from {self._grad_enabled} to "

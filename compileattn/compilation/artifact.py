@@ -29,7 +29,7 @@ from ..config import CompileConfig
 from ..passes.split import Piece
 from .piecewise import CompiledSplit, PieceCode
 
-FORMAT = 2
+FORMAT = 3
 
 
 class NotSaveable(RuntimeError):

@@ -23,18 +23,15 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import _torch_compat
-
-#: how a call's input carries a size, by kind
-_READ = {"shape": "args[{i}].shape[{d}]", "stride": "args[{i}].stride({d})",
-         "offset": "args[{i}].storage_offset()", "value": "args[{i}]"}
+from .size_reads import SizeRead
 
 
 @dataclass(frozen=True)
 class PinnedSizes:
-    """Each other dynamic size as (input index, kind (``_READ``), dim, the compiled call's value,
-    the input's name); ``unreadable``: symbols no input carries where a call can be read."""
+    """Each other dynamic size as (input index, where the input carries it, the compiled call's
+    value, the input's name); ``unreadable``: symbols no input carries where a call can be read."""
 
-    sizes: tuple[tuple[int, str, int, int, str], ...] = ()
+    sizes: tuple[tuple[int, SizeRead, int, str], ...] = ()
     unreadable: tuple[str, ...] = ()
 
     @property
@@ -44,7 +41,7 @@ class PinnedSizes:
 
     @property
     def values(self) -> tuple[int, ...]:
-        return tuple(v for _, _, _, v, _ in self.sizes)
+        return tuple(v for _, _, v, _ in self.sizes)
 
     def checker(self) -> Callable[[Sequence[Any]], bool] | None:
         """``check(args)``: whether a call's other sizes are the pinned ones; None when there are
@@ -53,7 +50,7 @@ class PinnedSizes:
             return lambda args: False
         if not self.sizes:
             return None
-        terms = [f"{_READ[kind].format(i=i, d=d)} == {v}" for i, kind, d, v, _ in self.sizes]
+        terms = [f"{read.code(f'args[{i}]')} == {v}" for i, read, v, _ in self.sizes]
         return eval(f"lambda args: {' and '.join(terms)}")  # noqa: S307 (built from ints only)
 
     def describe(self, args: Sequence[Any] | None = None) -> str:
@@ -61,10 +58,9 @@ class PinnedSizes:
         if self.unreadable:
             return f"symbols {', '.join(self.unreadable)} appear in no input where a call can be read"
         parts = []
-        for i, kind, d, v, name in self.sizes:
-            read = _READ[kind].format(i=i, d=d)
-            now = "" if args is None else f" (this call: {eval(read, {'args': args})})"  # noqa: S307
-            parts.append(f"{read.replace(f'args[{i}]', name)} = {v}{now}")
+        for i, read, v, name in self.sizes:
+            now = "" if args is None else f" (this call: {read.value(args[i])})"
+            parts.append(f"{read.code(name)} = {v}{now}")
         return ", ".join(parts)
 
 
@@ -73,10 +69,10 @@ def pin_other_sizes(fake_args: Sequence[Any], names: Sequence[str], token_symbol
     ``token_symbol``, at their hints (the compiled call's values, which ``compile_pool``'s static
     input specs take too), with where a call carries each: a tensor's dim, stride or storage
     offset, or an integer input, that is exactly the symbol."""
-    found: dict[Any, tuple[int, str, int, int, str]] = {}
+    found: dict[Any, tuple[int, SizeRead, int, str]] = {}
     seen: set = set()
 
-    def note(size, index: int, kind: str, dim: int) -> None:
+    def note(size, index: int, read: SizeRead) -> None:
         if isinstance(size, torch.SymFloat):
             seen.update(_torch_compat.symbol_of(size).free_symbols)  # never read back: unreadable
             return
@@ -85,20 +81,20 @@ def pin_other_sizes(fake_args: Sequence[Any], names: Sequence[str], token_symbol
         expr = _torch_compat.symbol_of(size)
         seen.update(expr.free_symbols)
         if expr.is_Symbol and expr not in found:
-            found[expr] = (index, kind, dim, _torch_compat.symbolic_size_value(size, None, 0), names[index])
+            found[expr] = (index, read, _torch_compat.symbolic_size_value(size, None, 0), names[index])
 
     # shapes first, then strides and offsets, then integer inputs: the clearest name for a symbol
     tensors = [(i, a) for i, a in enumerate(fake_args) if isinstance(a, torch.Tensor)]
     for i, a in tensors:
         for d, size in enumerate(a.shape):
-            note(size, i, "shape", d)
+            note(size, i, SizeRead("shape", d))
     for i, a in tensors:
         for d, stride in enumerate(a.stride()):
-            note(stride, i, "stride", d)
-        note(a.storage_offset(), i, "offset", 0)
+            note(stride, i, SizeRead("stride", d))
+        note(a.storage_offset(), i, SizeRead("offset"))
     for i, a in enumerate(fake_args):
         if not isinstance(a, torch.Tensor):
-            note(a, i, "value", 0)
+            note(a, i, SizeRead("value"))
     seen.discard(token_symbol)
     found.pop(token_symbol, None)
     unreadable = tuple(sorted(str(s) for s in seen - set(found)))

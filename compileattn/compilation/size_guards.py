@@ -35,6 +35,7 @@ import types
 from typing import Any, Callable, Mapping
 
 from .. import _torch_compat
+from .size_reads import SizeRead
 
 
 #: Dynamo's lower bound of a dynamic size (it specializes 0 and 1), not checked (see above).
@@ -55,23 +56,10 @@ class UncheckableGuard(RuntimeError):
     is not a dynamic argument dim, or in an expression Python cannot evaluate."""
 
 
-def _read_code(read) -> str:
-    return f".shape[{read}]" if isinstance(read, int) else f".stride({read[1]})"
-
-
-def _spelled(name: str, read) -> str:
-    return f"{name}.size({read})" if isinstance(read, int) else f"{name}.stride({read[1]})"
-
-
-def read_value(tensor, read) -> int:
-    """The value ``read`` names on a call's tensor (a size or a stride)."""
-    return tensor.shape[read] if isinstance(read, int) else tensor.stride(read[1])
-
-
 @dataclasses.dataclass(frozen=True)
 class SizeGuards:
     """``symbols``: (symbol, argument, read) of each symbol the guards use, its first place in the
-    arguments (``read``: a dim, or ``("stride", i)``); ``equal``: (symbol, argument, read) of
+    arguments (``read``: a ``SizeRead``, a dim or a stride); ``equal``: (symbol, argument, read) of
     further places Dynamo gave the same symbol; ``guards``: Python expressions over the symbols'
     names, each of which must hold.
 
@@ -99,9 +87,9 @@ class SizeGuards:
         later call."""
         if shape_env is None:
             return cls()
-        wanted = {_torch_compat.dynamo_size_source(name, dim): (name, dim)
+        wanted = {_torch_compat.dynamo_size_source(name, dim): (name, SizeRead("shape", dim))
                   for name, dims in dynamic.items() for dim in dims}
-        wanted.update({_torch_compat.dynamo_stride_source(name, i): (name, ("stride", i))
+        wanted.update({_torch_compat.dynamo_stride_source(name, i): (name, SizeRead("stride", i))
                        for name, ndim in (strided or {}).items() for i in range(ndim)})
         dims_of: dict[str, list[tuple[str, Any]]] = {}
         for symbol, sources in _torch_compat.symbol_sources(shape_env).items():
@@ -154,19 +142,19 @@ class SizeGuards:
                 return f"d[{name!r}]"
             return f"a[{src}]" if isinstance(src, int) else f"k[{src!r}]"
 
-        lines = [f"    {symbol} = {value_of(name)}{_read_code(read)}" for symbol, name, read in self.symbols]
+        lines = [f"    {symbol} = {read.code(value_of(name))}" for symbol, name, read in self.symbols]
         conditions = [f"({g})" for g in self.guards]
-        conditions += [f"({symbol} == {value_of(name)}{_read_code(read)})" for symbol, name, read in self.equal]
+        conditions += [f"({symbol} == {read.code(value_of(name))})" for symbol, name, read in self.equal]
         code = "def check(a, k):\n" + "\n".join(lines) + f"\n    return {' and '.join(conditions) or 'True'}\n"
         namespace: dict[str, Any] = {"d": dict(defaults), **_namespace()}
         exec(compile(code, "<compileattn size guards>", "exec"), namespace)  # noqa: S102 (our own comparisons)
         return namespace["check"]
 
-    def explain(self, value_at: Callable[[str, Any], int]) -> tuple[str, str]:
-        """(the first argument a broken guard names, what it assumed), given ``value_at(argument,
-        read)``, the call's value at each place a symbol is read from."""
-        values = {symbol: value_at(name, read) for symbol, name, read in self.symbols}
-        spelled = {symbol: _spelled(name, read) for symbol, name, read in self.symbols}
+    def explain(self, argument: Callable[[str], Any]) -> tuple[str, str]:
+        """(the first argument a broken guard names, what it assumed), given ``argument(name)``,
+        the call's value of each argument a symbol is read from."""
+        values = {symbol: read.value(argument(name)) for symbol, name, read in self.symbols}
+        spelled = {symbol: read.spelled(name) for symbol, name, read in self.symbols}
         for guard in self.guards:
             if not _holds(guard, values):
                 names = [s for s in values if _mentions(guard, s)]
@@ -178,8 +166,9 @@ class SizeGuards:
                 return first, (f"has {shown}, but the compiled code assumes {readable} (a guard of the first "
                                f"call's trace or compile)")
         for symbol, name, read in self.equal:
-            if values[symbol] != value_at(name, read):
-                return name, (f"has {_spelled(name, read)} = {value_at(name, read)}, but the compiled code assumes it "
+            value = read.value(argument(name))
+            if values[symbol] != value:
+                return name, (f"has {read.spelled(name)} = {value}, but the compiled code assumes it "
                               f"equals {spelled[symbol]} ({values[symbol]}), as on the first call")
         return None, "a size guard failed"
 

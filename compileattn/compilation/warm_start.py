@@ -50,7 +50,7 @@ from .size_guards import SizeGuards
 log = logging.getLogger("compileattn")
 
 #: Bumped when what is saved changes meaning.
-FORMAT = 3
+FORMAT = 4
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 
