@@ -325,6 +325,99 @@ def test_one_tensor_twice_inside_containers_must_stay_one():
     assert torch.equal(f([b, b], (b,)), summed([b, b], (b,)))
 
 
+def _eager_config():
+    return compileattn.CompileConfig(piece_compiler="eager", compile_workers=0)
+
+
+def test_a_dict_or_kwargs_in_another_key_order_raises():
+    """The trace iterated the first call's order (``d.values()``, ``**extra`` passed on): the same
+    keys in another order would get the first call's order back."""
+    def joined(x, d, **extra):
+        return torch.cat([x, *d.values(), *extra.values()])
+
+    f = compileattn.compile(dynamic_arg_dims={}, config=_eager_config())(joined)
+    x, a, b = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    assert torch.equal(f(x, {"a": a, "b": b}, p=a, q=b), joined(x, {"a": a, "b": b}, p=a, q=b))
+    with pytest.raises(RecompileError, match=r"argument 'd' key order changed from \['a', 'b'\] to \['b', 'a'\]"):
+        f(x, {"b": b, "a": a}, p=a, q=b)
+    with pytest.raises(RecompileError, match=r"argument 'extra' key order changed"):
+        f(x, {"a": a, "b": b}, q=b, p=a)
+    assert torch.equal(f(x, {"a": b, "b": a}, p=b, q=a), joined(x, {"a": b, "b": a}, p=b, q=a))
+
+
+def test_dict_and_sequence_subclasses_are_checked_item_by_item():
+    """An OrderedDict or a list subclass is a container: its items are checked like a dict's or a
+    list's (a scalar in it was specialised; one tensor twice is one graph input), and so is its type."""
+    import collections
+
+    class Pair(list):
+        pass
+
+    def scaled(x, opts, pair):
+        return x * opts["scale"] + pair[0] + pair[1]
+
+    f = compileattn.compile(dynamic_arg_dims={}, config=_eager_config())(scaled)
+    x, a, b = torch.ones(2), torch.ones(2), torch.full((2,), 10.0)
+    opts = collections.OrderedDict(scale=2.0)
+    assert torch.equal(f(x, opts, Pair([a, a])), scaled(x, opts, Pair([a, a])))
+    with pytest.raises(RecompileError, match=r"argument 'opts' item \['scale'\]: value changed from 2.0 to 3.0"):
+        f(x, collections.OrderedDict(scale=3.0), Pair([a, a]))
+    with pytest.raises(RecompileError, match=r"argument 'pair\[1\]' was the same tensor as 'pair\[0\]'"):
+        f(x, opts, Pair([a, b]))
+    with pytest.raises(RecompileError, match="argument 'opts' type changed from OrderedDict to dict"):
+        f(x, {"scale": 2.0}, Pair([a, a]))
+    with pytest.raises(RecompileError, match="argument 'pair' type changed from Pair to list"):
+        f(x, opts, [a, a])
+
+
+class _Scaled(torch.Tensor):
+    """A subclass whose ``__torch_function__`` multiplies every product by 10."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 10 if func is torch.Tensor.__mul__ else out
+
+
+def test_a_tensor_subclass_is_not_a_plain_tensor_but_a_parameter_is():
+    def doubled(x):
+        return x * 2
+
+    f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=_eager_config())(doubled)
+    x = torch.ones(3)
+    assert torch.equal(f(x), doubled(x))
+    with pytest.raises(RecompileError, match="argument 'x' was a Tensor on the first call, now a _Scaled"):
+        f(x.as_subclass(_Scaled))
+    assert torch.equal(f(nn.Parameter(torch.ones(4), requires_grad=False)), torch.full((4,), 2.0))
+
+
+def test_a_parents_forward_called_through_the_class_runs_the_instances_own_compile():
+    """``Cls.forward(self, x)`` from a subclass: each instance's compile, as ``instance.forward``
+    gives, not one shared by every instance (which would run code traced with another's attributes)."""
+    backend = CountingBackend()
+
+    @compileattn.compile(dynamic_arg_dims={"x": 0}, backend=backend)
+    class Base(nn.Module):
+        def __init__(self, scale, act):
+            super().__init__()
+            self.scale, self.act = scale, act
+
+        def forward(self, x):
+            return self.act(x) * self.scale
+
+    class Wrapped(Base):
+        def forward(self, x):
+            return Base.forward(self, x) + 1
+
+    m1, m2 = Wrapped(1.0, nn.ReLU()), Wrapped(5.0, nn.Tanh())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(m1(x), torch.relu(x) + 1)
+        torch.testing.assert_close(m2(x), torch.tanh(x) * 5 + 1)
+        torch.testing.assert_close(m1(torch.randn(5, 4)).shape, torch.Size([5, 4]))
+    assert backend.graphs == 2
+
+
 def test_changed_grad_mode_raises():
     backend = CountingBackend()
     model, _ = compiled_toy(backend, dynamic_arg_dims={"x": 0, "positions": 0})

@@ -56,11 +56,19 @@ def _layout_rules(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple:
     return tuple(rules)
 
 
+def _tensor_class(t: torch.Tensor) -> type:
+    """The class a call's tensor is checked by: a subclass's own (its ``__torch_function__`` was
+    traced, or not, into the compiled code), but a Parameter counts as a plain Tensor."""
+    cls = t.__class__
+    return torch.Tensor if cls is torch.nn.Parameter else cls
+
+
 class _TensorSpec:
-    __slots__ = ("dtype", "device", "ndim", "shape", "static", "dynamic", "requires_grad", "contiguous", "strides",
-                 "layout")
+    __slots__ = ("cls", "dtype", "device", "ndim", "shape", "static", "dynamic", "requires_grad", "contiguous",
+                 "strides", "layout")
 
     def __init__(self, t: torch.Tensor, dynamic: tuple[int, ...] = ()):
+        self.cls = _tensor_class(t)
         self.dtype = t.dtype
         self.device = t.device
         self.ndim = t.dim()
@@ -78,7 +86,7 @@ class _TensorSpec:
     def matches(self, v: Any) -> bool:
         # Ordered cheapest-first; ~1-2 µs per tensor on a slow CPU, device being the dearest.
         if (
-            not isinstance(v, torch.Tensor)
+            (v.__class__ is not self.cls and (not isinstance(v, torch.Tensor) or _tensor_class(v) is not self.cls))
             or v.dtype is not self.dtype
             or v.dim() != self.ndim
             or v.requires_grad is not self.requires_grad
@@ -111,6 +119,8 @@ class _TensorSpec:
     def explain(self, v: Any) -> str:
         if not isinstance(v, torch.Tensor):
             return f"was a Tensor on the first call, now {type(v).__name__}"
+        if _tensor_class(v) is not self.cls:
+            return f"was a {self.cls.__qualname__} on the first call, now a {type(v).__qualname__}"
         if v.dtype is not self.dtype:
             return f"dtype changed from {self.dtype} to {v.dtype}"
         if v.device != self.device:
@@ -135,8 +145,8 @@ class _TensorSpec:
         return f"Tensor{self.shape} {self.dtype} on {self.device}"
 
     def key(self) -> str:
-        return (f"T({self.dtype},{self.device},{self.ndim},{self.static},{self.dynamic},{self.requires_grad},"
-                f"{self.contiguous},{self.strides},{self.layout})")
+        return (f"T({self.cls.__module__}.{self.cls.__qualname__},{self.dtype},{self.device},{self.ndim},"
+                f"{self.static},{self.dynamic},{self.requires_grad},{self.contiguous},{self.strides},{self.layout})")
 
 
 _VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
@@ -215,7 +225,7 @@ class _SeqSpec:
         return f"{self.type.__name__} of {len(self.items)}"
 
     def key(self) -> str:
-        return f"{self.type.__qualname__}[{','.join(spec.key() for spec in self.items)}]"
+        return f"{self.type.__module__}.{self.type.__qualname__}[{','.join(spec.key() for spec in self.items)}]"
 
 
 class _DictSpec:
@@ -226,10 +236,12 @@ class _DictSpec:
         self.items = items
 
     def matches(self, v: Any) -> bool:
+        # In the first call's key order: the trace iterated it in that order (``d.values()``, a
+        # ``**kwargs`` passed on), and the compiled code keeps it.
         if type(v) is not self.type or len(v) != len(self.items):
             return False
-        for key, spec in self.items.items():
-            if key not in v or not spec.matches(v[key]):
+        for (key, spec), k in zip(self.items.items(), v):
+            if k != key or not spec.matches(v[key]):
                 return False
         return True
 
@@ -238,6 +250,9 @@ class _DictSpec:
             return f"type changed from {self.type.__name__} to {type(v).__name__}"
         if set(v) != set(self.items):
             return f"keys changed from {sorted(map(repr, self.items))} to {sorted(map(repr, v))}"
+        if list(v) != list(self.items):
+            return (f"key order changed from {list(self.items)} to {list(v)} (the compiled code iterates it in the "
+                    f"first call's order)")
         key = next(k for k, spec in self.items.items() if not spec.matches(v[k]))
         return f"item [{key!r}]: {self.items[key].explain(v[key])}"
 
@@ -245,12 +260,21 @@ class _DictSpec:
         return f"{self.type.__name__} of {len(self.items)}"
 
     def key(self) -> str:
-        return f"dict{{{','.join(f'{k!r}:{spec.key()}' for k, spec in self.items.items())}}}"
+        return (f"{self.type.__module__}.{self.type.__qualname__}"
+                f"{{{','.join(f'{k!r}:{spec.key()}' for k, spec in self.items.items())}}}")
 
 
 def _is_sequence(v: Any) -> bool:
-    """Checked item by item (``_SeqSpec``), and walked for tensors passed twice (``same_tensors``)."""
-    return type(v) in (tuple, list, torch.Size) or (isinstance(v, tuple) and hasattr(v, "_fields"))
+    """Checked item by item (``_SeqSpec``), and walked for tensors passed twice (``same_tensors``):
+    lists and tuples, their subclasses (``torch.Size``, named tuples) included, whose exact type
+    is checked as well."""
+    return isinstance(v, (tuple, list))
+
+
+def _is_mapping(v: Any) -> bool:
+    """Checked key by key (``_DictSpec``) and walked like a sequence: dicts and their subclasses
+    (``OrderedDict``, ``defaultdict``), by exact type too."""
+    return isinstance(v, dict)
 
 
 def spec_of(v: Any, dynamic: tuple[int, ...] = ()):
@@ -260,7 +284,7 @@ def spec_of(v: Any, dynamic: tuple[int, ...] = ()):
         return _ValueSpec(v)
     if _is_sequence(v):
         return _SeqSpec(v, [spec_of(x) for x in v])
-    if type(v) is dict:
+    if _is_mapping(v):
         return _DictSpec(v, {k: spec_of(x) for k, x in v.items()})
     return _TypeSpec(v)
 
@@ -277,7 +301,7 @@ def same_tensors(values: Mapping[str, Any]) -> tuple[tuple[tuple, ...], ...]:
         elif _is_sequence(v):
             for i, item in enumerate(v):
                 walk(item, (*path, i))
-        elif type(v) is dict:
+        elif _is_mapping(v):
             for key, item in v.items():
                 walk(item, (*path, key))
 
@@ -394,10 +418,25 @@ class ArgChecker:
                 raise recompile_error(name, "was passed on the first call, now missing")
             if not spec.matches(param.default):
                 raise recompile_error(name, f"now left at its default ({spec.explain(param.default)})")
+        self._check_var_keyword_order(names)
         if self._size_guards is None:
             return plan, None, same
         defaults = {name: self._sig.parameters[name].default for name in self._specs if name not in passed}
         return plan, self._size_guards.checker({name: src for src, name in names}, defaults), same
+
+
+    def _check_var_keyword_order(self, names: list) -> None:
+        """``**kw``'s keys in the first call's order: its items are checked by name, but the trace
+        iterated the dict (``kw.values()``, passed on as ``**kw``) in that order."""
+        var_kw = next((p.name for p in self._sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        if var_kw is None:
+            return
+        prefix = f"{var_kw}["
+        now = [name[len(prefix):-1] for _, name in names if name.startswith(prefix)]
+        first = [name[len(prefix):-1] for name in self._specs if name.startswith(prefix)]
+        if now != first:
+            raise recompile_error(var_kw, f"key order changed from [{', '.join(first)}] to [{', '.join(now)}] (the "
+                                          f"compiled code iterates it in the first call's order)")
 
 
 def _argument_names(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict):

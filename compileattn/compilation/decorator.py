@@ -591,6 +591,7 @@ class CompiledFunction:
         params = list(self._sig.parameters.values())
         if method is None:  # a function defined in a class body: bound when looked up on an instance
             method = bool(params) and params[0].name == "self" and "." in fn.__qualname__
+        self._method = method
         self._dynamic_arg_dims = _normalize_dynamic_arg_dims(dynamic_arg_dims, fn, self._sig, method)
         self._config = config if config is not None else CompileConfig()
         self._backend = backend
@@ -638,6 +639,11 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         if _is_compiling():  # traced by an outer torch.compile: let it inline the original
             return self._fn(*args, **kwargs)
+        if self._method and args:
+            # ``Cls.forward(instance, x)`` (a subclass's forward calling its parent's): the
+            # instance's own compile, as ``instance.forward(x)`` gets; one site for every instance
+            # would check ``self`` by type only and run code traced with another's attributes.
+            return self._bound_for(args[0])(*args[1:], **kwargs)
         return self._site.call(args, args, kwargs)
 
     def __get__(self, obj, objtype=None):

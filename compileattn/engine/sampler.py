@@ -62,7 +62,7 @@ def sample(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence
         # top_p, and always the most likely token.
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     u = torch.tensor(uniforms, dtype=torch.float64).to(device, non_blocking=True)
     target = u.unsqueeze(1) * cdf[:, -1:]
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(probs.shape[-1] - 1)
