@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import compileattn as ca
+from compileattn.compilation.cudagraph import CudaGraphAddressError
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.testing import PersistentInputs, RecordingBackend, assert_matches_eager, random_step
 
@@ -92,3 +93,25 @@ def test_shared_piece_code_is_captured_per_layer(simulated_graphs):
             n = sum(s.query_len for s in seqs)
             assert_matches_eager(model, compiled, builder, caches, seqs, _mark(make_inputs),
                                  pad_to=cfg.padded_num_tokens(n))
+
+
+@pytest.mark.parametrize("mode, decode", [("piecewise", False), ("full_and_piecewise", True)])
+def test_an_input_moved_after_the_first_replay_raises_instead_of_replaying_stale_memory(simulated_graphs, mode,
+                                                                                        decode):
+    """A graph reads its inputs where they were at capture: the first replay compares every input,
+    and every later graph step the caller's inputs (token ids, positions), so a fresh tensor passed
+    after a few replays is refused instead of answered from the old memory."""
+    model, caches, builder, make_inputs = _setup()
+    cfg = ca.CompileConfig(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, piece_compiler="eager")
+    compiled = torch.compile(model, backend=RecordingBackend(config=cfg), fullgraph=True)
+    make = _mark(make_inputs)
+    seqs = [ca.SequenceStep(1, 10 + i, [i]) for i in range(4)] if decode else \
+        [ca.SequenceStep(1, 10, [0]), ca.SequenceStep(3, 0, [1])]
+    md = builder.build(seqs, pad_to=4)
+    with ca.set_forward_context(md, caches):
+        for _ in range(3):  # capture, first replay, a later one
+            ids, pos = make(4)
+            compiled(ids, pos)
+        with pytest.raises(CudaGraphAddressError, match=r"graph input \d+ \(l_input_ids_, shape \(4,\)\) was at .* when this size's CUDA graphs were captured"):
+            compiled(ids.clone(), pos)
+        compiled(*make(4))  # the persistent buffers are still served

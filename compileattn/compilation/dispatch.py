@@ -29,6 +29,14 @@ from the compiled call's runs the dynamic-shape pieces without graphs (``pinned_
 Checks, once per step (not per layer): the graph inputs' token count equals the metadata's, and
 (once per set of KV caches) every attention layer the graph calls has a cache of its dtype and
 head shape. The compiled forward is inference-only: it runs under ``torch.no_grad()``.
+
+Addresses: a CUDA graph reads its inputs where they were at capture. ``CapturedGraph.check``
+compares every input of a graph on its first replay; after that, a graph step compares the graph
+inputs that are neither parameters nor unread by any captured graph (the caller's token ids and
+positions, buffers: a few per step, ~0.1 µs each) with where they were when the size's graphs were
+captured, and raises ``CudaGraphAddressError`` for a moved one, which every replay would otherwise
+read stale. Parameters (hundreds, ~20 µs a step to compare) are checked on the first replay only:
+updating one in place is served, replacing a parameter object after capture is not.
 """
 from __future__ import annotations
 
@@ -98,6 +106,41 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                                                                       self.static.get(piece.name, {}),
                                                                       compiled.layer_slots.get(piece.name) or None))
         self._forward = self.split_gm.forward
+        #: graph inputs (by position) a piece's graph / the full graph reads (``_inputs_read``)
+        self._read_by_pieces, self._read_by_full = self._inputs_read()
+        self._input_names = [n.name for n in self.split_gm.graph.nodes if n.op == "placeholder"]
+        #: (size, full?) -> (position, address) of its graphs' checked inputs at their capture
+        self._captured_at: dict[tuple[int, bool], tuple[tuple[int, int], ...]] = {}
+
+    def _inputs_read(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Positions of the graph inputs some piece reads (which its graph then reads by address),
+        and of those anything reads (the full graph captures all of it)."""
+        splitting = {p.name for p in self.pieces if p.is_splitting_op}
+        placeholders = [n for n in self.split_gm.graph.nodes if n.op == "placeholder"]
+        by_pieces = tuple(i for i, n in enumerate(placeholders)
+                          if any(u.op == "call_module" and u.target not in splitting for u in n.users))
+        by_full = tuple(i for i, n in enumerate(placeholders) if n.users)
+        return by_pieces, by_full
+
+    def _check_addresses(self, size: int, full: bool, args) -> None:
+        """A graph step's inputs are where its graphs were captured with them (module docstring)."""
+        key = (size, full)
+        captured = self._captured_at.get(key)
+        if captured is None:
+            if self.config.check_input_addresses:
+                read = self._read_by_full if full else self._read_by_pieces
+                self._captured_at[key] = tuple(
+                    (i, args[i].data_ptr()) for i in read
+                    if isinstance(args[i], torch.Tensor) and not isinstance(args[i], torch.nn.Parameter))
+            return
+        for i, ptr in captured:
+            if args[i].data_ptr() != ptr:
+                raise cudagraph.CudaGraphAddressError(
+                    f"size {size}: graph input {i} ({self._input_names[i]}, shape {tuple(args[i].shape)}) was at "
+                    f"0x{ptr:x} when this size's "
+                    f"CUDA graphs were captured and is now at 0x{args[i].data_ptr():x}; a replay would read the old "
+                    f"memory. Pass inputs that live in persistent buffers (slice views of one preallocated tensor), "
+                    f"or turn CUDA graphs off.")
 
     # -- saving (torch.compile(...).aot_compile calls these) -----------------------------------
 
@@ -218,9 +261,11 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         graphs = self.mode != "none" and size in self.capture_sizes
         if graphs:
             self._check_graph_owner(ctx)
+            full = (self.mode == "full_and_piecewise" and ctx is not None and ctx.metadata.is_uniform_decode
+                    and ctx.table.capturable)
+            self._check_addresses(size, full, args)
             counters.cudagraph_replays += 1
-            if (self.mode == "full_and_piecewise" and ctx is not None and ctx.metadata.is_uniform_decode
-                    and ctx.table.capturable):
+            if full:
                 return self._run_full(size, args)
         else:
             counters.eager_steps += 1
@@ -295,6 +340,8 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                 graphs.forget(size)
             if self._full is not None:
                 self._full.forget(size)
+            self._captured_at.pop((size, False), None)
+            self._captured_at.pop((size, True), None)
         if sizes:
             self.replayed = None
             counters.static_landings += len(sizes)
