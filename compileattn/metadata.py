@@ -107,13 +107,14 @@ class AttentionMetadataBuilder:
         self.buffers = PersistentBuffers(self.device)
         self.selector = KernelSelector(backend, self.device, self.buffers)
 
-    def _block_ids(self, entries: list, table_lens: list[int]) -> torch.Tensor:
+    def _block_ids(self, entries: list, table_lens: list[int]) -> tuple[torch.Tensor, array.array]:
         """Every sequence's block-table entries, concatenated, as int64, each checked to be an
         integer (a float would be truncated into another block) in range. ``array("q")`` converts
         the list in C and refuses what ``operator.index`` refuses (floats, float tensors): a
         quarter of ``torch.tensor``'s time for the 66k entries of 256 sequences of 4096 tokens. A
         bool (or a one-element integer tensor) passes as its integer value: refusing it would mean
-        looking at each entry's type, which costs as much again."""
+        looking at each entry's type, which costs as much again. Also returns the packed ints
+        (``_all_distinct`` compares those: a tensor entry hashes by identity)."""
         def out_of_range(k: int) -> ValueError:
             return ValueError(f"seqs[{_owner(table_lens, k)}].block_table entry {entries[k]} out of range "
                               f"[0, {self.num_blocks})")
@@ -128,12 +129,12 @@ class AttentionMetadataBuilder:
             raise out_of_range(next(k for k, b in enumerate(entries)
                                     if not -2 ** 63 <= operator.index(b) < 2 ** 63)) from None
         if not entries:
-            return torch.empty(0, dtype=torch.int64)
+            return torch.empty(0, dtype=torch.int64), packed
         blocks = torch.frombuffer(packed, dtype=torch.int64).clone()
         low, high = blocks.aminmax()
         if int(low) < 0 or int(high) >= self.num_blocks:
             raise out_of_range(int(((blocks < 0) | (blocks >= self.num_blocks)).nonzero()[0]))
-        return blocks
+        return blocks, packed
 
     def build(self, seqs: Sequence[SequenceStep], pad_to: int | None = None, *,
               dummy_writes: bool = False) -> AttentionMetadata:
@@ -168,7 +169,7 @@ class AttentionMetadataBuilder:
             seq_lens.append(ctx + q)
             table_lens.append(len(table))
             entries += table
-        blocks = self._block_ids(entries, table_lens)
+        blocks, packed_blocks = self._block_ids(entries, table_lens)
 
         num_actual_tokens = sum(query_lens)
         num_tokens = num_actual_tokens if pad_to is None else pad_to
@@ -208,7 +209,7 @@ class AttentionMetadataBuilder:
         real_slots = slots[:num_actual_tokens]
         # With no block twice in the step's tables, every token writes its own slot in its own
         # sequence's blocks at or past its context: neither check below can fail.
-        if not _all_distinct(entries, blocks):
+        if not _all_distinct(packed_blocks, blocks):
             if real_slots.unique().numel() != num_actual_tokens:
                 raise ValueError(f"seqs: {_duplicate_slot_message(real_slots, seq_of_token, bs)}; every token a "
                                  f"step writes needs its own cache slot (two sequences may share only blocks they "
@@ -273,12 +274,13 @@ def _index(value, name: str) -> int:
     return out
 
 
-def _all_distinct(entries: list, blocks: torch.Tensor) -> bool:
+def _all_distinct(packed: array.array, blocks: torch.Tensor) -> bool:
     """No block appears twice in the step's tables: then a sequence writes only its own blocks, at
     or past its context, each token its own slot, and nothing it writes is read as context (the
-    duplicate-slot and context checks need not run: ~100 us of a small step's build on the CPU box)."""
-    if len(entries) <= 4096:
-        return len(set(entries)) == len(entries)
+    duplicate-slot and context checks need not run: ~100 us of a small step's build on the CPU box).
+    ``packed``: the entries as ints (the caller's entries may be tensors, which hash by identity)."""
+    if len(packed) <= 4096:
+        return len(set(packed)) == len(packed)
     return torch.unique(blocks).numel() == blocks.numel()
 
 

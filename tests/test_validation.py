@@ -415,9 +415,13 @@ def test_builder_takes_numpy_and_tensor_integers():
     # one block listed twice: positions 4-5 land on rows 0-1 of block 2, the sequence's own context
     ([SequenceStep(2, 4, [2, 2])], r"seqs\[0\] writes cache slot 8 \(block 2, row 0\), which seqs\[0\] read"),
 ])
-def test_builder_refuses_writes_where_the_step_reads_context(seqs, match):
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["ints", "tensor-tables"])
+def test_builder_refuses_writes_where_the_step_reads_context(seqs, match, as_tensor):
     """The kernels write a step's K/V before they read: a write into a block some sequence reads as
-    context would change what it attends to."""
+    context would change what it attends to. A table given as a tensor (its entries hash by
+    identity, not value) is checked alike."""
+    if as_tensor:
+        seqs = [SequenceStep(s.query_len, s.context_len, torch.tensor(s.block_table)) for s in seqs]
     with pytest.raises(ValueError, match=match):
         builder().build(seqs)
 
