@@ -29,6 +29,14 @@ class ForwardContext:
     #: layer name -> ``write(key, value)``, the prepared KV-cache write
     write: dict[str, Callable[[torch.Tensor, torch.Tensor], None]]
     table: CallTable
+    #: which caches this step runs with (``caches_key``); the same object while they are the same
+    caches_key: tuple = ()
+
+
+def caches_key(kv_caches: Mapping[str, KVCache]) -> tuple:
+    """The layer names and cache objects of ``kv_caches``: a cache replaced in the same mapping
+    is another set of caches (its prepared calls, checks and captured graphs belong to the old one)."""
+    return tuple(kv_caches), tuple(kv_caches.values())
 
 
 _current: ForwardContext | None = None
@@ -89,14 +97,17 @@ def set_forward_context(metadata: AttentionMetadata, kv_caches: Mapping[str, KVC
         raise ValueError("metadata: a later build() of the same AttentionMetadataBuilder has overwritten the "
                          "persistent buffers this step's tensors view; build each step right before it runs")
     selector = metadata.selector
-    if selector.checked_caches is not kv_caches:
+    key = caches_key(kv_caches)
+    if key != selector.checked_caches:  # KVCache compares by identity: a tuple compare of pointers
         _check_caches(metadata, kv_caches)
-        selector.checked_caches = kv_caches
-    table = selector.call_table(metadata.shape, metadata.tensors, kv_caches)
+        selector.checked_caches = key
+    else:
+        key = selector.checked_caches  # one object while the caches stay: later checks compare by `is`
+    table = selector.call_table(metadata.shape, metadata.tensors, kv_caches, key)
     for refresh in table.per_step:
         refresh()
     previous = _current
-    _current = ForwardContext(metadata, kv_caches, table.attend, table.write, table)
+    _current = ForwardContext(metadata, kv_caches, table.attend, table.write, table, key)
     try:
         yield _current
     finally:

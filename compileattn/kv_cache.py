@@ -148,7 +148,7 @@ class AttentionSpec:
         return self.num_heads // self.num_kv_heads
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class KVCache:
     """One layer's paged cache: key/value of shape (num_blocks, block_size, kv_heads, head_dim).
 
@@ -156,6 +156,10 @@ class KVCache:
     float8_e4m3fn: then ``query_dtype`` (what queries, new K/V and the output are in) is required
     and ``k_scale``/``v_scale`` are the dequantization multipliers, one float for the layer or
     one per KV head (module docstring).
+
+    Frozen, compared by identity: a step's prepared calls and captured graphs hold its tensors,
+    checked once here; a layer given new tensors is a new ``KVCache`` (which the forward context
+    sees as another cache).
     """
 
     key_cache: torch.Tensor
@@ -200,8 +204,8 @@ class KVCache:
                                 f"float8_e4m3fn cache stores another dtype than the queries'")
             if any(x != 1.0 for x in k_heads + v_heads):
                 raise ValueError(f"k_scale/v_scale apply to float8_e4m3fn caches only; this cache is {k.dtype}")
-            self.query_dtype = k.dtype
-        self.scales = torch.tensor([k_heads, v_heads], dtype=torch.float32, device=k.device)
+            object.__setattr__(self, "query_dtype", k.dtype)
+        object.__setattr__(self, "scales", torch.tensor([k_heads, v_heads], dtype=torch.float32, device=k.device))
 
     @property
     def num_blocks(self) -> int:

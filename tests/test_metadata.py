@@ -7,6 +7,7 @@ with the naive slot formula (tests/naive.py) for drawn ones.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -231,3 +232,37 @@ def test_forward_context_type_checks():
 def test_public_names():
     assert compileattn.AttentionMetadata is AttentionMetadata
     assert isinstance(builder().build(SEQS), AttentionMetadata)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_cache_replaced_in_the_same_mapping_is_the_one_the_next_step_uses(backend):
+    """Steps reuse prepared calls per step shape and mapping; a layer's KVCache replaced in the
+    mapping (frozen: new tensors mean a new KVCache) must be what the next step writes and reads,
+    not the old one the prepared calls were bound to."""
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    spec = AttentionSpec(4, 2, 32)
+    caches = allocate_kv_caches({"L": spec}, num_blocks=8, block_size=4, dtype=dtype)
+    builder = AttentionMetadataBuilder(block_size=4, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4,
+                                          backend=backend)
+
+    def step():
+        md = builder.build([SequenceStep(1, 5, [1, 2])])  # a decode at position 5, blocks 1 and 2
+        q, k, v = (torch.randn(1, h, 32, dtype=dtype) for h in (4, 2, 2))
+        out = torch.empty_like(q)
+        with set_forward_context(md, caches):
+            torch.ops.compileattn.attention(q, k, v, out, "L")
+        c = caches["L"]
+        kk = torch.cat([c.key_cache[1], c.key_cache[2]])[:6].double().repeat_interleave(2, 1)
+        vv = torch.cat([c.value_cache[1], c.value_cache[2]])[:6].double().repeat_interleave(2, 1)
+        probs = torch.softmax(torch.einsum("hd,nhd->hn", q[0].double(), kk) * spec.scale, -1)
+        torch.testing.assert_close(out[0].double(), torch.einsum("hn,nhd->hd", probs, vv), atol=2e-3, rtol=2e-3)
+
+    torch.manual_seed(0)
+    step()
+    new = allocate_kv_caches({"L": spec}, num_blocks=8, block_size=4, dtype=dtype)["L"]
+    new.key_cache.normal_()
+    new.value_cache.normal_()
+    caches["L"] = new
+    step()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.key_cache = torch.zeros_like(new.key_cache)

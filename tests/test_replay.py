@@ -168,11 +168,15 @@ def test_other_builder_or_caches_still_raise(simulated_graphs):
     s.warm(4)
     with pytest.raises(CudaGraphAddressError, match="another metadata builder"):
         s.step(s.decode(4), builder=s.new_builder())
-    with pytest.raises(CudaGraphAddressError, match="another metadata builder"):
-        s.step(s.decode(4), caches=dict(s.caches))
-    # The other mapping was the dispatcher's last checked one: its own path checks the caches again.
+    other = dict(s.caches)
+    layer = next(iter(other))
+    old = other[layer]
+    other[layer] = ca.KVCache(old.key_cache.clone(), old.value_cache.clone(), old.spec)
+    with pytest.raises(CudaGraphAddressError, match="or a layer's cache replaced in it"):
+        s.step(s.decode(4), caches=other)
+    # A copy of the mapping holds the very caches the graphs read: served (after its own path's check).
     with ca.counters.expect(full_graph_direct_steps=0, full_graph_steps=1):
-        s.step(s.decode(4))
+        s.step(s.decode(4), caches=dict(s.caches))
     with ca.counters.expect(full_graph_direct_steps=1):
         s.step(s.decode(4))
 

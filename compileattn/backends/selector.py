@@ -209,6 +209,8 @@ class CallTable(NamedTuple):
     kv_caches: Mapping[str, Any]
     #: Run once per step before the forward (device-side index refreshes the prepared calls read).
     per_step: tuple[Callable[[], None], ...] = ()
+    #: the caches it was built for (``context.caches_key``)
+    caches_key: tuple = ()
 
 
 class KernelSelector:
@@ -221,10 +223,10 @@ class KernelSelector:
         self.device = torch.device(device)
         self.buffers = buffers
         self._tables: dict[tuple, CallTable] = {}
-        #: The kv_caches mapping last checked against this builder's geometry (by the forward
-        #: context): kept here, with the builder that owns it, so no process-wide cache keeps an
-        #: engine's KV cache alive after the engine is gone.
-        self.checked_caches: Mapping[str, Any] | None = None
+        #: The caches last checked against this builder's geometry (``context.caches_key``, by
+        #: the forward context): kept here, with the builder that owns it, so no process-wide
+        #: cache keeps an engine's KV cache alive after the engine is gone.
+        self.checked_caches: tuple | None = None
         self._choices: dict[tuple, AttentionBackend] = {}
 
     @property
@@ -241,14 +243,18 @@ class KernelSelector:
                                                   cache_dtype)
         return backend
 
-    def call_table(self, shape: StepShape, tensors: StepTensors, kv_caches: Mapping[str, Any]) -> CallTable:
+    def call_table(self, shape: StepShape, tensors: StepTensors, kv_caches: Mapping[str, Any],
+                   caches_key: tuple) -> CallTable:
+        """``caches_key``: ``context.caches_key(kv_caches)``; a table serves the caches it was built
+        for, not whatever its mapping holds now."""
         key = (shape, id(kv_caches))
         table = self._tables.get(key)
-        if table is not None and table.kv_caches is kv_caches:
+        if table is not None and table.kv_caches is kv_caches and (
+                table.caches_key is caches_key or table.caches_key == caches_key):
             return table
         if len(self._tables) >= _MAX_TABLES:
             self._tables.pop(next(iter(self._tables)))
-        table = self._tables[key] = self._build(shape, tensors, kv_caches)
+        table = self._tables[key] = self._build(shape, tensors, kv_caches)._replace(caches_key=caches_key)
         return table
 
     def _build(self, shape: StepShape, tensors: StepTensors, kv_caches) -> CallTable:

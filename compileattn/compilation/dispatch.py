@@ -202,7 +202,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                              f"num_tokens={md.num_tokens} ({md.num_actual_tokens} real + padding); pass inputs "
                              f"of the metadata's (padded) token count")
         caches = ctx.kv_caches
-        if caches is self._checked_caches:
+        if ctx.caches_key is self._checked_caches:
             return
         for layer, sig in self.layers.items():
             cache = caches.get(layer)
@@ -215,7 +215,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             if (spec.num_heads, spec.head_dim) != (sig.num_heads, sig.head_dim):
                 raise ValueError(f"layer {layer!r}: the model passes {sig.num_heads} query heads of {sig.head_dim}, "
                                  f"its KV cache's AttentionSpec has {spec.num_heads} of {spec.head_dim}")
-        self._checked_caches = caches
+        self._checked_caches = ctx.caches_key
 
     def __call__(self, *args):
         if self._landing is not None and self._landing.changed:
@@ -276,14 +276,18 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             self.current_size, self.graphs_on = None, False
 
     def _check_graph_owner(self, ctx) -> None:
-        owner = (ctx.metadata.selector, ctx.kv_caches) if ctx is not None else (None, None)
+        owner = (ctx.metadata.selector, ctx.caches_key) if ctx is not None else (None, None)
         if self._graph_owner is None:
             self._graph_owner = owner
-        elif owner[0] is not self._graph_owner[0] or owner[1] is not self._graph_owner[1]:
+        elif owner[0] is not self._graph_owner[0] or (owner[1] is not self._graph_owner[1]
+                                                      and owner[1] != self._graph_owner[1]):
             raise cudagraph.CudaGraphAddressError(
-                "this compiled model's CUDA graphs were captured with another metadata builder or another "
-                "kv_caches mapping; a replay would read the old buffers and caches. Use one builder and one "
-                "set of caches per compiled model (or compile one per engine)")
+                "this compiled model's CUDA graphs were captured with another metadata builder or other KV "
+                "caches (another kv_caches mapping, or a layer's cache replaced in it); a replay would read the "
+                "old buffers and caches. Use one builder and one set of caches per compiled model (or compile one "
+                "per engine)")
+        elif owner[1] is not self._graph_owner[1]:
+            self._graph_owner = owner  # the same caches under a new key: compared by `is` from now on
 
     def _run_full(self, size: int, args):
         counters.full_graph_steps += 1
@@ -311,8 +315,8 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         md = ctx.metadata
         owner = self._graph_owner
         if (self._full is None or not md.is_uniform_decode or not ctx.table.capturable
-                or ctx.kv_caches is not self._checked_caches or md.selector is not owner[0]
-                or ctx.kv_caches is not owner[1]):
+                or ctx.caches_key is not self._checked_caches or md.selector is not owner[0]
+                or ctx.caches_key is not owner[1]):
             return None
         entry = self._full.graphs.get(md.num_tokens)
         return entry if entry is not None and entry.checked else None
