@@ -639,3 +639,31 @@ def test_cuda_long_context_default_split():
     spec = AttentionSpec(64, 8, 128)
     be, md = check_forward(spec, torch.bfloat16, 16, [(1, 4100), (1, 3000)])
     assert md.is_uniform_decode and decode_launch(md, spec, torch.bfloat16).splits > 1
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_the_attention_op_writes_a_key_whose_head_dim_is_strided(backend):
+    """A key (or value) whose head dims are not adjacent (a transposed view) is written into the
+    cache element by element, as the reference does: the Triton write kernel reads a head's dims at
+    unit stride, so its prepared call makes such a key contiguous first."""
+    from compileattn import AttentionMetadataBuilder, AttentionSpec, SequenceStep, allocate_kv_caches, set_forward_context
+
+    torch.manual_seed(0)
+    dtype, h, kvh, d, t = torch.float16, 4, 2, 32, 5
+    spec = AttentionSpec(h, kvh, d)
+    q = torch.randn(t, h, d, dtype=dtype)
+    k = torch.randn(t, d, kvh, dtype=dtype).transpose(1, 2)  # (t, kvh, d), strides (d * kvh, 1, kvh)
+    v = torch.randn(t, d, kvh, dtype=dtype).transpose(1, 2)
+    kk, vv = k.double().repeat_interleave(h // kvh, 1), v.double().repeat_interleave(h // kvh, 1)
+    scores = torch.einsum("thd,nhd->htn", q.double(), kk) * spec.scale
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.einsum("htn,nhd->thd", torch.softmax(scores, -1), vv)
+    caches = allocate_kv_caches({"L": spec}, num_blocks=8, block_size=4, dtype=dtype)
+    builder = AttentionMetadataBuilder(block_size=4, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4,
+                                       backend=backend)
+    md = builder.build([SequenceStep(t, 0, [3, 5])])
+    out = torch.empty_like(q)
+    with set_forward_context(md, caches):
+        torch.ops.compileattn.attention(q, k, v, out, "L")
+    assert torch.equal(caches["L"].key_cache[3, :4], k[:4]) and torch.equal(caches["L"].value_cache[5, 0], v[4])
+    torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2e-3)

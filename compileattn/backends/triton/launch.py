@@ -91,6 +91,8 @@ class KVWriteLaunch:
                            None, *cache_strides), (0, 1, 7, 8, 9, 10, 11), expect)
 
         def write(key, value):
+            if key.stride(2) != 1 or value.stride(2) != 1:  # the kernel reads a head's dims at unit stride
+                key, value = key.contiguous(), value.contiguous()
             run(key, value, key.shape[1], key.stride(0), key.stride(1), value.stride(0), value.stride(1))
 
         return write
