@@ -114,6 +114,8 @@ def check_varlen_args(
                              f"got shape {tuple(k.shape)}")
         if seqused_k is None:
             raise ValueError("seqused_k is required with block_table (the K length of each sequence)")
+        if k.shape[1] < 1:
+            raise ValueError(f"k has block_size {k.shape[1]}: a paged cache needs blocks of at least one token")
     else:
         if k.dim() != 3:
             raise ValueError(f"k must be (total_k, kv_heads, head_dim), got shape {tuple(k.shape)}")
@@ -229,7 +231,11 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} differs from q head_dim {head_dim}")
-    if num_heads % kv_heads:
+    if q.shape[1] < 1:
+        raise ValueError(f"q has seqlen_q {q.shape[1]}: each sequence needs at least one query token")
+    if k_cache.shape[1] < 1:
+        raise ValueError(f"k_cache has {k_cache.shape[1]} tokens per block (or per sequence): it needs at least one")
+    if num_heads < 1 or kv_heads < 1 or num_heads % kv_heads:
         raise ValueError(f"q has {num_heads} heads, not a multiple of the {kv_heads} kv heads of k_cache/v_cache "
                          f"(GQA/MQA need num_heads divisible by num_kv_heads)")
     if (k is None) != (v is None):
@@ -322,6 +328,10 @@ def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_
     if value.dtype != key.dtype:
         raise TypeError(f"value has dtype {value.dtype} but key has {key.dtype}")
     check_cache_dtype(key_cache.dtype, "key_cache")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not t.is_contiguous():  # as KVCache and flash_attn_with_kvcache require: the writers index them densely
+            raise ValueError(f"{name} must be contiguous (a view of a combined K/V tensor is not; allocate the two "
+                             f"caches separately)")
     if not is_fp8(key_cache.dtype) and key_cache.dtype != key.dtype:
         raise TypeError(f"key_cache has dtype {key_cache.dtype} but key has {key.dtype}")
     if value_cache.dtype != key_cache.dtype:

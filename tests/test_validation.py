@@ -319,6 +319,21 @@ def test_write_kv_cache_shapes_disagree():
         compileattn.write_kv_cache(**kv_write(value=torch.randn(2, KVH, D)))
 
 
+def test_write_kv_cache_refuses_views_of_a_combined_cache():
+    """(num_blocks, 2, block_size, ...) K/V with key_cache = kv[:, 0]: the writers index a cache
+    densely, as KVCache and flash_attn_with_kvcache require."""
+    kv = torch.zeros(NB, 2, BS, KVH, D)
+    with pytest.raises(ValueError, match="^key_cache must be contiguous"):
+        compileattn.write_kv_cache(**kv_write(key_cache=kv[:, 0], value_cache=kv[:, 1]))
+
+
+def test_paged_varlen_refuses_empty_blocks():
+    args = paged()
+    args["k"], args["v"] = torch.randn(NB, 0, KVH, D), torch.randn(NB, 0, KVH, D)
+    with pytest.raises(ValueError, match="^k has block_size 0"):
+        call(args)
+
+
 @pytest.mark.parametrize("make", [contiguous, paged])
 def test_varlen_kv_shapes_disagree(make):
     args = make()
