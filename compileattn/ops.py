@@ -69,7 +69,7 @@ def _context() -> context.ForwardContext:
     return ctx
 
 
-def _check_layer_call(ctx: context.ForwardContext, layer_name: str, query, key=None) -> None:
+def _check_layer_call(ctx: context.ForwardContext, layer_name: str, query, output, key=None, value=None) -> None:
     """Eager calls only (the compiled runtime checks once per step shape): the tensors agree with
     the step's metadata and the layer's cache, so a mismatch is an error, not zero rows."""
     cache = ctx.kv_caches.get(layer_name)
@@ -91,6 +91,12 @@ def _check_layer_call(ctx: context.ForwardContext, layer_name: str, query, key=N
         raise ValueError(f"compileattn::attention({layer_name!r}): key is {tuple(key.shape)}, expected "
                          f"({query.shape[0]}, {spec.num_kv_heads}, {spec.head_dim}) from the query and the "
                          f"layer's AttentionSpec")
+    if value is not None and (value.shape != key.shape or value.dtype != key.dtype):
+        raise ValueError(f"compileattn::attention({layer_name!r}): value is {tuple(value.shape)} {value.dtype}, "
+                         f"key is {tuple(key.shape)} {key.dtype}: they must agree")
+    if output.shape != query.shape or output.dtype != query.dtype:
+        raise ValueError(f"compileattn::attention({layer_name!r}): output is {tuple(output.shape)} {output.dtype}, "
+                         f"it must have the query's shape {tuple(query.shape)} and dtype {query.dtype}")
 
 
 def _attend_eager(attend, query, output) -> None:
@@ -107,7 +113,7 @@ def _attend_eager(attend, query, output) -> None:
 def attention_impl(query, key, value, output, layer_name):
     """``compileattn::attention`` called eagerly: checked, then the layer's write and attend."""
     ctx = _context()
-    _check_layer_call(ctx, layer_name, query, key)
+    _check_layer_call(ctx, layer_name, query, output, key, value)
     ctx.write[layer_name](key, value)
     _attend_eager(ctx.attend[layer_name], query, output)
 
@@ -131,7 +137,7 @@ def write_layer_kv_impl(key, value, layer_name):
 
 def attend_impl(query, output, kv_written, layer_name):
     ctx = _context()
-    _check_layer_call(ctx, layer_name, query)
+    _check_layer_call(ctx, layer_name, query, output)
     _attend_eager(ctx.attend[layer_name], query, output)
 
 

@@ -57,6 +57,20 @@ def test_more_tokens_than_the_metadata_eager_op():
             Layer()(*qkv(5))
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_value_or_output_unlike_the_key_and_query_eager_op(backend):
+    """eager op: a value of another head dim was written into the cache's rows (Triton), an output
+    of one row for three tokens was written past its end."""
+    caches = allocate_kv_caches({"layer0": SPEC}, NB, BS, torch.float16)
+    q = torch.randn(2, SPEC.num_heads, SPEC.head_dim, dtype=torch.float16)
+    k = torch.randn(2, SPEC.num_kv_heads, SPEC.head_dim, dtype=torch.float16)
+    with set_forward_context(builder(backend=backend).build(TWO_TOKENS), caches), torch.no_grad():
+        with pytest.raises(ValueError, match=r"value is \(2, 2, 16\) torch.float16, key is \(2, 2, 32\)"):
+            torch.ops.compileattn.attention(q, k, k[..., :16].contiguous(), torch.empty_like(q), "layer0")
+        with pytest.raises(ValueError, match=r"output is \(1, 4, 32\) .* must have the query's shape \(2, 4, 32\)"):
+            torch.ops.compileattn.attention(q, k, k, torch.empty_like(q)[:1], "layer0")
+
+
 def test_more_tokens_than_the_metadata_compiled():
     """step: the compiled model checks the graph inputs' token count against the metadata."""
     caches = allocate_kv_caches({"layer0": SPEC}, NB, BS, torch.float32)
