@@ -110,7 +110,7 @@ def flash_attn_with_kvcache(
         check_kvcache_values(k_cache, cache_seqlens, seqlen_new, block_table)
     slots = _append_slots(cache_seqlens, seqlen_new, block_table, page) if seqlen_new else None
     if validate and slots is not None:  # no slot written twice (sequences may share blocks they only read)
-        check_append_slots(slots, page)
+        check_append_slots(slots, page, block_table, cache_seqlens)
         check_kv_write_args(k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]), k_cache, v_cache,
                             slots.view(-1), k_scale=k_scale, v_scale=v_scale)
     if slots is not None:

@@ -16,6 +16,7 @@ import torch
 
 from .backends.base import AttentionBackend, PersistentBuffers, StepShape, StepTensors
 from .backends.selector import KernelSelector
+from .validation import context_write_clash
 
 
 class SequenceStep(NamedTuple):
@@ -286,27 +287,11 @@ def _all_distinct(packed: array.array, blocks: torch.Tensor) -> bool:
 
 def _check_writes_outside_context(slots: torch.Tensor, seq_of_token: torch.Tensor, tables: torch.Tensor,
                                   context_lens: torch.Tensor, block_size: int) -> None:
-    """No token of the step may be written where a sequence of the step reads context: a slot
-    in rows ``< context_len - j * block_size`` of block ``tables[s, j]`` (its own earlier tokens, or a
-    shared prefix block). The kernels write the step's K/V before they read, so such a write would
-    change what a sequence attends to: one block listed twice in a table, or a block shared by
-    prefix caching that another sequence is still filling. Vectorised over the step's context
-    blocks only (sorted, the deepest row read per block, looked up for each written slot), so the
-    cost does not grow with the cache's block count."""
-    j = torch.arange(tables.shape[1], dtype=torch.int32)
-    rows_read = (context_lens[:, None] - j[None, :] * block_size).clamp(0, block_size)
-    read = rows_read > 0
-    if not bool(read.any()):
-        return
-    blocks, where = torch.unique(tables[read], return_inverse=True)
-    depth = torch.zeros(blocks.numel(), dtype=rows_read.dtype).scatter_reduce_(0, where, rows_read[read], "amax")
-    written_block, written_row = slots // block_size, slots % block_size
-    at = torch.searchsorted(blocks, written_block.to(blocks.dtype)).clamp_(max=blocks.numel() - 1)
-    clash = (blocks[at] == written_block) & (depth[at] > written_row)
-    if bool(clash.any()):
-        t = int(clash.nonzero()[0])
-        block, row = int(written_block[t]), int(written_row[t])
-        readers = [int(s) for s in ((tables == block) & read & (rows_read > row)).any(1).nonzero().flatten()]
+    """No token of the step may be written where a sequence of the step reads context
+    (``validation.context_write_clash``): the kernels write the step's K/V before they read."""
+    clash = context_write_clash(slots, tables, context_lens, block_size)
+    if clash is not None:
+        t, block, row, readers = clash
         raise ValueError(f"seqs[{int(seq_of_token[t])}] writes cache slot {int(slots[t])} (block {block}, row {row}), "
                          f"which seqs{readers} read as context in the same step; a step may write only slots no "
                          f"sequence reads (a block listed twice in a table, or a shared block still being filled)")

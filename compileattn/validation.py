@@ -301,13 +301,48 @@ def check_kvcache_values(k_cache, cache_seqlens: torch.Tensor, seqlen_new: int, 
             raise ValueError(f"block_table row {b} has an entry outside [0, {num_blocks})")
 
 
-def check_append_slots(slots: torch.Tensor, page: int) -> None:
-    """No two appended tokens of ``flash_attn_with_kvcache`` land in one cache slot: (batch,
-    seqlen_new) slots from ``block_table`` and ``cache_seqlens``; the error names the sequences
-    (the flat slot list the write gets is internal)."""
+def context_write_clash(slots: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
+                        block_size: int) -> tuple[int, int, int, list[int]] | None:
+    """The first of ``slots`` (host int64, one per written token) that lands where a sequence reads
+    context: rows ``< context_lens[s] - j * block_size`` of block ``tables[s, j]`` (its own earlier
+    tokens, or a block another sequence shares), as (token index, block, row, the reading
+    sequences); None if none does. The kernels write a step's K/V before they read, so such a write
+    changes what a sequence attends to: one block listed twice in a table, or a shared block still
+    being filled. Vectorised over the step's context blocks only (sorted, the deepest row read per
+    block, looked up for each written slot), so the cost does not grow with the cache's block count."""
+    j = torch.arange(tables.shape[1], dtype=torch.int32)
+    rows_read = (context_lens[:, None] - j[None, :] * block_size).clamp(0, block_size)
+    read = rows_read > 0
+    if not bool(read.any()):
+        return None
+    blocks, where = torch.unique(tables[read], return_inverse=True)
+    depth = torch.zeros(blocks.numel(), dtype=rows_read.dtype).scatter_reduce_(0, where, rows_read[read], "amax")
+    written_block, written_row = slots // block_size, slots % block_size
+    at = torch.searchsorted(blocks, written_block.to(blocks.dtype)).clamp_(max=blocks.numel() - 1)
+    clash = (blocks[at] == written_block) & (depth[at] > written_row)
+    if not bool(clash.any()):
+        return None
+    t = int(clash.nonzero()[0])
+    block, row = int(written_block[t]), int(written_row[t])
+    readers = [int(s) for s in ((tables == block) & read & (rows_read > row)).any(1).nonzero().flatten()]
+    return t, block, row, readers
+
+
+def check_append_slots(slots: torch.Tensor, page: int, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+    """No two appended tokens of ``flash_attn_with_kvcache`` land in one cache slot, nor in a slot a
+    sequence reads as context (``context_write_clash``): (batch, seqlen_new) slots from
+    ``block_table`` and ``cache_seqlens``; the errors name the sequences (the flat slot list the
+    write gets is internal)."""
     flat = slots.reshape(-1)
     values, counts = flat.unique(return_counts=True)
     if not (counts > 1).any():
+        clash = context_write_clash(flat.cpu(), block_table.cpu(), cache_seqlens.cpu(), page)
+        if clash is not None:
+            t, block, row, readers = clash
+            b, j = divmod(t, slots.shape[1])
+            raise ValueError(f"new token {j} of sequence {b} would be written to row {row} of block {block}, which "
+                             f"sequence(s) {readers} read as context (below their cache_seqlens): sequences may share "
+                             f"only the blocks they read")
         return
     slot = int(values[counts > 1][0])
     hits = (slots == slot).nonzero().tolist()
