@@ -6,7 +6,9 @@
 import. ``validate=True`` (the default) checks values too, which reads device tensors (a host sync
 on CUDA); hot paths built on per-step metadata call the ops directly instead, and
 ``validate=False`` keeps an entry point free of host syncs (it may then be captured in a CUDA
-graph, as the serving engines that call ``flash_attn_with_kvcache`` do).
+graph, as the serving engines that call ``flash_attn_with_kvcache`` do), provided
+``flash_attn_varlen_func`` is given ``max_seqlen_q`` and ``max_seqlen_k`` (flash-attn requires
+them; left out, they are computed from the index tensors, which reads them).
 """
 from __future__ import annotations
 
