@@ -363,10 +363,6 @@ def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_
     if value.dtype != key.dtype:
         raise TypeError(f"value has dtype {value.dtype} but key has {key.dtype}")
     check_cache_dtype(key_cache.dtype, "key_cache")
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if not t.is_contiguous():  # as KVCache and flash_attn_with_kvcache require: the writers index them densely
-            raise ValueError(f"{name} must be contiguous (a view of a combined K/V tensor is not; allocate the two "
-                             f"caches separately)")
     if not is_fp8(key_cache.dtype) and key_cache.dtype != key.dtype:
         raise TypeError(f"key_cache has dtype {key_cache.dtype} but key has {key.dtype}")
     if value_cache.dtype != key_cache.dtype:

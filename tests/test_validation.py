@@ -319,12 +319,23 @@ def test_write_kv_cache_shapes_disagree():
         compileattn.write_kv_cache(**kv_write(value=torch.randn(2, KVH, D)))
 
 
-def test_write_kv_cache_refuses_views_of_a_combined_cache():
-    """(num_blocks, 2, block_size, ...) K/V with key_cache = kv[:, 0]: the writers index a cache
-    densely, as KVCache and flash_attn_with_kvcache require."""
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_write_kv_cache_into_views_of_a_combined_cache(backend, monkeypatch):
+    """(num_blocks, 2, block_size, ...) K/V with key_cache = kv[:, 0] (a FlashInfer-style layout):
+    every writer indexes the strided views by (block, row), the masked and the capturable one."""
+    from compileattn.backends.kv_write import write_kv_padded
+
+    monkeypatch.undo()  # this module's autouse fixture patches the kernels out; these must run
+    args = kv_write()
     kv = torch.zeros(NB, 2, BS, KVH, D)
-    with pytest.raises(ValueError, match="^key_cache must be contiguous"):
-        compileattn.write_kv_cache(**kv_write(key_cache=kv[:, 0], value_cache=kv[:, 1]))
+    compileattn.write_kv_cache(args["key"], args["value"], kv[:, 0], kv[:, 1], args["slot_mapping"], backend=backend)
+    for slot, token in ((0, 0), (7, 1)):
+        assert torch.equal(kv[slot // BS, 0, slot % BS], args["key"][token])
+        assert torch.equal(kv[slot // BS, 1, slot % BS], args["value"][token])
+    assert kv.count_nonzero() == 2 * 2 * KVH * D  # the -1 slot wrote nothing
+    padded = torch.zeros(NB, 2, BS, KVH, D)
+    write_kv_padded(args["key"], args["value"], padded[:, 0], padded[:, 1], args["slot_mapping"])
+    assert torch.equal(padded, kv)
 
 
 def test_paged_varlen_refuses_empty_blocks():

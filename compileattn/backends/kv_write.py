@@ -41,12 +41,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_masked(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """Scatter K/V rows to their slots, skipping slot -1 (host sync: not capturable)."""
+    """Scatter K/V rows to their slots, skipping slot -1 (host sync: not capturable). Indexed by
+    (block, row), so a cache that is a strided view (one half of a combined K/V tensor) works too."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     n = slot_mapping.shape[0]
+    block_size = key_cache.shape[1]
+    blocks, rows = slots // block_size, slots % block_size
     for new, cache, scale in ((key[:n], key_cache, k_scale), (value[:n], value_cache, v_scale)):
-        _bits(cache.view(-1, *cache.shape[2:]))[slots] = _bits(quantize(new[valid], scale, cache.dtype))
+        _bits(cache)[blocks, rows] = _bits(quantize(new[valid], scale, cache.dtype))
 
 
 def write_kv_padded(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
@@ -60,10 +63,16 @@ def write_kv_padded(key, value, key_cache, value_cache, slot_mapping, k_scale=No
     dst = torch.where(valid, slot_mapping, slot_mapping.index_select(0, first)).clamp_(min=0)
     any_valid = valid.index_select(0, first).view(1, 1, 1)
     for new, cache, scale in ((key[:n], key_cache, k_scale), (value[:n], value_cache, v_scale)):
-        flat = _bits(cache.view(-1, *cache.shape[2:]))
-        rows = torch.where(any_valid, _bits(quantize(new.index_select(0, src), scale, cache.dtype)),
-                           flat.index_select(0, dst))
-        flat.index_copy_(0, dst, rows)
+        if cache.is_contiguous():  # every cache a KVCache holds: one flat index, two kernels
+            flat = _bits(cache.view(-1, *cache.shape[2:]))
+            rows = torch.where(any_valid, _bits(quantize(new.index_select(0, src), scale, cache.dtype)),
+                               flat.index_select(0, dst))
+            flat.index_copy_(0, dst, rows)
+        else:  # a strided view (one half of a combined K/V tensor): indexed by (block, row)
+            at = (dst // cache.shape[1], dst % cache.shape[1])
+            bits = _bits(cache)
+            rows = torch.where(any_valid, _bits(quantize(new.index_select(0, src), scale, cache.dtype)), bits[at])
+            bits.index_put_(at, rows)
 
 
 class StepWriteIndices:
