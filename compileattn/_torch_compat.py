@@ -357,6 +357,18 @@ def compile_settings() -> dict[str, Any]:
     }
 
 
+def autocast_state() -> tuple:
+    """(device type, enabled, dtype) of autocast for the CPU and CUDA: a graph traced under it
+    computes in its dtype, so a compile made under it is another compile."""
+    state = []
+    for device in ("cpu", "cuda"):
+        try:
+            state.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+        except (TypeError, RuntimeError):  # no such device type in this build
+            continue
+    return tuple(state)
+
+
 def _set_flags(flags: dict[str, Any]) -> None:
     """Set the global flags of ``compile_settings`` that differ (a setter is only called to change
     something: torch warns about mixing some of the old and new precision APIs)."""

@@ -182,6 +182,102 @@ def test_key_misses_on_compile_settings_and_structure_and_hits_on_run_time_setti
     assert len(list((tmp_path / "warm_start").iterdir())) == 4
 
 
+def _eager_pieces(tmp_path):
+    return ca.CompileConfig(piece_compiler="eager", compile_workers=0, cache_dir=str(tmp_path))
+
+
+def test_a_warm_start_whose_compile_assumed_other_sizes_compiles_instead(tmp_path):
+    """The key leaves the dynamic sizes out: a file compiled for 3 rows (which took the trace's
+    `<= 4` branch) must not answer a first call of 8 rows."""
+    def branchy(x):
+        return x * 2 if x.shape[0] > 4 else x * 3
+
+    small = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(branchy)
+    assert torch.equal(small(torch.ones(3, 2)), torch.full((3, 2), 3.0))
+    large = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(branchy)
+    assert torch.equal(large(torch.ones(8, 2)), torch.full((8, 2), 2.0))
+    assert large.compile_stats["path"] == "cold"
+
+
+def _scaler(scale):
+    def scaled(x):
+        return x * scale
+
+    return scaled
+
+
+def test_what_a_function_closes_over_and_a_models_private_attributes_and_hooks_are_in_the_key(tmp_path):
+    """Two functions of one factory share their source; two instances of one class differ in a
+    `_`-named attribute, a nested tuple, a config object or which hook they carry: each is a compile
+    of its own, never the other's file."""
+    for scale in (2.0, 5.0):
+        f = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(_scaler(scale))
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), scale)) and f.compile_stats["path"] == "cold"
+
+    class Settings:  # a plain object, as transformers' configs are
+        def __init__(self, factor):
+            self.factor = factor
+
+    class Scaled(nn.Module):
+        def __init__(self, private, nested, settings):
+            super().__init__()
+            self._private, self.nested, self.settings = private, nested, settings
+
+        def forward(self, x):
+            return x * self._private * self.nested[0][0] * self.settings.factor
+
+    variants = [(2.0, ((1.0,),), Settings(1.0)), (3.0, ((1.0,),), Settings(1.0)), (2.0, ((4.0,),), Settings(1.0)),
+                (2.0, ((1.0,),), Settings(7.0))]
+    for args in variants:
+        model = Scaled(*args)
+        forward = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(Scaled.forward)
+        assert torch.equal(forward(model, torch.ones(3)), model.forward(torch.ones(3)))
+        assert forward.compile_stats["path"] == "cold", args
+    for factor in (2.0, 5.0):
+        model = Scaled(1.0, ((1.0,),), Settings(1.0))
+        model.register_forward_hook(lambda module, inputs, out, factor=factor: out * factor)
+        compiled = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(lambda m, x: m(x))
+        assert torch.equal(compiled(model, torch.ones(3)), torch.full((3,), factor))
+        assert compiled.compile_stats["path"] == "cold"
+
+
+def test_the_default_dtype_and_autocast_are_in_the_keys():
+    from compileattn.compilation.cache import environment_key
+
+    plain = environment_key()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert environment_key() != plain
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert environment_key() != plain
+    finally:
+        torch.set_default_dtype(previous)
+    assert environment_key() == plain
+
+
+def test_a_cache_that_cannot_be_written_costs_the_save_not_the_call(tmp_path, caplog):
+    """A file where warm_start/ belongs, or a directory where the warm start file goes: the call is
+    compiled and answered, the save is logged and skipped (no temporary file left)."""
+    def doubled(x):
+        return x * 2
+
+    (tmp_path / "a").mkdir(mode=0o700)
+    (tmp_path / "a" / "warm_start").write_text("not a directory")
+    f = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path / "a"))(doubled)
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    first = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path / "b"))(doubled)
+    first(torch.ones(3))
+    [saved] = (tmp_path / "b" / "warm_start").iterdir()
+    saved.unlink()
+    saved.mkdir(mode=0o700)
+    again = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path / "b"))(doubled)
+    with caplog.at_level("WARNING", logger="compileattn"):
+        assert torch.equal(again(torch.ones(3)), torch.full((3,), 2.0))
+    assert "could not save" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "b" / "warm_start").iterdir()) == [saved.name]
+
+
 def test_backend_other_than_compileattn_is_not_saved(tmp_path):
     @ca.compile(dynamic_arg_dims={"x": 0}, backend="eager", config=ca.CompileConfig(cache_dir=str(tmp_path)))
     def f(x):

@@ -17,12 +17,14 @@ Loading either runs code (both are pickles), so the directory must be writable b
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import pickle
 import re
 import stat
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,10 +47,10 @@ def secure_dir(path: str | os.PathLike) -> Path:
     a cache entry is a pickle, so whoever can write one runs code in every process that loads it.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():  # mkdir(exist_ok=True) would raise a bare FileExistsError
+        raise NotADirectoryError(f"compile cache_dir {str(path)!r} is not a directory")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(f"compile cache_dir {str(path)!r} is not a directory")
     getuid = getattr(os, "getuid", None)
     if getuid is not None:
         _check_ancestors(path, getuid())
@@ -88,17 +90,42 @@ def _check_ancestors(path: Path, uid: int) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """A concurrent reader sees the old file or the new one, never half a file."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """A concurrent reader sees the old file or the new one, never half a file (the temporary
+    name is per process and thread). Raises OSError; the temporary file is removed then."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def save_or_log(path: Path, data: bytes, what: str) -> bool:
+    """``write_atomic``, where a cache that cannot be written (a directory in the file's place, a
+    full disk, a read-only directory) costs the saved compile, not the caller's call: logged."""
+    try:
+        write_atomic(path, data)
+        return True
+    except OSError as exc:
+        logger.warning("compileattn: could not save %s to %s (%s: %s); it is compiled again next time", what, path,
+                       type(exc).__name__, exc)
+        return False
 
 
 def environment_key() -> list[str]:
-    """The environment variables that steer Inductor or compileattn, as ``NAME=value`` lines."""
-    return [f"{name}={os.environ[name]}" for name in sorted(os.environ) if name.startswith(ENV_PREFIXES)]
+    """What steers a compile besides its graph, config and sources: the environment variables of
+    Inductor and compileattn, the global numerics flags (``_torch_compat.compile_settings``:
+    default dtype, matmul precision, deterministic mode) and autocast (a piece traced under it
+    computes in its dtype), as text lines. Not the Inductor config's changes in code: torch's own
+    compile leaves entries there (a first compile changes them), and compileattn's are in the config."""
+    lines = [f"{name}={os.environ[name]}" for name in sorted(os.environ) if name.startswith(ENV_PREFIXES)]
+    lines.append(f"flags={_torch_compat.compile_settings()['flags']!r}")
+    lines.append(f"autocast={_torch_compat.autocast_state()!r}")
+    return lines
 
 
 _package_digest: str | None = None
@@ -167,7 +194,11 @@ class CompileCache:
         path = self._path(signature, size)
         if not self.dir.exists():
             return None
-        secure_dir(self.dir)
+        try:
+            secure_dir(self.dir)
+        except NotADirectoryError as exc:
+            logger.warning("compile cache %s unusable (%s); recompiling", self.dir, exc)
+            return None
         if not path.exists():
             return None
         try:
@@ -182,5 +213,9 @@ class CompileCache:
 
     def save_bytes(self, signature: str, data: bytes, size: int | None = None, guards: tuple = ()) -> None:
         """Save an artifact already in bytes (a compile worker's answer), with its guards."""
-        secure_dir(self.dir)
-        write_atomic(self._path(signature, size), pickle.dumps((data, tuple(guards))))
+        try:
+            secure_dir(self.dir)
+        except NotADirectoryError as exc:
+            logger.warning("compile cache %s unusable (%s); piece not saved", self.dir, exc)
+            return
+        save_or_log(self._path(signature, size), pickle.dumps((data, tuple(guards))), "a compiled piece")

@@ -291,14 +291,25 @@ class _Site:
         elif config.cache_dir is not None:
             instance = full_args[:1] if self.bound else ()
             key = warm_start.key_of(fn, config, dynamic, checker.key(), (*instance, *values.values()))
-            path = warm_start.path_of(config, key, fn)
-            loaded = warm_start.load(path, fn, config, what)
+            try:
+                path = warm_start.path_of(config, key, fn)
+            except NotADirectoryError as exc:  # a file where warm_start/ belongs: compile, save nothing
+                log.warning("compileattn: %s: no warm start (%s)", what, exc)
+                path = None
+            loaded = warm_start.load(path, fn, config, what) if path is not None else None
+            if loaded is not None:
+                checker.assume_sizes(loaded.size_guards)
+                try:  # the key leaves the dynamic sizes out: the saved compile may assume others
+                    checker.check(args, kwargs)
+                except RecompileError as exc:
+                    log.info("compileattn: %s: the warm start file's compile does not serve this first call (%s); "
+                             "compiling", what, exc)
+                    loaded = None
             if loaded is not None:
                 compile_pool.drop_early_fork_server()
                 self.runtimes = loaded.dispatchers
                 stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait,
                          "regions": "off: warm start (no trace)"}
-                checker.assume_sizes(loaded.size_guards)
                 return self._first_call(what, loaded.function, checker, stats, start, full_args, kwargs)
 
         if config.compile_kernels_ahead:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import importlib
 import inspect
@@ -44,7 +45,7 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
-from .cache import compileattn_source_digest, environment_key, secure_dir, write_atomic
+from .cache import compileattn_source_digest, environment_key, save_or_log, secure_dir
 from .size_guards import SizeGuards
 
 log = logging.getLogger("compileattn")
@@ -53,37 +54,102 @@ log = logging.getLogger("compileattn")
 FORMAT = 4
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+#: ``nn.Module``'s own bookkeeping (parameters, buffers, submodules, hooks: described apart), not
+#: what a model's author put on it; ``training`` is the author's (it changes the trace).
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+#: Containers longer than this are keyed by their length and a digest of their text.
+_LONG = 256
 
 
-def _plain(value: Any) -> str | None:
-    """Stable text for a module attribute the trace may bake in, None for one that says nothing."""
+def _fingerprint(value: Any, depth: int = 4) -> str:
+    """Stable text of a value Dynamo may bake into the trace (it specialises on the plain values it
+    reads: an attribute, a closure variable, a config object's fields, a hook). Containers,
+    dataclasses and objects are described by their contents down to ``depth`` levels, functions by
+    where they are defined and what they close over; nothing is described by ``repr`` of an object
+    (its address would change every process). A module inside is named only: modules are described
+    where they are the model's submodules or the call's arguments."""
     if isinstance(value, _PLAIN):
-        return repr(value)
-    if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
-        return repr(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return repr(value)
     if isinstance(value, torch.Tensor):
         return f"Tensor({tuple(value.shape)},{value.dtype},{value.device})"
-    return None
+    kind = type(value)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if depth == 0 or isinstance(value, (torch.nn.Module, type)):
+        return f"<{name}>" if not isinstance(value, type) else f"<class {value.__module__}.{value.__qualname__}>"
+    if isinstance(value, (tuple, list, set, frozenset)):
+        items = [_fingerprint(v, depth - 1) for v in value]
+        if isinstance(value, (set, frozenset)):
+            items.sort()
+        text = ", ".join(items)
+        if len(items) > _LONG:
+            text = f"len={len(items)} sha={hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        return f"{name}({text})"
+    if isinstance(value, dict):
+        text = ", ".join(f"{_fingerprint(k, 1)}: {_fingerprint(v, depth - 1)}" for k, v in value.items())
+        return f"{name}{{{text}}}"
+    if isinstance(value, functools.partial):
+        return (f"partial({_fingerprint(value.func, depth - 1)}, {_fingerprint(value.args, depth - 1)}, "
+                f"{_fingerprint(value.keywords, depth - 1)})")
+    code = getattr(value, "__code__", None)
+    if code is not None:  # a function (or a bound method's function, below)
+        cells = [_fingerprint(c.cell_contents, depth - 1) if _filled(c) else "<empty>"
+                 for c in (getattr(value, "__closure__", None) or ())]
+        defaults = (getattr(value, "__defaults__", None), getattr(value, "__kwdefaults__", None))
+        owner = getattr(value, "__self__", None)
+        bound = f" of {_fingerprint(owner, depth - 1)}" if owner is not None else ""
+        return (f"fn {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}@{code.co_firstlineno}"
+                f"[{', '.join(cells)}]{_fingerprint(defaults, depth - 1)}{bound}")
+    if dataclasses.is_dataclass(value):
+        fields = (f"{f.name}={_fingerprint(getattr(value, f.name), depth - 1)}" for f in dataclasses.fields(value))
+        return f"{name}({', '.join(fields)})"
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict):
+        return f"{name}{{{', '.join(f'{k}={_fingerprint(v, depth - 1)}' for k, v in sorted(attributes.items()))}}}"
+    return f"<{name}>"
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
-    """The model's structure as text: every submodule's class, plain attributes, hooks, and the
-    name, shape, dtype and device of every parameter and buffer (values are read at each call,
-    shapes and attributes are baked into the trace)."""
+    """The model's structure as text: every submodule's class, its attributes (``_``-named ones
+    too: Dynamo reads them alike), its hooks (which functions, not only how many), and the name,
+    shape, dtype and device of every parameter and buffer (values are read at each call, shapes
+    and attributes are baked into the trace)."""
     for name, mod in module.named_modules(remove_duplicate=False):
         yield f"{name}:{type(mod).__module__}.{type(mod).__qualname__}"
         for attr, value in sorted(vars(mod).items()):
-            text = None if attr.startswith("_") else _plain(value)
-            if text is not None:
-                yield f" {attr}={text}"
-        hooks = [len(getattr(mod, h, ())) for h in ("_forward_hooks", "_forward_pre_hooks")]
-        if any(hooks):
-            yield f" hooks={hooks}"
+            if attr not in _MODULE_INTERNALS:
+                yield f" {attr}={_fingerprint(value)}"
+        for hooks in _HOOKS:
+            registered = getattr(mod, hooks, None)
+            if registered:
+                yield f" {hooks}=[{', '.join(_fingerprint(h) for h in registered.values())}]"
         for kind, tensors in (("p", mod.named_parameters(recurse=False)), ("b", mod.named_buffers(recurse=False))):
             for pname, t in tensors:
                 yield f" {kind} {pname} {tuple(t.shape)} {t.dtype} {t.device} {t.requires_grad}"
+
+
+def closure_fingerprint(fn: Callable) -> Iterable[str]:
+    """What the decorated function closes over, and its defaults: a module as the model it is,
+    anything else as its value (``_fingerprint``): two functions made by one factory share their
+    source lines."""
+    yield f"defaults={_fingerprint((fn.__defaults__, fn.__kwdefaults__))}"
+    for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
+        if not _filled(cell):
+            continue
+        value = cell.cell_contents
+        if isinstance(value, torch.nn.Module):
+            yield f"closure {i}:"
+            yield from module_fingerprint(value)
+        else:
+            yield f"closure {i}={_fingerprint(value)}"
 
 
 def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, values: Iterable[Any]) -> str:
@@ -97,6 +163,7 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
         f"config={config.hash()}",
         f"dynamic={sorted(dynamic.items())}", f"arguments={arguments}", *environment_key(),
     ]
+    parts.extend(closure_fingerprint(fn))
     for v in values:
         if isinstance(v, torch.nn.Module):
             parts.extend(module_fingerprint(v))
@@ -191,7 +258,8 @@ def save(path: Path, aot_fn, size_guards: SizeGuards, what: str) -> float | None
         log.info("compileattn: %s compiled but cannot be saved for a warm start (%s: %s)", what,
                  type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
-    write_atomic(path, data)
+    if not save_or_log(path, data, f"{what} for a warm start"):
+        return None
     log.info("compileattn: saved %s for a warm start to %s (%.1f MB)", what, path, len(data) / 2**20)
     return time.perf_counter() - start
 
