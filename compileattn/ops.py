@@ -91,6 +91,9 @@ def _check_layer_call(ctx: context.ForwardContext, layer_name: str, query, outpu
         raise ValueError(f"compileattn::attention({layer_name!r}): key is {tuple(key.shape)}, expected "
                          f"({query.shape[0]}, {spec.num_kv_heads}, {spec.head_dim}) from the query and the "
                          f"layer's AttentionSpec")
+    if key is not None and key.dtype != query.dtype:
+        raise TypeError(f"compileattn::attention({layer_name!r}): key is {key.dtype} but query is {query.dtype}; new "
+                        f"K/V come in the queries' dtype (an fp8 cache quantizes them)")
     if value is not None and (value.shape != key.shape or value.dtype != key.dtype):
         raise ValueError(f"compileattn::attention({layer_name!r}): value is {tuple(value.shape)} {value.dtype}, "
                          f"key is {tuple(key.shape)} {key.dtype}: they must agree")

@@ -69,6 +69,8 @@ def test_a_value_or_output_unlike_the_key_and_query_eager_op(backend):
             torch.ops.compileattn.attention(q, k, k[..., :16].contiguous(), torch.empty_like(q), "layer0")
         with pytest.raises(ValueError, match=r"output is \(1, 4, 32\) .* must have the query's shape \(2, 4, 32\)"):
             torch.ops.compileattn.attention(q, k, k, torch.empty_like(q)[:1], "layer0")
+        with pytest.raises(TypeError, match=r"key is torch.float32 but query is torch.float16"):
+            torch.ops.compileattn.attention(q, k.float(), k.float(), torch.empty_like(q), "layer0")
 
 
 def test_more_tokens_than_the_metadata_compiled():

@@ -147,7 +147,7 @@ def test_only_other_sizes_are_pinned_and_strides_are_read_too():
     other = mode.from_tensor(torch.empty(5, 4), symbolic_context=StatelessSymbolicContext(
         dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
     pinned = pin_other_sizes([tokens, other], ["a", "b"], tokens.shape[0].node.expr)
-    assert pinned.describe() == "b.shape[0] = 5, a.shape[1] = 3, a.stride(0) = 6"
+    assert pinned.describe() == "b.size(0) = 5, a.size(1) = 3, a.stride(0) = 6"
     assert pinned.values == (5, 3, 6)
     check = pinned.checker()
     assert check([columns, torch.empty(5, 4)])

@@ -368,20 +368,26 @@ def test_llm_with_prefix_caching_equals_hf_generate_across_calls(tmp_path, caplo
 
 
 def test_seeded_sampling_is_unchanged_by_caching_and_batching(llama):
-    """Seeded requests draw the same tokens with the cache on and off, one at a time or batched:
-    cache hits and batching move a request to other steps and rows, not to other draws."""
+    """Seeded requests draw the same tokens with the cache on and off, one at a time or batched,
+    preempted and recomputed, or stepped with each step planned while the previous one runs:
+    all of these move a request to other steps and rows, not to other draws."""
     prompts = shared_prompts(15, [3, 1, 6])
     params = [SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.8, seed=100 + i) for i in range(3)]
 
-    def sampled(caching, max_num_seqs):
-        engine = engine_for(llama, caching=caching, max_num_seqs=max_num_seqs)
+    def sampled(caching, max_num_seqs, num_blocks=64, overlapped=False):
+        engine = engine_for(llama, caching=caching, max_num_seqs=max_num_seqs, num_blocks=num_blocks)
         ids = engine.add_requests(params, prompts)
-        while engine.has_unfinished():
-            engine.step(16)
+        if overlapped:  # each step planned while the previous one's token is pending
+            engine.run(max_tokens_per_step=16)
+        else:
+            while engine.has_unfinished():
+                engine.step(16)
+        assert (engine.num_preemptions > 0) == (num_blocks == 10)
         return [engine.pop_request(i).output for i in ids], engine.prefix_cache_stats.hit_tokens
 
     (off, _), (on, hits), (on_batched, _) = sampled(False, 1), sampled(True, 1), sampled(True, 3)
     assert on == off == on_batched and hits > 0
+    assert sampled(False, 3, num_blocks=10)[0] == sampled(True, 3, overlapped=True)[0] == off  # preempted; overlapped
     greedy = generate(engine_for(llama, caching=False), prompts, new=6, budget=16)
     assert off != greedy  # the draws were not all the argmax
 

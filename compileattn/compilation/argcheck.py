@@ -424,7 +424,6 @@ class ArgChecker:
         defaults = {name: self._sig.parameters[name].default for name in self._specs if name not in passed}
         return plan, self._size_guards.checker({name: src for src, name in names}, defaults), same
 
-
     def _check_var_keyword_order(self, names: list) -> None:
         """``**kw``'s keys in the first call's order: its items are checked by name, but the trace
         iterated the dict (``kw.values()``, passed on as ``**kw``) in that order."""

@@ -585,7 +585,8 @@ class CompiledFunction:
 
     A descriptor: looked up on an instance it gives that instance's ``BoundCompiledFunction``
     (each module instance gets its own compile, since the trace bakes in that instance's
-    attributes); called directly it has one compile for the function.
+    attributes), and so does ``Cls.forward(instance, x)``; a function called directly has one
+    compile.
     """
 
     def __init__(self, fn: Callable, dynamic_arg_dims: Mapping[str, Any] | None, config: CompileConfig | None,

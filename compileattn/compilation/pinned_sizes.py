@@ -60,7 +60,7 @@ class PinnedSizes:
         parts = []
         for i, read, v, name in self.sizes:
             now = "" if args is None else f" (this call: {read.value(args[i])})"
-            parts.append(f"{read.code(name)} = {v}{now}")
+            parts.append(f"{read.spelled(name)} = {v}{now}")
         return ", ".join(parts)
 
 

@@ -28,8 +28,8 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
 
 Anything that fails 2-4 on a given step runs the ordinary path, which raises or falls back as it
 always did, with one exception: a step that would replay the same graph while an argument the graph
-reads (its address is one of the graph's inputs) has moved raises ``CudaGraphAddressError``, since
-the ordinary path, which checks addresses on a graph's first replay only, would replay stale memory. What the ordinary path re-reads at each step and a replay ignores
+reads (its address is one of the graph's inputs) has moved raises ``CudaGraphAddressError``, as the
+ordinary path does (``dispatch.py``: every graph step compares the inputs that are not parameters). What the ordinary path re-reads at each step and a replay ignores
 anyway (parameters' addresses: a graph reads the ones it was captured with) is skipped alike.
 Attribute reads and subscripts in Dynamo's code are assumed to have no side effects (``_modules``,
 ``_parameters`` and the graph's output tuple are plain containers).
@@ -215,9 +215,8 @@ def _output_builder(out: Any, static: tuple) -> Callable[[], Any] | None:
 
 
 def _moved(entry, src, ptr: int, now: torch.Tensor) -> CudaGraphAddressError:
-    """A step that would replay ``entry`` with an argument the graph reads somewhere else: the
-    ordinary path would replay it too (it checks addresses on a graph's first replay only) and read
-    the old memory, so this is an error, as that first check makes it."""
+    """A step that would replay ``entry`` with an argument the graph reads somewhere else: a replay
+    would read the old memory, so this is an error, as on the ordinary path."""
     return CudaGraphAddressError(
         f"{entry.name}, size {entry.size}: argument {src!r} was at 0x{ptr:x} when this graph was first "
         f"replayed and is now at 0x{now.data_ptr():x} (shape {tuple(now.shape)}); the graph reads the old address. "

@@ -299,6 +299,11 @@ class Engine:
         their way to the host when it was planned) gets its ids at ``_launch``, so they are copied
         to the device once, not once here and again there."""
         ids = None if sched.pending_rows else sched.input_ids
+        # A request's k-th output token draws its k-th uniform. Here, while the previous step may
+        # still run on the device (its token pending, counted in k), so the host's ~1 us per
+        # sampled row overlaps the device's work instead of delaying the launch.
+        sched.sample_uniforms = [uniform(r.sampling_key, r.num_output_tokens + r.num_pending)
+                                 if r.params.temperature else 0.0 for r in sched.sample_requests]
         return self.runner.prepare(sched.seqs, ids, sched.positions)
 
     def _launch(self, sched: ScheduledStep, prepared: PreparedStep, sampler: Sampler | None = None) -> "_Launched":
@@ -318,11 +323,8 @@ class Engine:
             if sampler is not None:
                 tokens = [int(t) for t in sampler(logits, [r.seq_id for r in reqs])]
             else:
-                temperatures = [r.params.temperature for r in reqs]
-                # A request's k-th output token draws its k-th uniform; k counts a pending token too.
-                uniforms = [uniform(r.sampling_key, r.num_output_tokens + r.num_pending) if t else 0.0
-                            for r, t in zip(reqs, temperatures)]
-                on_device = sample(logits, temperatures, [r.params.top_p for r in reqs], uniforms)
+                on_device = sample(logits, [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
+                                   sched.sample_uniforms)
                 tokens, copied = self._to_host(on_device)
         for req, seq in zip(sched.requests, sched.seqs):
             req.num_computed += seq.query_len

@@ -15,8 +15,9 @@ FinishReason = Literal["length", "stop"]
 class SamplingParams:
     """How one request is decoded. ``temperature`` 0 is greedy; ``top_p`` < 1 samples from the
     smallest set of tokens whose probability reaches ``top_p``. ``seed`` (an int) fixes the
-    request's draws: the same seed, prompt and parameters give the same tokens whatever else the
-    engine serves beside it (None: random draws). A request stops after ``max_new_tokens``, or at
+    request's draws whatever else the engine serves beside it, so the same seed, prompt and
+    parameters give the same tokens wherever the logits are the same (in low precision, a
+    batch's rounding can still move a near-tie); None: random draws. A request stops after ``max_new_tokens``, or at
     an EOS token (unless ``ignore_eos``) or one of ``stop_token_ids``; the token that stopped it is
     the last of its output."""
 

@@ -3,12 +3,12 @@
 Greedy rows take the argmax. Sampled rows draw from softmax(logits / temperature), restricted to
 the top-p nucleus, by inverse-transform sampling: the token where the row's cumulative
 distribution first exceeds a uniform ``u``. Each request brings its own ``u`` for its k-th output
-token, a hash of (the request's sampling key, k) computed on the host (``uniform``). So a
-request's tokens depend on its seed and its logits only, not on the step or row it is drawn in:
-batch composition, prefix-cache hits, preemptions and ``max_num_seqs`` all move those, and a draw
-from one shared generator stream per step repeated only when none of them changed. One number per
-row is also the whole draw (no (rows, vocab) noise tensor); a cumulative sum and one binary search
-per row do the rest.
+token, a hash of (the request's sampling key, k) computed on the host (``uniform``), because the
+step and row a request is drawn in are not its own: batch composition, prefix-cache hits,
+preemptions and ``max_num_seqs`` all move them. So a request's draws depend on its seed alone, and
+its tokens on its seed and its logits (which, in low precision, a batch's composition can still
+move by a rounding, and with them a near-tie). One number per row is also the whole draw (no
+(rows, vocab) noise tensor); a cumulative sum and one binary search per row do the rest.
 
 The cumulative sum is float64: float32 loses ~1e-5 of the mass over a 128k vocabulary, more than
 a rare token's probability. Float64 needs a device that has it (CPU and CUDA do).
@@ -49,6 +49,9 @@ def sample(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence
            uniforms: Sequence[float]) -> torch.Tensor:
     """logits fp32 (N, vocab); per row a temperature, a top-p and a uniform in [0, 1) (read only
     where the temperature is > 0) -> token ids (N,) int64, on the device."""
+    if not len(temperatures) == len(top_ps) == len(uniforms) == logits.shape[0]:
+        raise ValueError(f"sample: {logits.shape[0]} rows of logits, {len(temperatures)} temperatures, "
+                         f"{len(top_ps)} top_ps, {len(uniforms)} uniforms: one each per row")
     greedy = logits.argmax(dim=-1)
     if not any(temperatures):
         return greedy

@@ -60,6 +60,9 @@ class ScheduledStep:
     preempted: list[Request]
     #: (row, request): decodes of a token still pending when the step was planned.
     pending_rows: list[tuple[int, Request]] = dataclasses.field(default_factory=list)
+    #: The uniform each sampled row draws with (``sampler.uniform``), set when the engine prepares
+    #: the step (0.0 for a greedy row).
+    sample_uniforms: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
