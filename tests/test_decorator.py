@@ -391,6 +391,32 @@ def test_a_tensor_subclass_is_not_a_plain_tensor_but_a_parameter_is():
     assert torch.equal(f(nn.Parameter(torch.ones(4), requires_grad=False)), torch.full((4,), 2.0))
 
 
+def test_a_model_argument_must_be_the_same_instance():
+    """A module passed as an argument: the trace baked in its attributes, so another instance
+    (another factor) is refused, not answered with the first one's; in-place parameter updates of
+    the same instance are read per call."""
+    class Scale(nn.Module):
+        def __init__(self, factor):
+            super().__init__()
+            self.factor = factor
+            self.w = nn.Parameter(torch.ones(1), requires_grad=False)
+
+        def forward(self, x):
+            return x * self.factor * self.w
+
+    f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=_eager_config())(lambda model, x: model(x))
+    model = Scale(2.0)
+    assert torch.equal(f(model, torch.ones(3)), torch.full((3,), 2.0))
+    model.w.data.fill_(3.0)
+    assert torch.equal(f(model, torch.ones(5)), torch.full((5,), 6.0))
+    with pytest.raises(RecompileError, match="argument 'model' is another Scale instance than on the first call"):
+        f(Scale(5.0), torch.ones(3))
+    with pytest.raises(RecompileError, match=r"argument 'model' item \[0\]: is another Scale instance"):
+        g = compileattn.compile(dynamic_arg_dims={"x": 0}, config=_eager_config())(lambda model, x: model[0](x))
+        g([model], torch.ones(3))
+        g([Scale(5.0)], torch.ones(3))
+
+
 def test_a_parents_forward_called_through_the_class_runs_the_instances_own_compile():
     """``Cls.forward(self, x)`` from a subclass: each instance's compile, as ``instance.forward``
     gives, not one shared by every instance (which would run code traced with another's attributes)."""

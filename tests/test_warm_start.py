@@ -241,6 +241,24 @@ def test_what_a_function_closes_over_and_a_models_private_attributes_and_hooks_a
         assert compiled.compile_stats["path"] == "cold"
 
 
+def test_a_model_passed_inside_a_list_is_in_the_key(tmp_path):
+    class Scale(nn.Module):
+        def __init__(self, factor):
+            super().__init__()
+            self.factor = factor
+
+        def forward(self, x):
+            return x * self.factor
+
+    def applied(layers, x):
+        return layers[0](x)
+
+    for factor in (2.0, 5.0):
+        f = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(applied)
+        assert torch.equal(f([Scale(factor)], torch.ones(3)), torch.full((3,), factor))
+        assert f.compile_stats["path"] == "cold"
+
+
 def test_the_default_dtype_and_autocast_are_in_the_keys():
     from compileattn.compilation.cache import environment_key
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -198,6 +199,34 @@ class _TypeSpec:
         return f"O({self.type.__module__}.{self.type.__qualname__})"
 
 
+class _ModuleSpec:
+    """An ``nn.Module`` argument: the trace baked in that instance's attributes (and Dynamo would
+    guard on them), so a call must pass the same instance; its parameters' values are read per
+    call. Held weakly."""
+
+    __slots__ = ("type", "ref")
+
+    def __init__(self, v: torch.nn.Module):
+        self.type = type(v)
+        self.ref = weakref.ref(v)
+
+    def matches(self, v: Any) -> bool:
+        return v is self.ref()
+
+    def explain(self, v: Any) -> str:
+        if type(v) is not self.type:
+            return f"type changed from {self.type.__qualname__} to {type(v).__qualname__}"
+        return (f"is another {self.type.__name__} instance than on the first call, whose attributes the "
+                f"compiled code holds; pass the same model (its parameters may change in place), or compile one "
+                f"function per model")
+
+    def describe(self) -> str:
+        return f"<{self.type.__qualname__} instance>"
+
+    def key(self) -> str:
+        return f"M({self.type.__module__}.{self.type.__qualname__})"
+
+
 class _SeqSpec:
     __slots__ = ("type", "items")
 
@@ -282,6 +311,8 @@ def spec_of(v: Any, dynamic: tuple[int, ...] = ()):
         return _TensorSpec(v, dynamic)
     if isinstance(v, _VALUE_TYPES):
         return _ValueSpec(v)
+    if isinstance(v, torch.nn.Module):
+        return _ModuleSpec(v)
     if _is_sequence(v):
         return _SeqSpec(v, [spec_of(x) for x in v])
     if _is_mapping(v):

@@ -155,7 +155,7 @@ def closure_fingerprint(fn: Callable) -> Iterable[str]:
 def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, values: Iterable[Any]) -> str:
     """The cache key of a compile: everything that decides Dynamo's code and the pieces that is
     known before tracing. ``arguments``: the argument checker's text of the first call;
-    ``values``: the call's argument values (modules among them are fingerprinted)."""
+    ``values``: the call's argument values (modules among them, in containers too, are fingerprinted)."""
     parts = [
         f"format={FORMAT}", f"torch={torch.__version__}", f"python={sys.version}",
         f"compileattn={compileattn_source_digest()}",
@@ -164,10 +164,21 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
         f"dynamic={sorted(dynamic.items())}", f"arguments={arguments}", *environment_key(),
     ]
     parts.extend(closure_fingerprint(fn))
+    for module in _modules_in(values):
+        parts.extend(module_fingerprint(module))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _modules_in(values: Iterable[Any]) -> Iterable[torch.nn.Module]:
+    """The modules among the call's argument values, inside lists, tuples and dicts too (the
+    argument check walks those containers; the trace bakes in a module found there alike)."""
     for v in values:
         if isinstance(v, torch.nn.Module):
-            parts.extend(module_fingerprint(v))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+            yield v
+        elif isinstance(v, (tuple, list)):
+            yield from _modules_in(v)
+        elif isinstance(v, dict):
+            yield from _modules_in(v.values())
 
 
 def _function_identity(fn: Callable) -> str:
