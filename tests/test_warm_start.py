@@ -259,6 +259,19 @@ def test_a_model_passed_inside_a_list_is_in_the_key(tmp_path):
         assert f.compile_stats["path"] == "cold"
 
 
+def test_an_objects_private_state_stays_out_of_the_key_its_public_fields_go_in():
+    """transformers' GenerationConfig keeps a string hash (randomized per process) in a private
+    field: in the key, every process's warm start would miss. A config's public fields are in it."""
+    from compileattn.compilation.warm_start import _fingerprint
+
+    class Config:
+        def __init__(self, factor, private):
+            self.factor, self._original_object_hash = factor, private
+
+    assert _fingerprint(Config(2.0, hash("a"))) == _fingerprint(Config(2.0, 12345))
+    assert _fingerprint(Config(2.0, 0)) != _fingerprint(Config(3.0, 0))
+
+
 def test_the_default_dtype_and_autocast_are_in_the_keys():
     from compileattn.compilation.cache import environment_key
 

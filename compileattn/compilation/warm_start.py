@@ -105,7 +105,11 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
         return f"{name}({', '.join(fields)})"
     attributes = getattr(value, "__dict__", None)
     if isinstance(attributes, dict):
-        return f"{name}{{{', '.join(f'{k}={_fingerprint(v, depth - 1)}' for k, v in sorted(attributes.items()))}}}"
+        # Public fields only: an object's private state can differ per process (transformers'
+        # GenerationConfig keeps a string hash, randomized per process), which would make every
+        # warm start miss; a config's public fields are what a forward reads.
+        public = sorted((k, v) for k, v in attributes.items() if not k.startswith("_"))
+        return f"{name}{{{', '.join(f'{k}={_fingerprint(v, depth - 1)}' for k, v in public)}}}"
     return f"<{name}>"
 
 
