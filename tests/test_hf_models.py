@@ -10,6 +10,8 @@ rounding: tokens must be equal, logits within 1e-4.
 Compiled runs use simulated CUDA graphs (tests/conftest.py): mixed steps take the piecewise path,
 uniform decode steps the full-graph path, as on a GPU.
 """
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ import compileattn as ca
 from compileattn import _torch_compat
 from hf_families import FAMILIES, hf_greedy, load_reference, prompts, save_family
 
+ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 8
 ENGINE = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, num_blocks=96)
 
@@ -173,3 +176,34 @@ def test_an_llm_over_a_kept_model_frees_its_kv_cache_when_deleted(checkpoint, si
     gc.collect()
     assert kept() is None
     assert model is not None
+
+
+_WARM_SCRIPT = """
+import json, logging, sys
+import compileattn as ca
+records = []
+logging.getLogger("compileattn").addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: records.append(r.getMessage())})())
+logging.getLogger("compileattn").setLevel(logging.INFO)
+config = ca.CompileConfig(piece_compiler="eager", compile_workers=0, cache_dir=sys.argv[2])
+llm = ca.LLM(sys.argv[1], compile_config=config, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+tokens = llm.generate([[1, 2, 3, 4, 5]], 4, use_tqdm=False)[0].token_ids
+print(json.dumps({"tokens": tokens, "warm": any("warm start, no Dynamo" in m for m in records)}))
+"""
+
+
+def test_a_second_process_serves_a_hugging_face_model_from_its_warm_start(checkpoint, tmp_path):
+    """The warm-start key of a transformers model is the same in every process (its configs'
+    private state, such as GenerationConfig's per-process string hash, stays out of it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    directory, _, _ = checkpoint("llama")
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _WARM_SCRIPT, str(directory), str(cache)], env=env,
+                                      capture_output=True, text=True, timeout=300, check=True).stdout.splitlines()[-1])
+            for _ in range(2)]
+    assert [r["warm"] for r in runs] == [False, True]
+    assert runs[0]["tokens"] == runs[1]["tokens"]
