@@ -113,8 +113,10 @@ def flash_attn_with_kvcache(
     slots = _append_slots(cache_seqlens, seqlen_new, block_table, page) if seqlen_new else None
     if validate and slots is not None:  # no slot written twice (sequences may share blocks they only read)
         check_append_slots(slots, page, block_table, cache_seqlens)
+        # Structure only: the slots' values are checked above, and lie in the cache (the block
+        # table's entries and the lengths were checked by check_kvcache_values).
         check_kv_write_args(k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]), k_cache, v_cache,
-                            slots.view(-1), k_scale=k_scale, v_scale=v_scale)
+                            slots.view(-1), check_values=False, k_scale=k_scale, v_scale=v_scale)
     if slots is not None:
         kvh = k_cache.shape[2]
         rows = batch * seqlen_new

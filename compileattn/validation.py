@@ -335,21 +335,19 @@ def check_append_slots(slots: torch.Tensor, page: int, block_table: torch.Tensor
     write gets is internal)."""
     flat = slots.reshape(-1)
     values, counts = flat.unique(return_counts=True)
-    if not (counts > 1).any():
-        clash = context_write_clash(flat.cpu(), block_table.cpu(), cache_seqlens.cpu(), page)
-        if clash is not None:
-            t, block, row, readers = clash
-            b, j = divmod(t, slots.shape[1])
-            raise ValueError(f"new token {j} of sequence {b} would be written to row {row} of block {block}, which "
-                             f"sequence(s) {readers} read as context (below their cache_seqlens): sequences may share "
-                             f"only the blocks they read")
-        return
-    slot = int(values[counts > 1][0])
-    hits = (slots == slot).nonzero().tolist()
-    (b1, j1), (b2, j2) = hits[0], hits[1]
-    raise ValueError(f"new token {j1} of sequence {b1} and new token {j2} of sequence {b2} would both be written "
-                     f"to row {slot % page} of block {slot // page}: their block_table rows share a block that "
-                     f"cache_seqlens appends into (which value lands there would depend on the write order)")
+    if (counts > 1).any():
+        slot = int(values[counts > 1][0])
+        (b1, j1), (b2, j2) = (slots == slot).nonzero().tolist()[:2]
+        raise ValueError(f"new token {j1} of sequence {b1} and new token {j2} of sequence {b2} would both be written "
+                         f"to row {slot % page} of block {slot // page}: their block_table rows share a block that "
+                         f"cache_seqlens appends into (which value lands there would depend on the write order)")
+    clash = context_write_clash(flat.cpu(), block_table.cpu(), cache_seqlens.cpu(), page)
+    if clash is not None:
+        t, block, row, readers = clash
+        b, j = divmod(t, slots.shape[1])
+        raise ValueError(f"new token {j} of sequence {b} would be written to row {row} of block {block}, which "
+                         f"sequence(s) {readers} read as context (below their cache_seqlens): sequences may share "
+                         f"only the blocks they read")
 
 
 def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_values: bool = True,
