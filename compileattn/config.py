@@ -73,18 +73,20 @@ class CompileConfig:
     #: When the workers start. "first_call": before Dynamo traces, so their import overlaps the
     #: trace, and they take dynamic-shape compiles as well as static ones. "decoration": as
     #: "first_call", with the fork server they are forked from (a pool of two or more) started by
-    #: ``@compileattn.compile`` itself, so that its import of torch and Inductor overlaps the
-    #: model's build and weight loading (not where a warm start file of the function is in
-    #: ``cache_dir``: that first call likely loads); on the H200 host with the benchmark's short
-    #: builds (0.8 / 3 s) it did not help (run S13-1, first call, decoration / first call: OPT-125m
-    #: shape 10.12 / 9.30 s, Llama-3-8B shape 18.96 / 19.37 s: its import took 11.8-15.2 s beside
-    #: the build and the trace). "after_dynamic": once
+    #: ``@compileattn.compile`` itself, so that its imports overlap the model's build and weight
+    #: loading (not where a warm start file of the function is in ``cache_dir``: that first call
+    #: likely loads). "auto": "decoration" where the server can be a fork of this process then
+    #: (one Python thread, CUDA untouched: ``fork_server.why_not_fork_here``), ready one Inductor
+    #: import later; "first_call" otherwise. A fresh interpreter started at decoration did not help
+    #: on the H200's host (run S13-1, decoration / first call: OPT-125m shape 10.12 / 9.30 s,
+    #: Llama-3-8B shape 18.96 / 19.37 s): its import of torch took 11.8-15.2 s beside the build and
+    #: the trace. "after_dynamic": once
     #: the compiling process has compiled every dynamic-shape piece itself, so nothing competes
     #: with it, at the price of static pieces landing later. Two runs on the H200's 16-CPU host
     #: with fresh-interpreter workers, before dynamic-shape compiles went to them (first call,
     #: after_dynamic against first_call, s): S9-2 OPT-125m shape 8.46 / 11.02, Llama-3-8B shape
     #: 16.67 / 16.66; S9-6 OPT 7.58 / 10.51, Llama 16.11 / 15.80.
-    compile_workers_start: Literal["first_call", "decoration", "after_dynamic"] = "first_call"
+    compile_workers_start: Literal["auto", "first_call", "decoration", "after_dynamic"] = "auto"
     #: With workers, return from the compile once the dynamic-shape pieces are ready and let the
     #: static-shape ones land when the workers finish them (``compilation/landing.py``): until a
     #: size's static pieces land, its steps run the dynamic-shape pieces (correct, slower), and its
@@ -143,9 +145,9 @@ class CompileConfig:
                 raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
             self.cudagraph_capture_sizes = sorted({int(s) for s in sizes})
         self.splitting_ops = tuple(self.splitting_ops)
-        if self.compile_workers_start not in ("first_call", "decoration", "after_dynamic"):
-            raise ValueError(f"compile_workers_start must be 'first_call', 'decoration' or 'after_dynamic', got "
-                             f"{self.compile_workers_start!r}")
+        if self.compile_workers_start not in ("auto", "first_call", "decoration", "after_dynamic"):
+            raise ValueError(f"compile_workers_start must be 'auto', 'first_call', 'decoration' or 'after_dynamic', "
+                             f"got {self.compile_workers_start!r}")
         if self.compile_workers != "auto" and (isinstance(self.compile_workers, bool)
                                                or not isinstance(self.compile_workers, int) or self.compile_workers < 0):
             raise ValueError(f"compile_workers must be 'auto' or an int >= 0, got {self.compile_workers!r}")

@@ -733,7 +733,7 @@ def test_coldwarm_plumbing_on_the_cpu(tmp_path):
                                                          "cold, waiting for static": "ok",
                                                          "cold, workers after dynamic": "ok",
                                                          "cold, layers traced flat": "ok",
-                                                         "cold, fork server at decoration": "ok",
+                                                         "cold, fork server at first call": "ok",
                                                          "cold, attention kernels at first launch": "ok"}
     assert rows["cold"]["path"] == "cold" and rows["cold"]["counters"]["dynamo_graphs"] == 1
     assert rows["cold"]["regions"] == "on: OPTDecoderLayer x2" and rows["cold"]["counters"]["regions_inlined"] == 2

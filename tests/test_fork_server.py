@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -62,8 +63,8 @@ def test_a_server_that_cannot_start_leaves_the_pool_to_fresh_interpreters(monkey
     nothing; the workers start as fresh interpreters, saying why once."""
     real = fork_server.ForkServer
 
-    def broken(env, niceness, ready_timeout):
-        return real(dict(env, PYTHONHOME=os.devnull), niceness, ready_timeout)
+    def broken(env, niceness, ready_timeout, fork_here=False):
+        return real(dict(env, PYTHONHOME=os.devnull), niceness, ready_timeout, fork_here=False)
 
     monkeypatch.setattr(fork_server, "ForkServer", broken)
     monkeypatch.setattr(compile_pool, "_no_fork_noted", set())
@@ -75,6 +76,59 @@ def test_a_server_that_cannot_start_leaves_the_pool_to_fresh_interpreters(monkey
         finally:
             pool.close(wait=True)
     assert caplog.text.count("compile workers start as fresh interpreters: the fork server did not start") == 1
+
+
+_FORKED_HERE = """
+import atexit, os, sys, time
+from compileattn.compilation import compile_pool, fork_server
+atexit.register(lambda: print("atexit", flush=True))
+assert fork_server.why_not_fork_here() is None, fork_server.why_not_fork_here()
+read_end, write_end = os.pipe()
+pool = compile_pool.CompilePool(2)
+print("after the pool", flush=True)
+deadline = time.monotonic() + 120
+while any(r is None for r in pool.ready_after) and time.monotonic() < deadline:
+    time.sleep(0.02)
+server = pool._fork_server
+print("forked here:", server.forked_here, "workers forked:",
+      all(isinstance(p, fork_server.ForkedWorker) for p in pool._procs), "ready:", server.ready_after is not None)
+os.close(write_end)  # the server and its workers must not hold a copy of it
+print("EOF with the server alive:", os.read(read_end, 1) == b"" and server._proc.poll() is None, flush=True)
+pool.close(wait=True)
+print("server exit status:", server._proc.wait(timeout=30), flush=True)
+"""
+
+
+def test_the_fork_server_is_a_fork_of_a_single_threaded_process():
+    """Torch is imported already, so the fork is ready one Inductor import after its start. It
+    keeps none of this process's file descriptors (a copy of a pipe's write end would keep its
+    reader from seeing EOF), never returns into the code it was forked from (no second "after the
+    pool"), runs none of this process's exit handlers, and exits 0 once its workers have."""
+    out = subprocess.run([sys.executable, "-c", _FORKED_HERE], capture_output=True, text=True, timeout=300,
+                         env=compile_pool._worker_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines.count("after the pool") == 1 and lines.count("atexit") == 1, out.stdout
+    assert "forked here: True workers forked: True ready: True" in lines, out.stdout
+    assert "EOF with the server alive: True" in lines, out.stdout
+    assert "server exit status: 0" in lines, out.stdout
+
+
+def test_a_process_running_another_python_thread_starts_a_fresh_server():
+    """A fork would copy the locks another thread may hold: the server is a fresh interpreter."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        assert "Python threads run in this process" in fork_server.why_not_fork_here()
+        pool = compile_pool.CompilePool(2)
+        try:
+            assert pool._fork_server is not None and not pool._fork_server.forked_here
+        finally:
+            pool.close(wait=True)
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_one_worker_is_a_fresh_interpreter():
@@ -196,6 +250,33 @@ def test_decoration_starts_the_fork_server_only_where_a_compile_will_fork_worker
         assert warm_start.saved_for(config, _forward)
     _decorate(config)
     assert (compile_pool._early is not None) == (case == "decoration")
+
+
+_AUTO_AT_DECORATION = """
+import sys, threading
+import compileattn as ca
+from compileattn.compilation import compile_pool
+stop = threading.Event()
+if sys.argv[1] == "thread":
+    threading.Thread(target=stop.wait, daemon=True).start()
+config = ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2)
+assert config.compile_workers_start == "auto"
+ca.compile(lambda x: x + 1, dynamic_arg_dims={"x": 0}, config=config)
+early = compile_pool._early
+print("early server:", early is not None and early[0].forked_here, flush=True)
+stop.set()
+"""
+
+
+@pytest.mark.parametrize("threads", ["one", "thread"])
+def test_auto_starts_the_fork_server_at_decoration_only_as_a_fork(threads):
+    """``compile_workers_start="auto"`` (the default): a fork of a single-threaded process at
+    decoration; with another Python thread running, nothing until the first call (a fresh
+    interpreter then, as with "first_call")."""
+    out = subprocess.run([sys.executable, "-c", _AUTO_AT_DECORATION, threads], capture_output=True, text=True,
+                         timeout=300, env=compile_pool._worker_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"early server: {threads == 'one'}" in out.stdout.splitlines(), out.stdout
 
 
 def test_the_first_calls_pool_forks_from_the_early_server(no_early_server, monkeypatch):

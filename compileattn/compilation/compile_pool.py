@@ -462,8 +462,11 @@ def _forks(workers: int) -> bool:
 
 
 def _new_fork_server(env: dict[str, str]) -> fork_server.ForkServer | None:
+    why_not_here = fork_server.why_not_fork_here()
+    if why_not_here is not None:
+        logger.debug("compileattn: the compile workers' fork server starts as a fresh interpreter: %s", why_not_here)
     try:
-        return fork_server.ForkServer(env, WORKER_NICENESS, READY_TIMEOUT_S)
+        return fork_server.ForkServer(env, WORKER_NICENESS, READY_TIMEOUT_S, fork_here=why_not_here is None)
     except Exception as exc:  # noqa: BLE001 (spawning failed): fresh interpreters, as without it
         _note_no_fork(f"the fork server did not start ({type(exc).__name__}: {exc})")
         return None
@@ -496,15 +499,21 @@ _early: tuple[fork_server.ForkServer, dict[str, str]] | None = None
 _early_lock = threading.Lock()
 
 
-def start_fork_server_early(workers: int) -> bool:
-    """Start the fork server now, before the first call (``@compileattn.compile`` at decoration,
-    ``CompileConfig.compile_workers_start="decoration"``), so that its import of torch, compileattn
-    and Inductor overlaps the model's build and weight loading rather than the first call: started
-    with the first call, it was ready only 9-13 s in on the H200 (runs S12-3..5), after the
-    compiling process had done every dynamic-shape compile itself. Whether one runs now."""
+def start_fork_server_early(workers: int, only_forked: bool = False) -> bool:
+    """Start the fork server now, before the first call (``@compileattn.compile`` at decoration),
+    so that its imports overlap the model's build and weight loading rather than the first call:
+    started with the first call as a fresh interpreter, it was ready only 9-13 s in on the H200
+    (runs S12-3..5), after the compiling process had done every dynamic-shape compile itself.
+    ``only_forked``: only if it can be a fork of this process (``fork_server.why_not_fork_here``),
+    ready one Inductor import later. Whether one runs now."""
     global _early
     if not _forks(workers):
         return False
+    if only_forked:
+        why_not = fork_server.why_not_fork_here()
+        if why_not is not None:
+            logger.debug("compileattn: the compile workers' fork server starts with the first call: %s", why_not)
+            return False
     with _early_lock:
         if _early is not None or _pool is not None:
             return _early is not None

@@ -531,15 +531,17 @@ def _prestart_static_compiles(config: CompileConfig, values: Mapping[str, Any]) 
 
 
 def _start_fork_server_early(fn: Callable, config: CompileConfig) -> None:
-    """At decoration (``compile_workers_start="decoration"``): start the compile workers' fork
-    server where the first call will likely compile static pieces in workers: on a machine with a
-    GPU (static sizes are for CUDA pieces unless given), with no warm start file of ``fn`` saved."""
-    if config.piece_compiler != "inductor" or config.compile_workers_start != "decoration":
+    """At decoration (``compile_workers_start`` "auto": if it can be a fork of this process;
+    "decoration": in any case): start the compile workers' fork server where the first call will
+    likely compile static pieces in workers: on a machine with a GPU (static sizes are for CUDA
+    pieces unless given), with no warm start file of ``fn`` saved."""
+    if config.piece_compiler != "inductor" or config.compile_workers_start not in ("auto", "decoration"):
         return
     device_type = "cuda" if torch.cuda.device_count() else "cpu"  # NVML where it can: no CUDA context
     if not config.resolved_compile_sizes(device_type) or warm_start.saved_for(config, fn):
         return
-    compile_pool.start_fork_server_early(compile_pool.worker_count(config.compile_workers))
+    compile_pool.start_fork_server_early(compile_pool.worker_count(config.compile_workers),
+                                         only_forked=config.compile_workers_start == "auto")
 
 
 def _log_ready(what: str, stats: dict[str, Any]) -> None:
@@ -612,9 +614,9 @@ class CompiledFunction:
         self._sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._last: BoundCompiledFunction | None = None
         if backend is None and not self._disabled():
+            _start_fork_server_early(fn, self._config)  # first: a fork needs this process single-threaded
             if self._config.cache_dir is not None:
                 warm_start.preload_inductor()
-            _start_fork_server_early(fn, self._config)
 
     @property
     def compile_stats(self) -> dict[str, Any]:

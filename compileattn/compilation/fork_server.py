@@ -4,10 +4,24 @@ A compile worker (``compile_pool.py``) is useful only once it has imported torch
 Inductor: several seconds of CPU per interpreter. Eight fresh interpreters importing at once, beside
 the compiling process's Dynamo trace, were ready only 10-16 s after they started on the H200's
 16-CPU host (runs S7-1, S11-5), when the compile had long done its own work. A **fork server** pays
-the import once: one interpreter (``python -c``, never a fork of the compiling process, which may
-hold a CUDA context, threads and gigabytes) imports everything a worker needs, says it is ready,
-and then forks a worker per request; a forked worker shares the imported modules' pages and is
-ready at once. Inductor's own compile subprocess does the same (it imports, then forks its pool).
+the import once: one process imports everything a worker needs, says it is ready, and then forks a
+worker per request; a forked worker shares the imported modules' pages and is ready at once.
+Inductor's own compile subprocess does the same (it imports, then forks its pool).
+
+- **Where the server comes from**: a fork of this process where that is safe (``why_not_fork_here``:
+  one Python thread, CUDA's driver not initialised, Linux), else a fresh interpreter
+  (``python -c``). The fork has torch imported already, so it is ready one Inductor import after
+  its start; a fresh interpreter first imports torch, which took 9-15 s on the H200's host beside
+  the model's build and Dynamo's trace (runs S13-1, S13-2, S15-1): later than the compiling process
+  needed the workers for its dynamic-shape compiles. ``@compileattn.compile`` starts it at
+  decoration where it can fork then (before the model is built, CUDA is untouched), and at the
+  first call otherwise, when a CUDA context usually exists and only a fresh interpreter can serve.
+  A forked server closes every file descriptor it inherited (a copy of one of this process's pipe
+  ends would keep its reader from ever seeing EOF), freezes the garbage collector (an inherited
+  object collected there would close a descriptor number the server has reused) and never returns
+  into the code it was forked from (``os._exit``). Native thread pools may run beside the one
+  Python thread (numpy's OpenBLAS starts one at import; it re-creates its threads in a fork);
+  the server and its workers compile on fake tensors and run no CPU kernels of their own.
 
 - **No CUDA before the fork**: a process forked after CUDA's driver was initialised cannot use
   CUDA, and a worker compiling a GPU piece does (device properties, Triton's target). The server
@@ -33,6 +47,7 @@ ready at once. Inductor's own compile subprocess does the same (it imports, then
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -44,6 +59,8 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 from . import wire
@@ -123,18 +140,23 @@ class ForkServer:
     """The server process, seen from the compiling process. ``fork`` blocks until the server is
     ready (the first call after its start waits for its imports) and is safe from several threads."""
 
-    def __init__(self, env: dict[str, str], niceness: int, ready_timeout: float):
+    def __init__(self, env: dict[str, str], niceness: int, ready_timeout: float, fork_here: bool = False):
         """``niceness``: the forked workers'; the server itself imports at normal priority, since
-        until it is ready no worker can help."""
+        until it is ready no worker can help. ``fork_here``: the server is a fork of this process
+        (the caller has checked ``why_not_fork_here``), not a fresh interpreter."""
         parent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(env, PYTORCH_NVML_BASED_CUDA_CHECK="1")
-        code = ("import os, time; started = time.perf_counter(); os.dup2(2, 1); "
-                "from compileattn.compilation.fork_server import serve; "
-                f"serve({server_end.fileno()}, {niceness}, started)")
         self._started = time.perf_counter()
+        self.forked_here = fork_here
         try:
-            self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env=env,
-                                          stdout=subprocess.DEVNULL, pass_fds=(server_end.fileno(),))
+            if fork_here:
+                self._proc = _fork_server_here(server_end, env, niceness)
+            else:
+                code = ("import os, time; started = time.perf_counter(); os.dup2(2, 1); "
+                        "from compileattn.compilation.fork_server import serve; "
+                        f"serve({server_end.fileno()}, {niceness}, started)")
+                self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env=env,
+                                              stdout=subprocess.DEVNULL, pass_fds=(server_end.fileno(),))
         finally:
             server_end.close()
         self._sock = parent_end
@@ -149,8 +171,9 @@ class ForkServer:
         self.interpreter_seconds: float | None = None
         self.import_seconds: float | None = None
         self.read_lag: float | None = None
-        wire.send(self._proc.stdin, {"sys_path": list(sys.path)})
-        self._proc.stdin.close()
+        if not fork_here:
+            wire.send(self._proc.stdin, {"sys_path": list(sys.path)})
+            self._proc.stdin.close()
 
     @property
     def pid(self) -> int:
@@ -204,8 +227,9 @@ class ForkServer:
             self._fail(why_not)
             return
         self._ready = True
-        logger.debug("compile-worker fork server (pid %d) ready after %.2f s (interpreter start %.2f s, its imports "
-                     "%.2f s, answer read %.2f s after it was sent)", self.pid, self.ready_after,
+        logger.debug("compile-worker fork server (pid %d, %s) ready after %.2f s (interpreter start %.2f s, its "
+                     "imports %.2f s, answer read %.2f s after it was sent)", self.pid,
+                     "a fork of this process" if self.forked_here else "a fresh interpreter", self.ready_after,
                      self.interpreter_seconds, self.import_seconds, self.read_lag)
 
     def _fail(self, why: str) -> None:
@@ -227,6 +251,108 @@ class ForkServer:
         if self.ready_after is None and self._proc.poll() is None:  # still importing; a ready one's
             self._proc.kill()                                          # workers outlive it
         threading.Thread(target=self._proc.wait, name="compileattn-fork-server-reaper", daemon=True).start()
+
+
+class _ServerChild:
+    """A fork server forked from this process: what ``ForkServer`` needs of a ``subprocess.Popen``
+    (``pid``, ``poll``, ``kill``, ``wait``), through ``waitpid`` on this process's own child."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def _reaped(self, flags: int) -> int | None:
+        try:
+            pid, status = os.waitpid(self.pid, flags)
+        except ChildProcessError:  # reaped by someone else's wait(): ended, status unknown
+            return -1
+        return os.waitstatus_to_exitcode(status) if pid else None
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                self.returncode = self._reaped(os.WNOHANG)
+            return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None:
+            code = self._reaped(0)
+            with self._lock:
+                if self.returncode is None:
+                    self.returncode = code
+                return self.returncode
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"compile-worker fork server {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+def why_not_fork_here() -> str | None:
+    """Why this process cannot become the fork server by forking (module docstring), or None."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return f"forking this process is done on Linux only (this is {sys.platform})"
+    if threading.active_count() > 1:
+        return (f"{threading.active_count()} Python threads run in this process (a fork would copy locks they "
+                f"may hold)")
+    return cuda_touched()
+
+
+def _fork_server_here(server_end: socket.socket, env: dict[str, str], niceness: int) -> _ServerChild:
+    """Fork this process into a fork server talking over ``server_end``; the child never returns."""
+    for stream in (sys.stdout, sys.stderr):  # what is buffered here would be written twice
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns of native threads (numpy's OpenBLAS pool): see the module docstring.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return _ServerChild(pid)
+    code = 1
+    try:
+        gc.freeze()
+        keep = server_end.fileno()
+        os.closerange(3, keep)
+        os.closerange(keep + 1, _max_fd())
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.dup2(2, 1)
+        os.environ.clear()
+        os.environ.update(env)
+        inductor_config = sys.modules.get("torch._inductor.config")
+        if inductor_config is not None:  # imported before the fork: it read the environment then
+            inductor_config.compile_threads = inductor_config.decide_compile_threads()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the user's handlers are the compiling process's
+        _serve_on(server_end, niceness, started)
+        code = 0
+    except BaseException:  # noqa: BLE001 (the server's end: the pool sees its socket close)
+        try:
+            traceback.print_exc()
+        except BaseException:  # noqa: BLE001
+            pass
+    finally:
+        os._exit(code)
+
+
+def _max_fd() -> int:
+    try:
+        return os.sysconf("SC_OPEN_MAX")
+    except (OSError, ValueError):
+        return 65536
 
 
 def _alive(pid: int) -> bool:
@@ -279,6 +405,10 @@ def serve(sock_fd: int, worker_niceness: int, started: float) -> None:
     except EOFError:
         return
     sys.path[:] = init["sys_path"]
+    _serve_on(sock, worker_niceness, started)
+
+
+def _serve_on(sock: socket.socket, worker_niceness: int, started: float) -> None:
     from .compile_pool import import_for_worker
 
     import_for_worker()
