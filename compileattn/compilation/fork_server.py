@@ -16,7 +16,7 @@ Inductor's own compile subprocess does the same (it imports, then forks its pool
   needed the workers for its dynamic-shape compiles. ``@compileattn.compile`` starts it at
   decoration where it can fork then (before the model is built, CUDA is untouched), and at the
   first call otherwise, when a CUDA context usually exists and only a fresh interpreter can serve.
-  A forked server closes every file descriptor it inherited (a copy of one of this process's pipe
+  A forked server closes the pipes and sockets it inherited (a copy of one of this process's pipe
   ends would keep its reader from ever seeing EOF), freezes the garbage collector (an inherited
   object collected there would close a descriptor number the server has reused) and never returns
   into the code it was forked from (``os._exit``). Native thread pools may run beside the one
@@ -324,9 +324,7 @@ def _fork_server_here(server_end: socket.socket, env: dict[str, str], niceness: 
     code = 1
     try:
         gc.freeze()
-        keep = server_end.fileno()
-        os.closerange(3, keep)
-        os.closerange(keep + 1, _max_fd())
+        _close_inherited_pipes_and_sockets(keep=server_end.fileno())
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -348,11 +346,22 @@ def _fork_server_here(server_end: socket.socket, env: dict[str, str], niceness: 
         os._exit(code)
 
 
-def _max_fd() -> int:
-    try:
-        return os.sysconf("SC_OPEN_MAX")
-    except (OSError, ValueError):
-        return 65536
+def _close_inherited_pipes_and_sockets(keep: int) -> None:
+    """Close the pipes and sockets a fork inherited: a copy of a pipe's write end (a subprocess's
+    stdin, another pool's worker) keeps its reader from seeing EOF, of a socket its connection
+    from closing. Other descriptors stay: CUDA's driver and NVML keep theirs (device files) from
+    their load, and with those closed the driver answered ``cuDeviceGetCount`` as if initialised
+    (H200, driver 580)."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd < 3 or fd == keep:
+            continue
+        try:
+            kind = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+        if kind.startswith(("pipe:", "socket:")):
+            os.close(fd)
 
 
 def _alive(pid: int) -> bool:
