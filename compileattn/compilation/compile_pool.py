@@ -7,19 +7,22 @@ of a cold start; the distinct pieces' dynamic-shape compiles, which the compile 
 without, took 5-11 s more one after another (3 to 4 pieces of 0.8-4.7 s, run S11-5). Inductor's
 lowering is Python, so threads would share one GIL: the compiles run in worker *processes*.
 
-- **Workers** never are forks of the compiling process (it may have CUDA initialised, threads and
-  gigabytes of memory), nor made by multiprocessing's spawn, which re-runs the user's ``__main__``
-  module in each child. A pool of two or more forks them from a **fork server**
-  (``fork_server.py``), one fresh interpreter that imports torch, compileattn (its custom ops
-  must be registered to unpickle a piece) and Inductor once: eight fresh interpreters importing at
-  once were ready only 10-16 s after they started (S7-1, S11-5). A pool of one, or one whose server
-  cannot fork (it says why, logged), starts fresh interpreters (``python -c``). Either kind talks to
-  the compiling process over two pipes (length-prefixed pickles), its stdin and stdout; whatever
-  a worker prints goes to its stderr.
+- **Workers** never are forks of the compiling process while it compiles (it has CUDA
+  initialised by then, threads and gigabytes of memory), nor made by multiprocessing's spawn,
+  which re-runs the user's ``__main__`` module in each child. A pool of two or more forks them from
+  a **fork server** (``fork_server.py``), one process that has imported torch, compileattn (its
+  custom ops must be registered to unpickle a piece) and Inductor once: a fork of this process
+  where that is safe (one Python thread, CUDA untouched: at decoration, before the model is built),
+  else a fresh interpreter. Eight fresh interpreters importing at once were ready only 10-16 s after
+  they started (S7-1, S11-5). A pool of one, or one whose server cannot fork (it says why, logged),
+  starts fresh interpreters (``python -c``). Either kind talks to the compiling process over two
+  pipes (length-prefixed pickles), its stdin and stdout; whatever a worker prints goes to its
+  stderr.
 - **Start early**: the fork server at ``@compileattn.compile``'s decoration
-  (``start_fork_server_early``), its import overlapping the model's build; the workers at
-  ``prestart`` (``@compileattn.compile`` calls it when its first call will compile, before Dynamo
-  traces) or, at the latest, the backend's ``acquire``.
+  (``start_fork_server_early``; by default only where it can be a fork then), its import
+  overlapping the model's build; the workers at ``prestart`` (``@compileattn.compile`` calls it
+  when its first call will compile, before Dynamo traces) or, at the latest, the backend's
+  ``acquire``.
 - **A task** is one (piece, size) compile: the piece's graph (GraphPickler, node metadata other
   than stack traces and example values dropped: Dynamo's other metadata holds sources that do not
   pickle), the Inductor options, and the settings that steer Inductor: the non-default entries of
