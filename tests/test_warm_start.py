@@ -259,6 +259,34 @@ def test_a_model_passed_inside_a_list_is_in_the_key(tmp_path):
         assert f.compile_stats["path"] == "cold"
 
 
+def test_a_model_closed_over_inside_a_list_is_in_the_key(tmp_path):
+    """A closure cell holding a list of models: each model is described by its attributes, as a
+    model closed over directly is (a list of modules is otherwise named only)."""
+    class Scale(nn.Module):
+        def __init__(self, factor):
+            super().__init__()
+            self.factor = factor
+
+        def forward(self, x):
+            return x * self.factor
+
+    def closing_over(layers):
+        def applied(x):
+            return layers[0](x)
+
+        return applied
+
+    from compileattn.compilation import warm_start
+
+    prints = [list(warm_start.closure_fingerprint(closing_over([Scale(factor)]))) for factor in (2.0, 5.0)]
+    assert prints[0] != prints[1]
+    assert any("factor=2.0" in line for line in prints[0]) and any("factor=5.0" in line for line in prints[1])
+    for factor in (2.0, 5.0):
+        f = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(closing_over([Scale(factor)]))
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), factor))
+        assert f.compile_stats["path"] == "cold", factor
+
+
 def test_an_objects_private_state_stays_out_of_the_key_its_public_fields_go_in():
     """transformers' GenerationConfig keeps a string hash (randomized per process) in a private
     field: in the key, every process's warm start would miss. A config's public fields are in it."""

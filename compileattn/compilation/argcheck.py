@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import inspect
 import weakref
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -325,20 +325,24 @@ def same_tensors(values: Mapping[str, Any]) -> tuple[tuple[tuple, ...], ...]:
     them) that hold one tensor object: Dynamo dedupes them into one graph input, and skipping its
     guards skips the one that says so."""
     by_id: dict[int, list[tuple]] = {}
-
-    def walk(v: Any, path: tuple) -> None:
-        if isinstance(v, torch.Tensor):
-            by_id.setdefault(id(v), []).append(path)
-        elif _is_sequence(v):
-            for i, item in enumerate(v):
-                walk(item, (*path, i))
-        elif _is_mapping(v):
-            for key, item in v.items():
-                walk(item, (*path, key))
-
     for name, v in values.items():
-        walk(v, (name,))
+        for path, leaf in leaves(v, (name,)):
+            if isinstance(leaf, torch.Tensor):
+                by_id.setdefault(id(leaf), []).append(path)
     return tuple(tuple(paths) for paths in by_id.values() if len(paths) > 1)
+
+
+def leaves(v: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """Every value inside ``v`` that is not one of the containers the check walks item by item
+    (``_is_sequence``, ``_is_mapping``), with the keys leading to it from ``path``."""
+    if _is_sequence(v):
+        for i, item in enumerate(v):
+            yield from leaves(item, (*path, i))
+    elif _is_mapping(v):
+        for key, item in v.items():
+            yield from leaves(item, (*path, key))
+    else:
+        yield path, v
 
 
 def _shown_path(path: tuple) -> str:

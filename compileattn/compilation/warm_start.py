@@ -45,6 +45,7 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
+from . import argcheck
 from .cache import compileattn_source_digest, environment_key, save_or_log, secure_dir
 from .size_guards import SizeGuards
 
@@ -141,19 +142,14 @@ def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
 
 
 def closure_fingerprint(fn: Callable) -> Iterable[str]:
-    """What the decorated function closes over, and its defaults: a module as the model it is,
-    anything else as its value (``_fingerprint``): two functions made by one factory share their
-    source lines."""
-    yield f"defaults={_fingerprint((fn.__defaults__, fn.__kwdefaults__))}"
-    for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
-        if not _filled(cell):
-            continue
-        value = cell.cell_contents
-        if isinstance(value, torch.nn.Module):
-            yield f"closure {i}:"
-            yield from module_fingerprint(value)
-        else:
-            yield f"closure {i}={_fingerprint(value)}"
+    """What the decorated function closes over, and its defaults, by value (``_fingerprint``: two
+    functions made by one factory share their source lines), and a module among them (in
+    containers too) as the model it is."""
+    yield f"function={_fingerprint(fn, depth=5)}"  # its cells and defaults at the depth of a value
+    cells = [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if _filled(cell)]
+    for i, module in enumerate(_modules_in(cells)):
+        yield f"closure module {i}:"
+        yield from module_fingerprint(module)
 
 
 def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, values: Iterable[Any]) -> str:
@@ -174,15 +170,12 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
 
 
 def _modules_in(values: Iterable[Any]) -> Iterable[torch.nn.Module]:
-    """The modules among the call's argument values, inside lists, tuples and dicts too (the
-    argument check walks those containers; the trace bakes in a module found there alike)."""
+    """The modules among ``values``, inside the containers the argument check walks too (the
+    trace bakes in a module found there alike)."""
     for v in values:
-        if isinstance(v, torch.nn.Module):
-            yield v
-        elif isinstance(v, (tuple, list)):
-            yield from _modules_in(v)
-        elif isinstance(v, dict):
-            yield from _modules_in(v.values())
+        for _, leaf in argcheck.leaves(v):
+            if isinstance(leaf, torch.nn.Module):
+                yield leaf
 
 
 def _function_identity(fn: Callable) -> str:
