@@ -241,35 +241,28 @@ def test_what_a_function_closes_over_and_a_models_private_attributes_and_hooks_a
         assert compiled.compile_stats["path"] == "cold"
 
 
+class _Scale(nn.Module):
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
 def test_a_model_passed_inside_a_list_is_in_the_key(tmp_path):
-    class Scale(nn.Module):
-        def __init__(self, factor):
-            super().__init__()
-            self.factor = factor
-
-        def forward(self, x):
-            return x * self.factor
-
     def applied(layers, x):
         return layers[0](x)
 
     for factor in (2.0, 5.0):
         f = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(applied)
-        assert torch.equal(f([Scale(factor)], torch.ones(3)), torch.full((3,), factor))
+        assert torch.equal(f([_Scale(factor)], torch.ones(3)), torch.full((3,), factor))
         assert f.compile_stats["path"] == "cold"
 
 
 def test_a_model_closed_over_inside_a_list_is_in_the_key(tmp_path):
     """A closure cell holding a list of models: each model is described by its attributes, as a
     model closed over directly is (a list of modules is otherwise named only)."""
-    class Scale(nn.Module):
-        def __init__(self, factor):
-            super().__init__()
-            self.factor = factor
-
-        def forward(self, x):
-            return x * self.factor
-
     def closing_over(layers):
         def applied(x):
             return layers[0](x)
@@ -278,11 +271,11 @@ def test_a_model_closed_over_inside_a_list_is_in_the_key(tmp_path):
 
     from compileattn.compilation import warm_start
 
-    prints = [list(warm_start.closure_fingerprint(closing_over([Scale(factor)]))) for factor in (2.0, 5.0)]
+    prints = [list(warm_start.closure_fingerprint(closing_over([_Scale(factor)]))) for factor in (2.0, 5.0)]
     assert prints[0] != prints[1]
     assert any("factor=2.0" in line for line in prints[0]) and any("factor=5.0" in line for line in prints[1])
     for factor in (2.0, 5.0):
-        f = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(closing_over([Scale(factor)]))
+        f = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(closing_over([_Scale(factor)]))
         assert torch.equal(f(torch.ones(3)), torch.full((3,), factor))
         assert f.compile_stats["path"] == "cold", factor
 
