@@ -114,6 +114,128 @@ def test_the_fork_server_is_a_fork_of_a_single_threaded_process():
     assert "server exit status: 0" in lines, out.stdout
 
 
+def test_a_forked_servers_exit_status_is_not_lost_to_a_concurrent_poll():
+    """The reaper thread (``ForkServer._stop``) waits for the server while ``wait(timeout)``,
+    ``kill`` or the handshake poll it: a poll must not reap it between the reaper's ``waitpid``
+    and its record (a clean exit was recorded as -1, a few in 300 before the reaper held the lock)."""
+    wrong = 0
+    for _ in range(300):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(0.005)
+            os._exit(0)
+        child = fork_server._ServerChild(pid)
+        threading.Thread(target=child.wait, daemon=True).start()
+        wrong += child.wait(timeout=30) != 0
+    assert wrong == 0, f"{wrong} of 300 clean exits recorded as another status"
+
+
+def _run_forking(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = compile_pool._worker_env()
+    env.pop("TRITON_CACHE_DIR", None)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+_USERS_SIGTERM = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda signum, frame: open(sys.argv[1], "a").write(f"ran in {os.getpid()}\\n"))
+import compileattn as ca
+from compileattn.compilation import compile_pool
+ca.compile(lambda x: x + 1, dynamic_arg_dims={"x": 0}, config=ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2))
+server = compile_pool._early[0]
+assert server.forked_here
+os.kill(server.pid, signal.SIGTERM)
+deadline = time.monotonic() + 30
+while server._proc.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("server ended by SIGTERM:", server._proc.poll() == -signal.SIGTERM, flush=True)
+"""
+
+
+def test_the_users_signal_handlers_do_not_run_in_the_forked_server(tmp_path):
+    """A SIGTERM ends the server as it ends a fresh interpreter, rather than running the user's
+    handler there (which may only set a flag and leave the server running)."""
+    ran = tmp_path / "handler.log"
+    out = _run_forking(_USERS_SIGTERM, str(ran))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "server ended by SIGTERM: True" in out.stdout.splitlines(), out.stdout
+    assert not ran.exists(), ran.read_text()
+
+
+_WAKEUP_FD = """
+import os, select, signal, socket, time
+a, b = socket.socketpair()
+a.setblocking(False)
+b.setblocking(False)
+signal.signal(signal.SIGTERM, lambda *_: None)  # as asyncio's loop.add_signal_handler does
+signal.set_wakeup_fd(b.fileno())
+from compileattn.compilation import compile_pool
+pool = compile_pool.CompilePool(2)
+deadline = time.monotonic() + 120
+while any(r is None for r in pool.ready_after) and time.monotonic() < deadline:
+    time.sleep(0.05)
+assert pool._fork_server.forked_here
+stray = []
+for proc in pool._procs:
+    os.kill(proc.pid, signal.SIGTERM)
+time.sleep(1)
+for proc in pool._procs:
+    if select.select([proc.stdout], [], [], 0)[0]:
+        stray.append(os.read(proc.stdout.fileno(), 16))
+print("stray bytes on the answer pipes:", [s for s in stray if s], flush=True)
+pool.close(kill=True, wait=True)
+"""
+
+
+def test_a_signal_wakeup_descriptor_does_not_write_into_a_workers_answers():
+    """The wakeup socket's number, closed in the fork, is reused by a worker's pipe: a handled
+    signal must not write its byte there (it broke the answers' length framing)."""
+    out = _run_forking(_WAKEUP_FD)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "stray bytes on the answer pipes: []" in out.stdout.splitlines(), out.stdout
+
+
+_SETTLED_CACHE_DIR = """
+import torch
+import compileattn as ca
+from compileattn.compilation import compile_pool, kernel_warmup
+ca.compile(lambda x: x + 1, dynamic_arg_dims={"x": 0}, config=ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2))
+early = compile_pool._early[0]
+kernel_warmup._settle_cache_dir(torch.device("cuda", 0))  # what a first call on a GPU does first
+pool = compile_pool.prestart(2)
+print("the first call's pool forks from the server made at decoration:", pool._fork_server is early, flush=True)
+compile_pool.release(wait=True)
+"""
+
+
+def test_the_triton_cache_dir_a_first_call_settles_keeps_the_server_made_at_decoration():
+    """The first call on a GPU sets ``TRITON_CACHE_DIR`` (``kernel_warmup``) to what Inductor sets it
+    to in every process: not a change of environment that would throw the forked server away for a
+    fresh interpreter (CUDA is initialised by then)."""
+    out = _run_forking(_SETTLED_CACHE_DIR)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the first call's pool forks from the server made at decoration: True" in out.stdout.splitlines(), out.stdout
+
+
+_LARGE_PROCESS = """
+import torch
+import compileattn as ca
+from compileattn.compilation import compile_pool, fork_server
+fork_server.FORK_MAX_RESIDENT_BYTES = fork_server._resident_bytes() + (64 << 20)
+weights = torch.ones(256 << 20, dtype=torch.uint8)  # a model built on the CPU before decoration
+print("why not:", fork_server.why_not_fork_here(), flush=True)
+ca.compile(lambda x: x + 1, dynamic_arg_dims={"x": 0}, config=ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2))
+print("early server:", compile_pool._early is not None, flush=True)
+"""
+
+
+def test_a_process_holding_much_memory_is_not_forked():
+    """What it frees or rewrites after a fork would stay held by the server until its pool closes."""
+    out = _run_forking(_LARGE_PROCESS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "MiB of memory (more than" in out.stdout and "early server: False" in out.stdout.splitlines(), out.stdout
+
+
 def test_a_process_running_another_python_thread_starts_a_fresh_server():
     """A fork would copy the locks another thread may hold: the server is a fresh interpreter."""
     stop = threading.Event()

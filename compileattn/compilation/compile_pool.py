@@ -486,13 +486,25 @@ def _start_fork_server(workers: int) -> fork_server.ForkServer | None:
     env = _worker_env()
     if early is not None:
         server, early_env = early
-        if early_env == env:
+        changed = _changed_since(early_env, env)
+        if not changed:
             return server
-        changed = sorted(k for k in set(env) | set(early_env) if env.get(k) != early_env.get(k))
         logger.debug("compileattn: the fork server started at decoration is not used: the environment changed "
                      "since (%s); starting another", ", ".join(changed[:8]))
         server.close()  # its workers would inherit the old environment
     return _new_fork_server(env)
+
+
+def _changed_since(before: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The variables whose change since ``before`` a fork server started under ``before`` would
+    not see. Not one that was unset then and compileattn has since set to what Inductor sets it
+    to in every process at its first Triton kernel (``kernel_warmup.settled_environment``: the
+    first call on a GPU settles ``TRITON_CACHE_DIR``): a worker's Inductor sets it alike."""
+    from . import kernel_warmup
+
+    settled = kernel_warmup.settled_environment
+    return sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k)
+                  and not (k not in before and k in settled and now.get(k) == settled[k]))
 
 
 #: The fork server ``start_fork_server_early`` started before any pool wanted one, with the

@@ -9,7 +9,8 @@ worker per request; a forked worker shares the imported modules' pages and is re
 Inductor's own compile subprocess does the same (it imports, then forks its pool).
 
 - **Where the server comes from**: a fork of this process where that is safe (``why_not_fork_here``:
-  one Python thread, CUDA's driver not initialised, Linux), else a fresh interpreter
+  one Python thread, CUDA's driver not initialised, at most ``FORK_MAX_RESIDENT_BYTES`` resident,
+  Linux), else a fresh interpreter
   (``python -c``). The fork has torch imported already, so it is ready one Inductor import after
   its start; a fresh interpreter first imports torch, which took 9-15 s on the H200's host beside
   the model's build and Dynamo's trace (runs S13-1, S13-2, S15-1): later than the compiling process
@@ -19,9 +20,13 @@ Inductor's own compile subprocess does the same (it imports, then forks its pool
   A forked server closes the pipes and sockets it inherited (a copy of one of this process's pipe
   ends would keep its reader from ever seeing EOF), freezes the garbage collector (an inherited
   object collected there would close a descriptor number the server has reused) and never returns
-  into the code it was forked from (``os._exit``). Native thread pools may run beside the one
-  Python thread (numpy's OpenBLAS starts one at import; it re-creates its threads in a fork);
-  the server and its workers compile on fake tensors and run no CPU kernels of their own.
+  into the code it was forked from (``os._exit``); the user's signal handlers and signal wakeup
+  descriptor are dropped there. Regular files and other descriptors stay open in it. Native thread
+  pools may run beside the one Python thread: numpy's OpenBLAS starts one at import and re-creates
+  its threads in a fork; GNU OpenMP's (torch's CPU kernels, once one ran in parallel) does not, and
+  a parallel CPU kernel in the fork would hang. The server and its workers run none: they compile
+  on fake tensors (a CPU piece's compile in a worker was checked not to hang after a parallel op
+  here), which is why Python's warning about forking a process with native threads is silenced.
 
 - **No CUDA before the fork**: a process forked after CUDA's driver was initialised cannot use
   CUDA, and a worker compiling a GPU piece does (device properties, Triton's target). The server
@@ -70,6 +75,11 @@ logger = logging.getLogger("compileattn")
 _PID = struct.Struct("<q")
 #: The request byte of a fork (its two pipe ends ride along as SCM_RIGHTS).
 _FORK = b"F"
+#: The largest process forked into the server: a fork shares its pages until either side writes
+#: or frees them, so memory the process frees after the fork (a model built on the CPU, then moved
+#: to the GPU) or rewrites (weights loaded in place) stays held, or is copied, until the server
+#: exits with its pool. torch, transformers and compileattn imported take a few hundred MiB.
+FORK_MAX_RESIDENT_BYTES = 2 << 30
 #: What a CUDA driver call returns before ``cuInit``.
 _CUDA_ERROR_NOT_INITIALIZED = 3
 
@@ -270,10 +280,14 @@ class _ServerChild:
         return os.waitstatus_to_exitcode(status) if pid else None
 
     def poll(self) -> int | None:
-        with self._lock:
+        if not self._lock.acquire(blocking=False):  # a wait() is reaping it (as Popen's waitpid lock)
+            return None
+        try:
             if self.returncode is None:
                 self.returncode = self._reaped(os.WNOHANG)
             return self.returncode
+        finally:
+            self._lock.release()
 
     def kill(self) -> None:
         if self.poll() is None:
@@ -284,10 +298,9 @@ class _ServerChild:
 
     def wait(self, timeout: float | None = None) -> int:
         if timeout is None:
-            code = self._reaped(0)
-            with self._lock:
+            with self._lock:  # held across the blocking reap: a poll() meanwhile must not reap it
                 if self.returncode is None:
-                    self.returncode = code
+                    self.returncode = self._reaped(0)
                 return self.returncode
         deadline = time.monotonic() + timeout
         while self.poll() is None:
@@ -304,7 +317,21 @@ def why_not_fork_here() -> str | None:
     if threading.active_count() > 1:
         return (f"{threading.active_count()} Python threads run in this process (a fork would copy locks they "
                 f"may hold)")
+    resident = _resident_bytes()
+    if resident is None or resident > FORK_MAX_RESIDENT_BYTES:
+        return (f"this process holds {'an unknown amount of' if resident is None else f'{resident >> 20} MiB of'} "
+                f"memory (more than {FORK_MAX_RESIDENT_BYTES >> 20} MiB: what it frees or rewrites after a fork "
+                f"would stay held by the server)")
     return cuda_touched()
+
+
+def _resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmRSS:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
 def _fork_server_here(server_end: socket.socket, env: dict[str, str], niceness: int) -> _ServerChild:
@@ -315,14 +342,24 @@ def _fork_server_here(server_end: socket.socket, env: dict[str, str], niceness: 
         except (AttributeError, OSError, ValueError):
             pass
     started = time.perf_counter()
-    with warnings.catch_warnings():
-        # Python 3.12+ warns of native threads (numpy's OpenBLAS pool): see the module docstring.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
+    # Signals stay pending across the fork until the child has dropped the user's handlers (one
+    # delivered before would run them there, or be lost once they are reset).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of native threads (numpy's OpenBLAS pool): see the module docstring.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return _ServerChild(pid)
     code = 1
     try:
+        _drop_inherited_signal_handlers()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         gc.freeze()
         _close_inherited_pipes_and_sockets(keep=server_end.fileno())
         null = os.open(os.devnull, os.O_RDONLY)
@@ -334,7 +371,6 @@ def _fork_server_here(server_end: socket.socket, env: dict[str, str], niceness: 
         inductor_config = sys.modules.get("torch._inductor.config")
         if inductor_config is not None:  # imported before the fork: it read the environment then
             inductor_config.compile_threads = inductor_config.decide_compile_threads()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the user's handlers are the compiling process's
         _serve_on(server_end, niceness, started)
         code = 0
     except BaseException:  # noqa: BLE001 (the server's end: the pool sees its socket close)
@@ -344,6 +380,24 @@ def _fork_server_here(server_end: socket.socket, env: dict[str, str], niceness: 
             pass
     finally:
         os._exit(code)
+
+
+def _drop_inherited_signal_handlers() -> None:
+    """The user's Python signal handlers are the compiling process's: in the server (and its
+    workers) a SIGTERM ends the process, as in a fresh interpreter, rather than running the user's
+    code. A signal wakeup descriptor (asyncio sets one) would be written to after its pipe or socket
+    was closed here, into whatever pipe reuses its number (a worker's answers). An ignored signal
+    stays ignored, as a fresh interpreter inherits it."""
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread: no wakeup descriptor can be set from here either
+        pass
+    for signum in signal.valid_signals():
+        if callable(signal.getsignal(signum)):
+            try:
+                signal.signal(signum, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
 
 
 def _close_inherited_pipes_and_sockets(keep: int) -> None:

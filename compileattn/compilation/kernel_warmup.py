@@ -73,6 +73,12 @@ def start() -> int:
         return 0
 
 
+#: The environment variables ``_settle_cache_dir`` set, with their values: what Inductor sets them
+#: to itself, in any process, at its first Triton kernel (``compile_pool`` does not count them as a
+#: change of the environment a fork server started under).
+settled_environment: dict[str, str] = {}
+
+
 def _settle_cache_dir(device) -> None:
     """Fix ``TRITON_CACHE_DIR`` now if it is unset, to what Inductor sets it to when it builds its
     first Triton kernel (later in this first call): otherwise the compile processes would write to
@@ -80,7 +86,7 @@ def _settle_cache_dir(device) -> None:
     if os.environ.get("TRITON_CACHE_DIR") is None:
         directory = _torch_compat.inductor_triton_cache_dir(device.index or 0)
         if directory is not None:
-            os.environ["TRITON_CACHE_DIR"] = directory
+            os.environ["TRITON_CACHE_DIR"] = settled_environment["TRITON_CACHE_DIR"] = directory
 
 
 def launch(specs: list[dict]) -> int:
