@@ -78,8 +78,10 @@ _FORK = b"F"
 #: The largest process forked into the server: a fork shares its pages until either side writes
 #: or frees them, so memory the process frees after the fork (a model built on the CPU, then moved
 #: to the GPU) or rewrites (weights loaded in place) stays held, or is copied, until the server
-#: exits with its pool. torch, transformers and compileattn imported take a few hundred MiB.
-FORK_MAX_RESIDENT_BYTES = 2 << 30
+#: exits with its pool. torch, transformers and compileattn imported hold a few hundred MiB on
+#: the CPU machine (not measured on the GPU host, whose CUDA libraries add to it: the limit leaves
+#: room for them), a model of a billion parameters built on the CPU holds 2-4 GiB.
+FORK_MAX_RESIDENT_BYTES = 4 << 30
 #: What a CUDA driver call returns before ``cuInit``.
 _CUDA_ERROR_NOT_INITIALIZED = 3
 
