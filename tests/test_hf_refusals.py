@@ -136,3 +136,21 @@ def test_bad_generate_arguments_raise_before_running(tmp_path):
     assert llm.generate([[1, 2], [3]], [0, 1], use_tqdm=False)[0].finish_reason == "length"
     # an iterator's prompts are read once, all of them (its first one was lost to a type test)
     assert len(llm.generate((p for p in [[1, 2], [3], [4, 5]]), 1, use_tqdm=False)) == 3
+    with pytest.raises(TypeError, match="max_new_tokens must be an int or one int per prompt, got 4.0"):
+        llm.generate([1, 2], 4.0)
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a string or a list of token ids"):
+        llm.generate([[1, 2.0]], 2)
+
+
+def test_numpy_integers_are_token_ids_and_lengths(tmp_path):
+    """As the engine's add_request takes them: a numpy array is one prompt, its integers token ids,
+    and per-prompt lengths may be numpy integers (a flat array was split into one prompt per token,
+    which then failed as "not iterable")."""
+    import numpy as np
+
+    llm = ca.LLM(str(save_family("qwen3", tmp_path / "q")), compile_config=None, num_blocks=16, block_size=4)
+    expected = llm.generate([[1, 2, 3], [4]], [3, 2], use_tqdm=False)
+    as_numpy = llm.generate([np.array([1, 2, 3]), np.array([4])], np.array([3, 2]), use_tqdm=False)
+    assert [o.token_ids for o in as_numpy] == [o.token_ids for o in expected]
+    flat = llm.generate(np.array([1, 2, 3]), np.int64(3), use_tqdm=False)
+    assert len(flat) == 1 and flat[0].token_ids == expected[0].token_ids
