@@ -312,7 +312,7 @@ def no_early_server():
 
 def test_a_pool_takes_the_fork_server_started_early(no_early_server):
     assert compile_pool.start_fork_server_early(2)
-    early, _ = compile_pool._early
+    early = compile_pool._early[0]
     pool = compile_pool.CompilePool(2)
     try:
         assert pool._fork_server is early and compile_pool._early is None
@@ -326,7 +326,7 @@ def test_a_fork_server_started_under_another_environment_is_not_used(no_early_se
     """Its workers would inherit the old environment (a cache dir, a setting): closed, and the
     pool starts its own."""
     assert compile_pool.start_fork_server_early(2)
-    early, _ = compile_pool._early
+    early = compile_pool._early[0]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/changed")
     pool = compile_pool.CompilePool(2, start=False)
     pool.start()
@@ -340,10 +340,60 @@ def test_a_fork_server_started_under_another_environment_is_not_used(no_early_se
 def test_an_unused_early_server_is_dropped(no_early_server):
     assert not compile_pool.start_fork_server_early(1)  # one worker is a fresh interpreter: no server
     assert compile_pool.start_fork_server_early(2)
-    early, _ = compile_pool._early
+    early = compile_pool._early[0]
     compile_pool.drop_early_fork_server()
     assert compile_pool._early is None and early._closed
     assert early._proc.wait(timeout=30) is not None  # killed while importing, or exits once ready
+
+
+_FORKED_CHILDREN = r"""
+import os, torch
+import compileattn as ca
+from compileattn.compilation import compile_pool
+config = ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2, cudagraph_mode="none")
+f = ca.compile(lambda x: x * 2 + 1, dynamic_arg_dims={"x": 0}, config=config)
+assert compile_pool._early is not None
+kids = []
+for i in range(2):  # a pre-forking server's workers (gunicorn --preload), multiprocessing's fork
+    pid = os.fork()
+    if pid == 0:
+        x = torch.randn(3)
+        assert torch.equal(f(x), x * 2 + 1)
+        landed = f.wait_for_static_pieces(timeout=120)
+        print(f"child {i}: landed={landed} in_workers={ca.counters.static_compiles_in_workers}", flush=True)
+        os._exit(0)
+    kids.append(pid)
+for kid in kids:
+    os.waitpid(kid, 0)
+"""
+
+
+def test_processes_forked_after_decoration_do_not_share_its_fork_server():
+    """Each child forgets the parent's early server (their requests and answers interleaved on its
+    one socket: each waited forever and no static piece landed) and compiles with its own workers."""
+    out = _run_forking(_FORKED_CHILDREN)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("child"))
+    assert lines == ["child 0: landed=True in_workers=2", "child 1: landed=True in_workers=2"], out.stdout
+
+
+def test_another_functions_first_call_keeps_the_early_fork_server(no_early_server):
+    """The early server is dropped at the first call of the function it was started for (if no
+    pool took it), not at another's that wants no workers."""
+    import compileattn as ca
+
+    f = ca.compile(lambda x: x * 2 + 1, dynamic_arg_dims={"x": 0},
+                   config=ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2,
+                                           compile_workers_start="decoration", cudagraph_mode="none"))
+    early = compile_pool._early
+    assert early is not None
+    g = ca.compile(lambda x: x - 1, dynamic_arg_dims={"x": 0},
+                   config=ca.CompileConfig(compile_sizes=(), cudagraph_mode="none"))
+    x = torch.randn(3)
+    assert torch.equal(g(x), x - 1)
+    assert compile_pool._early is early and not early[0]._closed
+    assert torch.equal(f(x), x * 2 + 1) and compile_pool._early is None  # f's pool took it
+    assert f.wait_for_static_pieces(timeout=300)
 
 
 def _forward(x):
@@ -410,7 +460,7 @@ def test_the_first_calls_pool_forks_from_the_early_server(no_early_server, monke
     config = ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2, compile_workers_start="decoration",
                               cudagraph_mode="none")
     compiled = _decorate(config)
-    early, _ = compile_pool._early
+    early = compile_pool._early[0]
     assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
     assert compile_pool._early is None and taken and all(pool._fork_server is early for pool in taken)
     assert compiled.wait_for_static_pieces(timeout=300)
@@ -426,7 +476,7 @@ def test_a_first_call_without_workers_closes_the_early_server(no_early_server, m
     config = ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2, compile_workers_start="decoration",
                               cudagraph_mode="none")
     compiled = _decorate(config)
-    early, _ = compile_pool._early
+    early = compile_pool._early[0]
     assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
     assert compile_pool._early is None and early._closed
 

@@ -77,6 +77,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, BinaryIO, Callable, Sequence
 
 import torch
@@ -477,15 +478,14 @@ def _new_fork_server(env: dict[str, str]) -> fork_server.ForkServer | None:
 
 def _start_fork_server(workers: int) -> fork_server.ForkServer | None:
     """The fork server of a pool of ``workers`` (the one started early, if its environment is
-    still the workers'), or None where forking does not pay or work."""
-    early = _take_early_fork_server()
+    still the workers'), or None where forking does not pay or work (an early server then stays
+    for the compile it was started for)."""
     if not _forks(workers):
-        if early is not None:
-            early[0].close()
         return None
+    early = _take_early_fork_server()
     env = _worker_env()
     if early is not None:
-        server, early_env = early
+        server, early_env, _ = early
         changed = _changed_since(early_env, env)
         if not changed:
             return server
@@ -508,19 +508,38 @@ def _changed_since(before: dict[str, str], now: dict[str, str]) -> list[str]:
 
 
 #: The fork server ``start_fork_server_early`` started before any pool wanted one, with the
-#: environment it was started under; the next pool takes it. Its own lock: a pool starts (and
-#: takes it) under ``_lock``.
-_early: tuple[fork_server.ForkServer, dict[str, str]] | None = None
+#: environment it was started under and (a weak reference to) the compiled function it was started
+#: for; the next pool takes it. Its own lock: a pool starts (and takes it) under ``_lock``.
+_early: tuple[fork_server.ForkServer, dict[str, str], Any] | None = None
 _early_lock = threading.Lock()
 
 
-def start_fork_server_early(workers: int, only_forked: bool = False) -> bool:
+def _forget_inherited_early_server() -> None:
+    """In a fork of this process (a pre-forking server's workers, multiprocessing's fork start
+    method), the early fork server is the parent's, over a socket the parent shares: requests and
+    answers of two processes would interleave on it (each then waited forever for an answer the
+    other had read, and no static piece landed). The child forgets it, closing only its own copy
+    of the socket, and starts its own when it compiles. The lock may have been held by the thread
+    that forked."""
+    global _early, _early_lock
+    _early_lock = threading.Lock()
+    early, _early = _early, None
+    if early is not None:
+        early[0].forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited_early_server)
+
+
+def start_fork_server_early(workers: int, only_forked: bool = False, owner: Any = None) -> bool:
     """Start the fork server now, before the first call (``@compileattn.compile`` at decoration),
     so that its imports overlap the model's build and weight loading rather than the first call:
     started with the first call as a fresh interpreter, it was ready only 9-13 s in on the H200
     (runs S12-3..5), after the compiling process had done every dynamic-shape compile itself.
     ``only_forked``: only if it can be a fork of this process (``fork_server.why_not_fork_here``),
-    ready one Inductor import later. Whether one runs now."""
+    ready one Inductor import later. ``owner``: the compiled function it is started for, whose
+    first call drops it if no pool takes it (``drop_early_fork_server``). Whether one runs now."""
     global _early
     if not _forks(workers):
         return False
@@ -536,22 +555,27 @@ def start_fork_server_early(workers: int, only_forked: bool = False) -> bool:
         server = _new_fork_server(env)
         if server is None:
             return False
-        _early = (server, env)
+        _early = (server, env, None if owner is None else weakref.ref(owner))
     atexit.register(drop_early_fork_server)
     return True
 
 
-def _take_early_fork_server() -> tuple[fork_server.ForkServer, dict[str, str]] | None:
+def _take_early_fork_server(owner: Any = None) -> tuple[fork_server.ForkServer, dict[str, str], Any] | None:
+    """The early server, taken: any (``owner`` None), or only if started for ``owner``."""
     global _early
     with _early_lock:
-        early, _early = _early, None
+        early = _early
+        if early is not None and owner is not None and (early[2] is None or early[2]() is not owner):
+            return None
+        _early = None
         return early
 
 
-def drop_early_fork_server() -> None:
-    """Close the early fork server if no pool took it (a warm start, a first call without static
-    compiles, the process's exit): killed if still importing."""
-    early = _take_early_fork_server()
+def drop_early_fork_server(owner: Any = None) -> None:
+    """Close the early fork server if no pool took it: at ``owner``'s first call (a warm start, a
+    first call without static compiles: another function's server stays for that function), or
+    at the process's exit (``owner`` None): killed if still importing."""
+    early = _take_early_fork_server(owner)
     if early is not None:
         early[0].close()
 

@@ -306,7 +306,7 @@ class _Site:
                              "compiling", what, exc)
                     loaded = None
             if loaded is not None:
-                compile_pool.drop_early_fork_server()
+                compile_pool.drop_early_fork_server(owner)
                 self.runtimes = loaded.dispatchers
                 stats = {"path": "warm", "load_s": loaded.seconds, "import_wait_s": loaded.import_wait,
                          "regions": "off: warm start (no trace)"}
@@ -321,7 +321,7 @@ class _Site:
             return self._compile_cold(fn, config, what, checker, dynamic, start, path, full_args, kwargs)
         finally:
             compile_pool.release()  # the backend releases it; this covers a trace that never reached it
-            compile_pool.drop_early_fork_server()  # no pool took it: this compile wanted no workers
+            compile_pool.drop_early_fork_server(owner)  # no pool took it: this compile wanted no workers
 
     def _compile_cold(self, fn: Callable, config: CompileConfig, what: str, checker: ArgChecker,
                       dynamic: dict[str, tuple[int, ...]], start: float, path, full_args: tuple, kwargs: dict):
@@ -530,7 +530,7 @@ def _prestart_static_compiles(config: CompileConfig, values: Mapping[str, Any]) 
         compile_pool.prestart(compile_pool.worker_count(config.compile_workers))
 
 
-def _start_fork_server_early(fn: Callable, config: CompileConfig) -> None:
+def _start_fork_server_early(fn: Callable, config: CompileConfig, owner: "CompiledFunction") -> None:
     """At decoration (``compile_workers_start`` "auto": if it can be a fork of this process;
     "decoration": in any case): start the compile workers' fork server where the first call will
     likely compile static pieces in workers: on a machine with a GPU (static sizes are for CUDA
@@ -541,7 +541,7 @@ def _start_fork_server_early(fn: Callable, config: CompileConfig) -> None:
     if not config.resolved_compile_sizes(device_type) or warm_start.saved_for(config, fn):
         return
     compile_pool.start_fork_server_early(compile_pool.worker_count(config.compile_workers),
-                                         only_forked=config.compile_workers_start == "auto")
+                                         only_forked=config.compile_workers_start == "auto", owner=owner)
 
 
 def _log_ready(what: str, stats: dict[str, Any]) -> None:
@@ -614,7 +614,7 @@ class CompiledFunction:
         self._sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._last: BoundCompiledFunction | None = None
         if backend is None and not self._disabled():
-            _start_fork_server_early(fn, self._config)  # first: a fork needs this process single-threaded
+            _start_fork_server_early(fn, self._config, self)  # first: a fork needs this process single-threaded
             if self._config.cache_dir is not None:
                 warm_start.preload_inductor()
 

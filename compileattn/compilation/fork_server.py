@@ -244,6 +244,16 @@ class ForkServer:
                      "a fork of this process" if self.forked_here else "a fresh interpreter", self.ready_after,
                      self.interpreter_seconds, self.import_seconds, self.read_lag)
 
+    def forget(self) -> None:
+        """In a fork of the process that started the server: close this process's copy of the
+        socket, leaving the server to the process that started it (no shutdown, which would cut
+        that process's connection too)."""
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
     def _fail(self, why: str) -> None:
         self._ready, self._why_not = False, why
         self._stop()
