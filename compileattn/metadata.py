@@ -123,7 +123,7 @@ class AttentionMetadataBuilder:
         try:
             packed = array.array("q", entries)
         except TypeError:  # a float, a numpy bool, a tensor that is not one integer: named
-            k = next(k for k, b in enumerate(entries) if _as_int(b) is None)
+            k = next(k for k, b in enumerate(entries) if as_int(b) is None)
             raise TypeError(f"seqs[{_owner(table_lens, k)}].block_table entry must be an int, got "
                             f"{_shown(entries[k])}") from None
         except OverflowError:
@@ -249,9 +249,9 @@ def _owner(table_lens: list[int], k: int) -> int:
     raise IndexError(k)
 
 
-def _as_int(value) -> int | None:
+def as_int(value) -> int | None:
     """An integer (Python, numpy, or a 0-dim integer tensor) as an int; None for a float, a bool
-    or anything else, which would be truncated into another block id or length."""
+    or anything else, which would be truncated into another block id, token id or length."""
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return None
     if isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool or value.is_floating_point()
@@ -268,8 +268,8 @@ def _shown(value) -> str:
 
 
 def _index(value, name: str) -> int:
-    """``value`` as an int (``_as_int``), or a TypeError naming the argument."""
-    out = _as_int(value)
+    """``value`` as an int (``as_int``), or a TypeError naming the argument."""
+    out = as_int(value)
     if out is None:
         raise TypeError(f"{name} must be an int, got {_shown(value)}")
     return out

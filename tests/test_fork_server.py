@@ -99,13 +99,20 @@ print("server exit status:", server._proc.wait(timeout=30), flush=True)
 """
 
 
+def _run_forking(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh single-threaded process, with the workers' environment (and no
+    ``TRITON_CACHE_DIR``, as a program that sets none)."""
+    env = compile_pool._worker_env()
+    env.pop("TRITON_CACHE_DIR", None)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
 def test_the_fork_server_is_a_fork_of_a_single_threaded_process():
     """Torch is imported already, so the fork is ready one Inductor import after its start. It
-    keeps none of this process's file descriptors (a copy of a pipe's write end would keep its
-    reader from seeing EOF), never returns into the code it was forked from (no second "after the
+    keeps none of this process's pipes (a copy of a pipe's write end would keep its reader from
+    seeing EOF), never returns into the code it was forked from (no second "after the
     pool"), runs none of this process's exit handlers, and exits 0 once its workers have."""
-    out = subprocess.run([sys.executable, "-c", _FORKED_HERE], capture_output=True, text=True, timeout=300,
-                         env=compile_pool._worker_env())
+    out = _run_forking(_FORKED_HERE)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines.count("after the pool") == 1 and lines.count("atexit") == 1, out.stdout
@@ -128,12 +135,6 @@ def test_a_forked_servers_exit_status_is_not_lost_to_a_concurrent_poll():
         threading.Thread(target=child.wait, daemon=True).start()
         wrong += child.wait(timeout=30) != 0
     assert wrong == 0, f"{wrong} of 300 clean exits recorded as another status"
-
-
-def _run_forking(code: str, *args: str) -> subprocess.CompletedProcess:
-    env = compile_pool._worker_env()
-    env.pop("TRITON_CACHE_DIR", None)
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 _USERS_SIGTERM = """
@@ -445,8 +446,7 @@ def test_auto_starts_the_fork_server_at_decoration_only_as_a_fork(threads):
     """``compile_workers_start="auto"`` (the default): a fork of a single-threaded process at
     decoration; with another Python thread running, nothing until the first call (a fresh
     interpreter then, as with "first_call")."""
-    out = subprocess.run([sys.executable, "-c", _AUTO_AT_DECORATION, threads], capture_output=True, text=True,
-                         timeout=300, env=compile_pool._worker_env())
+    out = _run_forking(_AUTO_AT_DECORATION, threads)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"early server: {threads == 'one'}" in out.stdout.splitlines(), out.stdout
 

@@ -194,10 +194,7 @@ class CompileCache:
         path = self._path(signature, size)
         if not self.dir.exists():
             return None
-        try:
-            secure_dir(self.dir)
-        except NotADirectoryError as exc:
-            logger.warning("compile cache %s unusable (%s); recompiling", self.dir, exc)
+        if not self._usable("recompiling"):
             return None
         if not path.exists():
             return None
@@ -211,11 +208,18 @@ class CompileCache:
     def save(self, signature: str, artifact: Any, size: int | None = None, guards: tuple = ()) -> None:
         self.save_bytes(signature, _torch_compat.artifact_bytes(artifact), size, guards)
 
-    def save_bytes(self, signature: str, data: bytes, size: int | None = None, guards: tuple = ()) -> None:
-        """Save an artifact already in bytes (a compile worker's answer), with its guards."""
+    def _usable(self, otherwise: str) -> bool:
+        """The directory passes ``secure_dir``; a file in its place costs the cache, not the call
+        (logged, with ``otherwise``: what happens instead). Other refusals raise."""
         try:
             secure_dir(self.dir)
         except NotADirectoryError as exc:
-            logger.warning("compile cache %s unusable (%s); piece not saved", self.dir, exc)
+            logger.warning("compile cache %s unusable (%s); %s", self.dir, exc, otherwise)
+            return False
+        return True
+
+    def save_bytes(self, signature: str, data: bytes, size: int | None = None, guards: tuple = ()) -> None:
+        """Save an artifact already in bytes (a compile worker's answer), with its guards."""
+        if not self._usable("piece not saved"):
             return
         save_or_log(self._path(signature, size), pickle.dumps((data, tuple(guards))), "a compiled piece")

@@ -465,8 +465,8 @@ def _forks(workers: int) -> bool:
     return workers >= FORK_MIN_WORKERS and FORK_WORKERS and hasattr(socket, "send_fds") and os.name == "posix"
 
 
-def _new_fork_server(env: dict[str, str]) -> fork_server.ForkServer | None:
-    why_not_here = fork_server.why_not_fork_here()
+def _new_fork_server(env: dict[str, str], why_not_here: str | None) -> fork_server.ForkServer | None:
+    """``why_not_here``: ``fork_server.why_not_fork_here()``, as the caller found it just now."""
     if why_not_here is not None:
         logger.debug("compileattn: the compile workers' fork server starts as a fresh interpreter: %s", why_not_here)
     try:
@@ -492,7 +492,7 @@ def _start_fork_server(workers: int) -> fork_server.ForkServer | None:
         logger.debug("compileattn: the fork server started at decoration is not used: the environment changed "
                      "since (%s); starting another", ", ".join(changed[:8]))
         server.close()  # its workers would inherit the old environment
-    return _new_fork_server(env)
+    return _new_fork_server(env, fork_server.why_not_fork_here())
 
 
 def _changed_since(before: dict[str, str], now: dict[str, str]) -> list[str]:
@@ -543,16 +543,15 @@ def start_fork_server_early(workers: int, only_forked: bool = False, owner: Any 
     global _early
     if not _forks(workers):
         return False
-    if only_forked:
-        why_not = fork_server.why_not_fork_here()
-        if why_not is not None:
-            logger.debug("compileattn: the compile workers' fork server starts with the first call: %s", why_not)
-            return False
+    why_not_here = fork_server.why_not_fork_here()
+    if only_forked and why_not_here is not None:
+        logger.debug("compileattn: the compile workers' fork server starts with the first call: %s", why_not_here)
+        return False
     with _early_lock:
         if _early is not None or _pool is not None:
             return _early is not None
         env = _worker_env()
-        server = _new_fork_server(env)
+        server = _new_fork_server(env, why_not_here)
         if server is None:
             return False
         _early = (server, env, None if owner is None else weakref.ref(owner))

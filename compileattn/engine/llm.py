@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -18,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config import CompileConfig
+from ..metadata import as_int
 from . import kv_budget
 from .engine import Engine, check_positive_ints
 from .request import FinishReason, Request, SamplingParams
@@ -262,17 +262,18 @@ class LLM:
                             "(pass tensor.tolist())")
         if not isinstance(prompts, str):
             prompts = list(prompts)  # once: an iterator's items are read here, not also by the test below
-        if isinstance(prompts, str) or (prompts and all(_integer(t) is not None for t in prompts)):
+        if isinstance(prompts, str) or (prompts and all(as_int(t) is not None for t in prompts)):
             prompts = [prompts]
         if isinstance(stop_token_ids, int):
             raise TypeError(f"stop_token_ids must be a sequence of token ids, got the int {stop_token_ids} "
                             f"(pass [{stop_token_ids}])")
-        if _integer(max_new_tokens) is not None:
-            lengths = [_integer(max_new_tokens)] * len(prompts)
+        length = as_int(max_new_tokens)
+        if length is not None:
+            lengths = [length] * len(prompts)
         elif isinstance(max_new_tokens, (str, bytes)) or not hasattr(max_new_tokens, "__iter__"):
             raise TypeError(f"max_new_tokens must be an int or one int per prompt, got {max_new_tokens!r}")
         else:  # numpy's integers as Python ints; anything else is refused by SamplingParams, by name
-            lengths = [n if _integer(n) is None else _integer(n) for n in max_new_tokens]
+            lengths = [n if as_int(n) is None else as_int(n) for n in max_new_tokens]
         if len(lengths) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(lengths)} entries for {len(prompts)} prompts")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
@@ -335,7 +336,7 @@ class LLM:
             return list(self.tokenizer.encode(prompt))
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
-        tokens = [_integer(t) for t in prompt] if hasattr(prompt, "__iter__") else [None]
+        tokens = [as_int(t) for t in prompt] if hasattr(prompt, "__iter__") else [None]
         if None in tokens:
             raise TypeError(f"prompts[{index}] must be a string or a list of token ids")
         return tokens
@@ -347,17 +348,6 @@ class LLM:
         finish = req.finish_time if req.finish_time is not None else first
         return RequestOutput(prompt if isinstance(prompt, str) else None, req.prompt, tokens, text,
                              req.finish_reason, RequestMetrics(first - start, finish - start, req.num_preemptions))
-
-
-def _integer(value) -> int | None:
-    """``value`` as a Python int if it is an integer (``int``, numpy's integers: ``__index__``), not a
-    bool; else None. Token ids and lengths come as either, as the engine's ``add_request`` takes them."""
-    if isinstance(value, (bool, str, bytes)) or not hasattr(type(value), "__index__"):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _is_pretrained(model) -> bool:
