@@ -98,6 +98,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-workers", default="auto", type=lambda v: v if v == "auto" else int(v),
                    help="CompileConfig.compile_workers: processes for the static-shape compiles (0: in-process)")
     p.add_argument("--budget-s", type=float, default=170.0)
+    p.add_argument("--triton-cache-dir", default="per-row", choices=["per-row", "unset"],
+                   help="per-row: TRITON_CACHE_DIR set to each row's own directory; unset: left unset, as most "
+                        "programs do (the first call sets it; TRITON_HOME points at the row's directory)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output prefix (PREFIX.json, PREFIX.md)")
     p.add_argument("--merge", nargs="+", default=None, help="combine result JSONs into one report (no GPU)")
@@ -144,8 +147,10 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
                               compile_kernels_ahead=not spec.get("kernels_at_launch", False),
                               trace_layers_once=not spec.get("flat_trace", False),
                               **({} if device == "cuda" else {"piece_compiler": "eager"}))
-    compiled_cls = ca.compile(type(f"Compiled{cls.__name__}", (cls,), {}),
-                              dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
+    rss_at_decoration = resident_bytes()
+    with TimelineRecorder(time.perf_counter()) as decoration:
+        compiled_cls = ca.compile(type(f"Compiled{cls.__name__}", (cls,), {}),
+                                  dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
     t = time.perf_counter()
     model = compiled_cls(model_cfg, dtype=dtype, device=device, seed=0)
     caches = ca.allocate_kv_caches(model.attention_specs(), 2 * TOKENS, BLOCK, dtype=dtype, device=device)
@@ -185,7 +190,18 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
             "rel_err": common.rel_error(out, ref), "dtype": str(dtype).replace("torch.", ""),
             "rel_err_landed": common.rel_error(landed, ref) if landed is not None else None,
             "counters": ca.counters.snapshot(), "torch": torch.__version__, "timeline": timeline.events,
-            "torch_compile_times": compile_phases}
+            "torch_compile_times": compile_phases, "rss_at_decoration_bytes": rss_at_decoration,
+            "decoration_log": decoration.events, "triton_cache_dir_set": spec.get("triton_cache_dir") != "unset"}
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux), which decides whether the fork server may be a
+    fork of it (``fork_server.FORK_MAX_RESIDENT_BYTES``)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def torch_compile_times() -> dict[str, float]:
@@ -261,6 +277,11 @@ def run_phase(model: str, phase: str, dirs: dict[str, Path], args, budget: commo
     root = dirs.setdefault((model, phase if phase.startswith("cold, ") else "cold"),
                            Path(tempfile.mkdtemp(prefix=f"compileattn_coldwarm_{model}_")))
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"), TRITON_CACHE_DIR=str(root / "triton"))
+    if args.triton_cache_dir == "unset":
+        # a program that leaves it unset: the first call sets it (Inductor's rule, under the row's
+        # TORCHINDUCTOR_CACHE_DIR); Triton's home moves to the row so nothing is read from ~/.triton
+        del env["TRITON_CACHE_DIR"]
+        env["TRITON_HOME"] = str(root / "triton_home")
     env["PYTHONPATH"] = os.pathsep.join([str(common.ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     spec = {"model": model, "device": args.device, "backend": args.backend, "cache_dir": str(root / "compileattn"),
             "layers": args.llama_layers if model == "llama" else None, "dynamic_only": phase.startswith("cold, dynamic"),
@@ -268,7 +289,7 @@ def run_phase(model: str, phase: str, dirs: dict[str, Path], args, budget: commo
             **({"workers_start": WORKERS_START[phase]} if phase in WORKERS_START else {}),
             "kernels_at_launch": phase == "cold, attention kernels at first launch",
             "flat_trace": phase == "cold, layers traced flat",
-            "compile_workers": args.compile_workers}
+            "compile_workers": args.compile_workers, "triton_cache_dir": args.triton_cache_dir}
     t = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_probe", json.dumps(spec)],
@@ -303,7 +324,7 @@ def run_benchmark(args, log) -> dict[str, Any]:
     rows = [run_phase(m, phase, dirs, args, budget, log) for m, phase in PHASES if m in args.models]
     return {"benchmark": "coldwarm", "config": {"models": args.models, "backend": args.backend, "device": args.device,
                                                "llama_layers": args.llama_layers, "tokens": TOKENS,
-                                               "compile_workers": args.compile_workers},
+                                               "compile_workers": args.compile_workers, "triton_cache_dir": args.triton_cache_dir},
             "runs": [{"env": env, "budget_s": args.budget_s, "elapsed_s": round(log.elapsed(), 1)}], "rows": rows}
 
 
@@ -421,6 +442,12 @@ def timeline_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         out += ["", f"## Timeline: {MODELS[r['model']]}, {r['phase']}", "",
                 "compileattn's log during the first call (DEBUG included), seconds from its start:", "", "```"]
         out += [f"{t:8.2f}  {message}" for t, message in events]
+        if r.get("decoration_log") is not None:
+            rss = r.get("rss_at_decoration_bytes")
+            out += ["```", "", "At decoration (the process's resident memory "
+                    + (f"{rss / 2**30:.2f} GiB" if rss is not None else "not read") + "; TRITON_CACHE_DIR "
+                    + ("set by the benchmark" if r.get("triton_cache_dir_set", True) else "unset") + "):", "", "```"]
+            out += [f"{t:8.2f}  {message}" for t, message in r["decoration_log"]] or ["(nothing logged)"]
         out += ["```"]
     return out
 

@@ -555,6 +555,8 @@ def start_fork_server_early(workers: int, only_forked: bool = False, owner: Any 
         if server is None:
             return False
         _early = (server, env, None if owner is None else weakref.ref(owner))
+    logger.debug("compileattn: the compile workers' fork server (pid %d, %s) started before the first call",
+                 server.pid, "a fork of this process" if server.forked_here else "a fresh interpreter")
     atexit.register(drop_early_fork_server)
     return True
 
