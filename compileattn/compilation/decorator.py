@@ -284,6 +284,7 @@ class _Site:
                                                       for name, v in values.items()}, torch.is_grad_enabled(),
                              same_tensors(values))
         start = time.perf_counter()
+        kernel_warmup.settle_cache_dir()
         path = None
         if owner._backend is not None and config.cache_dir is not None:
             log.info("compileattn: %s uses backend %r: no warm start (only the default backend's compile is "
