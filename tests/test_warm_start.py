@@ -220,6 +220,39 @@ def test_settling_the_triton_cache_dir_sets_inductors_directory_only_when_unset(
     assert os.environ["TRITON_CACHE_DIR"] == "/users/own"
 
 
+def test_a_cache_made_on_another_machine_misses(tmp_path, monkeypatch):
+    """Inductor's C++ kernels are built for this CPU (``-march=native``), its Triton kernels for
+    this GPU and Triton: a shared cache directory must not hand them to another machine."""
+    from compileattn.compilation import cache
+
+    assert _run_stack(tmp_path)["path"] == "cold"
+    assert _run_stack(tmp_path)["path"] == "warm"
+    monkeypatch.setattr(cache, "_cpu_identity", lambda: "x86_64 another-cpus-flags")
+    assert _run_stack(tmp_path)["path"] == "cold"
+    monkeypatch.setattr(cache, "_triton_version", lambda: "0.0-another")
+    assert _run_stack(tmp_path)["path"] == "cold"
+    assert _run_stack(tmp_path)["path"] == "warm"
+
+
+def test_the_machine_key_names_the_gpus_only_once_cuda_is_initialised(monkeypatch):
+    from types import SimpleNamespace
+
+    from compileattn.compilation import cache
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: pytest.fail("CUDA queried"))
+    cpu_only = cache.machine_key()
+    assert not any(line.startswith("cuda") for line in cpu_only)
+    gpus = {0: SimpleNamespace(name="NVIDIA H200", major=9, minor=0)}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpus[index])
+    h200 = cache.machine_key()
+    assert h200 == cpu_only + ["cuda:0=NVIDIA H200 sm90"]
+    gpus[0] = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8, minor=0)
+    assert cache.machine_key() != h200
+
+
 def _eager_pieces(tmp_path):
     return ca.CompileConfig(piece_compiler="eager", compile_workers=0, cache_dir=str(tmp_path))
 

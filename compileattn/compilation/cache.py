@@ -6,8 +6,9 @@ Two caches share ``CompileConfig.cache_dir``:
   runs Dynamo in every process, and loads each distinct piece instead of compiling it. The key
   covers the CompileConfig hash (its compile-affecting fields only: kernel choice and CUDA-graph
   settings are run-time), the Dynamo graph's code, the contents of every source file the graph was
-  traced from (found through the nodes' stack traces), the torch version and the environment
-  variables that steer Inductor or compileattn; a file per distinct piece and size, named by
+  traced from (found through the nodes' stack traces), the torch version, the machine (CPU
+  features, GPUs, Triton version: ``machine_key``) and the environment variables that steer
+  Inductor or compileattn; a file per distinct piece and size, named by
   its signature (``piece_signature.py``).
 - the whole compiled function (``warm_start.py``): ``@compileattn.compile`` loads Dynamo's code and
   every piece from one file and runs no Dynamo at all.
@@ -18,10 +19,13 @@ Loading either runs code (both are pickles), so the directory must be writable b
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import pickle
+import platform
 import re
 import stat
 import threading
@@ -120,12 +124,52 @@ def environment_key() -> list[str]:
     """What steers a compile besides its graph, config and sources: the environment variables of
     Inductor and compileattn, the global numerics flags (``_torch_compat.compile_settings``:
     default dtype, matmul precision, deterministic mode) and autocast (a piece traced under it
-    computes in its dtype), as text lines. Not the Inductor config's changes in code: torch's own
-    compile leaves entries there (a first compile changes them), and compileattn's are in the config."""
+    computes in its dtype), and the machine the code is built for (``machine_key``), as text
+    lines. Not the Inductor config's changes in code: torch's own compile leaves entries there (a
+    first compile changes them), and compileattn's are in the config."""
     lines = [f"{name}={os.environ[name]}" for name in sorted(os.environ) if name.startswith(ENV_PREFIXES)]
     lines.append(f"flags={_torch_compat.compile_settings()['flags']!r}")
     lines.append(f"autocast={_torch_compat.autocast_state()!r}")
+    lines.extend(machine_key())
     return lines
+
+
+def machine_key() -> list[str]:
+    """The hardware and kernel compiler the saved code is built for: a cache directory shared by
+    other machines (a network home, a copied image) must miss there, not load. Inductor builds its
+    C++ kernels with ``-march=native`` (the CPU's own instruction set: another CPU may lack an
+    instruction, SIGILL) and its Triton kernels for this GPU's architecture, with this Triton. The
+    GPUs are named only once this process has initialised CUDA (a GPU model's first call always
+    has): asking would initialise it, which a CPU-only program must not pay for or be changed by.
+    A process that had initialised CUDA for other reasons keys a CPU model differently: a miss."""
+    lines = [f"cpu={_cpu_identity()}", f"triton={_triton_version()}"]
+    if torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            lines.append(f"cuda:{index}={props.name} sm{props.major}{props.minor}")
+    return lines
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_identity() -> str:
+    """The machine type and a digest of the CPU's feature flags (``/proc/cpuinfo``; where that
+    cannot be read, what ``platform`` and torch's CPU capability say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        flags = []
+    features = " ".join(sorted(flags)) or f"{platform.processor()} {torch.backends.cpu.get_cpu_capability()}"
+    return f"{platform.machine()} {hashlib.sha256(features.encode()).hexdigest()[:16]}"
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_version() -> str:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 _package_digest: str | None = None
