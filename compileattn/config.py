@@ -121,6 +121,7 @@ class CompileConfig:
     #: Run @compileattn.compile functions eagerly (also COMPILEATTN_DISABLE=1), for bisecting.
     disable: bool = False
     #: Verify on the first replay of every size that piece inputs live where they were captured.
+    #: (A parameter replaced after capture is caught either way: compilation/module_watch.py.)
     check_input_addresses: bool = True
     #: ``@compileattn.compile``'s first call (``torch.compile``'s: the backend, once Dynamo has
     #: traced) compiles the Triton attention kernels its first step will launch in other processes

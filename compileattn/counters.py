@@ -54,6 +54,13 @@ class Counters:
     #: Of those, the steps ``@compileattn.compile`` replayed without running Dynamo's code
     #: (compilation/replay.py).
     full_graph_direct_steps: int = 0
+    #: CUDA-graph steps that compared every parameter input with its address at capture because a
+    #: module registered a parameter, buffer or submodule since the last one
+    #: (compilation/module_watch.py).
+    module_rechecks: int = 0
+    #: Of those, the ones that found a parameter replaced and dropped every CUDA graph (each size's
+    #: next graph step captures them again).
+    parameter_recaptures: int = 0
     #: Forward steps that ran without CUDA graphs (too many tokens, or graphs off).
     eager_steps: int = 0
     #: Calls that ran the dynamic-shape pieces without CUDA graphs or static pieces because their

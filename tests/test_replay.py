@@ -17,7 +17,7 @@ from compileattn.compilation import replay
 from compileattn.compilation.cudagraph import CudaGraphAddressError
 from compileattn.compilation.decorator import RecompileError
 from compileattn.models.opt import OPTConfig, OPTForCausalLM
-from compileattn.testing import PersistentInputs, assert_matches_eager
+from compileattn.testing import PersistentInputs, assert_matches_eager, restore, snapshot
 
 BLOCK, NUM_BLOCKS, MAX_TOKENS = 16, 96, 16
 
@@ -246,6 +246,162 @@ def test_list_outputs_are_rebuilt_per_call(simulated_graphs):
         b = s.step(s.decode(2))
     assert type(a) is list and a is not b and a[0] is b[0] and a[1][0] is b[1][0] and a[1][1] is None
     torch.testing.assert_close(a[1][0], a[0] + 1)
+
+
+# -- parameters and buffers replaced after capture (compilation/module_watch.py) -------------------
+
+def _changed_state(model) -> dict:
+    """``model``'s state with layer 0's fc1 weight redrawn."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    key = "model.layers.0.fc1.weight"
+    state[key] = torch.randn(state[key].shape, generator=torch.Generator().manual_seed(7)) * 0.2
+    return state
+
+
+def _assign_attribute(model, state):
+    model.model.layers[0].fc1.weight = torch.nn.Parameter(state["model.layers.0.fc1.weight"].clone(),
+                                                          requires_grad=False)
+
+
+def _load_assigned(model, state):
+    model.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+
+
+def _new_submodule(model, state):
+    old = model.model.layers[0].fc1
+    new = torch.nn.Linear(old.in_features, old.out_features).requires_grad_(False)
+    new.load_state_dict({"weight": state["model.layers.0.fc1.weight"], "bias": old.bias})
+    model.model.layers[0].fc1 = new
+
+
+REPLACEMENTS = {"attribute": _assign_attribute, "load_state_dict_assign": _load_assigned,
+                "submodule": _new_submodule}
+
+
+def _same_step(a: Setup, b: Setup, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step run by ``a`` and by ``b`` from ``a``'s cache state and on the same inputs."""
+    n = a.padded(seqs)
+    saved = snapshot(a.caches)
+    restore(b.caches, saved)
+    ids, pos = a.inputs(n)
+    b.inputs.ids[:n].copy_(ids)
+    b.inputs.positions[:n].copy_(pos)
+    outs = []
+    for s, args in ((a, (ids, pos)), (b, (b.inputs.ids[:n], b.inputs.positions[:n]))):
+        md = s.builder.build(seqs, pad_to=n)
+        with torch.no_grad(), ca.set_forward_context(md, s.caches):
+            outs.append(s.fn(*args).clone())
+    restore(a.caches, saved)
+    return outs[0], outs[1]
+
+
+@pytest.mark.parametrize("replace", sorted(REPLACEMENTS))
+def test_a_replaced_parameter_is_captured_again_and_served(simulated_graphs, caplog, replace):
+    """Graphs captured with the old parameter would replay its memory: after a replacement every
+    graph is dropped and captured again with the new one, on the direct path as on the ordinary."""
+    s = Setup()
+    s.warm(4)
+    pieces = sum(not p.is_splitting_op for p in s.fn.runtimes[0].pieces)
+    mixed = s.decode(2, prefill=2)  # 4 tokens, not a uniform decode: the piece graphs
+    s.step(mixed)
+    with ca.counters.expect(full_graph_direct_steps=1):
+        s.step(s.decode(4))
+    state = _changed_state(s.model)
+    for model in (s.model, s.eager):
+        REPLACEMENTS[replace](model, state)
+    with torch.no_grad():
+        with caplog.at_level("INFO", logger="compileattn"), ca.counters.expect(
+                parameter_recaptures=1, module_rechecks=1, cudagraph_captures=1, full_graph_direct_steps=0):
+            assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
+        named = "embed_tokens_parameters_weight_ (and 27 more)" if replace == "load_state_dict_assign" else "fc1"
+        assert named in caplog.text and "replaced since this model's CUDA graphs were captured" in caplog.text
+        with ca.counters.expect(parameter_recaptures=0, cudagraph_captures=pieces):
+            assert_matches_eager(s.eager, s.fn, s.builder, s.caches, mixed, s.inputs, pad_to=4)
+        for direct in (0, 1):  # the new graph's first replay teaches the shortcut, which then replays it
+            with ca.counters.expect(cudagraph_captures=0, full_graph_direct_steps=direct):
+                assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
+    fresh = Setup()  # compiled with the new weights from the start
+    fresh.model.load_state_dict(state)
+    fresh.warm(4)
+    fresh.step(mixed)
+    for seqs in (s.decode(4), mixed):
+        with ca.counters.expect(cudagraph_captures=0):
+            replaced, compiled_fresh = _same_step(s, fresh, seqs)
+        torch.testing.assert_close(replaced, compiled_fresh)
+
+
+def test_a_parameter_updated_in_place_is_served_without_a_recheck(simulated_graphs):
+    s = Setup()
+    s.warm(4)
+    state = _changed_state(s.model)
+    with torch.no_grad():
+        for model in (s.model, s.eager):
+            model.model.layers[0].fc1.weight.copy_(state["model.layers.0.fc1.weight"])
+        with ca.counters.expect(module_rechecks=0, cudagraph_captures=0, full_graph_direct_steps=1):
+            assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
+
+
+def test_a_parameter_replaced_in_another_module_drops_no_graph(simulated_graphs):
+    s = Setup()
+    s.warm(4)
+    s.step(s.decode(2, prefill=2))
+    runtime = s.fn.runtimes[0]
+    graphs = runtime.full_graph_count(), runtime.piece_graph_count()
+    other = torch.nn.Linear(4, 4)
+    other.weight = torch.nn.Parameter(torch.zeros(4, 4))
+    with torch.no_grad():
+        with ca.counters.expect(module_rechecks=1, parameter_recaptures=0, cudagraph_captures=0,
+                                full_graph_direct_steps=0):
+            assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
+        with ca.counters.expect(module_rechecks=0, full_graph_direct_steps=1):  # the graph it learned stands
+            assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
+    assert (runtime.full_graph_count(), runtime.piece_graph_count()) == graphs
+
+
+class Scaled(OPTForCausalLM):
+    """A forward that reads a (persistent) buffer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, self.config.hidden_size))
+
+    def forward(self, input_ids, positions):
+        return super().forward(input_ids, positions) * self.scale
+
+
+def test_a_buffer_replaced_alone_raises_until_put_back(simulated_graphs):
+    """The direct path compares no buffer: it must not replay the old one either."""
+    s = Setup(Scaled)
+    s.warm(4)
+    with ca.counters.expect(full_graph_direct_steps=1):
+        s.step(s.decode(4))
+    old = s.model.scale
+    s.model.scale = old * 2
+    for _ in range(2):
+        with pytest.raises(CudaGraphAddressError, match="scale.*buffer replaced after capture"):
+            s.step(s.decode(4))
+    s.model.scale = old
+    with ca.counters.expect(cudagraph_captures=0, full_graph_direct_steps=0):
+        s.step(s.decode(4))
+    with ca.counters.expect(full_graph_direct_steps=1):
+        s.step(s.decode(4))
+
+
+def test_a_buffer_replaced_with_the_parameters_is_served(simulated_graphs):
+    """``load_state_dict(..., assign=True)`` replaces the buffers too: the graphs captured again read them."""
+    s = Setup(Scaled)
+    s.eager = Scaled(OPTConfig.tiny(), seed=0)
+    s.warm(4)
+    state = _changed_state(s.model)
+    state["scale"] = torch.linspace(2.0, -1.0, s.model.config.hidden_size)
+    with torch.no_grad():
+        for model in (s.model, s.eager):
+            _load_assigned(model, state)
+        with ca.counters.expect(parameter_recaptures=1, cudagraph_captures=1):
+            assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
+        for direct in (0, 1):
+            with ca.counters.expect(cudagraph_captures=0, full_graph_direct_steps=direct):
+                assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
 
 
 # -- the bytecode check, on hand-written functions shaped like Dynamo's code ------------------------

@@ -115,3 +115,32 @@ def test_an_input_moved_after_the_first_replay_raises_instead_of_replaying_stale
         with pytest.raises(CudaGraphAddressError, match=r"graph input \d+ \(l_input_ids_, shape \(4,\)\) was at .* when this size's CUDA graphs were captured"):
             compiled(ids.clone(), pos)
         compiled(*make(4))  # the persistent buffers are still served
+
+
+@pytest.mark.parametrize("mode, check", [("piecewise", True), ("full_and_piecewise", False)])
+def test_a_parameter_replaced_after_capture_is_captured_again(simulated_graphs, mode, check):
+    """Through torch.compile, Dynamo's code passes the replacing parameter to the same dispatcher;
+    its graphs, captured with the old one, are dropped and captured again (also without
+    ``check_input_addresses``, which is about the caller's inputs)."""
+    model, caches, builder, make_inputs = _setup()
+    cfg = ca.CompileConfig(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, piece_compiler="eager",
+                           check_input_addresses=check)
+    backend = RecordingBackend(config=cfg)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    decode = [ca.SequenceStep(1, 10 + i, [i]) for i in range(4)]
+    mixed = [ca.SequenceStep(1, 10, [0]), ca.SequenceStep(3, 0, [1])]
+
+    def step(seqs):  # the model itself is the eager reference: it holds whatever weights it was given
+        assert_matches_eager(model, compiled, builder, caches, seqs, _mark(make_inputs), pad_to=4)
+
+    for seqs in (decode, mixed, decode, mixed):
+        step(seqs)
+    proj = model.model.layers[1].mlp.down_proj
+    proj.weight = torch.nn.Parameter(torch.randn(proj.weight.shape, generator=torch.Generator().manual_seed(1)),
+                                     requires_grad=False)
+    with ca.counters.expect(parameter_recaptures=1):
+        step(decode)
+    with ca.counters.expect(parameter_recaptures=0, module_rechecks=0):
+        for seqs in (mixed, decode, mixed):
+            step(seqs)
+    assert len(backend.built) == 1  # not a recompile: the graphs of the one dispatcher were captured again

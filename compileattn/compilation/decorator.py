@@ -39,12 +39,13 @@ recompiled.
 Limits, because guards are skipped: everything that is not an argument is frozen at the first
 call: Python globals and non-parameter module attributes the forward reads; shapes, dtypes and
 devices of parameters and buffers (their *values* are read at each call, so in-place weight
-updates show, but move the model before its first call); autocast, torch function modes and global
-flags other than grad mode. Objects other than tensors, scalars, strings, dtypes/devices and
-tuples/lists/dicts of those are checked for type only. Dynamic dims need size >= 2 on the first
-call (Dynamo specializes sizes 0 and 1; a size-1 first call is refused rather than compiled
-static); later calls may use any size, including 1 (so a forward must not branch on a dynamic size
-being > 1: Dynamo decides that without a guard, ``size_guards.py``).
+updates show, and so does a parameter replaced by one of the same shape, dtype and device: its
+CUDA graphs are captured again, ``dispatch.py``; but move the model before its first call);
+autocast, torch function modes and global flags other than grad mode. Objects other than tensors,
+scalars, strings, dtypes/devices and tuples/lists/dicts of those are checked for type only. Dynamic
+dims need size >= 2 on the first call (Dynamo specializes sizes 0 and 1; a size-1 first call is
+refused rather than compiled static); later calls may use any size, including 1 (so a forward must
+not branch on a dynamic size being > 1: Dynamo decides that without a guard, ``size_guards.py``).
 
 Full-decode steps (``cudagraph_mode="full_and_piecewise"``) skip Dynamo's code too, once a size's
 graph has been replayed through it: the site replays the graph itself where that provably returns

@@ -35,8 +35,16 @@ compares every input of a graph on its first replay; after that, a graph step co
 inputs that are neither parameters nor unread by any captured graph (the caller's token ids and
 positions, buffers: a few per step, ~0.1 µs each) with where they were when the size's graphs were
 captured, and raises ``CudaGraphAddressError`` for a moved one, which every replay would otherwise
-read stale. Parameters (hundreds, ~20 µs a step to compare) are checked on the first replay only:
-updating one in place is served, replacing a parameter object after capture is not.
+read stale. Parameters are too many to compare every step (~21 µs for a Llama's 291, probe S18-4):
+a graph step compares ``module_watch.generation``, bumped by every parameter, buffer or submodule
+registration in the process, with the one it last checked, and only when that changed compares
+every parameter with its address at capture. A replaced parameter (``module.weight =
+nn.Parameter(w)``, ``load_state_dict(..., assign=True)``, a new submodule) drops every CUDA graph,
+and each size's next step captures them again from the current tensors (a buffer replaced with it
+is then served too); a buffer replaced alone raises ``CudaGraphAddressError``, as a moved token-id
+input does (with ``check_input_addresses``, the default). Updating a parameter in place is served as
+it is. Not caught: ``param.data = other`` and ``module.to(...)`` / ``.half()``, which move tensors
+without registering anything (``module_watch.py``).
 """
 from __future__ import annotations
 
@@ -48,7 +56,7 @@ import torch
 from .. import _torch_compat, context
 from ..config import CompileConfig
 from ..counters import counters
-from . import cudagraph
+from . import cudagraph, module_watch
 from .piecewise import CompiledSplit
 
 logger = logging.getLogger("compileattn")
@@ -111,6 +119,10 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self._input_names = [n.name for n in self.split_gm.graph.nodes if n.op == "placeholder"]
         #: (size, full?) -> (position, address) of its graphs' checked inputs at their capture
         self._captured_at: dict[tuple[int, bool], tuple[tuple[int, int], ...]] = {}
+        #: (position, address) of every parameter graph input when the live graphs were captured
+        self._parameters_at: tuple[tuple[int, int], ...] = ()
+        #: ``module_watch.generation`` when the parameters were last compared (None: no graph step yet)
+        self._watched_generation: int | None = None
 
     def _inputs_read(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Positions of the graph inputs some piece reads (which its graph then reads by address),
@@ -140,7 +152,31 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                     f"0x{ptr:x} when this size's "
                     f"CUDA graphs were captured and is now at 0x{args[i].data_ptr():x}; a replay would read the old "
                     f"memory. Pass inputs that live in persistent buffers (slice views of one preallocated tensor), "
-                    f"or turn CUDA graphs off.")
+                    f"or turn CUDA graphs off. A module's buffer replaced after capture is refused alike: update it "
+                    f"in place (buffer.copy_(new)).")
+
+    def _recheck_after_registrations(self, size: int, full: bool, args, generation: int) -> None:
+        """A module registered a parameter, buffer or submodule since the last graph step (or this
+        is the first one): compare every parameter input with its address at capture, and drop
+        every graph if one was replaced (module docstring). ``generation`` counts as checked only
+        once the step's other inputs passed too: a buffer replaced alone keeps every graph step
+        here, raising, and off ``replay.FullStepShortcut``, which does not compare buffers."""
+        now = tuple((i, args[i].data_ptr()) for i in self._read_by_full if isinstance(args[i], torch.nn.Parameter))
+        if self._watched_generation is None:
+            module_watch.start()  # before this step captures: a replacement from now on is counted
+        else:
+            counters.module_rechecks += 1
+            captured = dict(self._parameters_at)
+            moved = [i for i, address in now if captured.get(i) != address]
+            if moved:
+                counters.parameter_recaptures += 1
+                logger.info("compileattn: parameter %s%s replaced since this model's CUDA graphs were captured: "
+                            "dropping them, each size's next graph step captures them again",
+                            self._input_names[moved[0]], f" (and {len(moved) - 1} more)" if len(moved) > 1 else "")
+                self._drop_graphs(self.capture_sizes)
+        self._parameters_at = now
+        self._check_addresses(size, full, args)
+        self._watched_generation = generation
 
     # -- saving (torch.compile(...).aot_compile calls these) -----------------------------------
 
@@ -263,7 +299,11 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             self._check_graph_owner(ctx)
             full = (self.mode == "full_and_piecewise" and ctx is not None and ctx.metadata.is_uniform_decode
                     and ctx.table.capturable)
-            self._check_addresses(size, full, args)
+            generation = module_watch.generation
+            if generation != self._watched_generation:
+                self._recheck_after_registrations(size, full, args, generation)
+            else:
+                self._check_addresses(size, full, args)
             counters.cudagraph_replays += 1
             if full:
                 return self._run_full(size, args)
@@ -312,6 +352,8 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         (``__call__``'s token-count check is the caller's, ``replay.FullStepShortcut``)."""
         if self._landing is not None and self._landing.changed:
             return None  # the ordinary path installs the static pieces first
+        if self._watched_generation != module_watch.generation:
+            return None  # a module registered something: the ordinary path compares the parameters first
         md = ctx.metadata
         owner = self._graph_owner
         if (self._full is None or not md.is_uniform_decode or not ctx.table.capturable
@@ -339,6 +381,19 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                 if sig == signature:
                     self.static[name][size] = fn
             sizes.add(size)
+        self._drop_graphs(sizes)
+        counters.static_landings += len(sizes)
+        if landing.settled:
+            self._landing = None
+            self.static_settled_after = landing.settled_after
+            logger.info("compileattn: static-shape pieces in place %.2f s after the compile returned",
+                        landing.settled_after)
+            landing.finish()
+
+    def _drop_graphs(self, sizes) -> None:
+        """Forget every CUDA graph of ``sizes``, the pieces' and the full one: the next graph step of
+        each size captures them again. A piece's graph reads the previous piece's static outputs
+        by address, so no piece's graph can be captured again alone."""
         for size in sorted(sizes):
             for graphs in self._piece_graphs:
                 graphs.forget(size)
@@ -348,13 +403,6 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             self._captured_at.pop((size, True), None)
         if sizes:
             self.replayed = None
-            counters.static_landings += len(sizes)
-        if landing.settled:
-            self._landing = None
-            self.static_settled_after = landing.settled_after
-            logger.info("compileattn: static-shape pieces in place %.2f s after the compile returned",
-                        landing.settled_after)
-            landing.finish()
 
     def pending_static_compiles(self) -> int:
         """Static compiles not yet installed (0 once every one has landed or been given up)."""

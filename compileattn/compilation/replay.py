@@ -16,7 +16,10 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
    ``random`` call, an output object built) fails this, and keeps the ordinary path.
 2. **The dispatcher would replay this full graph** (``StepDispatcher.full_replay_entry``): the
    step is a uniform decode at a size whose full graph was captured and has been replayed, through
-   the same metadata builder and the same ``kv_caches`` mapping it already checked.
+   the same metadata builder and the same ``kv_caches`` mapping it already checked, and no module
+   has registered a parameter, buffer or submodule since the dispatcher last compared the
+   parameters (``module_watch.py``: a step after one takes the ordinary path, which compares them
+   and drops the graphs if one was replaced; a dropped graph is learned anew).
 3. **The arguments are where they were** at that graph's first replay through the ordinary path
    (the one ``CapturedGraph.check`` compared with the capture): every tensor argument has the same
    data pointer, shape and strides (``argcheck`` has already pinned dtypes, devices and every
@@ -29,8 +32,11 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
 Anything that fails 2-4 on a given step runs the ordinary path, which raises or falls back as it
 always did, with one exception: a step that would replay the same graph while an argument the graph
 reads (its address is one of the graph's inputs) has moved raises ``CudaGraphAddressError``, as the
-ordinary path does (``dispatch.py``: every graph step compares the inputs that are not parameters). What the ordinary path re-reads at each step and a replay ignores
-anyway (parameters' addresses: a graph reads the ones it was captured with) is skipped alike.
+ordinary path does (``dispatch.py``: every graph step compares the inputs that are not parameters).
+Parameters are compared by neither path at every step, only after a module registration (2).
+Buffers, which the ordinary path compares every step, are not arguments and are not compared here:
+one replaced through its module (``register_buffer``, ``load_state_dict(..., assign=True)``) is
+seen through (2); one moved by ``buffer.data = other`` is not.
 Attribute reads and subscripts in Dynamo's code are assumed to have no side effects (``_modules``,
 ``_parameters`` and the graph's output tuple are plain containers).
 """

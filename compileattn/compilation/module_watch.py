@@ -1,0 +1,64 @@
+"""A process-wide count of module registrations, so CUDA-graph steps notice a replaced parameter.
+
+A CUDA graph reads every parameter at the address it had at capture. Replacing a parameter object
+(``module.weight = nn.Parameter(w)``, ``load_state_dict(..., assign=True)``, a new submodule)
+leaves the graphs reading the old tensor's memory: stale answers, no error. Comparing every
+parameter's address on every step would catch it but costs ~21 µs a step for a Llama's 291
+parameters even through torch's C++ helper (``torch._C._tensors_data_ptrs_at_indices_equal``,
+~72 ns a tensor, H200 host, probe S18-4). Instead, torch's global module registration hooks bump
+``generation`` whenever any module registers a parameter, buffer or submodule; a graph step
+compares one integer with the generation it last checked and compares addresses only when it
+moved (``dispatch.StepDispatcher``).
+
+What the hooks see: ``register_parameter`` / ``register_buffer`` / ``register_module`` and the
+attribute assignments that call them, which covers ``load_state_dict(..., assign=True)`` and
+constructing any module, a compile's ``GraphModule``s included: after one, every compiled model's
+next graph step compares its parameters, once (a Python loop: ~50 µs for 291 parameters on the
+repo's 2-core CPU box). What they do not see: ``param.data = other`` and ``module.to(...)`` /
+``.half()`` (which assign ``.data``, or with ``torch.__future__``'s conversion flags swap tensors
+or write ``_parameters`` directly), ``torch.utils.swap_tensors``, writes into ``_parameters`` or
+``_buffers``.
+
+The hooks run just before torch stores the new tensor, so a replacement made on another thread
+while a step runs can be counted before it lands and missed by that step's comparison; replace
+weights between steps, on the thread that runs them.
+
+Installed once, at the first CUDA-graph step of any compiled model (``start``), not at import: a
+library must not add global hooks to processes that never capture a graph. Each hook only adds
+one to an integer and keeps no reference to the module or tensor it is shown.
+"""
+from __future__ import annotations
+
+import threading
+
+from torch.nn.modules import module as _module
+
+#: Bumped by every parameter, buffer or submodule registration in the process (once ``start`` ran).
+generation = 0
+
+_started = False
+_start_lock = threading.Lock()
+
+
+def _count_registration(module, name, value) -> None:
+    """The registration hook: returning None leaves the registered value as it is."""
+    global generation
+    generation += 1
+
+
+def start() -> None:
+    """Install the hooks, once per process; later calls do nothing."""
+    global _started
+    if _started:
+        return
+    with _start_lock:
+        if _started:
+            return
+        _module.register_module_parameter_registration_hook(_count_registration)
+        _module.register_module_buffer_registration_hook(_count_registration)
+        _module.register_module_module_registration_hook(_count_registration)
+        _started = True
+
+
+def started() -> bool:
+    return _started

@@ -1,0 +1,120 @@
+"""The count of module registrations that tells CUDA-graph steps to compare the parameters
+(compilation/module_watch.py): what bumps it, what does not, and that its hooks wait for the first
+graph step of the process."""
+from __future__ import annotations
+
+import gc
+import os
+import pathlib
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from compileattn.compilation import module_watch
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("scale", torch.ones(3))
+
+
+def _bumps(change) -> bool:
+    module_watch.start()
+    block = _Block()
+    before = module_watch.generation
+    change(block)
+    return module_watch.generation != before
+
+
+@pytest.mark.parametrize("change", [
+    lambda b: setattr(b.lin, "weight", nn.Parameter(torch.zeros(3, 3))),
+    lambda b: b.lin.register_parameter("bias", nn.Parameter(torch.zeros(3))),
+    lambda b: setattr(b, "scale", torch.zeros(3)),
+    lambda b: b.register_buffer("scale", torch.zeros(3)),
+    lambda b: setattr(b, "lin", nn.Linear(3, 3)),
+    lambda b: b.load_state_dict({k: v.clone() for k, v in b.state_dict().items()}, assign=True),
+], ids=["parameter attribute", "register_parameter", "buffer attribute", "register_buffer", "submodule",
+        "load_state_dict assign"])
+def test_a_registration_bumps_the_generation(change):
+    assert _bumps(change)
+
+
+def _copy_in_place(b):
+    with torch.no_grad():
+        b.lin.weight.copy_(torch.zeros(3, 3))
+
+
+def _assign_data(b):
+    b.lin.weight.data = torch.zeros(3, 3)
+
+
+@pytest.mark.parametrize("change", [
+    _copy_in_place,
+    lambda b: b.load_state_dict({k: v.clone() for k, v in b.state_dict().items()}),
+    _assign_data,  # moves the parameter, unseen: the documented limit
+    lambda b: b.double(),  # likewise (assigns .data)
+], ids=["copy_", "load_state_dict", ".data", ".double()"])
+def test_what_registers_nothing_leaves_the_generation(change):
+    assert not _bumps(change)
+
+
+def test_the_hooks_hold_no_module():
+    module_watch.start()
+    block = _Block()
+    block.lin.weight = nn.Parameter(torch.zeros(3, 3))
+    ref = weakref.ref(block)
+    del block
+    gc.collect()
+    assert ref() is None
+
+
+_FIRST_GRAPH_STEP = r"""
+import torch
+import torch.nn.modules.module as registry
+import compileattn as ca
+from compileattn.compilation import module_watch
+from compileattn.models.opt import OPTConfig, OPTForCausalLM
+from compileattn.testing import simulated_cuda_graphs
+
+
+def installed():
+    return [module_watch._count_registration in hooks.values()
+            for hooks in (registry._global_parameter_registration_hooks, registry._global_buffer_registration_hooks,
+                          registry._global_module_registration_hooks)]
+
+
+def compile_and_step(**options):
+    model = OPTForCausalLM(OPTConfig.tiny(), seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), 8, 16, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=16, num_blocks=8, max_num_tokens=8, max_blocks_per_seq=2)
+    config = ca.CompileConfig(piece_compiler="eager", compile_kernels_ahead=False, **options)
+    fn = ca.compile(lambda input_ids, positions: model(input_ids, positions),
+                    dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
+    md = builder.build([ca.SequenceStep(1, 3, [2 * i, 2 * i + 1]) for i in range(4)], pad_to=4)
+    with torch.no_grad(), ca.set_forward_context(md, caches):
+        fn(torch.zeros(4, dtype=torch.long), torch.arange(4) + 3)
+
+
+assert installed() == [False] * 3, "at import"
+compile_and_step(cudagraph_mode="none")
+assert installed() == [False] * 3 and not module_watch.started(), "after a step without graphs"
+with simulated_cuda_graphs():
+    compile_and_step(cudagraph_mode="full_and_piecewise", max_capture_size=8)
+assert installed() == [True] * 3, "after the first graph step"
+print("ok")
+"""
+
+
+def test_the_hooks_are_installed_at_the_first_graph_step_not_before():
+    """In a process of its own: the test's own process may have captured graphs already."""
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _FIRST_GRAPH_STEP], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
