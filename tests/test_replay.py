@@ -520,6 +520,51 @@ def test_cuda_direct_replays_match_eager():
     assert direct == 6  # 4 steps per size: capture, first replay, then two direct
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("replace", ["attribute", "load_state_dict_assign"])
+def test_cuda_a_replaced_parameter_is_captured_again(replace):
+    """Real CUDA graphs (Inductor pieces, the Triton backend), full-decode replays direct and
+    piece graphs of a mixed step: a replaced weight is what the next steps compute with."""
+    torch.manual_seed(0)
+    config = ca.CompileConfig(cudagraph_mode="full_and_piecewise", max_capture_size=MAX_TOKENS,
+                              attention_backend="triton")
+    model = OPTForCausalLM(OPTConfig.tiny(), dtype=torch.float16, device="cuda", seed=0)
+    eager = OPTForCausalLM(OPTConfig.tiny(), dtype=torch.float16, device="cuda", seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float16, device="cuda")
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=4, device="cuda", backend="triton")
+
+    def forward(input_ids, positions):
+        return model(input_ids, positions)
+
+    fn = ca.compile(forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
+    inputs = PersistentInputs(model.config.vocab_size, MAX_TOKENS, positions=(1, 40), device="cuda",
+                              mark_dynamic=False)
+    rng = random.Random(0)
+
+    def steps(count):
+        for i in range(count):
+            seqs = [ca.SequenceStep(1, rng.randint(1, 40), [4 * j + k for k in range(4)]) for j in range(4)]
+            if i % 2:
+                seqs = seqs[:2] + [ca.SequenceStep(2, 0, [8 + k for k in range(4)])]  # 4 tokens, mixed: pieces
+            assert_matches_eager(eager, fn, builder, caches, seqs, inputs, pad_to=4)
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    key = "model.layers.0.fc1.weight"
+    state[key] = torch.randn(state[key].shape, device="cuda", dtype=state[key].dtype) * 0.2
+    with torch.no_grad():
+        direct = ca.counters.full_graph_direct_steps
+        steps(5)
+        assert ca.counters.full_graph_direct_steps > direct
+        for m in (model, eager):
+            if replace == "attribute":
+                m.model.layers[0].fc1.weight = torch.nn.Parameter(state[key].clone(), requires_grad=False)
+            else:
+                m.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+        with ca.counters.expect(parameter_recaptures=1):
+            steps(5)
+
+
 def test_host_step_benchmark_runs_on_the_cpu(tmp_path, capsys):
     """``benchmarks/host_step.py``: both variants match eager, the direct one is taken, every row is timed."""
     import importlib.util
