@@ -488,10 +488,9 @@ def test_bytecode_check_refuses_anything_else(fn, why):
     assert "plain function" in replay.graph_call_of(torch.nn.Linear(2, 2))[1]
 
 
-@pytest.mark.cuda
-def test_cuda_direct_replays_match_eager():
-    """Real CUDA graphs (Inductor pieces, the Triton backend): direct replays from the second
-    replay of each size on, each matching eager."""
+def _cuda_compiled_opt():
+    """A tiny fp16 OPT on the GPU, compiled with real CUDA graphs (Inductor pieces, the Triton
+    backend): (model, caches, builder, compiled forward, persistent inputs)."""
     torch.manual_seed(0)
     config = ca.CompileConfig(cudagraph_mode="full_and_piecewise", max_capture_size=MAX_TOKENS,
                               attention_backend="triton")
@@ -506,7 +505,13 @@ def test_cuda_direct_replays_match_eager():
     fn = ca.compile(forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
     inputs = PersistentInputs(model.config.vocab_size, MAX_TOKENS, positions=(1, 40), device="cuda",
                               mark_dynamic=False)
+    return model, caches, builder, fn, inputs
 
+
+@pytest.mark.cuda
+def test_cuda_direct_replays_match_eager():
+    """Real CUDA graphs: direct replays from the second replay of each size on, each matching eager."""
+    model, caches, builder, fn, inputs = _cuda_compiled_opt()
     rng = random.Random(0)
     direct = 0
     with torch.no_grad():
@@ -525,21 +530,8 @@ def test_cuda_direct_replays_match_eager():
 def test_cuda_a_replaced_parameter_is_captured_again(replace):
     """Real CUDA graphs (Inductor pieces, the Triton backend), full-decode replays direct and
     piece graphs of a mixed step: a replaced weight is what the next steps compute with."""
-    torch.manual_seed(0)
-    config = ca.CompileConfig(cudagraph_mode="full_and_piecewise", max_capture_size=MAX_TOKENS,
-                              attention_backend="triton")
-    model = OPTForCausalLM(OPTConfig.tiny(), dtype=torch.float16, device="cuda", seed=0)
+    model, caches, builder, fn, inputs = _cuda_compiled_opt()
     eager = OPTForCausalLM(OPTConfig.tiny(), dtype=torch.float16, device="cuda", seed=0)
-    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float16, device="cuda")
-    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
-                                          max_blocks_per_seq=4, device="cuda", backend="triton")
-
-    def forward(input_ids, positions):
-        return model(input_ids, positions)
-
-    fn = ca.compile(forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
-    inputs = PersistentInputs(model.config.vocab_size, MAX_TOKENS, positions=(1, 40), device="cuda",
-                              mark_dynamic=False)
     rng = random.Random(0)
 
     def steps(count):
