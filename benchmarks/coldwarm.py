@@ -405,6 +405,10 @@ def render(payload: dict[str, Any]) -> str:
     if workers is not None:
         lines += [f"Piece compiles in `compile_workers={workers!r}` worker processes (`static in workers`, "
                   f"`dynamic in workers`: how many of each they did; the compiling process did the rest).", ""]
+    triton_dir = payload.get("config", {}).get("triton_cache_dir", "per-row")
+    lines += [("`TRITON_CACHE_DIR` left unset in every row, as most programs leave it (`--triton-cache-dir unset`: "
+               "the first call sets it, under the row's Inductor cache; Triton's home is the row's directory)."
+               if triton_dir == "unset" else "`TRITON_CACHE_DIR` set to each row's own directory by the benchmark."), ""]
     if payload.get("config", {}).get("device") == "cpu":
         lines += ["**CPU plumbing run** (`--device cpu`): tiny fp32 configs, eager pieces; no number here is a "
                   "measurement of the shapes named.", ""]

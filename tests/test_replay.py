@@ -320,6 +320,8 @@ def test_a_replaced_parameter_is_captured_again_and_served(simulated_graphs, cap
         for direct in (0, 1):  # the new graph's first replay teaches the shortcut, which then replays it
             with ca.counters.expect(cudagraph_captures=0, full_graph_direct_steps=direct):
                 assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
+    pool = s.fn.runtimes[0].pool
+    assert not pool.retired  # the graphs captured since keep the pool alive: the dropped ones are let go
     fresh = Setup()  # compiled with the new weights from the start
     fresh.model.load_state_dict(state)
     fresh.warm(4)
@@ -385,6 +387,25 @@ def test_a_buffer_replaced_alone_raises_until_put_back(simulated_graphs):
         s.step(s.decode(4))
     with ca.counters.expect(full_graph_direct_steps=1):
         s.step(s.decode(4))
+
+
+@pytest.mark.parametrize("other", ["new size", "mixed step"])
+def test_a_buffer_replaced_alone_raises_after_a_step_of_another_size_or_mode(simulated_graphs, other):
+    """A step of a size or mode with no graphs yet compares only what it captures now: the full
+    graph of another size still reads the old buffer, and its direct replay must not resume."""
+    s = Setup(Scaled)
+    s.eager = Scaled(OPTConfig.tiny(), seed=0)
+    s.warm(4)
+    with ca.counters.expect(full_graph_direct_steps=1):
+        s.step(s.decode(4))
+    new = s.model.scale * 2
+    s.model.scale = new
+    s.eager.scale = new.clone()
+    with torch.no_grad():
+        s.step(s.decode(8) if other == "new size" else s.decode(2, prefill=2))
+        for _ in range(2):
+            with pytest.raises(CudaGraphAddressError, match="scale"):
+                assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
 
 
 def test_a_buffer_replaced_with_the_parameters_is_served(simulated_graphs):
@@ -553,6 +574,12 @@ def test_cuda_a_replaced_parameter_is_captured_again(replace):
                 m.model.layers[0].fc1.weight = torch.nn.Parameter(state[key].clone(), requires_grad=False)
             else:
                 m.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+        with ca.counters.expect(parameter_recaptures=1):
+            steps(5)
+        pool = fn.runtimes[0].pool
+        assert pool is not None and not pool.retired  # the recaptured graphs keep the pool alive
+        for m in (model, eager):  # again: graphs retired and captured into the same pool once more
+            m.model.layers[0].fc1.weight = torch.nn.Parameter(state[key] * 0.5, requires_grad=False)
         with ca.counters.expect(parameter_recaptures=1):
             steps(5)
 

@@ -248,8 +248,10 @@ def test_the_machine_key_names_the_gpus_only_once_cuda_is_initialised(monkeypatc
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpus[index])
     h200 = cache.machine_key()
-    assert h200 == cpu_only + ["cuda:0=NVIDIA H200 sm90"]
-    gpus[0] = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8, minor=0)
+    assert h200 == cpu_only + ["cuda=['NVIDIA H200 sm90']"]
+    gpus[1] = gpus[0]
+    assert cache.machine_key() == h200  # more GPUs of the same kind: the same code serves
+    gpus[1] = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8, minor=0)
     assert cache.machine_key() != h200
 
 

@@ -144,9 +144,13 @@ def machine_key() -> list[str]:
     A process that had initialised CUDA for other reasons keys a CPU model differently: a miss."""
     lines = [f"cpu={_cpu_identity()}", f"triton={_triton_version()}"]
     if torch.cuda.is_initialized():
+        # the kinds of GPU, not their order or count: a cache filled with one GPU visible serves
+        # the same program on all eight of that kind
+        kinds = set()
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            lines.append(f"cuda:{index}={props.name} sm{props.major}{props.minor}")
+            kinds.add(f"{props.name} sm{props.major}{props.minor}")
+        lines.append(f"cuda={sorted(kinds)}")
     return lines
 
 
@@ -164,12 +168,19 @@ def _cpu_identity() -> str:
     return f"{platform.machine()} {hashlib.sha256(features.encode()).hexdigest()[:16]}"
 
 
+#: The distributions Triton ships as: upstream's and PyTorch's own builds.
+_TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu")
+
+
 @functools.lru_cache(maxsize=1)
 def _triton_version() -> str:
-    try:
-        return importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
+    """Read from the installed distribution's metadata: importing Triton costs a second."""
+    for name in _TRITON_DISTRIBUTIONS:
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "none"
 
 
 _package_digest: str | None = None

@@ -86,6 +86,7 @@ class GraphPool:
         with torch.cuda.graph(graph, pool=self.handle, capture_error_mode="thread_local"):
             outputs = fn(*args)
         graph.replay()
+        self.retired.clear()  # the new graph keeps the pool alive now (``retire``)
         elapsed = time.perf_counter() - start
         self.capture_seconds += elapsed
         counters.cudagraph_captures += 1
@@ -95,10 +96,13 @@ class GraphPool:
         return CapturedGraph(graph, outputs, _tensor_layout(args), name, size)
 
     def retire(self, graph) -> None:
-        """Keep a graph that will never replay again: PyTorch frees a private pool when the last
-        graph using it is destroyed, and a later capture into the same handle then fails an
-        internal assert ("it->second->use_count > 0", CUDACachingAllocator, torch 2.11 on the
-        H200). The retired graph holds no tensors; its freed blocks serve the next captures."""
+        """Keep a graph that will never replay again until the next capture into this pool:
+        PyTorch frees a private pool when the last graph using it is destroyed, and a later
+        capture into the same handle then fails an internal assert ("it->second->use_count > 0",
+        CUDACachingAllocator, torch 2.11 on the H200). The retired graph holds no tensors; its
+        freed blocks serve the next captures, whose graph then keeps the pool alive, so the
+        retired ones go (weights replaced again and again, ``module_watch``, or static pieces
+        landing, must not keep every old graph's instantiation)."""
         self.retired.append(graph)
 
     def pool_bytes(self) -> int:
@@ -144,6 +148,7 @@ class SimulatedGraphPool:
 
     def capture(self, fn: Callable[..., Any], args: Sequence[Any], name: str, size: int) -> CapturedGraph:
         outputs = fn(*args)
+        self.retired.clear()  # as GraphPool.capture
         counters.cudagraph_captures += 1
         return CapturedGraph(SimulatedGraph(fn, args, outputs), outputs, _tensor_layout(args), name, size)
 

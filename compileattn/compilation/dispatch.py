@@ -123,6 +123,11 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self._parameters_at: tuple[tuple[int, int], ...] = ()
         #: ``module_watch.generation`` when the parameters were last compared (None: no graph step yet)
         self._watched_generation: int | None = None
+        #: size -> ``module_watch.generation`` at this size's last full-graph step through the
+        #: ordinary path, which compared that size's graph inputs, buffers too: a direct replay
+        #: (``full_replay_entry``) needs the current one. The dispatcher-wide generation is not
+        #: enough: a step of another size or mode compares only its own graphs' inputs.
+        self._full_checked_at: dict[int, int] = {}
 
     def _inputs_read(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Positions of the graph inputs some piece reads (which its graph then reads by address),
@@ -306,7 +311,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                 self._check_addresses(size, full, args)
             counters.cudagraph_replays += 1
             if full:
-                return self._run_full(size, args)
+                out = self._run_full(size, args)
+                self._full_checked_at[size] = generation
+                return out
         else:
             counters.eager_steps += 1
         self.current_size, self.graphs_on = size, graphs
@@ -352,8 +359,8 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         (``__call__``'s token-count check is the caller's, ``replay.FullStepShortcut``)."""
         if self._landing is not None and self._landing.changed:
             return None  # the ordinary path installs the static pieces first
-        if self._watched_generation != module_watch.generation:
-            return None  # a module registered something: the ordinary path compares the parameters first
+        if self._full_checked_at.get(ctx.metadata.num_tokens) != module_watch.generation:
+            return None  # a module registered something since this size's last ordinary full step: it compares first
         md = ctx.metadata
         owner = self._graph_owner
         if (self._full is None or not md.is_uniform_decode or not ctx.table.capturable

@@ -21,7 +21,9 @@ or write ``_parameters`` directly), ``torch.utils.swap_tensors``, writes into ``
 
 The hooks run just before torch stores the new tensor, so a replacement made on another thread
 while a step runs can be counted before it lands and missed by that step's comparison; replace
-weights between steps, on the thread that runs them.
+weights between steps, on the thread that runs them. Under tensor parallelism each rank decides
+alone: replace on every rank before the next step, since a rank that captures again runs its
+collectives once more (the warm-up before capture) than a rank that replays, and both would wait.
 
 Installed once, at the first CUDA-graph step of any compiled model (``start``), not at import: a
 library must not add global hooks to processes that never capture a graph. Each hook only adds
