@@ -81,10 +81,10 @@ settled_environment: dict[str, str] = {}
 
 def settle_cache_dir() -> None:
     """At the start of a first call on a GPU, cold or warm, before any Triton kernel launches: the
-    attention kernels must be looked up where the cold run compiled them. A program that leaves
-    ``TRITON_CACHE_DIR`` unset had its warm start compile the KV-write, decode and combine kernels
-    again, 2.05 s of the OPT shape's 4.74 s first call (run S19-1): the cold run's launches came
-    after Inductor (or this module) had set it, the warm run's, without a compile, before. With
+    attention kernels must be looked up where the cold run compiled them. Without it a program
+    that leaves ``TRITON_CACHE_DIR`` unset compiles the KV-write, decode and combine kernels again
+    on every warm start (2.05 s of the OPT shape's 4.74 s first call, run S19-1): a cold run's
+    launches come after Inductor (or this module) has set it, a warm run's, with no compile, before. With
     any piece compiler (eager pieces, another backend too): the attention kernels live in
     Inductor's cache directory then, one rule for every first call."""
     from .. import context
