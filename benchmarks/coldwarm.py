@@ -147,7 +147,10 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
                               compile_kernels_ahead=not spec.get("kernels_at_launch", False),
                               trace_layers_once=not spec.get("flat_trace", False),
                               **({} if device == "cuda" else {"piece_compiler": "eager"}))
-    rss_at_decoration = resident_bytes()
+    from compileattn.compilation import fork_server
+
+    # what decides whether the fork server may be a fork of this process (FORK_MAX_RESIDENT_BYTES)
+    rss_at_decoration = fork_server.resident_bytes()
     with TimelineRecorder(time.perf_counter()) as decoration:
         compiled_cls = ca.compile(type(f"Compiled{cls.__name__}", (cls,), {}),
                                   dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
@@ -192,16 +195,6 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
             "counters": ca.counters.snapshot(), "torch": torch.__version__, "timeline": timeline.events,
             "torch_compile_times": compile_phases, "rss_at_decoration_bytes": rss_at_decoration,
             "decoration_log": decoration.events, "triton_cache_dir_set": spec.get("triton_cache_dir") != "unset"}
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory (Linux), which decides whether the fork server may be a
-    fork of it (``fork_server.FORK_MAX_RESIDENT_BYTES``)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 def torch_compile_times() -> dict[str, float]:

@@ -222,7 +222,7 @@ _LARGE_PROCESS = """
 import torch
 import compileattn as ca
 from compileattn.compilation import compile_pool, fork_server
-fork_server.FORK_MAX_RESIDENT_BYTES = fork_server._resident_bytes() + (64 << 20)
+fork_server.FORK_MAX_RESIDENT_BYTES = fork_server.resident_bytes() + (64 << 20)
 weights = torch.ones(256 << 20, dtype=torch.uint8)  # a model built on the CPU before decoration
 print("why not:", fork_server.why_not_fork_here(), flush=True)
 ca.compile(lambda x: x + 1, dynamic_arg_dims={"x": 0}, config=ca.CompileConfig(compile_sizes=(1, 2), compile_workers=2))

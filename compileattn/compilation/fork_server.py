@@ -329,7 +329,7 @@ def why_not_fork_here() -> str | None:
     if threading.active_count() > 1:
         return (f"{threading.active_count()} Python threads run in this process (a fork would copy locks they "
                 f"may hold)")
-    resident = _resident_bytes()
+    resident = resident_bytes()
     if resident is None or resident > FORK_MAX_RESIDENT_BYTES:
         return (f"this process holds {'an unknown amount of' if resident is None else f'{resident >> 20} MiB of'} "
                 f"memory (more than {FORK_MAX_RESIDENT_BYTES >> 20} MiB: what it frees or rewrites after a fork "
@@ -337,7 +337,8 @@ def why_not_fork_here() -> str | None:
     return cuda_touched()
 
 
-def _resident_bytes() -> int | None:
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux ``/proc``), None where it cannot be read."""
     try:
         with open("/proc/self/status") as status:
             line = next(line for line in status if line.startswith("VmRSS:"))

@@ -273,7 +273,7 @@ class LLM:
         elif isinstance(max_new_tokens, (str, bytes)) or not hasattr(max_new_tokens, "__iter__"):
             raise TypeError(f"max_new_tokens must be an int or one int per prompt, got {max_new_tokens!r}")
         else:  # numpy's integers as Python ints; anything else is refused by SamplingParams, by name
-            lengths = [n if as_int(n) is None else as_int(n) for n in max_new_tokens]
+            lengths = [n if (k := as_int(n)) is None else k for n in max_new_tokens]
         if len(lengths) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(lengths)} entries for {len(prompts)} prompts")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
