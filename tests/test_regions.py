@@ -99,10 +99,10 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, scales):
+    def __init__(self, scales, block: type = Block):
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(i, s) for i, s in enumerate(scales))
+        self.blocks = nn.ModuleList(block(i, s) for i, s in enumerate(scales))
 
     def forward(self, x):
         for block in self.blocks:
@@ -113,10 +113,10 @@ class Stack(nn.Module):
         return {block.attn.layer_name: SPEC for block in self.blocks}
 
 
-def _stack(scales):
-    eager = Stack(scales)
+def _stack(scales, block: type = Block):
+    eager = Stack(scales, block)
     compiled = ca.compile(type("CompiledStack", (Stack,), {}), dynamic_arg_dims={"x": 0},
-                          config=ca.CompileConfig(piece_compiler="eager"))(scales)
+                          config=ca.CompileConfig(piece_compiler="eager"))(scales, block)
     compiled.load_state_dict(eager.state_dict())
     return eager, compiled
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .. import _torch_compat, layer_ids
+from ..hf import kernel_wrappers
 from ..hf.attention import BINDING_ATTR
 from ..passes import RegionInlineError
 
@@ -124,5 +125,5 @@ def layers_as_regions(root: object) -> Iterator[str]:
     if not classes:
         yield "off: no repeated layers with attention"
         return
-    with patched(classes, region):
+    with kernel_wrappers.original_forwards(root), patched(classes, region):
         yield f"on: {describe(classes)}"
