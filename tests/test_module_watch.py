@@ -57,7 +57,7 @@ def _assign_data(b):
 @pytest.mark.parametrize("change", [
     _copy_in_place,
     lambda b: b.load_state_dict({k: v.clone() for k, v in b.state_dict().items()}),
-    _assign_data,  # moves the parameter, unseen: the documented limit
+    _assign_data,  # moves the parameter, unseen here: model_tensors.py looks (test_model_tensors.py)
     lambda b: b.double(),  # likewise (assigns .data)
 ], ids=["copy_", "load_state_dict", ".data", ".double()"])
 def test_what_registers_nothing_leaves_the_generation(change):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import inspect
 import weakref
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -343,6 +343,26 @@ def leaves(v: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
             yield from leaves(item, (*path, key))
     else:
         yield path, v
+
+
+def modules_in(values: Iterable[Any]) -> Iterator[torch.nn.Module]:
+    """The modules among ``values``, inside the containers the argument check walks too (the
+    trace bakes in a module found there alike)."""
+    for v in values:
+        for _, leaf in leaves(v):
+            if isinstance(leaf, torch.nn.Module):
+                yield leaf
+
+
+def closure_values(fn: Any) -> list[Any]:
+    """What ``fn`` closes over: its filled closure cells' contents."""
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell (a name bound later in the enclosing function)
+            pass
+    return values
 
 
 def _shown_path(path: tuple) -> str:

@@ -40,7 +40,9 @@ Limits, because guards are skipped: everything that is not an argument is frozen
 call: Python globals and non-parameter module attributes the forward reads; shapes, dtypes and
 devices of parameters and buffers (their *values* are read at each call, so in-place weight
 updates show, and so does a parameter replaced by one of the same shape, dtype and device: its
-CUDA graphs are captured again, ``dispatch.py``; but move the model before its first call);
+CUDA graphs are captured again, ``dispatch.py``); a model converted or moved after its first call
+(``.half()``, ``.to(device)``) raises ``RecompileError`` naming a tensor (``model_tensors.py``:
+watched at two tensors per model, so convert a part of a model before the first call);
 autocast, torch function modes and global flags other than grad mode. Objects other than tensors,
 scalars, strings, dtypes/devices and tuples/lists/dicts of those are checked for type only. Dynamic
 dims need size >= 2 on the first call (Dynamo specializes sizes 0 and 1; a size-1 first call is
@@ -78,7 +80,8 @@ import torch
 from .. import _torch_compat
 from ..config import CompileConfig
 from . import compile_pool, kernel_warmup, regions, warm_start
-from .argcheck import ArgChecker, RecompileError, all_arguments, same_tensors, spec_of
+from .argcheck import ArgChecker, RecompileError, all_arguments, closure_values, modules_in, same_tensors, spec_of
+from .model_tensors import ModelTensors
 from .replay import MISS, FullStepShortcut, graph_call_of
 from .size_guards import SizeGuards, UncheckableGuard
 
@@ -234,13 +237,16 @@ class _TimedBackend:
 class _Site:
     """Compiled state for one function or one module instance. ``fast`` is None until compiled."""
 
-    __slots__ = ("owner", "bound", "fast", "checker", "stats", "runtimes", "bound_call", "direct", "refused")
+    __slots__ = ("owner", "bound", "fast", "checker", "tensors", "stats", "runtimes", "bound_call", "direct",
+                 "refused")
 
     def __init__(self, owner: "CompiledFunction", bound: bool):
         self.owner = owner
         self.bound = bound  # calls carry the instance as first argument, excluded from the checks
         self.fast: Callable | None = None
         self.checker: ArgChecker | None = None
+        #: the models' parameters and buffers as the first call found them (``model_tensors.py``)
+        self.tensors: ModelTensors | None = None
         self.stats: dict[str, Any] = {}
         self.runtimes: list = []  # the compileattn backend's StepDispatchers, compiled or loaded
         self.bound_call: BoundCompiledFunction | None = None
@@ -261,6 +267,8 @@ class _Site:
                 fast = self.fast
         if self.checker is not None:
             self.checker.check(args, kwargs)
+        if self.tensors is not None:
+            self.tensors.check()
         direct = self.direct
         if direct is not None:
             out = direct.step(args, kwargs)
@@ -281,6 +289,8 @@ class _Site:
 
         values = all_arguments(owner._sig, self.bound, args, kwargs)
         dynamic = _mark_dynamic(values, owner._dynamic_arg_dims)
+        self.tensors = ModelTensors(modules_in((*full_args[:1 if self.bound else 0], *values.values(),
+                                                *closure_values(fn))))
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
                                                       for name, v in values.items()}, torch.is_grad_enabled(),
                              same_tensors(values))

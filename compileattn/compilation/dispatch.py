@@ -43,8 +43,9 @@ nn.Parameter(w)``, ``load_state_dict(..., assign=True)``, a new submodule) drops
 and each size's next step captures them again from the current tensors (a buffer replaced with it
 is then served too); a buffer replaced alone raises ``CudaGraphAddressError``, as a moved token-id
 input does (with ``check_input_addresses``, the default). Updating a parameter in place is served as
-it is. Not caught: ``param.data = other`` and ``module.to(...)`` / ``.half()``, which move tensors
-without registering anything (``module_watch.py``).
+it is. ``param.data = other`` and ``module.to(...)`` register nothing: the decorator sees them where
+they move a model's first or last parameter (``model_tensors.py``: a conversion of the whole model
+raises there, moved tensors of the same layout bump the generation as a registration does).
 """
 from __future__ import annotations
 

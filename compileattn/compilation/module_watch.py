@@ -17,7 +17,8 @@ next graph step compares its parameters, once (a Python loop: ~50 µs for 291 pa
 repo's 2-core CPU box). What they do not see: ``param.data = other`` and ``module.to(...)`` /
 ``.half()`` (which assign ``.data``, or with ``torch.__future__``'s conversion flags swap tensors
 or write ``_parameters`` directly), ``torch.utils.swap_tensors``, writes into ``_parameters`` or
-``_buffers``.
+``_buffers``. The decorator's per-call look at two tensors of each model (``model_tensors.py``)
+bumps the generation itself (``note_moved``) when those moved.
 
 The hooks run just before torch stores the new tensor, so a replacement made on another thread
 while a step runs can be counted before it lands and missed by that step's comparison; replace
@@ -44,6 +45,13 @@ _start_lock = threading.Lock()
 
 def _count_registration(module, name, value) -> None:
     """The registration hook: returning None leaves the registered value as it is."""
+    global generation
+    generation += 1
+
+
+def note_moved() -> None:
+    """A parameter or buffer moved without a registration (``model_tensors.py`` saw it): graph
+    steps compare their parameters with their capture, as after a registration."""
     global generation
     generation += 1
 

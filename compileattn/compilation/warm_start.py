@@ -146,8 +146,7 @@ def closure_fingerprint(fn: Callable) -> Iterable[str]:
     functions made by one factory share their source lines), and a module among them (in
     containers too) as the model it is."""
     yield f"function={_fingerprint(fn, depth=5)}"  # its cells and defaults at the depth of a value
-    cells = [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if _filled(cell)]
-    for i, module in enumerate(_modules_in(cells)):
+    for i, module in enumerate(argcheck.modules_in(argcheck.closure_values(fn))):
         yield f"closure module {i}:"
         yield from module_fingerprint(module)
 
@@ -164,18 +163,9 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
         f"dynamic={sorted(dynamic.items())}", f"arguments={arguments}", *environment_key(),
     ]
     parts.extend(closure_fingerprint(fn))
-    for module in _modules_in(values):
+    for module in argcheck.modules_in(values):
         parts.extend(module_fingerprint(module))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
-
-
-def _modules_in(values: Iterable[Any]) -> Iterable[torch.nn.Module]:
-    """The modules among ``values``, inside the containers the argument check walks too (the
-    trace bakes in a module found there alike)."""
-    for v in values:
-        for _, leaf in argcheck.leaves(v):
-            if isinstance(leaf, torch.nn.Module):
-                yield leaf
 
 
 def _function_identity(fn: Callable) -> str:

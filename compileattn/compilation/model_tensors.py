@@ -1,0 +1,120 @@
+"""What a compile assumed of its models' parameters and buffers, checked per call at two tensors each.
+
+``@compileattn.compile`` runs Dynamo's code without its guards, and those guards are what noticed
+a model converted after its first call: ``model.half()``, ``model.to(dtype)`` or ``.to(device)``
+leave every parameter the same object with new storage of another dtype or device (``param.data =
+converted``: no registration hook runs, ``module_watch.py``). The compiled kernels then read the
+new storage as the old dtype: wrong numbers, no error, wherever no argument changed with the model
+(token ids stay int64). Comparing every parameter per call would cost what the guards cost (~21 µs
+for a Llama's 291 even in torch's C++ helper, probe S18-4). A whole-model conversion moves every
+parameter, so each model is watched at two (its first and last parameter; buffers where it has
+none): the address of each, compared per call (a dict lookup and ``data_ptr``, ~0.1-0.2 µs each).
+
+When one moved, every parameter and buffer of the model is compared with its dtype, device and shape
+at the first call: a difference raises ``RecompileError`` naming the tensor (a compile for the
+converted model would be a new instance's). Where only addresses changed (``param.data = w`` with
+the same dtype, device and shape), the compiled code reads the new tensors by itself, and CUDA-graph
+steps are told to compare their captured addresses (``module_watch.note_moved``: they capture again).
+
+Not caught: a conversion of part of a model that moves neither watched tensor
+(``model.layers[3].half()``): convert models before their first call.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Iterable
+
+import torch
+
+from . import module_watch
+from .argcheck import RecompileError
+
+def _address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s data is; None for a tensor without storage (a wrapper subclass: quantized weights)."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return None
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.dtype, t.device, tuple(t.shape)
+
+
+class ModelTensors:
+    """The parameters and buffers of the modules a compile baked in (the instance, modules among
+    its arguments and closure), as the first call saw them. Holds the modules weakly."""
+
+    __slots__ = ("_models", "_watched")
+
+    def __init__(self, models: Iterable[torch.nn.Module]):
+        #: (weakref to the model, {qualified name: (dtype, device, shape)}) per distinct model
+        self._models: list[tuple[weakref.ref, dict[str, tuple]]] = []
+        seen: set[int] = set()
+        for model in models:
+            if id(model) not in seen:
+                seen.add(id(model))
+                self._models.append((weakref.ref(model), self._tensors_of(model)))
+        #: (weakref to the owning module, its table, the tensor's name, address at the first call)
+        self._watched: tuple[tuple[weakref.ref, str, str, int], ...] = ()
+        self._watch()
+
+    @staticmethod
+    def _tensors_of(model: torch.nn.Module) -> dict[str, tuple]:
+        found = {f"parameter {name}": _layout(t) for name, t in model.named_parameters()}
+        found.update((f"buffer {name}", _layout(t)) for name, t in model.named_buffers() if t is not None)
+        return found
+
+    def _watch(self) -> None:
+        watched = []
+        for ref, _ in self._models:
+            model = ref()
+            if model is None:
+                continue
+            for table, named in (("_parameters", model.named_parameters), ("_buffers", model.named_buffers)):
+                places = [(name, t, _address(t)) for name, t in named() if t is not None]
+                places = [place for place in places if place[2] is not None]
+                if places:
+                    for name, t, address in {id(t): (name, t, a) for name, t, a in (places[0], places[-1])}.values():
+                        owner_path, _, leaf = name.rpartition(".")
+                        watched.append((weakref.ref(model.get_submodule(owner_path)), table, leaf, address))
+                    break  # buffers only where the model has no parameter with storage
+        self._watched = tuple(watched)
+
+    def check(self) -> None:
+        """Per call: the watched tensors are where they were; else compare everything (module docstring)."""
+        for ref, table, name, address in self._watched:
+            owner = ref()
+            if owner is None:
+                continue  # the model is gone: its compiled code cannot run either
+            try:
+                moved = getattr(owner, table)[name].data_ptr() != address
+            except (KeyError, AttributeError, RuntimeError):  # gone, None, or without storage now
+                moved = True
+            if moved:
+                self._compare_all()
+                return
+
+    def _compare_all(self) -> None:
+        for ref, first in self._models:
+            model = ref()
+            if model is None:
+                continue
+            now = self._tensors_of(model)
+            changed = [name for name, layout in first.items() if now.get(name) != layout]
+            if changed:
+                name = changed[0]
+                dtype, device, shape = first[name]
+                what = (f"was {dtype} {shape} on {device} at the first call and "
+                        + (f"is {now[name][0]} {now[name][2]} on {now[name][1]} now" if name in now else "is gone"))
+                more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+                raise _changed(type(model), f"{name}{more}", what)
+        module_watch.note_moved()
+        self._watch()
+
+
+def _changed(cls: type, name: str, what: str) -> RecompileError:
+    return RecompileError(
+        f"compileattn.compile: {cls.__qualname__}'s {name} {what}. The compiled code was made for the "
+        f"model as its first call found it and reads its tensors as such (Dynamo's guards, which would have "
+        f"recompiled, are skipped): convert or move the model before its first call, or compile a new instance")
