@@ -125,6 +125,9 @@ def _llama_pieces_match_eager(monkeypatch, device: str, dtype: torch.dtype, **co
     """A tiny Llama compiled with Inductor pieces matches eager; the residual adds this process
     rewrote, per piece compile."""
     rewritten = []
+    # AOTAutograd's disk cache (on beside the FX graph cache turned off below) would serve an
+    # earlier run's pieces on this machine without running the pass, or any Inductor pass at all
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     real = residual_addmm.unfuse_residual_addmm
     monkeypatch.setattr(residual_addmm, "unfuse_residual_addmm", lambda g: rewritten.append(real(g)) or rewritten[-1])
     # shape_padding off: on a GPU Inductor times a padded against the plain matrix product of an
@@ -156,7 +159,8 @@ def test_pieces_compiled_with_the_pass_match_eager(monkeypatch):
     compile_real = _torch_compat.standalone_compile
     monkeypatch.setattr(_torch_compat, "standalone_compile",
                         lambda *a: artifacts.append(compile_real(*a)) or artifacts[-1])
-    rewritten = _llama_pieces_match_eager(monkeypatch, "cpu", torch.float32, compile_sizes=(), cudagraph_mode="none")
+    rewritten = _llama_pieces_match_eager(monkeypatch, "cpu", torch.float32, compile_sizes=(), cudagraph_mode="none",
+                                          compile_workers=0)  # the pass must run in this process
     # on the CPU Inductor fuses every mm + add: the embedding piece has none, the piece between the
     # two attention layers and the last piece the attention's and the MLP's residual adds each
     assert sorted(rewritten) == [0, 2, 2]
