@@ -91,6 +91,9 @@ def test_a_kernelized_instance_keeps_the_hub_wrapper():
         assert Twice.forward is wrapper.__wrapped__ and torch.equal(plain(x), 2 * x)
     assert Twice.__dict__["forward"] is wrapper
     assert kernel_wrappers.unwrappable_classes(nn.Sequential(plain, kernelized)) == []
+    other_version = TwiceAgain()
+    del vars(other_version)["_kernel_funcs"]  # a kernels version whose routing is not known: kept
+    assert kernel_wrappers.unwrappable_classes(nn.Sequential(plain, other_version)) == []
     with pytest.raises(ZeroDivisionError), kernel_wrappers.original_forwards(nn.Sequential(plain)):
         1 / 0
     assert Twice.__dict__["forward"] is wrapper

@@ -8,7 +8,9 @@ new storage as the old dtype: wrong numbers, no error, wherever no argument chan
 (token ids stay int64). Comparing every parameter per call would cost what the guards cost (~21 µs
 for a Llama's 291 even in torch's C++ helper, probe S18-4). A whole-model conversion moves every
 parameter, so each model is watched at two (its first and last parameter; buffers where it has
-none): the address of each, compared per call (a dict lookup and ``data_ptr``, ~0.1-0.2 µs each).
+none): the address of each, compared per call (a dict lookup and ``data_ptr``: ~1.1 µs for both
+on the 2-core CPU box with a test suite running beside it; ``benchmarks/host_step.py``'s
+direct-replay step moved by less than its run-to-run spread).
 
 When one moved, every parameter and buffer of the model is compared with its dtype, device and shape
 at the first call: a difference raises ``RecompileError`` naming the tensor (a compile for the
@@ -28,6 +30,7 @@ import torch
 
 from . import module_watch
 from .argcheck import RecompileError
+
 
 def _address(t: torch.Tensor) -> int | None:
     """Where ``t``'s data is; None for a tensor without storage (a wrapper subclass: quantized weights)."""
@@ -75,7 +78,7 @@ class ModelTensors:
                 places = [(name, t, _address(t)) for name, t in named() if t is not None]
                 places = [place for place in places if place[2] is not None]
                 if places:
-                    for name, t, address in {id(t): (name, t, a) for name, t, a in (places[0], places[-1])}.values():
+                    for name, address in {id(t): (name, a) for name, t, a in (places[0], places[-1])}.values():
                         owner_path, _, leaf = name.rpartition(".")
                         watched.append((weakref.ref(model.get_submodule(owner_path)), table, leaf, address))
                     break  # buffers only where the model has no parameter with storage

@@ -1,7 +1,7 @@
 """Transformers' hub-kernel wrappers on attention classes, stepped around while decoder layers are
 traced as nested compile regions.
 
-With the ``kernels`` package installed (a dependency of transformers since 5.2x), transformers
+With the ``kernels`` package installed (transformers 5.25 requires it; 5.17 did not), transformers
 decorates its attention classes with ``kernels.use_kernelized_func(apply_rotary_pos_emb)``: their
 ``forward`` sets a process-wide "active kernel functions" variable around the original forward,
 so that a hub function it calls runs the instance's kernelized version. Under Dynamo that
@@ -31,8 +31,12 @@ def _is_kernel_wrapper(forward: Callable) -> bool:
     return module.split(".")[0] == "kernels" and callable(getattr(forward, "__wrapped__", None))
 
 
-def _kernelized(module: nn.Module) -> bool:
-    return any("forward" in vars(wrapper) for wrapper in vars(module).get("_kernel_funcs", {}).values())
+def _never_kernelized(module: nn.Module) -> bool:
+    """Its private function wrappers (kernels 0.19's ``_kernel_funcs``) have no forward of their
+    own. An instance without them is of another kernels version, whose routing is not known here:
+    not stepped around."""
+    funcs = vars(module).get("_kernel_funcs")
+    return isinstance(funcs, dict) and not any("forward" in vars(wrapper) for wrapper in funcs.values())
 
 
 def unwrappable_classes(root: nn.Module) -> list[type]:
@@ -43,7 +47,7 @@ def unwrappable_classes(root: nn.Module) -> list[type]:
         forward = getattr(type(module), "forward", None)
         if _is_kernel_wrapper(forward):  # on the decorated class, which a subclass may inherit from
             owner = next(c for c in type(module).__mro__ if c.__dict__.get("forward") is forward)
-            wrapped[owner] = wrapped.get(owner, True) and not _kernelized(module)
+            wrapped[owner] = wrapped.get(owner, True) and _never_kernelized(module)
     return [cls for cls, plain in wrapped.items() if plain]
 
 
