@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
@@ -125,9 +126,6 @@ def _llama_pieces_match_eager(monkeypatch, device: str, dtype: torch.dtype, **co
     """A tiny Llama compiled with Inductor pieces matches eager; the residual adds this process
     rewrote, per piece compile."""
     rewritten = []
-    # AOTAutograd's disk cache (on beside the FX graph cache turned off below) would serve an
-    # earlier run's pieces on this machine without running the pass, or any Inductor pass at all
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     real = residual_addmm.unfuse_residual_addmm
     monkeypatch.setattr(residual_addmm, "unfuse_residual_addmm", lambda g: rewritten.append(real(g)) or rewritten[-1])
     # shape_padding off: on a GPU Inductor times a padded against the plain matrix product of an
@@ -143,7 +141,10 @@ def _llama_pieces_match_eager(monkeypatch, device: str, dtype: torch.dtype, **co
     builder = ca.AttentionMetadataBuilder(block_size=4, num_blocks=64, max_num_tokens=64, max_blocks_per_seq=16,
                                           device=device)
     make_inputs = PersistentInputs(256, 64, device=device)
-    with torch.no_grad():
+    # AOTAutograd's disk cache (on beside the FX graph cache turned off above) would serve an
+    # earlier run's pieces on this machine without running the pass, or any Inductor pass at all.
+    # (Its own patch(): monkeypatch's undo deletes a torch config entry it set.)
+    with torch.no_grad(), functorch_config.patch(enable_autograd_cache=False):
         assert_matches_eager_over_steps(eager, model, builder, caches, make_inputs, steps=4, seed=0, num_seqs=(1, 4),
                                         max_query_len=5, max_context_len=12,
                                         capture_sizes=config.capture_sizes if device == "cuda" else None)
