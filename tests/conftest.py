@@ -93,7 +93,6 @@ def _seeded(request):
     random.seed(seed)
     numpy.random.seed(seed)
     torch.manual_seed(seed)
-    yield
 
 
 @pytest.fixture(autouse=True)

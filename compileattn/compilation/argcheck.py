@@ -354,15 +354,18 @@ def modules_in(values: Iterable[Any]) -> Iterator[torch.nn.Module]:
                 yield leaf
 
 
+def cell_filled(cell) -> bool:
+    """Whether a closure cell holds a value (empty: a name the enclosing function binds later)."""
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
 def closure_values(fn: Any) -> list[Any]:
     """What ``fn`` closes over: its filled closure cells' contents."""
-    values = []
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # an empty cell (a name bound later in the enclosing function)
-            pass
-    return values
+    return [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if cell_filled(cell)]
 
 
 def _shown_path(path: tuple) -> str:

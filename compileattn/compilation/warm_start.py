@@ -94,7 +94,7 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
                 f"{_fingerprint(value.keywords, depth - 1)})")
     code = getattr(value, "__code__", None)
     if code is not None:  # a function (or a bound method's function, below)
-        cells = [_fingerprint(c.cell_contents, depth - 1) if _filled(c) else "<empty>"
+        cells = [_fingerprint(c.cell_contents, depth - 1) if argcheck.cell_filled(c) else "<empty>"
                  for c in (getattr(value, "__closure__", None) or ())]
         defaults = (getattr(value, "__defaults__", None), getattr(value, "__kwdefaults__", None))
         owner = getattr(value, "__self__", None)
@@ -112,14 +112,6 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
         public = sorted((k, v) for k, v in attributes.items() if not k.startswith("_"))
         return f"{name}{{{', '.join(f'{k}={_fingerprint(v, depth - 1)}' for k, v in public)}}}"
     return f"<{name}>"
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
