@@ -34,6 +34,8 @@ PRIVATE_APIS = {
                                                             "can save it",
     "torch._dynamo.utils": "the module of the helpers Dynamo's code calls around the graph (profiler markers, "
                            "call_size): a full-decode step may skip that code only if it calls nothing else",
+    "torch.multiprocessing.reductions.StorageWeakRef": "which traced nodes share a storage (the hoist pass: "
+                                                       "what an op writes), compared by the storage's identity",
     "torch.fx._graph_pickler.GraphPickler": "saving the split graph in the warm-start artifact",
     "torch.fx._graph_pickler.Options": "GraphPickler options (custom ops allowed)",
     "torch._inductor.config": "the settings a compile worker copies from the compiling process "
@@ -528,6 +530,15 @@ def op_schemas(target) -> list:
     if isinstance(target, resolve("torch._ops.OpOverload")):
         return [target._schema]
     return []
+
+
+def storage_key(t: torch.Tensor):
+    """A hashable key equal for tensors that share storage (fake tensors too: a traced view shares
+    its base's fake storage), or None where the tensor has none (a wrapper subclass)."""
+    try:
+        return resolve("torch.multiprocessing.reductions.StorageWeakRef")(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def call_schema(target):

@@ -13,7 +13,9 @@ the op, measured on the H200). This pass makes sure that work lives inside captu
    piece, so the following piece receives finished values instead of recomputing shapes.
 
 "Depends on" is conservative: a node is tainted if it reads the splitting op, a tensor the op
-mutates, or anything derived from those (views included), wherever it sits in the graph.
+mutates, any node sharing that tensor's storage (the buffer an output was cut from by any view op,
+told by Dynamo's fake tensors, which share storage as the real ones will), or anything derived from
+those, wherever it sits in the graph.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .._torch_compat import call_schema, node_example_value
+from .._torch_compat import call_schema, node_example_value, storage_key
 from .split import is_splitting_node
 
 #: call_method names known not to mutate their receiver.
@@ -84,26 +86,69 @@ def _make_inputs_contiguous(gm: torch.fx.GraphModule, node: torch.fx.Node) -> in
     return fixed
 
 
-#: Ops whose result aliases their first argument's storage.
-_VIEW_METHODS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten",
-                           "unflatten", "expand", "view_as", "narrow", "select", "__getitem__"})
+#: Ops whose result may alias their first argument's storage, as methods or ``torch`` functions
+#: (``getitem`` too: of a tensor, or of a tuple of views such as ``unbind``'s).
+_VIEW_OPS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "unflatten",
+                       "expand", "expand_as", "view_as", "narrow", "select", "unbind", "split", "split_with_sizes",
+                       "chunk", "tensor_split", "hsplit", "vsplit", "dsplit", "movedim", "moveaxis", "swapaxes",
+                       "swapdims", "t", "as_strided", "diagonal", "unfold", "view_as_real", "view_as_complex",
+                       "detach", "alias", "__getitem__"})
+
+
+def _is_view_op(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _VIEW_OPS
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    return getattr(node.target, "__name__", None) in _VIEW_OPS and \
+        getattr(node.target, "__module__", "") in ("torch", "torch.functional", "torch._C._VariableFunctions")
 
 
 def _storage_base(node: torch.fx.Node) -> torch.fx.Node:
     """Walk a chain of views back to the node that owns the storage (``out`` for ``out.view(...)``)."""
-    while isinstance(node, torch.fx.Node) and node.args and isinstance(node.args[0], torch.fx.Node) and (
-            (node.op == "call_method" and node.target in _VIEW_METHODS)
-            or (node.op == "call_function" and node.target is operator.getitem)):
+    while isinstance(node, torch.fx.Node) and node.args and isinstance(node.args[0], torch.fx.Node) \
+            and _is_view_op(node):
         node = node.args[0]
     return node
 
 
-def _tainted_by(gm: torch.fx.GraphModule, node: torch.fx.Node) -> set[torch.fx.Node]:
-    """The op, what it writes, the storage that is (a view of), and every node derived from those,
-    wherever it sits in the graph. Nodes are in topological order, so one forward pass suffices."""
+def _storages(node: torch.fx.Node) -> set:
+    """The storages of the tensors in a node's traced value (a tuple's too: ``unbind``); empty for a
+    node without one (a hand-built graph)."""
+    value = node_example_value(node)
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return {key for v in values if isinstance(v, torch.Tensor) and (key := storage_key(v)) is not None}
+
+
+def _nodes_by_storage(gm: torch.fx.GraphModule) -> dict:
+    """storage key -> the nodes whose traced value holds a tensor of that storage."""
+    by_storage: dict = {}
+    for n in gm.graph.nodes:
+        for key in _storages(n):
+            by_storage.setdefault(key, set()).add(n)
+    return by_storage
+
+
+def _sharing_storage(written: torch.fx.Node, by_storage: dict) -> set[torch.fx.Node]:
+    """Every node whose value may share ``written``'s storage: its chain of views back to the base,
+    and, where Dynamo traced the graph, every node whose fake tensor shares its fake storage (fake
+    tensors alias as the real ones will: a view made by any op, ``buf.unbind(0)[0]`` or
+    ``torch.narrow(buf, ...)``, and the base ``buf`` itself, share one)."""
+    found = {written, _storage_base(written)}
+    for key in _storages(written):
+        found.update(by_storage.get(key, ()))
+    return found
+
+
+def _tainted_by(gm: torch.fx.GraphModule, node: torch.fx.Node, by_storage: dict) -> set[torch.fx.Node]:
+    """The op, what it writes, every node that may share that storage (its base, other views of
+    it), and every node derived from those, wherever it sits in the graph. Nodes are in
+    topological order, so one forward pass suffices."""
     tainted = {node}
     for written in _mutated_args(node):
-        tainted.update((written, _storage_base(written)))
+        tainted.update(_sharing_storage(written, by_storage))
     for n in gm.graph.nodes:
         if n not in tainted and any(i in tainted for i in n.all_input_nodes):
             tainted.add(n)
@@ -114,8 +159,9 @@ def hoist_shape_logic(gm: torch.fx.GraphModule, splitting_ops: Sequence[str]) ->
     splits = [n for n in gm.graph.nodes if is_splitting_node(n, splitting_ops)]
     made_contiguous = sum(_make_inputs_contiguous(gm, s) for s in splits)
     moved = 0
+    by_storage = _nodes_by_storage(gm)
     for split in splits:
-        tainted = _tainted_by(gm, split)
+        tainted = _tainted_by(gm, split, by_storage)
         stayed: set[torch.fx.Node] = {split}  # nodes after the op that stay there
         node = split.next
         while node.op != "output" and not is_splitting_node(node, splitting_ops):

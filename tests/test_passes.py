@@ -222,3 +222,29 @@ def test_hoist_never_moves_a_read_of_the_written_storage_before_the_op():
     order = list(gm.graph.nodes)
     assert order.index(read) > order.index(attn)
     assert gm.meta["compileattn_hoist"]["moved"] == 0
+
+
+@pytest.mark.parametrize("make_view", ["unbind", "chunk", "torch.narrow", "torch.select"])
+def test_hoist_knows_the_base_of_an_output_made_by_any_view_op(make_view):
+    """A graph without traced values (the pass walks the chain of views): an output made by
+    ``buf.unbind(0)[0]``, ``buf.chunk(2)[0]`` or the function forms writes ``buf``, so a later read
+    of ``buf`` stays after the op."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    w = g.placeholder("w")
+    q = g.call_method("view", (x, 4, 2, 8))
+    buf = g.call_function(torch.empty, ((2, 4, 2, 8),))
+    if make_view == "unbind":
+        out = g.call_function(operator.getitem, (g.call_method("unbind", (buf, 0)), 0))
+    elif make_view == "chunk":
+        out = g.call_method("view", (g.call_function(operator.getitem, (g.call_method("chunk", (buf, 2)), 0)), 4, 2, 8))
+    elif make_view == "torch.narrow":
+        out = g.call_method("view", (g.call_function(torch.narrow, (buf, 0, 0, 1)), 4, 2, 8))
+    else:
+        out = g.call_function(torch.select, (buf, 0, 0))
+    attn = g.call_function(torch.ops.compileattn.attention, (q, q, q, out, "l0"))
+    read = g.call_function(torch.nn.functional.linear, (g.call_method("view", (buf, 8, 16)), w))
+    g.output((read,))
+    gm = hoist_shape_logic(torch.fx.GraphModule(torch.nn.Module(), g), ATTN)
+    order = list(gm.graph.nodes)
+    assert order.index(read) > order.index(attn)

@@ -253,3 +253,43 @@ def test_pieces_compile_for_inference_under_grad_mode():
             {"block.attn": spec}, num_blocks=8, block_size=16, dtype=torch.float32)):
         expected = block(x)
     torch.testing.assert_close(out[:4], expected)
+
+
+class _OutputInAView(torch.nn.Module):
+    """Attention writes a view of a larger buffer (``buf.unbind(0)[0]``); the projection reads the
+    buffer itself: it must run after the op, however the view was made."""
+
+    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
+
+    def __init__(self, make_view):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(64, 4 * 32)
+        self.o = torch.nn.Linear(2 * 32, 64)
+        self.make_view = make_view
+
+    def forward(self, x):
+        n = x.shape[0]
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        buf = torch.zeros(2, n, 2, 32, dtype=x.dtype)
+        out = self.make_view(buf)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        return self.o(buf[0].reshape(n, 64))
+
+
+@pytest.mark.parametrize("make_view", [lambda b: b.unbind(0)[0], lambda b: b.chunk(2)[0].squeeze(0),
+                                       lambda b: torch.narrow(b, 0, 0, 1)[0], lambda b: b[0]],
+                         ids=["unbind", "chunk", "torch.narrow", "getitem"])
+def test_a_read_of_the_written_buffer_is_not_hoisted_before_the_op(make_view):
+    model = _OutputInAView(make_view)
+    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4)
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "eager"})
+    seqs = [ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])]
+
+    def make(n):
+        x = torch.randn(n, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+    with torch.no_grad():  # autograd refuses an in-place write into one of unbind's views
+        assert_matches_eager(model, compiled, builder, caches, seqs, make)
