@@ -108,12 +108,21 @@ def test_string_prompts_use_the_directory_tokenizer(tmp_path):
     (dict(max_model_len=0), "max_model_len must be a positive int, got 0"),
     (dict(max_model_len=-5), "max_model_len must be a positive int, got -5"),
     (dict(attention_backend="bogus"), r"attention_backend='bogus' is unknown"),
+    (dict(kv_cache_memory="1GB"), "kv_cache_memory must be a positive number of bytes, got '1GB'"),
+    (dict(kv_cache_memory=0), "kv_cache_memory must be a positive number of bytes, got 0"),
+    (dict(gpu_memory_utilization=5), r"gpu_memory_utilization must be in \(0, 1\], got 5"),
 ])
 def test_bad_llm_arguments_are_named_before_the_model_loads(tmp_path, arguments, refused):
     """They divided by zero in the KV budget's log line, or were reported as a model the backends
     cannot serve."""
     with pytest.raises(ValueError, match=refused):
         ca.LLM(str(tmp_path / "not-loaded"), compile_config=None, **arguments)
+
+
+def test_a_tokenizer_without_encode_and_decode_is_refused_before_the_model_loads(tmp_path):
+    """It was accepted, and every request ran to its end before decoding the output failed."""
+    with pytest.raises(TypeError, match="tokenizer must have encode"):
+        ca.LLM(str(tmp_path / "not-loaded"), compile_config=None, tokenizer="not a tokenizer")
 
 
 def test_bad_generate_arguments_raise_before_running(tmp_path):
@@ -140,6 +149,17 @@ def test_bad_generate_arguments_raise_before_running(tmp_path):
         llm.generate([1, 2], 4.0)
     with pytest.raises(TypeError, match=r"prompts\[0\] must be a string or a list of token ids"):
         llm.generate([[1, 2.0]], 2)
+    # bytes and a dict were read as token ids (their bytes, its keys); None and an int failed inside
+    for prompts_ in (None, 5, b"ab", {1: 2}):
+        with pytest.raises(TypeError, match="prompts must be a string, a list of token ids"):
+            llm.generate(prompts_, 2)
+    with pytest.raises(TypeError, match="ignore_eos must be a bool"):
+        llm.generate([1, 2], 2, ignore_eos="no")
+    with pytest.raises(TypeError, match="temperature must be a number, got True"):
+        llm.generate([1, 2], 2, temperature=True)
+    with pytest.raises(TypeError, match="stop_token_ids must be a list of token ids"):
+        llm.generate([1, 2], 2, stop_token_ids=[1.0])
+    assert not llm.engine.has_unfinished()
 
 
 def test_numpy_integers_are_token_ids_and_lengths(tmp_path):
@@ -154,3 +174,10 @@ def test_numpy_integers_are_token_ids_and_lengths(tmp_path):
     assert [o.token_ids for o in as_numpy] == [o.token_ids for o in expected]
     flat = llm.generate(np.array([1, 2, 3]), np.int64(3), use_tqdm=False)
     assert len(flat) == 1 and flat[0].token_ids == expected[0].token_ids
+    # stop tokens alike (an array or a tensor failed on its truth value)
+    stop = [expected[0].token_ids[0]]
+    stopped = llm.generate([1, 2, 3], 3, stop_token_ids=stop, ignore_eos=True, use_tqdm=False)[0].token_ids
+    assert stopped == stop
+    for as_array in (np.array(stop), torch.tensor(stop), [np.int64(stop[0])]):
+        assert llm.generate([1, 2, 3], 3, stop_token_ids=as_array, ignore_eos=True,
+                            use_tqdm=False)[0].token_ids == stopped

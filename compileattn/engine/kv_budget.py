@@ -6,11 +6,14 @@ rows) shows the activation peak; the cache gets ``gpu_memory_utilization`` of th
 minus what is in use (weights, CUDA context, other processes) and minus that peak. What it does not
 see (CUDA-graph pools, Inductor's workspaces) comes out of the remaining ``1 - utilization``.
 On the CPU there is nothing to measure against; the default is enough for ``max_num_seqs``
-sequences of ``max_model_len`` tokens, capped at ``CPU_DEFAULT_BYTES`` (256 MiB).
+sequences of ``max_model_len`` tokens, capped at ``CPU_DEFAULT_BYTES`` (256 MiB), and never less
+than one sequence of ``max_model_len`` tokens (which a long-context model's can exceed: pass
+``max_model_len`` or a budget to bound it).
 """
 from __future__ import annotations
 
 import logging
+from numbers import Real
 from typing import Mapping
 
 import torch
@@ -47,14 +50,19 @@ def cpu_default_bytes(specs: Mapping[str, AttentionSpec], block_size: int, dtype
     return max(min(full, CPU_DEFAULT_BYTES), -(-max_model_len // block_size) * per_block)
 
 
+def check_utilization(gpu_memory_utilization) -> None:
+    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, Real) \
+            or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+
+
 def profile_cuda_budget(model: torch.nn.Module, *, block_size: int, max_num_tokens: int, max_num_seqs: int,
                         max_model_len: int, dtype: torch.dtype, device: torch.device, attention_backend: str,
                         gpu_memory_utilization: float) -> int:
     """Bytes the KV cache may take on ``device`` after a profiling step (see the module docstring)."""
     from .model_runner import ModelRunner
 
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    check_utilization(gpu_memory_utilization)
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
+from numbers import Real
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -93,7 +95,8 @@ class LLM:
         max_num_batched_tokens: tokens per step at most (prefill chunks and decodes together).
         max_model_len: longest sequence (prompt + output); default: the model's, capped by the cache.
         kv_cache_memory, num_blocks: cache size as bytes or as a block count (at most one);
-            default: measured on CUDA (``gpu_memory_utilization`` of the device), 256 MiB at most on the CPU.
+            default: measured on CUDA (``gpu_memory_utilization`` of the device); on the CPU 256 MiB at
+            most, or one sequence of ``max_model_len`` tokens where that is more.
         compile_config: ``"auto"`` (compile on CUDA with the default ``CompileConfig``, eager
             elsewhere), a ``CompileConfig``, or None (eager).
         attention_backend: the attention kernels (``"auto"``, ``"flash"``, ``"triton"``,
@@ -125,6 +128,13 @@ class LLM:
                             max_num_batched_tokens=max_num_batched_tokens,
                             **{k: v for k, v in (("num_blocks", num_blocks), ("max_model_len", max_model_len))
                                if v is not None})
+        if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, Real)
+                                            or not 0 < kv_cache_memory < math.inf):
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
+        kv_budget.check_utilization(gpu_memory_utilization)
+        if tokenizer is not None and not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
+            raise TypeError(f"tokenizer must have encode() and decode() (a transformers tokenizer), got "
+                            f"{type(tokenizer).__name__}")
         from ..backends.selector import check_backend_name
 
         check_backend_name(attention_backend)
@@ -260,13 +270,23 @@ class LLM:
         if isinstance(prompts, torch.Tensor):
             raise TypeError("prompts must be a string, a list of token ids or a list of those, got a Tensor "
                             "(pass tensor.tolist())")
+        if isinstance(prompts, (bytes, bytearray, dict)) or not (isinstance(prompts, str) or hasattr(prompts, "__iter__")):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got "
+                            f"{type(prompts).__name__}")
         if not isinstance(prompts, str):
             prompts = list(prompts)  # once: an iterator's items are read here, not also by the test below
         if isinstance(prompts, str) or (prompts and all(as_int(t) is not None for t in prompts)):
             prompts = [prompts]
-        if isinstance(stop_token_ids, int):
+        if as_int(stop_token_ids) is not None:
             raise TypeError(f"stop_token_ids must be a sequence of token ids, got the int {stop_token_ids} "
                             f"(pass [{stop_token_ids}])")
+        stop = _token_ids("stop_token_ids", stop_token_ids if stop_token_ids is not None else ())
+        for name, value in (("ignore_eos", ignore_eos), ("use_tqdm", use_tqdm)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        for name, value in (("temperature", temperature), ("top_p", top_p)):
+            if isinstance(value, bool):
+                raise TypeError(f"{name} must be a number, got {value!r}")
         length = as_int(max_new_tokens)
         if length is not None:
             lengths = [length] * len(prompts)
@@ -279,7 +299,7 @@ class LLM:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         params = [SamplingParams(max_new_tokens=n, temperature=temperature, top_p=top_p,
-                                 stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
+                                 stop_token_ids=stop, ignore_eos=ignore_eos,
                                  seed=None if seed is None else sampling_key(seed, i))
                   for i, n in enumerate(lengths)]
         token_prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
@@ -334,12 +354,10 @@ class LLM:
                 raise TypeError(f"prompts[{index}] is a string but this LLM has no tokenizer; pass token ids, or a "
                                 f"tokenizer (LLM(..., tokenizer=...) or one saved in the model directory)")
             return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        tokens = [as_int(t) for t in prompt] if hasattr(prompt, "__iter__") else [None]
-        if None in tokens:
-            raise TypeError(f"prompts[{index}] must be a string or a list of token ids")
-        return tokens
+        try:
+            return list(_token_ids(f"prompts[{index}]", prompt))
+        except TypeError:
+            raise TypeError(f"prompts[{index}] must be a string or a list of token ids") from None
 
     def _output(self, req: Request, prompt, start: float) -> RequestOutput:
         tokens = req.output
@@ -348,6 +366,19 @@ class LLM:
         finish = req.finish_time if req.finish_time is not None else first
         return RequestOutput(prompt if isinstance(prompt, str) else None, req.prompt, tokens, text,
                              req.finish_reason, RequestMetrics(first - start, finish - start, req.num_preemptions))
+
+
+def _token_ids(name: str, values) -> tuple[int, ...]:
+    """Token ids as Python ints, from a list, a tuple, a 1-d tensor or array (numpy's integers
+    too); a TypeError naming ``name`` for anything else (bytes, a dict, floats, bools)."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist() if values.dim() == 1 and not values.is_floating_point() else [None]
+    elif isinstance(values, (str, bytes, bytearray, dict)) or not hasattr(values, "__iter__"):
+        values = [None]
+    tokens = tuple(as_int(t) for t in values)
+    if None in tokens:
+        raise TypeError(f"{name} must be a list of token ids (ints), got {values!r}")
+    return tokens
 
 
 def _is_pretrained(model) -> bool:
