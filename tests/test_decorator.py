@@ -232,6 +232,24 @@ def test_one_tensor_passed_twice_on_the_first_call_must_stay_one():
     assert torch.equal(g(a, a), _shifted(a, a))  # two graph inputs given one tensor: read right
 
 
+def _doubled_then_added(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a.mul_(2)
+    return a + b
+
+
+def test_two_tensors_on_the_first_call_stay_two_where_the_compiled_code_writes_one():
+    """Traced as two inputs, the write into ``a`` is not seen through ``b``: ``f(t, t)`` after
+    ``f(a, b)`` returned 3t where eager returns 4t."""
+    f = compileattn.compile(dynamic_arg_dims={"a": 0, "b": 0},
+                           config=compileattn.CompileConfig(piece_compiler="eager", compile_workers=0))(_doubled_then_added)
+    assert torch.equal(f(torch.ones(4), torch.ones(4)), torch.full((4,), 3.0))
+    t = torch.arange(4.0)
+    with pytest.raises(RecompileError, match="argument 'b' is the same tensor as 'a', which the compiled code writes"):
+        f(t, t)
+    assert torch.equal(t, torch.arange(4.0)), "refused before anything ran"
+    assert torch.equal(f(t, torch.ones(4)), torch.arange(4.0) * 2 + 1)
+
+
 def _shifted(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x * 2 + y
 

@@ -6,7 +6,9 @@ sizes, requires_grad and contiguity of tensors (the exact strides of a non-conti
 dynamic dims; with them, the strides as the trace expressed them in the sizes), values of
 scalars, strings, dtypes and devices, types of other objects, containers item by item, grad mode,
 which arguments were one and the same tensor (Dynamo traces such a tensor as one graph input: a
-later call passing two tensors there would have both read from the first); and, once the compile
+later call passing two tensors there would have both read from the first) and which were distinct
+(traced as two inputs: one tensor passed for both would not see the compiled code's write into
+the other, checked for the tensors the first call wrote into); and, once the compile
 is done, what it assumed of the dynamic sizes (``size_guards.py``). torch's own guard filters
 cannot replace it: ``keep_tensor_guards_unsafe`` checks tensors but not scalar values or grad mode, and
 its failure is a ``RuntimeError`` naming ``L['x']`` from inside the guard manager; a change must
@@ -294,7 +296,7 @@ class _DictSpec:
 
 
 def _is_sequence(v: Any) -> bool:
-    """Checked item by item (``_SeqSpec``), and walked for tensors passed twice (``same_tensors``):
+    """Checked item by item (``_SeqSpec``), and walked for tensors passed twice (``tensor_places``):
     lists and tuples, their subclasses (``torch.Size``, named tuples) included, whose exact type
     is checked as well."""
     return isinstance(v, (tuple, list))
@@ -320,16 +322,17 @@ def spec_of(v: Any, dynamic: tuple[int, ...] = ()):
     return _TypeSpec(v)
 
 
-def same_tensors(values: Mapping[str, Any]) -> tuple[tuple[tuple, ...], ...]:
-    """Groups of places (argument name, then the keys into its containers, as ``spec_of`` walks
-    them) that hold one tensor object: Dynamo dedupes them into one graph input, and skipping its
-    guards skips the one that says so."""
+def tensor_places(values: Mapping[str, Any]) -> tuple[tuple[tuple, ...], ...]:
+    """The places (argument name, then the keys into its containers, as ``spec_of`` walks them)
+    of each distinct tensor object, grouped per object. Dynamo dedupes a tensor passed in two
+    places into one graph input and traces distinct tensors as distinct inputs; skipping its
+    guards skips the ones that say so (``ArgChecker`` checks both)."""
     by_id: dict[int, list[tuple]] = {}
     for name, v in values.items():
         for path, leaf in leaves(v, (name,)):
             if isinstance(leaf, torch.Tensor):
                 by_id.setdefault(id(leaf), []).append(path)
-    return tuple(tuple(paths) for paths in by_id.values() if len(paths) > 1)
+    return tuple(tuple(paths) for paths in by_id.values())
 
 
 def leaves(v: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
@@ -386,13 +389,17 @@ class ArgChecker:
     """
 
     def __init__(self, sig: inspect.Signature, bound_self: bool, specs: dict[str, Any], grad_enabled: bool,
-                 same: tuple[tuple[str, ...], ...] = ()):
+                 tensors: tuple[tuple[tuple, ...], ...] = ()):
         self._sig = sig
         self._bound_self = bound_self
         self._specs = specs
         self._grad_enabled = grad_enabled
-        #: groups of places that held one tensor on the first call (``same_tensors``)
-        self._same = same
+        #: the places of each tensor of the first call, one group per tensor object (``tensor_places``)
+        self._tensors = tensors
+        #: groups of places that held one tensor on the first call
+        self._same = tuple(group for group in tensors if len(group) > 1)
+        #: indices into ``_tensors`` of the tensors the compiled code writes into (``note_writes``)
+        self._written: frozenset[int] = frozenset()
         #: per call layout: (position or keyword, name, spec) of each argument, and the size
         #: guards' check of that layout (None without guards)
         self._plans: dict[Any, tuple[list[tuple[int | str, str, Any]], Any]] = {}
@@ -402,6 +409,26 @@ class ArgChecker:
         """Check ``guards``, what the compile assumed of the dynamic dims (``size_guards.py``), on
         every call from now on."""
         self._size_guards = guards if guards else None
+        self._plans.clear()
+
+    def tensor_versions(self, args: tuple, kwargs: dict) -> list[int | None]:
+        """The version counter of each tensor of the call (``_tensors``' order); None where a tensor
+        has none (an inference-mode tensor)."""
+        where = dict((name, src) for src, name in _argument_names(self._sig, self._bound_self, args, kwargs))
+        versions = []
+        for group in self._tensors:
+            t = self._value((where.get(group[0][0]), group[0]), args, kwargs)
+            try:
+                versions.append(t._version)
+            except RuntimeError:
+                versions.append(None)
+        return versions
+
+    def note_writes(self, before: list[int | None], after: list[int | None]) -> None:
+        """Which tensors the compiled code wrote into on the first call (their version counters moved;
+        unknown counts as written): from now on none of them may be passed as another argument too.
+        Distinct tensors that are only read may be one tensor later (it reads the same)."""
+        self._written = frozenset(i for i, (b, a) in enumerate(zip(before, after)) if b is None or a != b)
         self._plans.clear()
 
     def strided(self) -> dict[str, int]:
@@ -421,11 +448,13 @@ class ArgChecker:
         layout = self._plans.get(key)
         if layout is None:
             layout = self._plans[key] = self._plan(args, kwargs)
-        plan, sizes_hold, same = layout
+        plan, sizes_hold, same, distinct = layout
         for src, name, spec in plan:
             v = args[src] if src.__class__ is int else kwargs[src]
             if not spec.matches(v):
                 raise recompile_error(name, spec.explain(v))
+        if distinct and len({id(self._value(place, args, kwargs)) for place in distinct}) < len(distinct):
+            self._refuse_written_alias(distinct, args, kwargs)
         for group in same:
             first = self._value(group[0], args, kwargs)
             for place in group[1:]:
@@ -444,6 +473,18 @@ class ArgChecker:
                 None, f"grad mode (torch.is_grad_enabled()) changed from {self._grad_enabled} to "
                 f"{not self._grad_enabled}; use the same torch.no_grad()/inference_mode() as the first call")
 
+    def _refuse_written_alias(self, distinct: list, args: tuple, kwargs: dict) -> None:
+        """Two of the first call's distinct tensors are one now: refused where the compiled code
+        writes into one of them (it would not see its write through the other)."""
+        ids = [id(self._value(place, args, kwargs)) for place in distinct]
+        for i in self._written:
+            for j, other in enumerate(ids):
+                if j != i and other == ids[i]:
+                    raise recompile_error(None, f"argument {_shown_path(distinct[j][1])!r} is the same tensor as "
+                                                f"{_shown_path(distinct[i][1])!r}, which the compiled code writes into; "
+                                                f"they were two tensors on the first call, traced as two inputs, so "
+                                                f"the write would not be seen through the other")
+
     def _value(self, place: tuple, args: tuple, kwargs: dict) -> Any:
         """The object at ``place``: (position, keyword, or None for an argument left at its default;
         the path of argument name and container keys)."""
@@ -458,12 +499,14 @@ class ArgChecker:
             v = v[key]
         return v
 
-    def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any, list]:
+    def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, list]:
         names = _argument_names(self._sig, self._bound_self, args, kwargs)
         plan = [(src, name, self._specs[name]) for src, name in names if name in self._specs]
         where = dict((name, src) for src, name in names)
         # an argument left at its default is read as the default (``_value``'s None)
-        same = [[(where.get(path[0]), path) for path in group] for group in self._same]
+        groups = [[(where.get(path[0]), path) for path in group] for group in self._tensors]
+        same = [group for group in groups if len(group) > 1]
+        distinct = [group[0] for group in groups] if len(groups) > 1 and self._written else []
         unexpected = [name for _, name in names if name not in self._specs]
         if unexpected:
             raise recompile_error(unexpected[0], "was not passed on the first call")
@@ -478,9 +521,9 @@ class ArgChecker:
                 raise recompile_error(name, f"now left at its default ({spec.explain(param.default)})")
         self._check_var_keyword_order(names)
         if self._size_guards is None:
-            return plan, None, same
+            return plan, None, same, distinct
         defaults = {name: self._sig.parameters[name].default for name in self._specs if name not in passed}
-        return plan, self._size_guards.checker({name: src for src, name in names}, defaults), same
+        return plan, self._size_guards.checker({name: src for src, name in names}, defaults), same, distinct
 
     def _check_var_keyword_order(self, names: list) -> None:
         """``**kw``'s keys in the first call's order: its items are checked by name, but the trace

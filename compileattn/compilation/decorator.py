@@ -80,7 +80,7 @@ import torch
 from .. import _torch_compat
 from ..config import CompileConfig
 from . import compile_pool, kernel_warmup, regions, warm_start
-from .argcheck import ArgChecker, RecompileError, all_arguments, closure_values, modules_in, same_tensors, spec_of
+from .argcheck import ArgChecker, RecompileError, all_arguments, closure_values, modules_in, spec_of, tensor_places
 from .model_tensors import ModelTensors
 from .replay import MISS, FullStepShortcut, graph_call_of
 from .size_guards import SizeGuards, UncheckableGuard
@@ -293,7 +293,7 @@ class _Site:
                                                 *closure_values(fn))))
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
                                                       for name, v in values.items()}, torch.is_grad_enabled(),
-                             same_tensors(values))
+                             tensor_places(values))
         start = time.perf_counter()
         kernel_warmup.settle_cache_dir()
         path = None
@@ -425,7 +425,9 @@ class _Site:
         self.checker, self.stats, self.fast = checker, stats, fast
         _log_ready(what, stats)
         t = time.perf_counter()
+        versions = checker.tensor_versions(full_args[1:] if self.bound else full_args, kwargs)
         out = fast(*full_args, **kwargs)
+        checker.note_writes(versions, checker.tensor_versions(full_args[1:] if self.bound else full_args, kwargs))
         stats["first_call_s"] = time.perf_counter() - t
         return out
 
