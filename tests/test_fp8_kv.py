@@ -162,6 +162,42 @@ def test_triton_write_quantizes_like_the_torch_writer(dtype):
     assert torch.equal(bits(kc), bits(want_k)) and torch.equal(bits(vc), bits(want_v))
 
 
+@pytest.mark.parametrize("writer", ["torch", "triton"])
+def test_a_nan_is_stored_as_nan_by_every_writer(writer):
+    """Triton's clamp dropped NaN (a finite value in the cache, a finite output where the rows
+    that see it must be NaN, as with the torch writer)."""
+    key, value, slots, ks, vs = _write_inputs(torch.float32, DEVICE)
+    key[0, 1, 5] = value[2, 0, 7] = float("nan")
+    shape = (4, 8, 2, 64)
+    kc, vc = torch.zeros(shape, dtype=FP8, device=DEVICE), torch.zeros(shape, dtype=FP8, device=DEVICE)
+    if writer == "torch":
+        write_kv_masked(key, value, kc, vc, slots, ks, vs)
+    else:
+        compileattn.write_kv_cache(key, value, kc, vc, slots, k_scale=ks, v_scale=vs, backend="triton")
+    want_k, want_v = _expected_caches(key, value, slots, ks, vs, shape)
+    assert torch.isnan(want_k.float()).sum() == 1 and torch.isnan(want_v.float()).sum() == 1
+    assert torch.equal(bits(kc).cpu(), bits(want_k)) and torch.equal(bits(vc).cpu(), bits(want_v))
+
+
+@pytest.mark.cuda
+def test_cuda_a_nan_in_an_fp8_cache_reaches_the_rows_that_attend_to_it():
+    """(Triton's interpreter reads e4m3's NaN as 480, so this runs on the GPU only.)"""
+    q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.bfloat16)
+    kc = torch.zeros(4, 16, 2, 64, dtype=FP8, device="cuda")
+    vc = torch.zeros_like(kc)
+    k = torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    v[0, 0, 1, 3] = float("nan")
+    scales = torch.ones(2, device="cuda")
+    out = compileattn.flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=torch.tensor([3, 5], dtype=torch.int32, device="cuda"),
+        block_table=torch.tensor([[1], [2]], dtype=torch.int32, device="cuda"), k_scale=scales, v_scale=scales,
+        backend="triton")
+    assert torch.isnan(vc.float()).sum() == 1
+    # V's NaN element (KV head 1, dim 3) reaches dim 3 of KV head 1's query heads (2, 3), nothing else
+    assert torch.isnan(out[0, 0, 2:, 3]).all() and int(torch.isnan(out).sum()) == 2
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(), ValueError, "k_scale is required"),
     (dict(k_scale=torch.ones(2)), ValueError, "v_scale is required"),

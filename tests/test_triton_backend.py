@@ -667,3 +667,25 @@ def test_the_attention_op_writes_a_key_whose_head_dim_is_strided(backend):
         torch.ops.compileattn.attention(q, k, v, out, "L")
     assert torch.equal(caches["L"].key_cache[3, :4], k[:4]) and torch.equal(caches["L"].value_cache[5, 0], v[4])
     torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_varlen_takes_tensors_torch_calls_contiguous_whose_strides_differ():
+    """MQA's K and V cut from a (kv_heads, seq, head_dim) layout: both contiguous to torch, with
+    strides that differ over the size-1 head dim, and an empty query with any strides. The
+    entry's dense-copy fallback retried with ``contiguous()``, which returned them unchanged:
+    ``RecursionError``."""
+    import compileattn
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 64, generator=g).to(device)
+    k = torch.randn(5, 1, 64, generator=g).to(device)
+    v = torch.randn(1, 5, 64, generator=g).to(device).transpose(0, 1)
+    assert k.is_contiguous() and v.is_contiguous() and k.stride() != v.stride()
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    want = compileattn.flash_attn_varlen_func(q, k, v, cu, cu, causal=True, backend="reference")
+    got = compileattn.flash_attn_varlen_func(q, k, v, cu, cu, causal=True, backend="triton")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    empty = torch.randn(0, 4, 128, device=device)[:, :, ::2]
+    none = torch.tensor([0, 0], dtype=torch.int32, device=device)
+    assert compileattn.flash_attn_varlen_func(empty, k, k.clone(), none, cu, backend="triton").shape == (0, 4, 64)

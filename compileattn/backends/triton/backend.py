@@ -150,8 +150,12 @@ class TritonBackend(AttentionBackend):
         """Paged with max_seqlen_q == 1 runs the decode kernel, everything else the unified one
         (contiguous K/V included: the tile loader addresses rows ``cu_seqlens_k[s] + pos``)."""
         if not _last_dim_contiguous(q, k, v, out) or k.stride() != v.stride():
+            # Fresh dense copies: ``contiguous()`` hands back as it is a tensor torch calls contiguous
+            # whose strides still differ (over a size-1 dim: MQA's K/V cut from a (kv_heads, seq,
+            # head_dim) layout) or an empty one with any strides.
+            q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
             tmp = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            self.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), tmp, cu_seqlens_q, cu_seqlens_k,
+            self.varlen_attention(q, k, v, tmp, cu_seqlens_q, cu_seqlens_k,
                                   seqused_k, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                   window_left, softcap, alibi_slopes, k_scale, v_scale)
             out.copy_(tmp)

@@ -51,10 +51,16 @@ def kv_write_kernel(key, value, key_cache, value_cache, slot_mapping, k_scale, v
     v = tl.load(value + tok64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     if QUANT:
         h_ok = offs_h < num_kv_heads
-        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale + offs_h, mask=h_ok, other=1.0)[:, None], -448.0, 448.0)
-        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale + offs_h, mask=h_ok, other=1.0)[:, None], -448.0, 448.0)
-        k = round_to_e4m3(k).to(key_cache.dtype.element_ty)
-        v = round_to_e4m3(v).to(value_cache.dtype.element_ty)
+        # NaN stays NaN (clamp's default min/max would make it finite), as in the torch writer: a NaN
+        # in K/V must reach the rows that attend to it
+        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale + offs_h, mask=h_ok, other=1.0)[:, None], -448.0, 448.0,
+                     propagate_nan=tl.PropagateNan.ALL)
+        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale + offs_h, mask=h_ok, other=1.0)[:, None], -448.0, 448.0,
+                     propagate_nan=tl.PropagateNan.ALL)
+        # e4m3fn's NaN written as such: Triton's interpreter casts a NaN to a finite 384
+        nan = tl.full((HEADS, D_PAD), 0x7F, tl.uint8).to(key_cache.dtype.element_ty, bitcast=True)
+        k = tl.where(k != k, nan, round_to_e4m3(k).to(key_cache.dtype.element_ty))
+        v = tl.where(v != v, nan, round_to_e4m3(v).to(value_cache.dtype.element_ty))
     tl.store(key_cache + page * stride_kcb + row * stride_kcp + offs_h[:, None] * stride_kch + offs_d[None, :],
              k, mask=mask)
     tl.store(value_cache + page * stride_vcb + row * stride_vcp + offs_h[:, None] * stride_vch + offs_d[None, :],
