@@ -17,6 +17,8 @@ import math
 import torch
 
 from . import ops
+from .backends.selector import check_backend_name
+from .metadata import as_int
 from .validation import (
     check_append_slots, check_kv_write_args, check_kvcache_args, check_kvcache_values, check_varlen_args,
     check_varlen_values,
@@ -24,9 +26,13 @@ from .validation import (
 
 
 def _window_and_causal(window_size, causal: bool) -> tuple[int, bool]:
+    if not isinstance(causal, bool):  # bool("no") is True
+        raise TypeError(f"causal must be a bool, got {causal!r}")
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair, got {window_size!r}")
-    window_left, window_right = int(window_size[0]), int(window_size[1])
+    window_left, window_right = (as_int(w) for w in window_size)
+    if window_left is None or window_right is None:  # int(2.7) would quietly be a window of 2
+        raise TypeError(f"window_size must be a pair of ints, got {window_size!r}")
     if window_right not in (-1, 0):
         raise ValueError(f"window_size right={window_right} is not supported (only -1 or 0: compileattn "
                          f"serves decoders, whose windows look left)")
@@ -47,6 +53,7 @@ def flash_attn_varlen_func(
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a tensor, got {type(q).__name__}")
+    backend = check_backend_name(backend, "backend")
     if out is None:
         out = torch.empty_like(q)
     window_left, causal = _window_and_causal(window_size, causal)
@@ -95,6 +102,7 @@ def flash_attn_with_kvcache(
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a tensor, got {type(q).__name__}")
+    backend = check_backend_name(backend, "backend")
     window_left, causal = _window_and_causal(window_size, causal)
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, window_left, softcap,
                        alibi_slopes, k_scale, v_scale, softmax_scale)
@@ -153,6 +161,7 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, *, k_scale=
                    backend: str = "auto", validate: bool = True) -> None:
     """Scatter (tokens, kv_heads, head_dim) K/V into paged caches; slot -1 = padded token, skipped.
     Into float8_e4m3fn caches, with ``k_scale``/``v_scale`` (float32 (kv_heads,)): quantized."""
+    backend = check_backend_name(backend, "backend")
     check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_values=validate, k_scale=k_scale,
                         v_scale=v_scale)
     ops.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend, k_scale, v_scale)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Mapping, Sequence
 
 import torch
@@ -127,6 +128,17 @@ class AttentionSpec:
     alibi_slopes: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_dim", "sliding_window"):
+            value = getattr(self, name)
+            try:  # numpy's integers as Python ints (hashable alike, printed alike)
+                as_int = operator.index(value) if not isinstance(value, bool) else None
+            except TypeError:
+                as_int = None
+            if as_int is None:
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            object.__setattr__(self, name, as_int)
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"causal must be a bool, got {self.causal!r}")
         check_gqa(self.num_heads, self.num_kv_heads)
         check_head_dim(self.head_dim)
         if self.scale is None:
@@ -137,8 +149,10 @@ class AttentionSpec:
             raise ValueError(f"scale must be a finite positive float (the softmax scale), got {self.scale}")
         if self.sliding_window < -1:
             raise ValueError(f"sliding_window must be -1 (off) or >= 0, got {self.sliding_window}")
-        if self.softcap < 0:
-            raise ValueError(f"softcap must be >= 0, got {self.softcap}")
+        if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)):
+            raise TypeError(f"softcap must be a float, got {type(self.softcap).__name__}")
+        if not (math.isfinite(self.softcap) and self.softcap >= 0):  # NaN read as "off", inf made NaN outputs
+            raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {self.softcap}")
         if self.alibi_slopes is not None:
             object.__setattr__(self, "alibi_slopes",
                                _float_tuple(self.alibi_slopes, "alibi_slopes", self.num_heads, positive=False))
@@ -257,13 +271,17 @@ def allocate_kv_caches(
     same; ``torch.float8_e4m3fn`` for a quantized cache, with ``k_scale``/``v_scale`` per layer:
     one float for every layer or a mapping layer name -> float).
     """
-    if num_blocks < 1:
-        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     check_dtype(dtype, "dtype")
     storage = dtype if kv_cache_dtype is None else kv_cache_dtype
     check_cache_dtype(storage, "kv_cache_dtype")
+    if storage != dtype and not is_fp8(storage):  # the caches would serve kv_cache_dtype's queries, not dtype's
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype} with dtype={dtype}: only a float8_e4m3fn cache may be "
+                         f"stored in another dtype than the model's (leave kv_cache_dtype None)")
     caches = {}
     for name, spec in specs.items():
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)

@@ -529,3 +529,68 @@ def test_max_seqlen_must_be_an_int():
     args = paged(max_seqlen_q=3.0)
     with pytest.raises(TypeError, match="^max_seqlen_q must be an int, got float"):
         call(args)
+
+
+@pytest.mark.parametrize("window", [(2.7, -1), (-1.5, -1), ("3", -1), (None, -1)])
+def test_a_window_of_floats_strings_or_none_is_refused_not_truncated(window):
+    """``int()`` made (2.7, -1) a window of 2 and (-1.5, -1) no window at all."""
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        call(contiguous(window_size=window))
+
+
+def test_causal_and_backend_are_checked_by_type():
+    a = contiguous()
+    with pytest.raises(TypeError, match="causal must be a bool, got 'no'"):
+        compileattn.flash_attn_varlen_func(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], causal="no")
+    with pytest.raises(TypeError, match="backend must be a str, got NoneType"):
+        call(contiguous(backend=None))
+    with pytest.raises(ValueError, match="backend='fast' is unknown"):
+        call(contiguous(backend="fast"))
+    k = torch.zeros(NB, BS, KVH, D)
+    with pytest.raises(TypeError, match="backend must be a str"):
+        compileattn.flash_attn_with_kvcache(torch.randn(1, 1, H, D), k, k.clone(), backend=None)
+    with pytest.raises(TypeError, match="backend must be a str"):
+        compileattn.write_kv_cache(torch.randn(1, KVH, D), torch.randn(1, KVH, D), k, k.clone(),
+                                   torch.zeros(1, dtype=torch.int64), backend=None)
+
+
+@pytest.mark.parametrize("field,value,error,match", [
+    ("softcap", float("nan"), ValueError, "softcap must be a finite float"),  # was read as "off"
+    ("softcap", float("inf"), ValueError, "softcap must be a finite float"),  # made every output NaN
+    ("softcap", "1", TypeError, "softcap must be a float"),
+    ("sliding_window", 2.5, TypeError, "sliding_window must be an int, got 2.5"),
+    ("head_dim", 64.0, TypeError, "head_dim must be an int, got 64.0"),
+    ("num_heads", True, TypeError, "num_heads must be an int, got True"),
+    ("causal", "no", TypeError, "causal must be a bool, got 'no'"),
+])
+def test_spec_fields_are_checked_by_type_and_value(field, value, error, match):
+    with pytest.raises(error, match=match):
+        AttentionSpec(**{"num_heads": H, "num_kv_heads": KVH, "head_dim": D, field: value})
+
+
+def test_spec_takes_numpy_integers_as_ints():
+    import numpy as np
+
+    spec = AttentionSpec(np.int64(H), np.int32(KVH), np.int64(D), sliding_window=np.int64(8))
+    assert spec == AttentionSpec(H, KVH, D, sliding_window=8) and type(spec.head_dim) is int
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(dtype=torch.float16, kv_cache_dtype=torch.bfloat16), ValueError, "only a float8_e4m3fn cache"),
+    (dict(dtype=torch.float16, kv_cache_dtype=torch.float32), ValueError, "only a float8_e4m3fn cache"),
+    (dict(num_blocks=4.0), TypeError, "num_blocks must be an int, got 4.0"),
+    (dict(num_blocks=None), TypeError, "num_blocks must be an int, got None"),
+    (dict(block_size=16.0), TypeError, "block_size must be an int, got 16.0"),
+])
+def test_allocate_refuses_a_storage_dtype_it_would_not_serve_and_sizes_that_are_not_ints(kwargs, error, match):
+    """A float16 model given bfloat16 storage got caches that serve bfloat16 queries only."""
+    args = dict(num_blocks=NB, block_size=BS, dtype=torch.float32)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        allocate_kv_caches({"l0": AttentionSpec(H, KVH, D)}, **args)
+
+
+@pytest.mark.parametrize("pad_to", [8.0, True, "8"])
+def test_builder_refuses_a_pad_to_that_is_not_an_int(pad_to):
+    with pytest.raises(TypeError, match="pad_to must be an int or None"):
+        builder().build([SequenceStep(3, 0, [0])], pad_to=pad_to)
