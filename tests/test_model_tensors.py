@@ -98,3 +98,74 @@ def test_every_parameter_moved_drops_the_cuda_graphs_and_is_served(simulated_gra
         for direct in (0, 1):
             with ca.counters.expect(cudagraph_captures=0, full_graph_direct_steps=direct):
                 assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
+
+
+class Scaled(nn.Module):
+    """A submodule of its own, replaceable: its parameter's layout, or its class, may change."""
+
+    def __init__(self, dtype=torch.float32, act: type = nn.ReLU):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4,), 3.0, dtype=dtype))
+        self.act = act()
+
+    def forward(self, x):
+        return self.act(x * self.w - 1.0)
+
+
+class Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scaled = Scaled()
+
+    def forward(self, x):
+        return self.scaled(x)
+
+
+X = torch.tensor([[1.0, -1.0, 1.0, -1.0], [0.5, 2.0, -3.0, 0.0]])  # (tokens, 4): dim 0 dynamic
+
+
+@pytest.mark.parametrize("replacement, refused", [
+    (lambda: Scaled(torch.float64), r"Holder's parameter scaled\.w was torch\.float32 \(4,\) on cpu at the first "
+                                    r"call and is torch\.float64 \(4,\) on cpu now"),
+    (lambda: Scaled(act=nn.GELU), r"Holder's submodule scaled\.act was a ReLU at the first call and is a GELU now"),
+])
+def test_a_submodule_replaced_after_the_first_call_is_refused_by_name(replacement, refused):
+    """The watched parameter was the old submodule's (held weakly, unchanged): the new float64 one
+    was read as float32, and a GELU in the ReLU's place was never traced; neither raised."""
+    model = Holder()
+    fn = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(X), model(X))
+        model.scaled = replacement()
+        with pytest.raises(RecompileError, match=refused):
+            fn(X)
+
+
+def test_a_submodule_replaced_by_one_alike_is_served_with_its_tensors():
+    model = Holder()
+    fn = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
+    with torch.no_grad():
+        fn(X)
+        model.scaled = Scaled()
+        model.scaled.w.fill_(5.0)
+        torch.testing.assert_close(fn(X), model(X))
+        nn.Linear(2, 2)  # any module made anywhere registers: the next call compares once, and serves
+        torch.testing.assert_close(fn(X), model(X))
+
+
+GLOBAL_MODEL = None
+
+
+def _through_the_global(x):
+    return GLOBAL_MODEL(x)
+
+
+def test_a_model_read_from_a_module_global_is_watched(monkeypatch):
+    """The script layout: ``model = ...`` at module level, the decorated step reads it."""
+    monkeypatch.setattr(__import__(__name__), "GLOBAL_MODEL", Holder())
+    fn = ca.compile(_through_the_global, dynamic_arg_dims={"x": 0}, config=CONFIG)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(X), GLOBAL_MODEL(X))
+        GLOBAL_MODEL.double()
+        with pytest.raises(RecompileError, match="Holder's parameter scaled.w was torch.float32"):
+            fn(X)

@@ -371,6 +371,32 @@ def closure_values(fn: Any) -> list[Any]:
     return [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if cell_filled(cell)]
 
 
+def global_values(fn: Any, depth: int = 2) -> list[Any]:
+    """The module globals ``fn``'s code reads (nested functions' and comprehensions' code too), and
+    those of the functions among them, ``depth`` calls deep: where a script's model lives
+    (``model = Llama(...)`` beside ``@compileattn.compile def step(ids): return model(ids)``)."""
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    todo = [(fn, depth)]
+    while todo:
+        f, left = todo.pop()
+        code, scope = getattr(f, "__code__", None), getattr(f, "__globals__", None)
+        if code is None or scope is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        codes = [code]
+        while codes:
+            c = codes.pop()
+            codes.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+            for name in c.co_names:
+                if name in scope and id(scope[name]) not in found:
+                    value = scope[name]
+                    found[id(value)] = value
+                    if left > 0 and callable(value) and not isinstance(value, (type, torch.nn.Module)):
+                        todo.append((value, left - 1))
+    return list(found.values())
+
+
 def _shown_path(path: tuple) -> str:
     return path[0] + "".join(f"[{key!r}]" for key in path[1:])
 

@@ -1,25 +1,39 @@
-"""What a compile assumed of its models' parameters and buffers, checked per call at two tensors each.
+"""What a compile assumed of its models' parameters, buffers and submodules, checked per call.
 
 ``@compileattn.compile`` runs Dynamo's code without its guards, and those guards are what noticed
-a model converted after its first call: ``model.half()``, ``model.to(dtype)`` or ``.to(device)``
-leave every parameter the same object with new storage of another dtype or device (``param.data =
-converted``: no registration hook runs, ``module_watch.py``). The compiled kernels then read the
-new storage as the old dtype: wrong numbers, no error, wherever no argument changed with the model
-(token ids stay int64). Comparing every parameter per call would cost what the guards cost (~21 µs
-for a Llama's 291 even in torch's C++ helper, probe S18-4). A whole-model conversion moves every
-parameter, so each model is watched at two (its first and last parameter; buffers where it has
-none): the address of each, compared per call (a dict lookup and ``data_ptr``: ~1.1 µs for both
-on the 2-core CPU box with a test suite running beside it; ``benchmarks/host_step.py``'s
-direct-replay step moved by less than its run-to-run spread).
+a model changed after its first call:
 
-When one moved, every parameter and buffer of the model is compared with its dtype, device and shape
-at the first call: a difference raises ``RecompileError`` naming the tensor (a compile for the
-converted model would be a new instance's). Where only addresses changed (``param.data = w`` with
-the same dtype, device and shape), the compiled code reads the new tensors by itself, and CUDA-graph
-steps are told to compare their captured addresses (``module_watch.note_moved``: they capture again).
+- converted: ``model.half()``, ``model.to(dtype)`` or ``.to(device)`` leave every parameter the same
+  object with new storage of another dtype or device (``param.data = converted``: no registration
+  hook runs, ``module_watch.py``). The compiled kernels then read the new storage as the old dtype:
+  wrong numbers, no error, wherever no argument changed with the model (token ids stay int64);
+- restructured: a submodule replaced by another (``model.norm = Norm(dtype=torch.float64)``, or an
+  activation of another class), whose tensors the trace read with the old one's layout, or whose
+  forward it never traced.
 
-Not caught: a conversion of part of a model that moves neither watched tensor
-(``model.layers[3].half()``): convert models before their first call.
+Comparing every parameter per call would cost what the guards cost (~21 µs for a Llama's 291 even
+in torch's C++ helper, probe S18-4). So per call, two cheap looks:
+
+1. ``module_watch.generation``, one integer: any parameter, buffer or submodule registered anywhere
+   in the process since the last call (a replaced submodule registers itself; so does constructing
+   any module, after which one call pays the full comparison below: ~50 µs for 291 parameters on
+   the 2-core CPU box);
+2. the addresses of two tensors of each model (its first and last parameter; buffers where it has
+   none): a whole-model conversion moves every parameter (a dict lookup and ``data_ptr`` each: ~1.1
+   µs for both on the CPU box with a test suite running beside it; ``benchmarks/host_step.py``'s
+   direct-replay step moved by less than its run-to-run spread).
+
+Where either changed, every submodule's class and every parameter's and buffer's dtype, device and
+shape, by name from the model, is compared with the first call's: a difference raises
+``RecompileError`` naming it (a compile for the changed model would be a new instance's). Where only
+addresses changed (``param.data = w`` with the same dtype, device and shape), the compiled code
+reads the new tensors by itself, and CUDA-graph steps are told to compare their captured addresses
+(``module_watch.note_moved``: they capture again).
+
+Not caught: a conversion of part of a model that moves neither watched tensor and registers
+nothing (``model.layers[3].half()``): convert models before their first call. A replaced submodule
+of the same class and tensor layouts is served with its own tensors, and the attribute values the
+trace read from the old one (documented for every compile that skips guards).
 """
 from __future__ import annotations
 
@@ -48,10 +62,12 @@ class ModelTensors:
     """The parameters and buffers of the modules a compile baked in (the instance, modules among
     its arguments and closure), as the first call saw them. Holds the modules weakly."""
 
-    __slots__ = ("_models", "_watched")
+    __slots__ = ("_models", "_watched", "_generation")
 
     def __init__(self, models: Iterable[torch.nn.Module]):
-        #: (weakref to the model, {qualified name: (dtype, device, shape)}) per distinct model
+        module_watch.start()  # a submodule replaced from now on is counted
+        #: (weakref to the model, {"submodule name" / "parameter name" / "buffer name": what it was}) per
+        #: distinct model
         self._models: list[tuple[weakref.ref, dict[str, tuple]]] = []
         seen: set[int] = set()
         for model in models:
@@ -61,10 +77,13 @@ class ModelTensors:
         #: (weakref to the owning module, its table, the tensor's name, address at the first call)
         self._watched: tuple[tuple[weakref.ref, str, str, int], ...] = ()
         self._watch()
+        #: ``module_watch.generation`` when the models were last compared
+        self._generation = module_watch.generation
 
     @staticmethod
     def _tensors_of(model: torch.nn.Module) -> dict[str, tuple]:
-        found = {f"parameter {name}": _layout(t) for name, t in model.named_parameters()}
+        found = {f"submodule {name or '(the model)'}": (type(m),) for name, m in model.named_modules()}
+        found.update((f"parameter {name}", _layout(t)) for name, t in model.named_parameters())
         found.update((f"buffer {name}", _layout(t)) for name, t in model.named_buffers() if t is not None)
         return found
 
@@ -85,7 +104,13 @@ class ModelTensors:
         self._watched = tuple(watched)
 
     def check(self) -> None:
-        """Per call: the watched tensors are where they were; else compare everything (module docstring)."""
+        """Per call: nothing registered and the watched tensors where they were; else compare
+        everything (module docstring)."""
+        if module_watch.generation != self._generation:
+            self._compare_all()
+            self._watch()
+            self._generation = module_watch.generation
+            return
         for ref, table, name, address in self._watched:
             owner = ref()
             if owner is None:
@@ -96,6 +121,9 @@ class ModelTensors:
                 moved = True
             if moved:
                 self._compare_all()
+                module_watch.note_moved()
+                self._watch()
+                self._generation = module_watch.generation
                 return
 
     def _compare_all(self) -> None:
@@ -104,16 +132,22 @@ class ModelTensors:
             if model is None:
                 continue
             now = self._tensors_of(model)
-            changed = [name for name, layout in first.items() if now.get(name) != layout]
+            changed = [name for name, was in first.items() if now.get(name) != was]
+            changed += [name for name in now if name not in first]
             if changed:
                 name = changed[0]
-                dtype, device, shape = first[name]
-                what = (f"was {dtype} {shape} on {device} at the first call and "
-                        + (f"is {now[name][0]} {now[name][2]} on {now[name][1]} now" if name in now else "is gone"))
                 more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-                raise _changed(type(model), f"{name}{more}", what)
-        module_watch.note_moved()
-        self._watch()
+                raise _changed(type(model), f"{name}{more}", f"was {_shown(first.get(name))} at the first call "
+                                                             f"and is {_shown(now.get(name))} now")
+
+
+def _shown(what: tuple | None) -> str:
+    if what is None:
+        return "absent"
+    if len(what) == 1:
+        return f"a {what[0].__qualname__}"
+    dtype, device, shape = what
+    return f"{dtype} {shape} on {device}"
 
 
 def _changed(cls: type, name: str, what: str) -> RecompileError:

@@ -26,9 +26,11 @@ weights between steps, on the thread that runs them. Under tensor parallelism ea
 alone: replace on every rank before the next step, since a rank that captures again runs its
 collectives once more (the warm-up before capture) than a rank that replays, and both would wait.
 
-Installed once, at the first CUDA-graph step of any compiled model (``start``), not at import: a
-library must not add global hooks to processes that never capture a graph. Each hook only adds
-one to an integer and keeps no reference to the module or tensor it is shown.
+Installed once, at the first compile of a ``@compileattn.compile`` function (whose per-call look at
+its models reads the count too, ``model_tensors.py``) or the first CUDA-graph step of any compiled
+model (``start``), not at import: a library must not add global hooks to processes that never
+compile. Each hook only adds one to an integer and keeps no reference to the module or tensor it
+is shown.
 """
 from __future__ import annotations
 
