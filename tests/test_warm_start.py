@@ -366,6 +366,45 @@ def test_an_objects_private_state_stays_out_of_the_key_its_public_fields_go_in()
     assert _fingerprint(Config(2.0, 0)) != _fingerprint(Config(3.0, 0))
 
 
+def test_slices_ranges_numpy_values_and_slotted_objects_are_in_the_key_by_value():
+    """A ``slice(0, k)`` attribute was keyed by its type only: a process with another k loaded
+    this one's compile and returned its answer."""
+    import numpy as np
+
+    from compileattn.compilation.warm_start import _fingerprint
+
+    class Slotted:
+        __slots__ = ("factor",)
+
+        def __init__(self, factor):
+            self.factor = factor
+
+    for a, b in [(slice(0, 2), slice(0, 6)), (range(3), range(4)), (np.float32(1.5), np.float32(2.5)),
+                 (np.arange(3), np.arange(1, 4)), (Slotted(2.0), Slotted(3.0))]:
+        assert _fingerprint(a) == _fingerprint(a) and _fingerprint(a) != _fingerprint(b)
+    assert _fingerprint(torch.relu) == "builtin torch._VariableFunctionsClass.relu"  # where it is defined
+
+
+def test_a_value_the_key_cannot_describe_means_no_warm_start(tmp_path, caplog):
+    """Rather than a key that ignores it (a process where it differs would load this one's compile)."""
+    import threading
+
+    class Gated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lock = threading.Lock()  # no fields, not a function
+
+        def forward(self, x):
+            return x * 2
+
+    model = Gated()
+    f = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))
+    with caplog.at_level("INFO", logger="compileattn"):
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    assert "no warm start: the cache key cannot describe a _thread.lock" in caplog.text
+    assert not (tmp_path / "warm_start").exists() or not any((tmp_path / "warm_start").iterdir())
+
+
 def test_the_default_dtype_and_autocast_are_in_the_keys():
     from compileattn.compilation.cache import environment_key
 

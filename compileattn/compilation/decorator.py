@@ -304,9 +304,12 @@ class _Site:
                      "saved, the cache key cannot describe another)", what, owner._backend)
         elif config.cache_dir is not None:
             instance = full_args[:1] if self.bound else ()
-            key = warm_start.key_of(fn, config, dynamic, checker.key(), (*instance, *values.values()))
             try:
+                key = warm_start.key_of(fn, config, dynamic, checker.key(), (*instance, *values.values()))
                 path = warm_start.path_of(config, key, fn)
+            except warm_start.Undescribable as exc:
+                log.info("compileattn: %s: no warm start: the cache key cannot describe %s", what, exc)
+                path = None
             except NotADirectoryError as exc:  # a file where warm_start/ belongs: compile, save nothing
                 log.warning("compileattn: %s: no warm start (%s)", what, exc)
                 path = None

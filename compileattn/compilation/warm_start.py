@@ -54,7 +54,7 @@ log = logging.getLogger("compileattn")
 #: Bumped when what is saved changes meaning.
 FORMAT = 4
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), torch.dtype, torch.device, enum.Enum)
 #: ``nn.Module``'s own bookkeeping (parameters, buffers, submodules, hooks: described apart), not
 #: what a model's author put on it; ``training`` is the author's (it changes the trace).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
@@ -63,13 +63,19 @@ _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks", 
 _LONG = 256
 
 
+class Undescribable(ValueError):
+    """The cache key cannot describe a value the trace may have read: no warm start for this compile."""
+
+
 def _fingerprint(value: Any, depth: int = 4) -> str:
     """Stable text of a value Dynamo may bake into the trace (it specialises on the plain values it
     reads: an attribute, a closure variable, a config object's fields, a hook). Containers,
     dataclasses and objects are described by their contents down to ``depth`` levels, functions by
     where they are defined and what they close over; nothing is described by ``repr`` of an object
     (its address would change every process). A module inside is named only: modules are described
-    where they are the model's submodules or the call's arguments."""
+    where they are the model's submodules or the call's arguments. A value with nothing to describe
+    it by (no fields, not a function) raises ``Undescribable``: no warm start, rather than one
+    that ignores it."""
     if isinstance(value, _PLAIN):
         return repr(value)
     if isinstance(value, torch.Tensor):
@@ -104,6 +110,11 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
     if dataclasses.is_dataclass(value):
         fields = (f"{f.name}={_fingerprint(getattr(value, f.name), depth - 1)}" for f in dataclasses.fields(value))
         return f"{name}({', '.join(fields)})"
+    if isinstance(value, slice):
+        return f"slice({_fingerprint(value.start, 1)}, {_fingerprint(value.stop, 1)}, {_fingerprint(value.step, 1)})"
+    if kind.__module__ == "numpy" and hasattr(value, "tobytes") and hasattr(value, "dtype"):  # a scalar or array
+        data = hashlib.sha256(value.tobytes()).hexdigest()[:16]
+        return f"{name}({value.dtype}, {getattr(value, 'shape', ())}, {data})"
     attributes = getattr(value, "__dict__", None)
     if isinstance(attributes, dict):
         # Public fields only: an object's private state can differ per process (transformers'
@@ -111,7 +122,13 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
         # warm start miss; a config's public fields are what a forward reads.
         public = sorted((k, v) for k, v in attributes.items() if not k.startswith("_"))
         return f"{name}{{{', '.join(f'{k}={_fingerprint(v, depth - 1)}' for k, v in public)}}}"
-    return f"<{name}>"
+    slots = [slot for cls in kind.__mro__ for slot in getattr(cls, "__slots__", ()) if not slot.startswith("_")]
+    if slots:
+        return f"{name}{{{', '.join(f'{k}={_fingerprint(getattr(value, k, None), depth - 1)}' for k in slots)}}}"
+    if callable(value) and hasattr(value, "__qualname__"):  # a builtin function: where it is defined
+        return f"builtin {getattr(value, '__module__', '?')}.{value.__qualname__}"
+    raise Undescribable(f"a {name} (no fields to describe it by, so a process where it differs would load this "
+                        f"one's compile)")
 
 
 def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
