@@ -74,7 +74,9 @@ def test_the_hooks_hold_no_module():
     assert ref() is None
 
 
-_FIRST_GRAPH_STEP = r"""
+_WHEN_INSTALLED = r"""
+import sys
+
 import torch
 import torch.nn.modules.module as registry
 import compileattn as ca
@@ -89,32 +91,45 @@ def installed():
                           registry._global_module_registration_hooks)]
 
 
-def compile_and_step(**options):
+def compile_and_step(decorated, **options):
     model = OPTForCausalLM(OPTConfig.tiny(), seed=0)
     caches = ca.allocate_kv_caches(model.attention_specs(), 8, 16, dtype=torch.float32)
     builder = ca.AttentionMetadataBuilder(block_size=16, num_blocks=8, max_num_tokens=8, max_blocks_per_seq=2)
     config = ca.CompileConfig(piece_compiler="eager", compile_kernels_ahead=False, **options)
-    fn = ca.compile(lambda input_ids, positions: model(input_ids, positions),
-                    dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
+    if decorated:
+        fn = ca.compile(lambda input_ids, positions: model(input_ids, positions),
+                        dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=config)
+    else:
+        fn = torch.compile(model, backend="compileattn", options={"config": config})
     md = builder.build([ca.SequenceStep(1, 3, [2 * i, 2 * i + 1]) for i in range(4)], pad_to=4)
+    ids, positions = torch.zeros(4, dtype=torch.long), torch.arange(4) + 3
+    for t in (ids, positions):
+        torch._dynamo.mark_dynamic(t, 0)
     with torch.no_grad(), ca.set_forward_context(md, caches):
-        fn(torch.zeros(4, dtype=torch.long), torch.arange(4) + 3)
+        fn(ids, positions)
 
 
 assert installed() == [False] * 3, "at import"
-compile_and_step(cudagraph_mode="none")
-assert installed() == [False] * 3 and not module_watch.started(), "after a step without graphs"
-with simulated_cuda_graphs():
-    compile_and_step(cudagraph_mode="full_and_piecewise", max_capture_size=8)
-assert installed() == [True] * 3, "after the first graph step"
+if sys.argv[1] == "decorated":
+    compile_and_step(True, cudagraph_mode="none")
+    assert installed() == [True] * 3, "after a decorated function's first compile"
+else:
+    compile_and_step(False, cudagraph_mode="none")
+    assert installed() == [False] * 3 and not module_watch.started(), "after a step without graphs"
+    with simulated_cuda_graphs():
+        compile_and_step(False, cudagraph_mode="full_and_piecewise", max_capture_size=8)
+    assert installed() == [True] * 3, "after the first graph step"
 print("ok")
 """
 
 
-def test_the_hooks_are_installed_at_the_first_graph_step_not_before():
-    """In a process of its own: the test's own process may have captured graphs already."""
+@pytest.mark.parametrize("how", ["decorated", "torch.compile"])
+def test_the_hooks_are_installed_by_a_decorated_compile_or_the_first_graph_step_not_before(how):
+    """In a process of its own: the test's own process may have captured graphs already. A
+    ``@compileattn.compile`` function's per-call look at its models reads the count from its first
+    compile (``model_tensors.py``); ``torch.compile`` needs it from its first graph step."""
     root = str(pathlib.Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _FIRST_GRAPH_STEP], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", _WHEN_INSTALLED, how], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -371,10 +371,12 @@ def closure_values(fn: Any) -> list[Any]:
     return [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if cell_filled(cell)]
 
 
-def global_values(fn: Any, depth: int = 2) -> list[Any]:
-    """The module globals ``fn``'s code reads (nested functions' and comprehensions' code too), and
-    those of the functions among them, ``depth`` calls deep: where a script's model lives
-    (``model = Llama(...)`` beside ``@compileattn.compile def step(ids): return model(ids)``)."""
+def global_modules(fn: Any, depth: int = 2) -> list[torch.nn.Module]:
+    """The modules among the module globals ``fn``'s code reads (nested functions' and
+    comprehensions' code too), and those of the functions among them, ``depth`` calls deep: where a
+    script's model lives (``model = Llama(...)`` beside ``@compileattn.compile def step(ids): return
+    model(ids)``). Globals are not walked into (a module's containers can be large, or hold
+    themselves)."""
     found: dict[int, Any] = {}
     seen: set[int] = set()
     todo = [(fn, depth)]
@@ -394,7 +396,7 @@ def global_values(fn: Any, depth: int = 2) -> list[Any]:
                     found[id(value)] = value
                     if left > 0 and callable(value) and not isinstance(value, (type, torch.nn.Module)):
                         todo.append((value, left - 1))
-    return list(found.values())
+    return [v for v in found.values() if isinstance(v, torch.nn.Module)]
 
 
 def _shown_path(path: tuple) -> str:
@@ -506,10 +508,10 @@ class ArgChecker:
         for i in self._written:
             for j, other in enumerate(ids):
                 if j != i and other == ids[i]:
-                    raise recompile_error(None, f"argument {_shown_path(distinct[j][1])!r} is the same tensor as "
-                                                f"{_shown_path(distinct[i][1])!r}, which the compiled code writes into; "
-                                                f"they were two tensors on the first call, traced as two inputs, so "
-                                                f"the write would not be seen through the other")
+                    raise recompile_error(None, f"argument {_shown_path(distinct[j][1])!r} is the same tensor "
+                                                f"as {_shown_path(distinct[i][1])!r}, which the compiled code writes "
+                                                f"into; they were two tensors on the first call, traced as two inputs, "
+                                                f"so the write would not be seen through the other")
 
     def _value(self, place: tuple, args: tuple, kwargs: dict) -> Any:
         """The object at ``place``: (position, keyword, or None for an argument left at its default;

@@ -81,7 +81,7 @@ from .. import _torch_compat
 from ..config import CompileConfig
 from . import compile_pool, kernel_warmup, regions, warm_start
 from .argcheck import (
-    ArgChecker, RecompileError, all_arguments, closure_values, global_values, modules_in, spec_of, tensor_places,
+    ArgChecker, RecompileError, all_arguments, closure_values, global_modules, modules_in, spec_of, tensor_places,
 )
 from .model_tensors import ModelTensors
 from .replay import MISS, FullStepShortcut, graph_call_of
@@ -292,7 +292,7 @@ class _Site:
         values = all_arguments(owner._sig, self.bound, args, kwargs)
         dynamic = _mark_dynamic(values, owner._dynamic_arg_dims)
         self.tensors = ModelTensors(modules_in((*full_args[:1 if self.bound else 0], *values.values(),
-                                                *closure_values(fn), *global_values(fn))))
+                                                *closure_values(fn), *global_modules(fn))))
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
                                                       for name, v in values.items()}, torch.is_grad_enabled(),
                              tensor_places(values))

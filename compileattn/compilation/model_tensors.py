@@ -59,8 +59,9 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 class ModelTensors:
-    """The parameters and buffers of the modules a compile baked in (the instance, modules among
-    its arguments and closure), as the first call saw them. Holds the modules weakly."""
+    """The submodules, parameters and buffers of the modules a compile baked in (the instance,
+    modules among its arguments and closure, module globals its code reads), as the first call saw
+    them. Holds the modules weakly."""
 
     __slots__ = ("_models", "_watched", "_generation")
 

@@ -54,7 +54,8 @@ log = logging.getLogger("compileattn")
 #: Bumped when what is saved changes meaning.
 FORMAT = 4
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), torch.dtype, torch.device, enum.Enum)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), torch.dtype, torch.device,
+          enum.Enum)
 #: ``nn.Module``'s own bookkeeping (parameters, buffers, submodules, hooks: described apart), not
 #: what a model's author put on it; ``training`` is the author's (it changes the trace).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
@@ -122,13 +123,18 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
         # warm start miss; a config's public fields are what a forward reads.
         public = sorted((k, v) for k, v in attributes.items() if not k.startswith("_"))
         return f"{name}{{{', '.join(f'{k}={_fingerprint(v, depth - 1)}' for k, v in public)}}}"
-    slots = [slot for cls in kind.__mro__ for slot in getattr(cls, "__slots__", ()) if not slot.startswith("_")]
+    slots = [slot for cls in kind.__mro__ for slot in _slots_of(cls) if not slot.startswith("_")]
     if slots:
         return f"{name}{{{', '.join(f'{k}={_fingerprint(getattr(value, k, None), depth - 1)}' for k in slots)}}}"
     if callable(value) and hasattr(value, "__qualname__"):  # a builtin function: where it is defined
         return f"builtin {getattr(value, '__module__', '?')}.{value.__qualname__}"
     raise Undescribable(f"a {name} (no fields to describe it by, so a process where it differs would load this "
                         f"one's compile)")
+
+
+def _slots_of(cls: type) -> tuple[str, ...]:
+    slots = getattr(cls, "__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
 def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:

@@ -270,7 +270,7 @@ class LLM:
         if isinstance(prompts, torch.Tensor):
             raise TypeError("prompts must be a string, a list of token ids or a list of those, got a Tensor "
                             "(pass tensor.tolist())")
-        if isinstance(prompts, (bytes, bytearray, dict)) or not (isinstance(prompts, str) or hasattr(prompts, "__iter__")):
+        if isinstance(prompts, (bytes, bytearray, dict)) or not hasattr(prompts, "__iter__"):  # str has __iter__
             raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got "
                             f"{type(prompts).__name__}")
         if not isinstance(prompts, str):
