@@ -689,3 +689,27 @@ def test_varlen_takes_tensors_torch_calls_contiguous_whose_strides_differ():
     empty = torch.randn(0, 4, 128, device=device)[:, :, ::2]
     none = torch.tensor([0, 0], dtype=torch.int32, device=device)
     assert compileattn.flash_attn_varlen_func(empty, k, k.clone(), none, cu, backend="triton").shape == (0, 4, 64)
+
+
+def test_varlen_copies_only_the_tensors_whose_layout_the_kernels_cannot_read(monkeypatch):
+    """A strided query over a dense paged cache: the query is copied, the cache (all of K and V) is not."""
+    import compileattn
+    from compileattn.backends.triton import backend as triton_backend
+
+    copied = []
+    real = triton_backend._dense
+    monkeypatch.setattr(triton_backend, "_dense", lambda t: (copied.append(t.shape) if real(t) is not t else None)
+                        or real(t))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kc = torch.randn(8, 4, 2, 64, device=device)
+    vc = torch.randn(8, 4, 2, 64, device=device)
+    q = torch.randn(3, 4, 128, device=device)[:, :, ::2]
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    table = torch.tensor([[1, 2]], dtype=torch.int32, device=device)
+    used = torch.tensor([6], dtype=torch.int32, device=device)
+    want = compileattn.flash_attn_varlen_func(q, kc, vc, cu, None, 3, 6, block_table=table, seqused_k=used,
+                                              causal=True, backend="reference")
+    got = compileattn.flash_attn_varlen_func(q, kc, vc, cu, None, 3, 6, block_table=table, seqused_k=used,
+                                             causal=True, backend="triton")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert copied == [q.shape]

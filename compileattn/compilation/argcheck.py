@@ -8,7 +8,8 @@ scalars, strings, dtypes and devices, types of other objects, containers item by
 which arguments were one and the same tensor (Dynamo traces such a tensor as one graph input: a
 later call passing two tensors there would have both read from the first) and which were distinct
 (traced as two inputs: one tensor passed for both would not see the compiled code's write into
-the other, checked for the tensors the first call wrote into); and, once the compile
+the other, checked for the tensors the first call wrote into, or may have: inference-mode tensors
+have no version counter); and, once the compile
 is done, what it assumed of the dynamic sizes (``size_guards.py``). torch's own guard filters
 cannot replace it: ``keep_tensor_guards_unsafe`` checks tensors but not scalar values or grad mode, and
 its failure is a ``RuntimeError`` naming ``L['x']`` from inside the guard manager; a change must
@@ -426,8 +427,10 @@ class ArgChecker:
         self._tensors = tensors
         #: groups of places that held one tensor on the first call
         self._same = tuple(group for group in tensors if len(group) > 1)
-        #: indices into ``_tensors`` of the tensors the compiled code writes into (``note_writes``)
+        #: indices into ``_tensors`` of the tensors the compiled code writes into, and of those it may
+        #: (no version counter to tell: inference-mode tensors), from the first call (``note_writes``)
         self._written: frozenset[int] = frozenset()
+        self._unknown: frozenset[int] = frozenset()
         #: per call layout: (position or keyword, name, spec) of each argument, and the size
         #: guards' check of that layout (None without guards)
         self._plans: dict[Any, tuple[list[tuple[int | str, str, Any]], Any]] = {}
@@ -453,10 +456,12 @@ class ArgChecker:
         return versions
 
     def note_writes(self, before: list[int | None], after: list[int | None]) -> None:
-        """Which tensors the compiled code wrote into on the first call (their version counters moved;
-        unknown counts as written): from now on none of them may be passed as another argument too.
-        Distinct tensors that are only read may be one tensor later (it reads the same)."""
-        self._written = frozenset(i for i, (b, a) in enumerate(zip(before, after)) if b is None or a != b)
+        """Which tensors the compiled code wrote into on the first call (their version counters moved):
+        from now on none of them may be passed as another argument too. Distinct tensors that are only
+        read may be one tensor later (it reads the same). A tensor without a version counter (made
+        under ``torch.inference_mode()``) may have been written: it is held to the same rule."""
+        self._unknown = frozenset(i for i, b in enumerate(before) if b is None)
+        self._written = self._unknown | frozenset(i for i, (b, a) in enumerate(zip(before, after)) if a != b)
         self._plans.clear()
 
     def strided(self) -> dict[str, int]:
@@ -481,8 +486,12 @@ class ArgChecker:
             v = args[src] if src.__class__ is int else kwargs[src]
             if not spec.matches(v):
                 raise recompile_error(name, spec.explain(v))
-        if distinct and len({id(self._value(place, args, kwargs)) for place in distinct}) < len(distinct):
-            self._refuse_written_alias(distinct, args, kwargs)
+        if distinct:
+            sources, places = distinct
+            ids = ({id(args[src] if src.__class__ is int else kwargs[src]) for src in sources} if sources
+                   else {id(self._value(place, args, kwargs)) for place in places})
+            if len(ids) < len(places):
+                self._refuse_written_alias(places, args, kwargs)
         for group in same:
             first = self._value(group[0], args, kwargs)
             for place in group[1:]:
@@ -505,13 +514,16 @@ class ArgChecker:
         """Two of the first call's distinct tensors are one now: refused where the compiled code
         writes into one of them (it would not see its write through the other)."""
         ids = [id(self._value(place, args, kwargs)) for place in distinct]
-        for i in self._written:
+        for i in sorted(self._written):
             for j, other in enumerate(ids):
                 if j != i and other == ids[i]:
+                    writes = ("which the compiled code may write into (it was made under inference mode: no "
+                              "version counter told whether the first call wrote it)" if i in self._unknown
+                              else "which the compiled code writes into")
                     raise recompile_error(None, f"argument {_shown_path(distinct[j][1])!r} is the same tensor "
-                                                f"as {_shown_path(distinct[i][1])!r}, which the compiled code writes "
-                                                f"into; they were two tensors on the first call, traced as two inputs, "
-                                                f"so the write would not be seen through the other")
+                                                f"as {_shown_path(distinct[i][1])!r}, {writes}; they were two "
+                                                f"tensors on the first call, traced as two inputs, so the write "
+                                                f"would not be seen through the other")
 
     def _value(self, place: tuple, args: tuple, kwargs: dict) -> Any:
         """The object at ``place``: (position, keyword, or None for an argument left at its default;
@@ -527,14 +539,18 @@ class ArgChecker:
             v = v[key]
         return v
 
-    def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, list]:
+    def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, tuple | None]:
         names = _argument_names(self._sig, self._bound_self, args, kwargs)
         plan = [(src, name, self._specs[name]) for src, name in names if name in self._specs]
         where = dict((name, src) for src, name in names)
         # an argument left at its default is read as the default (``_value``'s None)
         groups = [[(where.get(path[0]), path) for path in group] for group in self._tensors]
         same = [group for group in groups if len(group) > 1]
-        distinct = [group[0] for group in groups] if len(groups) > 1 and self._written else []
+        distinct = None
+        if len(groups) > 1 and self._written:  # (top-level sources, read directly; or None) and the places
+            places = [group[0] for group in groups]
+            simple = all(src is not None and len(path) == 1 for src, path in places)
+            distinct = ([src for src, _ in places] if simple else None, places)
         unexpected = [name for _, name in names if name not in self._specs]
         if unexpected:
             raise recompile_error(unexpected[0], "was not passed on the first call")

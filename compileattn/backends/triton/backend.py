@@ -39,6 +39,18 @@ def _last_dim_contiguous(*tensors) -> bool:
     return all(t.stride(-1) == 1 for t in tensors)
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy with the row-major strides of its shape where it has others (then K and V
+    of one shape get equal strides). Not ``contiguous()``: it hands back as it is a tensor torch
+    calls contiguous whose strides still differ over a size-1 dim (MQA's K/V cut from a (kv_heads,
+    seq, head_dim) layout), or an empty one with any strides. A dense paged cache is not copied."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return t if t.stride() == tuple(reversed(strides)) else t.clone(memory_format=torch.contiguous_format)
+
+
 class TritonBackend(AttentionBackend):
     name = "triton"
     capturable = True
@@ -150,10 +162,7 @@ class TritonBackend(AttentionBackend):
         """Paged with max_seqlen_q == 1 runs the decode kernel, everything else the unified one
         (contiguous K/V included: the tile loader addresses rows ``cu_seqlens_k[s] + pos``)."""
         if not _last_dim_contiguous(q, k, v, out) or k.stride() != v.stride():
-            # Fresh dense copies: ``contiguous()`` hands back as it is a tensor torch calls contiguous
-            # whose strides still differ (over a size-1 dim: MQA's K/V cut from a (kv_heads, seq,
-            # head_dim) layout) or an empty one with any strides.
-            q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+            q, k, v = (_dense(t) for t in (q, k, v))
             tmp = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             self.varlen_attention(q, k, v, tmp, cu_seqlens_q, cu_seqlens_k,
                                   seqused_k, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
