@@ -9,7 +9,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Literal, Sequence
+import operator
+import os
+from typing import Any, Iterable, Literal, Sequence
+
+import torch
 
 from .backends.selector import check_backend_name
 
@@ -28,6 +32,59 @@ COMPILE_FX_ARGUMENTS = frozenset({"config_patches", "decompositions", "inner_com
 def _compiled(default=dataclasses.MISSING, **kw):
     """A field that changes the compiled pieces (hashed into the compile-cache key)."""
     return dataclasses.field(default=default, metadata={"compiled": True}, **kw)
+
+
+def _positive_ints(name: str, values: Any) -> list[int]:
+    """``values`` as a list of ints >= 1 (numpy's integers too); a list of anything else, a string,
+    or a lone int is refused naming ``name``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a list of positive ints, got {values!r}")
+    out = []
+    for v in values:
+        try:
+            i = operator.index(v) if not isinstance(v, bool) else None
+        except TypeError:
+            i = None
+        if i is None:
+            raise TypeError(f"{name} must hold ints, got {v!r}")
+        if i < 1:
+            raise ValueError(f"{name} must hold positive ints, got {v!r}")
+        out.append(i)
+    return out
+
+
+def _op_names(name: str, values: Any) -> tuple[str, ...]:
+    """Registered op names, "ns::op" or "ns::op.overload"; a string (not a list of them) or a name
+    no op answers to is refused naming ``name``: the graph would not be split there, silently."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a list of op names ('ns::op' or 'ns::op.overload'), got {values!r}")
+    values = tuple(values)
+    for op in values:
+        if not isinstance(op, str) or "::" not in op:
+            raise ValueError(f"{name}: {op!r} is not an op name ('ns::op' or 'ns::op.overload')")
+        namespace, _, rest = op.partition("::")
+        packet, _, overload = rest.partition(".")
+        try:
+            found = getattr(getattr(torch.ops, namespace), packet)
+            if overload:
+                getattr(found, overload)
+        except (AttributeError, RuntimeError):
+            raise ValueError(f"{name}: no op is registered as {op!r}") from None
+    return values
+
+
+def _is_inductor_setting(name: str) -> bool:
+    """``name`` (dotted for nested settings: "triton.cudagraphs") is in ``torch._inductor.config``
+    (imported with compileattn already)."""
+    from ._torch_compat import resolve
+
+    node: Any = resolve("torch._inductor.config")
+    try:
+        for part in name.split("."):
+            node = getattr(node, part)
+    except AttributeError:
+        return False
+    return True
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
@@ -133,6 +190,21 @@ class CompileConfig:
     direct_full_replay: bool = True
 
     def __post_init__(self) -> None:
+        # Types first: a string is iterable (splitting_ops="ns::op" was split into characters and
+        # split nothing), a float int()-ed quietly, and any truthy object passed for a bool.
+        for f in dataclasses.fields(self):
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"{f.name} must be a bool, got {getattr(self, f.name)!r}")
+        if isinstance(self.max_capture_size, bool) or not isinstance(self.max_capture_size, int):
+            raise TypeError(f"max_capture_size must be an int, got {self.max_capture_size!r}")
+        if not isinstance(self.inductor_options, dict) or not all(isinstance(k, str) for k in self.inductor_options):
+            raise TypeError(f"inductor_options must be a dict of torch._inductor.config names, got "
+                            f"{self.inductor_options!r}")
+        for name in ("cache_dir", "debug_dump_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{name} must be a path (str or os.PathLike) or None, got {value!r}")
+        self.splitting_ops = _op_names("splitting_ops", self.splitting_ops)
         check_backend_name(self.attention_backend)
         if self.piece_compiler not in ("inductor", "aot_eager", "eager"):
             raise ValueError(f"piece_compiler must be inductor, aot_eager or eager, got {self.piece_compiler!r}")
@@ -140,12 +212,11 @@ class CompileConfig:
             raise ValueError(f"cudagraph_mode: unknown mode {self.cudagraph_mode!r}")
         if self.max_capture_size < 1:
             raise ValueError(f"max_capture_size must be >= 1, got {self.max_capture_size}")
-        sizes = self.cudagraph_capture_sizes
-        if sizes is not None:
-            if not sizes or any(int(s) < 1 for s in sizes):
-                raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
-            self.cudagraph_capture_sizes = sorted({int(s) for s in sizes})
-        self.splitting_ops = tuple(self.splitting_ops)
+        if self.cudagraph_capture_sizes is not None:
+            self.cudagraph_capture_sizes = sorted(set(_positive_ints("cudagraph_capture_sizes",
+                                                                     self.cudagraph_capture_sizes)))
+            if not self.cudagraph_capture_sizes:
+                raise ValueError("cudagraph_capture_sizes must hold at least one size (None: the default sizes)")
         if self.compile_workers_start not in ("auto", "first_call", "decoration", "after_dynamic"):
             raise ValueError(f"compile_workers_start must be 'auto', 'first_call', 'decoration' or 'after_dynamic', "
                              f"got {self.compile_workers_start!r}")
@@ -157,13 +228,14 @@ class CompileConfig:
             raise ValueError(f"inductor_options holds Inductor config settings (torch._inductor.config names), "
                              f"applied as one compile's config patches; {misplaced} are compile_fx arguments, "
                              f"not settings: give their contents (e.g. {{'max_autotune': True}})")
+        unknown = [k for k in self.inductor_options if not _is_inductor_setting(k)]
+        if unknown:  # else the first compile fails inside Inductor's config patch
+            raise ValueError(f"inductor_options: {unknown} are not torch._inductor.config settings")
         if isinstance(self.compile_sizes, str):
             if self.compile_sizes != "auto":
                 raise ValueError(f"compile_sizes must be 'auto' or a list of positive ints, got {self.compile_sizes!r}")
-        elif any(int(s) < 1 for s in self.compile_sizes):
-            raise ValueError(f"compile_sizes must be positive ints, got {self.compile_sizes!r}")
         else:
-            self.compile_sizes = tuple(sorted({int(s) for s in self.compile_sizes}))
+            self.compile_sizes = tuple(sorted(set(_positive_ints("compile_sizes", self.compile_sizes))))
 
     @property
     def capture_sizes(self) -> list[int]:

@@ -21,10 +21,15 @@ from .._torch_compat import op_names
 
 
 def is_splitting_node(node: torch.fx.Node, splitting_ops: Sequence[str]) -> bool:
+    """A call of one of ``splitting_ops`` ("ns::op" or "ns::op.overload"). Dynamo records the op's
+    packet, not the overload it will run: a packet call answers to the names of all its overloads
+    (splitting where an overload other than the named one may run is still right, only slower)."""
     if node.op != "call_function":
         return False
     names = op_names(node.target)
-    return any(name in splitting_ops for name in names)
+    if any(name in splitting_ops for name in names):
+        return True
+    return len(names) == 1 and any(op.partition(".")[0] == names[0] for op in splitting_ops)
 
 
 def op_arguments(node: torch.fx.Node, names: Sequence[str]) -> list:

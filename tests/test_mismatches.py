@@ -153,6 +153,34 @@ def test_unknown_attention_backend_in_the_config():
         compiled(*qkv(2))
 
 
+@pytest.mark.parametrize("options, error, match", [
+    # a string is iterable: split into characters, it split nothing, and attention was captured
+    (dict(splitting_ops="compileattn::attention"), TypeError, "splitting_ops must be a list of op names"),
+    (dict(splitting_ops=["bogus"]), ValueError, "splitting_ops: 'bogus' is not an op name"),
+    (dict(splitting_ops=["compileattn::atention"]), ValueError, "no op is registered as 'compileattn::atention'"),
+    (dict(cudagraph_capture_sizes="16"), TypeError, "cudagraph_capture_sizes must be a list of positive ints"),
+    (dict(cudagraph_capture_sizes=[2.5, 8]), TypeError, "cudagraph_capture_sizes must hold ints, got 2.5"),
+    (dict(compile_sizes=[2.9]), TypeError, "compile_sizes must hold ints, got 2.9"),
+    (dict(compile_sizes=8), TypeError, "compile_sizes must be a list of positive ints"),
+    (dict(max_capture_size=2.5), TypeError, "max_capture_size must be an int"),
+    (dict(disable="false"), TypeError, "disable must be a bool, got 'false'"),
+    (dict(background_static_compiles="no"), TypeError, "background_static_compiles must be a bool"),
+    (dict(inductor_options={"bogus_knob": 1}), ValueError, r"\['bogus_knob'\] are not torch._inductor.config"),
+    (dict(inductor_options=["max_autotune"]), TypeError, "inductor_options must be a dict"),
+    (dict(cache_dir=5), TypeError, "cache_dir must be a path"),
+])
+def test_config_values_are_refused_by_type_and_name_at_creation(options, error, match):
+    """config: each was accepted and converted (a float truncated, a string iterated, any truthy
+    object a True), or failed only inside the first compile."""
+    with pytest.raises(error, match=match):
+        ca.CompileConfig(**options)
+
+
+def test_config_takes_nested_inductor_settings_and_overload_names():
+    ca.CompileConfig(inductor_options={"triton.cudagraphs": False, "max_autotune": True},
+                     splitting_ops=["compileattn::attention.default", "compileattn::attend"])
+
+
 def test_unknown_option_names_itself():
     with pytest.raises(TypeError, match=r"unknown compileattn option\(s\) \['piece_compilr'\]"):
         ca.CompileConfig.from_options({"piece_compilr": "eager"})

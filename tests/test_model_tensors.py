@@ -169,3 +169,23 @@ def test_a_model_read_from_a_module_global_is_watched(monkeypatch):
         GLOBAL_MODEL.double()
         with pytest.raises(RecompileError, match="Holder's parameter scaled.w was torch.float32"):
             fn(X)
+
+
+def test_an_attribute_named_like_a_module_global_does_not_watch_the_global(monkeypatch):
+    """``self.GLOBAL_MODEL(x)`` names an attribute, not the module global of that name: converting
+    the global must not refuse calls of a model that never reads it."""
+    monkeypatch.setattr(__import__(__name__), "GLOBAL_MODEL", Holder())
+
+    class Runner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.GLOBAL_MODEL = Holder()
+
+        def forward(self, x):
+            return self.GLOBAL_MODEL(x)
+
+    runner = ca.compile(Runner, dynamic_arg_dims={"x": 0}, config=CONFIG)()
+    with torch.no_grad():
+        runner(X)
+        GLOBAL_MODEL.double()
+        torch.testing.assert_close(runner(X), runner.GLOBAL_MODEL(X))

@@ -49,6 +49,14 @@ def test_split_by_overload_name_only_matches_that_overload():
     assert sum(p.is_splitting_op for p in pieces) == 0 and len(pieces) == 1
 
 
+def test_an_overload_name_splits_at_the_packet_dynamo_records():
+    """The documented "ns::op.overload" form: Dynamo records the packet, which answered to
+    "ns::op" only, so the graph was not split at all."""
+    gm = _attention_graph(torch.ops.compileattn.attention)
+    _, pieces = split_graph(gm, ("compileattn::attention.default",))
+    assert sum(p.is_splitting_op for p in pieces) == 2
+
+
 def test_split_at_a_user_op_keeps_semantics_and_order():
     def f(x):
         y = x + 1

@@ -21,8 +21,10 @@ call differs in any checked way must not load code compiled for the first.
 """
 from __future__ import annotations
 
+import dis
 import enum
 import inspect
+import types
 import weakref
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -373,29 +375,34 @@ def closure_values(fn: Any) -> list[Any]:
 
 
 def global_modules(fn: Any, depth: int = 2) -> list[torch.nn.Module]:
-    """The modules among the module globals ``fn``'s code reads (nested functions' and
-    comprehensions' code too), and those of the functions among them, ``depth`` calls deep: where a
-    script's model lives (``model = Llama(...)`` beside ``@compileattn.compile def step(ids): return
-    model(ids)``). Globals are not walked into (a module's containers can be large, or hold
-    themselves)."""
+    """The modules among the module globals ``fn``'s code loads (``LOAD_GLOBAL``, in nested
+    functions' and comprehensions' code too), and those of the functions among them, ``depth``
+    calls deep: where a script's model lives (``model = Llama(...)`` beside ``@compileattn.compile
+    def step(ids): return model(ids)``). Attribute names (``self.model``) are not globals; globals
+    are not walked into (a module's containers can be large, or hold themselves)."""
     found: dict[int, Any] = {}
     seen: set[int] = set()
     todo = [(fn, depth)]
     while todo:
         f, left = todo.pop()
-        code, scope = getattr(f, "__code__", None), getattr(f, "__globals__", None)
-        if code is None or scope is None or id(f) in seen:
+        try:  # an object's __getattr__ may raise anything (a lazy proxy)
+            code, scope = getattr(f, "__code__", None), getattr(f, "__globals__", None)
+        except Exception:  # noqa: BLE001
+            continue
+        if not isinstance(code, types.CodeType) or not isinstance(scope, dict) or id(f) in seen:
             continue
         seen.add(id(f))
         codes = [code]
         while codes:
             c = codes.pop()
-            codes.extend(k for k in c.co_consts if hasattr(k, "co_names"))
-            for name in c.co_names:
-                if name in scope and id(scope[name]) not in found:
-                    value = scope[name]
+            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+            for ins in dis.get_instructions(c):
+                if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in scope:
+                    value = scope[ins.argval]
+                    if id(value) in found:
+                        continue
                     found[id(value)] = value
-                    if left > 0 and callable(value) and not isinstance(value, (type, torch.nn.Module)):
+                    if left > 0 and isinstance(value, (types.FunctionType, types.MethodType)):
                         todo.append((value, left - 1))
     return [v for v in found.values() if isinstance(v, torch.nn.Module)]
 
