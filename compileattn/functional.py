@@ -18,7 +18,7 @@ import torch
 
 from . import ops
 from .backends.selector import check_backend_name
-from .metadata import as_int
+from .metadata import as_int, is_bool
 from .validation import (
     check_append_slots, check_kv_write_args, check_kvcache_args, check_kvcache_values, check_varlen_args,
     check_varlen_values,
@@ -26,8 +26,8 @@ from .validation import (
 
 
 def _window_and_causal(window_size, causal: bool) -> tuple[int, bool]:
-    if not isinstance(causal, bool):  # bool("no") is True
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if not is_bool(causal) and as_int(causal) not in (0, 1):
+        raise TypeError(f"causal must be a bool, got {causal!r}")  # bool("no") is True
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair, got {window_size!r}")
     window_left, window_right = (as_int(w) for w in window_size)

@@ -130,6 +130,8 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "sliding_window"):
             value = getattr(self, name)
+            if value.__class__ is int:
+                continue
             try:  # numpy's integers as Python ints (hashable alike, printed alike)
                 as_int = operator.index(value) if not isinstance(value, bool) else None
             except TypeError:
@@ -271,11 +273,18 @@ def allocate_kv_caches(
     same; ``torch.float8_e4m3fn`` for a quantized cache, with ``k_scale``/``v_scale`` per layer:
     one float for every layer or a mapping layer name -> float).
     """
+    sizes = []
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        try:  # numpy's integers too
+            size = operator.index(value) if not isinstance(value, bool) else None
+        except TypeError:
+            size = None
+        if size is None:
             raise TypeError(f"{name} must be an int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}")
+        sizes.append(size)
+    num_blocks, block_size = sizes
     check_dtype(dtype, "dtype")
     storage = dtype if kv_cache_dtype is None else kv_cache_dtype
     check_cache_dtype(storage, "kv_cache_dtype")

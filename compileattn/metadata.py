@@ -251,6 +251,12 @@ def _owner(table_lens: list[int], k: int) -> int:
     raise IndexError(k)
 
 
+def is_bool(value) -> bool:
+    """A bool, Python's or numpy's (``np.True_``)."""
+    kind = type(value)
+    return kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
 def as_int(value) -> int | None:
     """An integer (Python, numpy, or a 0-dim integer tensor) as an int; None for a float, a bool
     or anything else, which would be truncated into another block id, token id or length."""

@@ -538,10 +538,20 @@ def test_a_window_of_floats_strings_or_none_is_refused_not_truncated(window):
         call(contiguous(window_size=window))
 
 
+def np_bool(value):
+    import numpy as np
+
+    return np.bool_(value)
+
+
 def test_causal_and_backend_are_checked_by_type():
     a = contiguous()
     with pytest.raises(TypeError, match="causal must be a bool, got 'no'"):
         compileattn.flash_attn_varlen_func(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], causal="no")
+    for flag in (1, 0, np_bool(True)):  # accepted: the check passes and the (patched) kernel runs
+        with pytest.raises(KernelRan):
+            compileattn.flash_attn_varlen_func(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
+                                               causal=flag)
     with pytest.raises(TypeError, match="backend must be a str, got NoneType"):
         call(contiguous(backend=None))
     with pytest.raises(ValueError, match="backend='fast' is unknown"):
@@ -573,6 +583,8 @@ def test_spec_takes_numpy_integers_as_ints():
 
     spec = AttentionSpec(np.int64(H), np.int32(KVH), np.int64(D), sliding_window=np.int64(8))
     assert spec == AttentionSpec(H, KVH, D, sliding_window=8) and type(spec.head_dim) is int
+    caches = allocate_kv_caches({"l0": spec}, np.int64(NB), np.int64(BS), torch.float32)
+    assert caches["l0"].key_cache.shape == (NB, BS, KVH, D)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config import CompileConfig
-from ..metadata import as_int
+from ..metadata import as_int, is_bool
 from . import kv_budget
 from .engine import Engine, check_positive_ints
 from .request import FinishReason, Request, SamplingParams
@@ -128,9 +128,13 @@ class LLM:
                             max_num_batched_tokens=max_num_batched_tokens,
                             **{k: v for k, v in (("num_blocks", num_blocks), ("max_model_len", max_model_len))
                                if v is not None})
-        if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, Real)
-                                            or not 0 < kv_cache_memory < math.inf):
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
+        if kv_cache_memory is not None:
+            memory = as_int(kv_cache_memory)  # an int, numpy's, a 0-dim integer tensor; or a float
+            memory = kv_cache_memory if memory is None and isinstance(kv_cache_memory, Real) \
+                and not isinstance(kv_cache_memory, bool) else memory
+            if memory is None or not 0 < memory < math.inf:
+                raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
+            kv_cache_memory = memory
         kv_budget.check_utilization(gpu_memory_utilization)
         if tokenizer is not None and not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
             raise TypeError(f"tokenizer must have encode() and decode() (a transformers tokenizer), got "
@@ -281,9 +285,9 @@ class LLM:
             raise TypeError(f"stop_token_ids must be a sequence of token ids, got the int {stop_token_ids} "
                             f"(pass [{stop_token_ids}])")
         stop = _token_ids("stop_token_ids", stop_token_ids if stop_token_ids is not None else ())
-        for name, value in (("ignore_eos", ignore_eos), ("use_tqdm", use_tqdm)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r}")
+        if not is_bool(ignore_eos):
+            raise TypeError(f"ignore_eos must be a bool, got {ignore_eos!r}")
+        ignore_eos = bool(ignore_eos)
         for name, value in (("temperature", temperature), ("top_p", top_p)):
             if isinstance(value, bool):
                 raise TypeError(f"{name} must be a number, got {value!r}")
