@@ -278,8 +278,10 @@ class _OutputInAView(torch.nn.Module):
 
 
 @pytest.mark.parametrize("make_view", [lambda b: b.unbind(0)[0], lambda b: b.chunk(2)[0].squeeze(0),
-                                       lambda b: torch.narrow(b, 0, 0, 1)[0], lambda b: b[0]],
-                         ids=["unbind", "chunk", "torch.narrow", "getitem"])
+                                       lambda b: torch.narrow(b, 0, 0, 1)[0], lambda b: b[0],
+                                       lambda b: b.contiguous()[0], lambda b: b.mT.mT[0]],
+                         ids=["unbind", "chunk", "torch.narrow", "getitem",
+                              "contiguous", "mT"])  # the last two: only the traced storage tells
 def test_a_read_of_the_written_buffer_is_not_hoisted_before_the_op(make_view):
     model = _OutputInAView(make_view)
     caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)

@@ -379,9 +379,24 @@ def test_slices_ranges_numpy_values_and_slotted_objects_are_in_the_key_by_value(
         def __init__(self, factor):
             self.factor = factor
 
+    class WithDict:
+        def __init__(self):
+            self.name = "x"
+
+    class SlotsBesideDict(WithDict):
+        __slots__ = ("factor",)
+
+        def __init__(self, factor):
+            super().__init__()
+            self.factor = factor
+
     for a, b in [(slice(0, 2), slice(0, 6)), (range(3), range(4)), (np.float32(1.5), np.float32(2.5)),
-                 (np.arange(3), np.arange(1, 4)), (Slotted(2.0), Slotted(3.0))]:
-        assert _fingerprint(a) == _fingerprint(a) and _fingerprint(a) != _fingerprint(b)
+                 (np.arange(3), np.arange(1, 4)), (Slotted(2.0), Slotted(3.0)),
+                 (SlotsBesideDict(2.0), SlotsBesideDict(3.0)), (torch.strided, torch.sparse_coo),
+                 (torch.channels_last, torch.contiguous_format), (torch.finfo(torch.float16), torch.finfo(torch.bfloat16))]:
+        assert _fingerprint(a) != _fingerprint(b)
+    as_objects = [np.array(["x y z", "y"], dtype=object) for _ in range(2)]  # equal items, other pointers
+    assert _fingerprint(as_objects[0]) == _fingerprint(as_objects[1])
     assert _fingerprint(torch.relu) == "builtin torch._VariableFunctionsClass.relu"  # where it is defined
 
 

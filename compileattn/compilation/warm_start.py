@@ -34,7 +34,9 @@ import hashlib
 import importlib
 import inspect
 import logging
+import pathlib
 import pickle
+import re
 import sys
 import threading
 import time
@@ -54,7 +56,9 @@ log = logging.getLogger("compileattn")
 #: Bumped when what is saved changes meaning.
 FORMAT = 4
 
+#: Values whose repr is their value, the same in every process.
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), torch.dtype, torch.device,
+          torch.layout, torch.memory_format, torch.qscheme, torch.finfo, torch.iinfo, re.Pattern, pathlib.PurePath,
           enum.Enum)
 #: ``nn.Module``'s own bookkeeping (parameters, buffers, submodules, hooks: described apart), not
 #: what a model's author put on it; ``training`` is the author's (it changes the trace).
@@ -114,18 +118,19 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
     if isinstance(value, slice):
         return f"slice({_fingerprint(value.start, 1)}, {_fingerprint(value.stop, 1)}, {_fingerprint(value.step, 1)})"
     if kind.__module__ == "numpy" and hasattr(value, "tobytes") and hasattr(value, "dtype"):  # a scalar or array
+        if value.dtype == object:  # its bytes are pointers: its items by value
+            return f"{name}(object, {getattr(value, 'shape', ())}, {_fingerprint(value.tolist(), depth - 1)})"
         data = hashlib.sha256(value.tobytes()).hexdigest()[:16]
         return f"{name}({value.dtype}, {getattr(value, 'shape', ())}, {data})"
+    # Public fields only: an object's private state can differ per process (transformers'
+    # GenerationConfig keeps a string hash, randomized per process), which would make every warm
+    # start miss; a config's public fields are what a forward reads. Slots beside a __dict__ too.
     attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict):
-        # Public fields only: an object's private state can differ per process (transformers'
-        # GenerationConfig keeps a string hash, randomized per process), which would make every
-        # warm start miss; a config's public fields are what a forward reads.
-        public = sorted((k, v) for k, v in attributes.items() if not k.startswith("_"))
-        return f"{name}{{{', '.join(f'{k}={_fingerprint(v, depth - 1)}' for k, v in public)}}}"
+    fields = {k: v for k, v in attributes.items() if not k.startswith("_")} if isinstance(attributes, dict) else {}
     slots = [slot for cls in kind.__mro__ for slot in _slots_of(cls) if not slot.startswith("_")]
-    if slots:
-        return f"{name}{{{', '.join(f'{k}={_fingerprint(getattr(value, k, None), depth - 1)}' for k in slots)}}}"
+    fields.update((slot, getattr(value, slot, None)) for slot in slots if slot != "__dict__")
+    if isinstance(attributes, dict) or slots:
+        return f"{name}{{{', '.join(f'{k}={_fingerprint(v, depth - 1)}' for k, v in sorted(fields.items()))}}}"
     if callable(value) and hasattr(value, "__qualname__"):  # a builtin function: where it is defined
         return f"builtin {getattr(value, '__module__', '?')}.{value.__qualname__}"
     raise Undescribable(f"a {name} (no fields to describe it by, so a process where it differs would load this "
