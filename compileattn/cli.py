@@ -107,8 +107,11 @@ def _throughput(args) -> int:
     llm = _llm(args)
     workload = throughput.random_workload(args.num_prompts, args.input_len, args.output_len, llm.engine.vocab_size,
                                           args.seed)
-    warm = throughput.random_workload(min(8, args.num_prompts), args.input_len, (4, 4), llm.engine.vocab_size,
-                                      args.seed + 1)
+    # A few short requests inside the user's own bounds (a fixed 4 new tokens could overrun a
+    # max_model_len the workload itself fits in).
+    warm_out = min(4, args.output_len[0])
+    warm = throughput.random_workload(min(8, args.num_prompts), args.input_len, (warm_out, warm_out),
+                                      llm.engine.vocab_size, args.seed + 1)
     throughput.measure(llm, warm)  # compile-time captures and allocator warm-up stay out of the timing
     result, _ = throughput.measure(llm, workload, use_tqdm=True)
     print(throughput.describe(result))

@@ -17,7 +17,7 @@ import torch
 from . import _torch_compat
 from .compilation.cudagraph import warm_up_for_capture  # noqa: F401  (part of this module's API)
 from .context import set_forward_context
-from .kv_cache import AttentionSpec, KVCache
+from .kv_cache import AttentionSpec, KVCache, is_fp8
 from .metadata import AttentionMetadataBuilder, SequenceStep
 
 #: (atol, rtol) for comparing a compiled run with eager, by dtype: Inductor may fuse and reorder
@@ -79,8 +79,11 @@ def assert_matches_eager(
     n = md.num_actual_tokens
     torch.testing.assert_close(actual[:n], expected[:n], **tol)
     for name, cache in caches.items():
-        torch.testing.assert_close(cache.key_cache, after_eager[name][0], **tol)
-        torch.testing.assert_close(cache.value_cache, after_eager[name][1], **tol)
+        for got, want in ((cache.key_cache, after_eager[name][0]), (cache.value_cache, after_eager[name][1])):
+            if is_fp8(got.dtype):  # K/V a rounding apart may land one e4m3 step apart (2**-3 relative)
+                torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -3, atol=2 ** -9)
+            else:
+                torch.testing.assert_close(got, want, **tol)
     return actual
 
 
@@ -100,7 +103,8 @@ def assert_matches_eager_over_steps(
                            num_blocks=builder.num_blocks, max_query_len=1 if i % 2 else max_query_len,
                            max_context_len=max_context_len)
         n = sum(s.query_len for s in seqs)
-        pad = next(s for s in capture_sizes if s >= n) if capture_sizes else None
+        # the next capture size; above every one the engine runs a step unpadded, and so does this
+        pad = next((s for s in capture_sizes if s >= n), None) if capture_sizes else None
         assert_matches_eager(eager, compiled, builder, caches, seqs, make_inputs, pad_to=pad)
 
 
@@ -199,6 +203,8 @@ class PersistentInputs:
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
 
     def __call__(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n > self.ids.shape[0]:  # [:n] would quietly give fewer
+            raise ValueError(f"{n} tokens > max_tokens {self.ids.shape[0]} of these persistent inputs")
         self.ids[:n].random_(0, self.vocab_size)
         self.positions[:n].random_(self.low, self.high)
         ids, pos = self.ids[:n], self.positions[:n]

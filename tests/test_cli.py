@@ -34,6 +34,14 @@ def test_throughput_reports_tokens_per_second(model_dir, capsys):
     assert "6 requests" in out and "output tokens/s" in out and "TPOT p50" in out
 
 
+def test_throughput_warms_up_within_the_workloads_own_lengths(model_dir, capsys):
+    """A workload that fills max_model_len (64 here) exactly: the warm-up's fixed 4 new tokens
+    overran it and refused a workload that fits."""
+    assert main(["throughput", "--model", str(model_dir), "--num-prompts", "2", "--input-len", "63:63",
+                 "--output-len", "1:1", "--num-blocks", "4"]) == 0  # 4 blocks of 16 tokens
+    assert "2 requests" in capsys.readouterr().out
+
+
 def test_generate_with_prefix_caching_gives_the_same_tokens(model_dir, capsys):
     prompt = ",".join(str(t) for t in range(40, 80))
     argv = ["generate", "--model", str(model_dir), "--prompt-ids", prompt, "--prompt-ids", prompt + ",9",

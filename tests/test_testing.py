@@ -33,3 +33,32 @@ def test_recording_greedy_picks_the_argmax_and_keeps_rows_per_sequence():
     assert sample(torch.tensor([[1.0, 0.0]]), [7]) == [0]
     assert sorted(record) == [3, 7] and len(record[7]) == 2 and record[7][0].dtype == torch.float32
     assert torch.equal(record[3][0], torch.tensor([5.0, 1.0]))
+
+
+def test_assert_matches_eager_compares_fp8_caches_by_value_and_still_fails_on_a_wrong_one():
+    """fp8 caches were compared with the output dtype's tolerances, which torch refuses for
+    float8: the helper failed every fp8 model, matching or not."""
+    import random
+
+    import compileattn as ca
+    from compileattn.testing import AttentionBlock, assert_matches_eager, random_step
+
+    spec = ca.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32)
+    torch.manual_seed(0)
+    block = AttentionBlock(spec, 64)
+    caches = ca.allocate_kv_caches({"block.attn": spec}, num_blocks=32, block_size=16, dtype=torch.float32,
+                                   kv_cache_dtype=torch.float8_e4m3fn, k_scale=0.01, v_scale=0.01)
+    builder = ca.AttentionMetadataBuilder(block_size=16, num_blocks=32, max_num_tokens=64, max_blocks_per_seq=4)
+    seqs = random_step(random.Random(0), num_seqs=3, block_size=16, num_blocks=32)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+
+    def tripling_v(inputs):
+        out = block(inputs)
+        cache = caches["block.attn"].value_cache
+        cache.copy_((cache.float() * 3).clamp(-448, 448).to(torch.float8_e4m3fn))
+        return out
+
+    with torch.no_grad():
+        assert_matches_eager(block, block, builder, caches, seqs, lambda n: (x[:n],))
+        with pytest.raises(AssertionError):
+            assert_matches_eager(block, tripling_v, builder, caches, seqs, lambda n: (x[:n],))
