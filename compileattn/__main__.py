@@ -33,7 +33,9 @@ def parse_args(argv):
     from .backends.selector import BACKEND_NAMES
 
     description = " ".join(__doc__.split("\n\n")[0].split())
-    p = argparse.ArgumentParser(prog="python -m compileattn", description=description)
+    p = argparse.ArgumentParser(prog="python -m compileattn", description=description,
+                                epilog="Serving a Hugging Face model directory: python -m compileattn generate --help, "
+                                       "python -m compileattn throughput --help")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: float32 on CPU, bfloat16 on CUDA")
