@@ -530,6 +530,33 @@ def test_a_cache_reached_through_another_users_directory_or_link_is_refused(tmp_
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
+def test_a_cache_reached_through_a_symlink_another_user_owns_in_a_sticky_directory_is_refused(tmp_path):
+    """In /tmp the link is theirs to retarget: flipped between this user's cache and their own, it
+    had their pickle loaded on the first try (the checks followed it to this user's directory)."""
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = sticky / "cache"
+    link.symlink_to(mine)
+    os.lchown(link, 65534, 65534)
+    for path in (link, link / "sub"):
+        with pytest.raises(PermissionError, match=r"goes through .*cache', a symlink owned by uid 65534"):
+            secure_dir(path)
+    os.lchown(link, os.getuid(), os.getgid())  # this user's own link: served, through the resolved path
+    assert secure_dir(link / "sub") == (mine / "sub").resolve()
+
+
+def test_a_cache_dir_under_home_is_expanded(tmp_path, monkeypatch):
+    """``~/cache`` made a directory named ``~`` under the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert secure_dir("~/cache") == (tmp_path / "cache").resolve()
+    assert not (tmp_path / "~").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
 def test_a_key_directory_planted_by_another_user_is_not_loaded(tmp_path):
     """The root was checked, but the key's directory under it, where the pickles are, was not."""
     from compileattn.compilation.cache import CompileCache

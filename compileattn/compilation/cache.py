@@ -45,19 +45,25 @@ _FILE_RE = re.compile(r'File "([^"]+)", line \d+')
 
 
 def secure_dir(path: str | os.PathLike) -> Path:
-    """``path`` as a directory only this user can write, created (mode 0700) if missing.
+    """``path`` (``~`` expanded) as a directory only this user can write, created (mode 0700) if
+    missing, returned resolved: every later read and write goes through a path without symlinks,
+    so none can be retargeted between this check and the read.
 
-    Raises PermissionError for a directory owned by another user or writable by group or others:
-    a cache entry is a pickle, so whoever can write one runs code in every process that loads it.
+    Raises PermissionError for a directory owned by another user or writable by group or others,
+    or reached through a symlink another user owns: a cache entry is a pickle, so whoever can write
+    one runs code in every process that loads it.
     """
-    path = Path(path)
+    path = Path(os.path.expanduser(os.fspath(path)))
     if path.exists() and not path.is_dir():  # mkdir(exist_ok=True) would raise a bare FileExistsError
         raise NotADirectoryError(f"compile cache_dir {str(path)!r} is not a directory")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
     getuid = getattr(os, "getuid", None)
     if getuid is not None:
-        _check_ancestors(path, getuid())
+        _check_links(path, getuid())
+    given, path = path, path.resolve()
+    st = path.stat()
+    if getuid is not None:
+        _check_ancestors(given, getuid())
     if getuid is not None and st.st_uid != getuid():
         raise PermissionError(
             f"compile cache_dir {str(path)!r} is owned by uid {st.st_uid}, not by this user (uid {getuid()}): "
@@ -68,6 +74,19 @@ def secure_dir(path: str | os.PathLike) -> Path:
             f"loading a compile cache runs code, so anyone who can write there could run code in your process; "
             f"chmod 700 {str(path)!r} or choose another cache_dir")
     return path
+
+
+def _check_links(path: Path, uid: int) -> None:
+    """No component of the path as given is a symlink another user owns: its owner can point it at
+    their own directory whenever they like (in a sticky ``/tmp`` too, where the link is theirs)."""
+    current = Path(os.path.abspath(path))
+    for link in (current, *current.parents):
+        st = os.lstat(link)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (uid, 0):
+            raise PermissionError(
+                f"compile cache_dir {str(path)!r} goes through {str(link)!r}, a symlink owned by uid {st.st_uid}: "
+                f"its owner can point it at a cache of theirs, and loading a compile cache runs code; choose a "
+                f"cache_dir reached through links you or root own")
 
 
 def _check_ancestors(path: Path, uid: int) -> None:

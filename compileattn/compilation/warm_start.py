@@ -210,7 +210,7 @@ def saved_for(config: CompileConfig, fn: Callable) -> bool:
     if config.cache_dir is None:
         return False
     try:
-        return any((Path(config.cache_dir) / "warm_start").glob(f"{function_tag(fn)}-*.bin"))
+        return any((Path(config.cache_dir).expanduser() / "warm_start").glob(f"{function_tag(fn)}-*.bin"))
     except OSError:
         return False
 
