@@ -357,6 +357,10 @@ try:
     llm.generate([[1] * 500], max_new_tokens=4, use_tqdm=False)  # too long for the cache: rank 0 refuses
 except Exception as exc:
     json.dump(str(exc), open(f"{out}.{rank}.err.json", "w"))
+try:  # the ranks disagree: each got rank 0's outputs for prompts it never passed; now every rank refuses
+    llm.generate([[1, 2, 3 + rank]], max_new_tokens=2, use_tqdm=False)
+except ValueError as exc:
+    json.dump(str(exc), open(f"{out}.{rank}.differ.json", "w"))
 print(f"rank {rank}: shutting down", file=sys.stderr, flush=True)
 compileattn.parallel.shutdown_tp()
 # Nothing may keep a destroyed group alive: its gloo threads would then be torn down at interpreter
@@ -397,6 +401,7 @@ def test_llm_tensor_parallel_size_2_equals_one_process(tmp_path, mode):
     for rank in (0, 1):
         assert json.loads((tmp_path / f"tokens.{rank}.json").read_text()) == expected
         assert "max_model_len" in json.loads((tmp_path / f"tokens.{rank}.err.json").read_text())
+        assert "the ranks' arguments differ" in json.loads((tmp_path / f"tokens.{rank}.differ.json").read_text())
         if mode == "prefix":
             again, hits = json.loads((tmp_path / f"tokens.{rank}.again.json").read_text())
             assert again == expected

@@ -9,6 +9,7 @@ mode and its attention implementation switched to compileattn's.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -306,7 +307,15 @@ class LLM:
                                  stop_token_ids=stop, ignore_eos=ignore_eos,
                                  seed=None if seed is None else sampling_key(seed, i))
                   for i, n in enumerate(lengths)]
-        token_prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
+        try:
+            token_prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
+        except (TypeError, ValueError) as exc:
+            if self.tp is None:
+                raise
+            self._agree_across_ranks(f"{type(exc).__name__}: {exc}")  # so no rank waits alone
+            raise
+        if self.tp is not None:
+            self._agree_across_ranks(hashlib.sha256(repr((token_prompts, params)).encode()).hexdigest())
         engine = self.engine
         if engine.has_unfinished():
             raise RuntimeError("the engine has unfinished requests from an interrupted call; create a new LLM")
@@ -338,6 +347,16 @@ class LLM:
             logger.info("prefix cache: %d of %d looked-up tokens hit", stats.hit_tokens - hit,
                         stats.queried_tokens - looked_up)
         return outputs
+
+    def _agree_across_ranks(self, digest: str) -> None:
+        """Under tensor parallelism every rank must call ``generate`` with the same arguments: rank 0
+        schedules and every rank returns rank 0's outputs, so a rank that passed other prompts got
+        outputs for prompts it never passed. One gather of a digest per call."""
+        digests = self.tp.all_gather_object(digest)
+        if len(set(digests)) > 1:
+            raise ValueError(f"tensor parallel generate: the ranks' arguments differ (rank {self.tp.rank}: "
+                             f"{digest[:16]}; all ranks: {[d[:16] for d in digests]}); every rank must call "
+                             f"generate with the same prompts, lengths and sampling settings")
 
     def _run(self, engine, params, token_prompts, prompts, use_tqdm: bool, start: float) -> list[RequestOutput]:
         ids = engine.add_requests(params, token_prompts)
