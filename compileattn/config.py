@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import operator
 import os
 from typing import Any, Iterable, Literal, Sequence
 
 import torch
 
+from .argtypes import as_int
 from .backends.selector import check_backend_name
 
 PieceCompiler = Literal["inductor", "aot_eager", "eager"]
@@ -41,10 +41,7 @@ def _positive_ints(name: str, values: Any) -> list[int]:
         raise TypeError(f"{name} must be a list of positive ints, got {values!r}")
     out = []
     for v in values:
-        try:
-            i = operator.index(v) if not isinstance(v, bool) else None
-        except TypeError:
-            i = None
+        i = as_int(v)
         if i is None:
             raise TypeError(f"{name} must hold ints, got {v!r}")
         if i < 1:

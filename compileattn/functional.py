@@ -18,7 +18,7 @@ import torch
 
 from . import ops
 from .backends.selector import check_backend_name
-from .metadata import as_int, is_bool
+from .argtypes import as_int, is_bool
 from .validation import (
     check_append_slots, check_kv_write_args, check_kvcache_args, check_kvcache_values, check_varlen_args,
     check_varlen_values,

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from typing import Mapping, Sequence
 
 import torch
+
+from .argtypes import as_int
 
 #: Head dims every backend must accept. Backends may support more (reference does any of these),
 #: and fall back when they support fewer.
@@ -132,13 +133,10 @@ class AttentionSpec:
             value = getattr(self, name)
             if value.__class__ is int:
                 continue
-            try:  # numpy's integers as Python ints (hashable alike, printed alike)
-                as_int = operator.index(value) if not isinstance(value, bool) else None
-            except TypeError:
-                as_int = None
-            if as_int is None:
+            index = as_int(value)  # numpy's integers as Python ints (hashable alike, printed alike)
+            if index is None:
                 raise TypeError(f"{name} must be an int, got {value!r}")
-            object.__setattr__(self, name, as_int)
+            object.__setattr__(self, name, index)
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be a bool, got {self.causal!r}")
         check_gqa(self.num_heads, self.num_kv_heads)
@@ -275,10 +273,7 @@ def allocate_kv_caches(
     """
     sizes = []
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-        try:  # numpy's integers too
-            size = operator.index(value) if not isinstance(value, bool) else None
-        except TypeError:
-            size = None
+        size = as_int(value)
         if size is None:
             raise TypeError(f"{name} must be an int, got {value!r}")
         if size < 1:

@@ -14,6 +14,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from .argtypes import as_int
 from .backends.base import AttentionBackend, PersistentBuffers, StepShape, StepTensors
 from .backends.selector import KernelSelector
 from .validation import context_write_clash
@@ -249,26 +250,6 @@ def _owner(table_lens: list[int], k: int) -> int:
             return i
         k -= n
     raise IndexError(k)
-
-
-def is_bool(value) -> bool:
-    """A bool, Python's or numpy's (``np.True_``)."""
-    kind = type(value)
-    return kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
-
-
-def as_int(value) -> int | None:
-    """An integer (Python, numpy, or a 0-dim integer tensor) as an int; None for a float, a bool
-    or anything else, which would be truncated into another block id, token id or length."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return None
-    if isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool or value.is_floating_point()
-                                            or value.is_complex()):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _shown(value) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config import CompileConfig
-from ..metadata import as_int, is_bool
+from ..argtypes import as_int, is_bool
 from . import kv_budget
 from .engine import Engine, check_positive_ints
 from .request import FinishReason, Request, SamplingParams

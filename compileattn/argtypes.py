@@ -1,0 +1,31 @@
+"""What an argument counts as: an int or a bool, whichever library made it.
+
+One rule for every public entry: numpy's integers and 0-dim integer tensors are ints (token ids and
+sizes often come from arrays), a bool or a float never is (``int()`` would truncate 2.7 into a
+window of 2, or a block id into another one); numpy's bools are bools.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+
+def is_bool(value) -> bool:
+    """A bool, Python's or numpy's (``np.True_``)."""
+    kind = type(value)
+    return kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
+def as_int(value) -> int | None:
+    """An integer (Python, numpy, or a 0-dim integer tensor) as an int; None for a float, a bool
+    or anything else, which would be truncated into another block id, token id or length."""
+    if is_bool(value):
+        return None
+    if isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool or value.is_floating_point()
+                                            or value.is_complex()):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
