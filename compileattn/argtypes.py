@@ -29,3 +29,13 @@ def as_int(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def positive_int(value, name: str) -> int:
+    """``value`` as an int >= 1 (``as_int``), or a TypeError / ValueError naming ``name``."""
+    index = as_int(value)
+    if index is None:
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if index < 1:
+        raise ValueError(f"{name} must be >= 1, got {index}")
+    return index

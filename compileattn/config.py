@@ -14,7 +14,7 @@ from typing import Any, Iterable, Literal, Sequence
 
 import torch
 
-from .argtypes import as_int
+from .argtypes import positive_int
 from .backends.selector import check_backend_name
 
 PieceCompiler = Literal["inductor", "aot_eager", "eager"]
@@ -39,15 +39,7 @@ def _positive_ints(name: str, values: Any) -> list[int]:
     or a lone int is refused naming ``name``."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(f"{name} must be a list of positive ints, got {values!r}")
-    out = []
-    for v in values:
-        i = as_int(v)
-        if i is None:
-            raise TypeError(f"{name} must hold ints, got {v!r}")
-        if i < 1:
-            raise ValueError(f"{name} must hold positive ints, got {v!r}")
-        out.append(i)
-    return out
+    return [positive_int(v, f"{name}[{i}]") for i, v in enumerate(values)]
 
 
 def _op_names(name: str, values: Any) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .argtypes import as_int
+from .argtypes import as_int, positive_int
 
 #: Head dims every backend must accept. Backends may support more (reference does any of these),
 #: and fall back when they support fewer.
@@ -271,15 +271,7 @@ def allocate_kv_caches(
     same; ``torch.float8_e4m3fn`` for a quantized cache, with ``k_scale``/``v_scale`` per layer:
     one float for every layer or a mapping layer name -> float).
     """
-    sizes = []
-    for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-        size = as_int(value)
-        if size is None:
-            raise TypeError(f"{name} must be an int, got {value!r}")
-        if size < 1:
-            raise ValueError(f"{name} must be >= 1, got {size}")
-        sizes.append(size)
-    num_blocks, block_size = sizes
+    num_blocks, block_size = positive_int(num_blocks, "num_blocks"), positive_int(block_size, "block_size")
     check_dtype(dtype, "dtype")
     storage = dtype if kv_cache_dtype is None else kv_cache_dtype
     check_cache_dtype(storage, "kv_cache_dtype")
