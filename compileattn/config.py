@@ -184,8 +184,7 @@ class CompileConfig:
         for f in dataclasses.fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"{f.name} must be a bool, got {getattr(self, f.name)!r}")
-        if isinstance(self.max_capture_size, bool) or not isinstance(self.max_capture_size, int):
-            raise TypeError(f"max_capture_size must be an int, got {self.max_capture_size!r}")
+        self.max_capture_size = positive_int(self.max_capture_size, "max_capture_size")
         if not isinstance(self.inductor_options, dict) or not all(isinstance(k, str) for k in self.inductor_options):
             raise TypeError(f"inductor_options must be a dict of torch._inductor.config names, got "
                             f"{self.inductor_options!r}")
@@ -199,8 +198,6 @@ class CompileConfig:
             raise ValueError(f"piece_compiler must be inductor, aot_eager or eager, got {self.piece_compiler!r}")
         if self.cudagraph_mode not in ("auto", "none", "piecewise", "full_and_piecewise"):
             raise ValueError(f"cudagraph_mode: unknown mode {self.cudagraph_mode!r}")
-        if self.max_capture_size < 1:
-            raise ValueError(f"max_capture_size must be >= 1, got {self.max_capture_size}")
         if self.cudagraph_capture_sizes is not None:
             self.cudagraph_capture_sizes = sorted(set(_positive_ints("cudagraph_capture_sizes",
                                                                      self.cudagraph_capture_sizes)))

@@ -395,10 +395,12 @@ def _token_ids(name: str, values) -> tuple[int, ...]:
     """Token ids as Python ints, from a list, a tuple, a 1-d tensor or array (numpy's integers
     too); a TypeError naming ``name`` for anything else (bytes, a dict, floats, bools)."""
     if isinstance(values, torch.Tensor):
-        values = values.tolist() if values.dim() == 1 and not values.is_floating_point() else [None]
+        items = values.tolist() if values.dim() == 1 and not values.is_floating_point() else [None]
     elif isinstance(values, (str, bytes, bytearray, dict)) or not hasattr(values, "__iter__"):
-        values = [None]
-    tokens = tuple(as_int(t) for t in values)
+        items = [None]
+    else:
+        items = values
+    tokens = tuple(as_int(t) for t in items)
     if None in tokens:
         raise TypeError(f"{name} must be a list of token ids (ints), got {values!r}")
     return tokens
