@@ -174,9 +174,9 @@ class AttentionMetadataBuilder:
         blocks, packed_blocks = self._block_ids(entries, table_lens)
 
         num_actual_tokens = sum(query_lens)
-        if pad_to is not None and as_int(pad_to) is None:
-            raise TypeError(f"pad_to must be an int or None, got {pad_to!r}")
         num_tokens = num_actual_tokens if pad_to is None else as_int(pad_to)
+        if num_tokens is None:
+            raise TypeError(f"pad_to must be an int or None, got {pad_to!r}")
         if num_tokens < num_actual_tokens:
             raise ValueError(f"pad_to={pad_to} is smaller than the step's {num_actual_tokens} tokens")
         if num_tokens > self.max_num_tokens:

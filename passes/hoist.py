@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from .._torch_compat import call_schema, node_example_value, storage_key
-from .split import is_splitting_node
+from .split import is_splitting_node, torch_call_name
 
 #: call_method names known not to mutate their receiver.
 _PURE_METHODS = frozenset({
@@ -96,14 +96,7 @@ _VIEW_OPS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "
 
 
 def _is_view_op(node: torch.fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _VIEW_OPS
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return True
-    return getattr(node.target, "__name__", None) in _VIEW_OPS and \
-        getattr(node.target, "__module__", "") in ("torch", "torch.functional", "torch._C._VariableFunctions")
+    return (node.op == "call_function" and node.target is operator.getitem) or torch_call_name(node) in _VIEW_OPS
 
 
 def _storage_base(node: torch.fx.Node) -> torch.fx.Node:

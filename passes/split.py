@@ -101,13 +101,23 @@ _VIEW_METHODS = frozenset({"unsqueeze", "squeeze", "view", "expand", "transpose"
                            "select", "unflatten", "view_as", "expand_as"})
 
 
-def _is_view(node: torch.fx.Node) -> bool:
+#: Where torch's tensor functions live (``torch.narrow.__module__`` is "torch", ``torch.split``'s
+#: "torch.functional").
+_TORCH_FUNCTION_MODULES = ("torch", "torch.functional", "torch._C._VariableFunctions")
+
+
+def torch_call_name(node: torch.fx.Node) -> str | None:
+    """The name a call answers to as a tensor method or a ``torch`` function (``x.narrow(...)`` and
+    ``torch.narrow(x, ...)``: "narrow"); None for any other node."""
     if node.op == "call_method":
-        return node.target in _VIEW_METHODS
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", None)
-        return name in _VIEW_METHODS and getattr(node.target, "__module__", "") in ("torch", "torch.functional")
-    return False
+        return node.target
+    if node.op == "call_function" and getattr(node.target, "__module__", "") in _TORCH_FUNCTION_MODULES:
+        return getattr(node.target, "__name__", None)
+    return None
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return torch_call_name(node) in _VIEW_METHODS
 
 
 def _sink_views(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int], splitting_ops: Sequence[str]) -> None:

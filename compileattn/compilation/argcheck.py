@@ -21,6 +21,7 @@ call differs in any checked way must not load code compiled for the first.
 """
 from __future__ import annotations
 
+import contextlib
 import dis
 import enum
 import inspect
@@ -435,7 +436,7 @@ class ArgChecker:
         #: groups of places that held one tensor on the first call
         self._same = tuple(group for group in tensors if len(group) > 1)
         #: indices into ``_tensors`` of the tensors the compiled code writes into, and of those it may
-        #: (no version counter to tell: inference-mode tensors), from the first call (``note_writes``)
+        #: (no version counter to tell: inference-mode tensors), from the first call (``noting_writes``)
         self._written: frozenset[int] = frozenset()
         self._unknown: frozenset[int] = frozenset()
         #: per call layout: (position or keyword, name, spec) of each argument, and the size
@@ -449,7 +450,21 @@ class ArgChecker:
         self._size_guards = guards if guards else None
         self._plans.clear()
 
-    def tensor_versions(self, args: tuple, kwargs: dict) -> list[int | None]:
+    @contextlib.contextmanager
+    def noting_writes(self, args: tuple, kwargs: dict) -> Iterator[None]:
+        """Around the first call: which tensors the compiled code writes into (their version
+        counters move). From then on none of them may be passed as another argument too; distinct
+        tensors that are only read may be one tensor later (it reads the same). A tensor without a
+        version counter (made under ``torch.inference_mode()``) may have been written: it is held
+        to the same rule."""
+        before = self._tensor_versions(args, kwargs)
+        yield
+        after = self._tensor_versions(args, kwargs)
+        self._unknown = frozenset(i for i, b in enumerate(before) if b is None)
+        self._written = self._unknown | frozenset(i for i, (b, a) in enumerate(zip(before, after)) if a != b)
+        self._plans.clear()
+
+    def _tensor_versions(self, args: tuple, kwargs: dict) -> list[int | None]:
         """The version counter of each tensor of the call (``_tensors``' order); None where a tensor
         has none (an inference-mode tensor)."""
         where = dict((name, src) for src, name in _argument_names(self._sig, self._bound_self, args, kwargs))
@@ -461,15 +476,6 @@ class ArgChecker:
             except RuntimeError:
                 versions.append(None)
         return versions
-
-    def note_writes(self, before: list[int | None], after: list[int | None]) -> None:
-        """Which tensors the compiled code wrote into on the first call (their version counters moved):
-        from now on none of them may be passed as another argument too. Distinct tensors that are only
-        read may be one tensor later (it reads the same). A tensor without a version counter (made
-        under ``torch.inference_mode()``) may have been written: it is held to the same rule."""
-        self._unknown = frozenset(i for i, b in enumerate(before) if b is None)
-        self._written = self._unknown | frozenset(i for i, (b, a) in enumerate(zip(before, after)) if a != b)
-        self._plans.clear()
 
     def strided(self) -> dict[str, int]:
         """name -> ndim of the arguments whose strides the trace may have made symbols (tensors

@@ -430,10 +430,8 @@ class _Site:
         self.checker, self.stats, self.fast = checker, stats, fast
         _log_ready(what, stats)
         t = time.perf_counter()
-        call_args = full_args[1:] if self.bound else full_args
-        versions = checker.tensor_versions(call_args, kwargs)
-        out = fast(*full_args, **kwargs)
-        checker.note_writes(versions, checker.tensor_versions(call_args, kwargs))
+        with checker.noting_writes(full_args[1:] if self.bound else full_args, kwargs):
+            out = fast(*full_args, **kwargs)
         stats["first_call_s"] = time.perf_counter() - t
         return out
 
@@ -477,11 +475,9 @@ class _Site:
         timed = _TimedBackend(backend, wrap=False)
         compiled = torch.compile(_function_with_code(fn, fn.__code__.replace()), fullgraph=True, dynamic=False,
                                  backend=timed, options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
-        call_args = full_args[1:] if self.bound else full_args
-        versions = checker.tensor_versions(call_args, kwargs)
-        with debug.dump_context(self.owner._config):
+        with checker.noting_writes(full_args[1:] if self.bound else full_args, kwargs), \
+                debug.dump_context(self.owner._config):
             out = compiled(*full_args, **kwargs)
-        checker.note_writes(versions, checker.tensor_versions(call_args, kwargs))
         if not timed.results:
             # Dynamo did not compile the frame (disabled globally, e.g. TORCHDYNAMO_DISABLE=1).
             log.warning("compileattn: Dynamo produced no code for %s; it runs eagerly", what)

@@ -114,25 +114,27 @@ class ModelTensors:
     def check(self) -> None:
         """Per call: nothing registered and the watched tensors where they were; else compare
         everything (module docstring)."""
-        if module_watch.generation != self._generation:
-            self._compare_all()
-            self._watch()
-            self._generation = module_watch.generation
+        registered = module_watch.generation != self._generation
+        if not registered and not self._moved():
             return
+        self._compare_all()
+        if not registered:  # graph steps compare their parameters after a registration by themselves
+            module_watch.note_moved()
+        self._watch()
+        self._generation = module_watch.generation
+
+    def _moved(self) -> bool:
+        """Whether a watched tensor is not where it was."""
         for ref, table, name, address in self._watched:
             owner = ref()
             if owner is None:
                 continue  # the model is gone: its compiled code cannot run either
             try:
-                moved = getattr(owner, table)[name].data_ptr() != address
+                if getattr(owner, table)[name].data_ptr() != address:
+                    return True
             except (KeyError, AttributeError, RuntimeError):  # gone, None, or without storage now
-                moved = True
-            if moved:
-                self._compare_all()
-                module_watch.note_moved()
-                self._watch()
-                self._generation = module_watch.generation
-                return
+                return True
+        return False
 
     def _compare_all(self) -> None:
         for ref, first in self._models:

@@ -131,8 +131,8 @@ class LLM:
                                if v is not None})
         if kv_cache_memory is not None:
             memory = as_int(kv_cache_memory)  # an int, numpy's, a 0-dim integer tensor; or a float
-            memory = kv_cache_memory if memory is None and isinstance(kv_cache_memory, Real) \
-                and not isinstance(kv_cache_memory, bool) else memory
+            if memory is None and isinstance(kv_cache_memory, Real) and not is_bool(kv_cache_memory):
+                memory = kv_cache_memory
             if memory is None or not 0 < memory < math.inf:
                 raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
             kv_cache_memory = memory
