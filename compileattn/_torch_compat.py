@@ -67,6 +67,8 @@ PRIVATE_APIS = {
     "torch._ops.OpOverload": "matching splitting ops in FX graphs",
     "torch._ops.OpOverloadPacket": "matching splitting ops in FX graphs (Dynamo records packets)",
     "torch._C._AutoDispatchBelowAutograd": "the inference-only ops' Autograd kernel redispatches below it",
+    "torch.distributed.distributed_c10d._get_default_store": "the store torchrun's group was set up with: a "
+                                                             "failed TP step's reason for its peers",
     "torch._C._len_torch_dispatch_stack": "whether a dispatch mode is active (then the Autograd kernel redispatches)",
 }
 
@@ -106,6 +108,11 @@ def dispatch_stack_depth() -> Callable[[], int]:
     """The function counting active dispatch modes: callers resolve it once, as it sits on the eager
     op's per-call path."""
     return resolve("torch._C._len_torch_dispatch_stack")
+
+
+def default_store():
+    """The key-value store of the default process group (initialised by the caller)."""
+    return resolve("torch.distributed.distributed_c10d._get_default_store")()
 
 
 def dynamo_utils_module():

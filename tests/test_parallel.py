@@ -361,6 +361,10 @@ try:  # the ranks disagree: each got rank 0's outputs for prompts it never passe
     llm.generate([[1, 2, 3 + rank]], max_new_tokens=2, use_tqdm=False)
 except ValueError as exc:
     json.dump(str(exc), open(f"{out}.{rank}.differ.json", "w"))
+try:  # rank 1 refuses its own arguments before the ranks compare them: rank 0 must not wait for it
+    llm.generate([[1, 2, 3]], max_new_tokens=2, use_tqdm=False, ignore_eos="yes" if rank == 1 else False)
+except (TypeError, ValueError) as exc:
+    json.dump(f"{type(exc).__name__}: {exc}", open(f"{out}.{rank}.refused.json", "w"))
 print(f"rank {rank}: shutting down", file=sys.stderr, flush=True)
 compileattn.parallel.shutdown_tp()
 # Nothing may keep a destroyed group alive: its gloo threads would then be torn down at interpreter
@@ -402,11 +406,85 @@ def test_llm_tensor_parallel_size_2_equals_one_process(tmp_path, mode):
         assert json.loads((tmp_path / f"tokens.{rank}.json").read_text()) == expected
         assert "max_model_len" in json.loads((tmp_path / f"tokens.{rank}.err.json").read_text())
         assert "the ranks' arguments differ" in json.loads((tmp_path / f"tokens.{rank}.differ.json").read_text())
+        refused = json.loads((tmp_path / f"tokens.{rank}.refused.json").read_text())
+        assert refused.startswith("TypeError: ignore_eos must be a bool" if rank == 1 else
+                                  "ValueError: tensor parallel generate: rank 1 refused its arguments (TypeError: "
+                                  "ignore_eos must be a bool"), refused
         if mode == "prefix":
             again, hits = json.loads((tmp_path / f"tokens.{rank}.again.json").read_text())
             assert again == expected
             if rank == 0:  # whole blocks of 4, the last token left to compute: 4 + 8 + 0
                 assert hits == 12
+
+
+STEP_FAILURE_SCRIPT = r'''
+import json, sys, time
+import torch
+import compileattn
+from compileattn.parallel.failure import TPGroupFailed
+
+model_dir, out, failing_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=None, num_blocks=64,
+                      max_num_seqs=4, max_num_batched_tokens=16)
+rank = torch.distributed.get_rank()
+first = llm.generate([[5, 6, 7, 8, 9]], max_new_tokens=3, use_tqdm=False)
+if rank == failing_rank:  # this rank's third step of the next call raises, in its forward
+    forward, calls = llm.engine.runner.forward, []
+
+    def failing_forward(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure in the forward")
+        return forward(*args)
+
+    llm.engine.runner.forward = failing_forward
+start = time.perf_counter()
+try:
+    llm.generate([[1, 2, 3], [4] * 9], max_new_tokens=8, use_tqdm=False)
+    first_error = None
+except TPGroupFailed as exc:
+    first_error = str(exc)
+seconds = time.perf_counter() - start
+start = time.perf_counter()
+try:  # the group is gone: refused at once, with the same reason
+    llm.generate([[1, 2, 3]], max_new_tokens=2, use_tqdm=False)
+    second_error = None
+except TPGroupFailed as exc:
+    second_error = str(exc)
+json.dump({"first": first_error, "seconds": seconds, "second": second_error,
+           "second_seconds": time.perf_counter() - start, "tokens": first[0].token_ids},
+          open(f"{out}.{rank}.json", "w"))
+print(f"rank {rank}: done", file=sys.stderr, flush=True)
+'''
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_a_step_failing_on_one_rank_fails_every_rank_at_once_with_its_reason(tmp_path, failing_rank):
+    """A rank whose forward raises mid-``generate`` leaves its peer inside that step's collectives:
+    it publishes its reason and shuts the group down, so the peer's collective fails at once (not
+    after the group's 600 s timeout) and every rank raises ``TPGroupFailed`` naming the failing rank
+    and its exception; a later ``generate`` is refused with the same reason before any collective."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=256)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "model"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    script = tmp_path / "step_failure.py"
+    script.write_text(STEP_FAILURE_SCRIPT)
+    out = tmp_path / "result"
+    rc, log = torchrun(2, [str(script), str(model_dir), str(out), str(failing_rank)], tmp_path, timeout=240)
+    assert rc == 0, log[-4000:]
+    reason = f"rank {failing_rank} failed in a step: RuntimeError: injected failure in the forward"
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result.{rank}.json").read_text())
+        assert len(result["tokens"]) == 3  # the group served before the failure
+        assert result["first"] is not None and reason in result["first"], (rank, result)
+        assert result["seconds"] < 60, result  # the group's timeout is 600 s
+        assert result["second"] is not None and reason in result["second"], (rank, result)
+        assert result["second_seconds"] < 1, result
 
 
 @pytest.mark.slow

@@ -272,6 +272,53 @@ class LLM:
         sampling of ``temperature`` > 0: prompt i draws with the seed ``sampling_key(seed, i)``, so
         a call repeats its tokens, prefix caching, batch sizes and preemptions notwithstanding
         (None: random draws)."""
+        engine = self.engine
+        failure = getattr(engine, "failure", None)
+        if failure is not None:  # before any collective: the group is gone
+            raise type(failure)(f"this LLM cannot generate: {failure}")
+        try:
+            if engine.has_unfinished():
+                raise RuntimeError("the engine has unfinished requests from an interrupted call; create a new LLM")
+            prompts, token_prompts, params = self._requests(prompts, max_new_tokens, temperature, top_p, seed,
+                                                            stop_token_ids, ignore_eos)
+        except Exception as exc:
+            if self.tp is not None:  # so no rank waits alone for the others' agreement
+                self._agree_across_ranks(None, refused=exc)
+            raise
+        if self.tp is not None:
+            self._agree_across_ranks(hashlib.sha256(repr((token_prompts, params)).encode()).hexdigest())
+        if self.tp is not None and not self.tp.is_driver:
+            engine.serve()  # rank 0's steps, until its generate ends
+            result = self.tp.broadcast_object(None)
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"rank 0's generate failed: {result}") from result
+            return result
+        start = time.perf_counter()
+        stats = engine.prefix_cache_stats
+        looked_up, hit = stats.queried_tokens, stats.hit_tokens
+        try:
+            outputs = self._run(engine, params, token_prompts, prompts, use_tqdm, start)
+        except BaseException as exc:
+            if self.tp is not None and engine.failure is None:  # else the group is shut down on every rank
+                engine.stop_workers()
+                self.tp.broadcast_object(RuntimeError(f"{type(exc).__name__}: {exc}"))
+            raise
+        if self.tp is not None:
+            engine.stop_workers()
+            self.tp.broadcast_object(outputs)
+        elapsed = time.perf_counter() - start
+        num_out = sum(len(o.token_ids) for o in outputs)
+        logger.info("generated %d tokens for %d requests in %.2f s (%.1f tokens/s, %d preemptions)", num_out,
+                    len(outputs), elapsed, num_out / elapsed if elapsed > 0 else 0.0,
+                    sum(o.metrics.num_preemptions for o in outputs))
+        if engine.prefix_caching:
+            logger.info("prefix cache: %d of %d looked-up tokens hit", stats.hit_tokens - hit,
+                        stats.queried_tokens - looked_up)
+        return outputs
+
+    def _requests(self, prompts, max_new_tokens, temperature, top_p, seed, stop_token_ids, ignore_eos):
+        """``generate``'s arguments checked and converted: (prompts as a list, their token ids, one
+        ``SamplingParams`` each); a TypeError or ValueError naming the argument."""
         if isinstance(prompts, torch.Tensor):
             raise TypeError("prompts must be a string, a list of token ids or a list of those, got a Tensor "
                             "(pass tensor.tolist())")
@@ -307,52 +354,24 @@ class LLM:
                                  stop_token_ids=stop, ignore_eos=ignore_eos,
                                  seed=None if seed is None else sampling_key(seed, i))
                   for i, n in enumerate(lengths)]
-        try:
-            token_prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
-        except (TypeError, ValueError) as exc:
-            if self.tp is None:
-                raise
-            self._agree_across_ranks(f"{type(exc).__name__}: {exc}")  # so no rank waits alone
-            raise
-        if self.tp is not None:
-            self._agree_across_ranks(hashlib.sha256(repr((token_prompts, params)).encode()).hexdigest())
-        engine = self.engine
-        if engine.has_unfinished():
-            raise RuntimeError("the engine has unfinished requests from an interrupted call; create a new LLM")
-        if self.tp is not None and not self.tp.is_driver:
-            engine.serve()  # rank 0's steps, until its generate ends
-            result = self.tp.broadcast_object(None)
-            if isinstance(result, BaseException):
-                raise RuntimeError(f"rank 0's generate failed: {result}") from result
-            return result
-        start = time.perf_counter()
-        stats = engine.prefix_cache_stats
-        looked_up, hit = stats.queried_tokens, stats.hit_tokens
-        try:
-            outputs = self._run(engine, params, token_prompts, prompts, use_tqdm, start)
-        except BaseException as exc:
-            if self.tp is not None:
-                engine.stop_workers()
-                self.tp.broadcast_object(RuntimeError(f"{type(exc).__name__}: {exc}"))
-            raise
-        if self.tp is not None:
-            engine.stop_workers()
-            self.tp.broadcast_object(outputs)
-        elapsed = time.perf_counter() - start
-        num_out = sum(len(o.token_ids) for o in outputs)
-        logger.info("generated %d tokens for %d requests in %.2f s (%.1f tokens/s, %d preemptions)", num_out,
-                    len(outputs), elapsed, num_out / elapsed if elapsed > 0 else 0.0,
-                    sum(o.metrics.num_preemptions for o in outputs))
-        if engine.prefix_caching:
-            logger.info("prefix cache: %d of %d looked-up tokens hit", stats.hit_tokens - hit,
-                        stats.queried_tokens - looked_up)
-        return outputs
+        return prompts, [self._encode(p, i) for i, p in enumerate(prompts)], params
 
-    def _agree_across_ranks(self, digest: str) -> None:
+    def _agree_across_ranks(self, digest: str | None, refused: BaseException | None = None) -> None:
         """Under tensor parallelism every rank must call ``generate`` with the same arguments: rank 0
         schedules and every rank returns rank 0's outputs, so a rank that passed other prompts got
-        outputs for prompts it never passed. One gather of a digest per call."""
-        digests = self.tp.all_gather_object(digest)
+        outputs for prompts it never passed. One gather of a digest per call; a rank that refused
+        its arguments (``refused``, which it raises itself) takes part too, so the others raise
+        instead of waiting for it."""
+        answers = self.tp.all_gather_object((digest, None if refused is None else f"{type(refused).__name__}: "
+                                                                                  f"{refused}"))
+        refusals = {rank: why for rank, (_, why) in enumerate(answers) if why is not None}
+        if refused is not None:
+            return
+        if refusals:
+            raise ValueError("tensor parallel generate: " + "; ".join(
+                f"rank {rank} refused its arguments ({why})" for rank, why in refusals.items()) +
+                "; every rank must call generate with the same prompts, lengths and sampling settings")
+        digests = [d for d, _ in answers]
         if len(set(digests)) > 1:
             raise ValueError(f"tensor parallel generate: the ranks' arguments differ (rank {self.tp.rank}: "
                              f"{digest[:16]}; all ranks: {[d[:16] for d in digests]}); every rank must call "

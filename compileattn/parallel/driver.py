@@ -17,6 +17,7 @@ order, so the captured collectives pair up too.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -24,6 +25,7 @@ import torch
 
 from ..metadata import SequenceStep
 from ..engine import Engine
+from .failure import TPGroupFailed, fail_group
 from .group import TPGroup, get_tp
 
 
@@ -45,9 +47,33 @@ class TPEngine(Engine):
         #: Steps this rank ran, as StepPlans (the test of "every rank ran the same steps"), kept only
         #: with ``record_steps``: a served LLM runs steps for its whole life.
         self.steps_run: list[StepPlan] | None = [] if record_steps else None
+        #: Why the group was shut down (``failure.py``), once a step failed on some rank.
+        self.failure: TPGroupFailed | None = None
         super().__init__(model, **kwargs)
         self._runner_prepare = self.runner.prepare
         self.runner.prepare = self._prepare_step
+        self._runner_run = self.runner.run
+        self.runner.run = self._run_step
+
+    def _run_step(self, prepared):
+        """The runner's ``run``, ending the group on every rank if it raises."""
+        with self._group_ends_on_error():
+            return self._runner_run(prepared)
+
+    @contextlib.contextmanager
+    def _group_ends_on_error(self):
+        """Around everything between a step's broadcast and the end of its forward: an exception there
+        leaves the peers inside the step's collectives (or in the next broadcast), so it shuts the
+        group down on every rank (``failure.py``); a group already shut down raises its reason."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            yield
+        except TPGroupFailed:
+            raise
+        except BaseException as exc:
+            self.failure = fail_group(self.tp, exc)
+            raise self.failure from exc
 
     def _prepare_step(self, seqs: Sequence[SequenceStep], input_ids, positions, dummy: bool = False):
         """Rank 0: decide (broadcast) the step, then prepare it (the other ranks prepare it in
@@ -62,8 +88,9 @@ class TPEngine(Engine):
         n = sum(s[0] for s in seqs)
         plan = StepPlan(tuple(SequenceStep(int(s[0]), int(s[1]), tuple(s[2])) for s in seqs),
                         tuple(int(t) for t in input_ids), tuple(int(p) for p in positions), self.pad_fn(n))
-        self.tp.broadcast_object(plan)
-        return self._prepare_plan(plan)
+        with self._group_ends_on_error():
+            self.tp.broadcast_object(plan)
+            return self._prepare_plan(plan)
 
     def _prepare_plan(self, plan: StepPlan):
         if self.steps_run is not None:
@@ -84,18 +111,20 @@ class TPEngine(Engine):
             raise RuntimeError("rank 0 drives; serve() is for the other ranks")
         count = 0
         while True:
-            plan = self.tp.broadcast_object(None)
-            if plan is None:
-                return count
-            padded = self.pad_fn(len(plan.input_ids))
-            if padded != plan.padded:
-                # Only a differently configured rank gets here; running anyway would pair collectives wrongly.
-                raise ValueError(f"rank {self.tp.rank} pads {len(plan.input_ids)} tokens to {padded}, rank 0 "
-                                 f"to {plan.padded}: every rank needs the same CompileConfig (capture sizes)")
-            self.runner.run(self._prepare_plan(plan))
+            with self._group_ends_on_error():  # rank 0 shuts the group down when its own step fails
+                plan = self.tp.broadcast_object(None)
+                if plan is None:
+                    return count
+                padded = self.pad_fn(len(plan.input_ids))
+                if padded != plan.padded:
+                    # Only a differently configured rank gets here; running anyway would pair collectives wrongly.
+                    raise ValueError(f"rank {self.tp.rank} pads {len(plan.input_ids)} tokens to {padded}, rank 0 "
+                                     f"to {plan.padded}: every rank needs the same CompileConfig (capture sizes)")
+                prepared = self._prepare_plan(plan)
+            self.runner.run(prepared)
             count += 1
 
     def stop_workers(self) -> None:
-        """Rank 0: end the other ranks' ``serve()``."""
-        if self.tp.is_driver:
+        """Rank 0: end the other ranks' ``serve()`` (which a shut-down group has ended already)."""
+        if self.tp.is_driver and self.failure is None:
             self.tp.broadcast_object(None)

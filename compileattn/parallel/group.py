@@ -72,11 +72,13 @@ import datetime
 import logging
 import os
 import threading
+import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import _torch_compat
 from . import comm
 
 logger = logging.getLogger("compileattn")
@@ -100,6 +102,12 @@ class TPGroup:
     #: How small all-reduces (a decode step's) run: "symmetric-memory" (one-shot / two-shot by
     #: size, see ``comm.py``), "nccl", or "gloo" (CPUs); prefill-sized ones always take NCCL.
     all_reduce: str = "nccl"
+    #: The store the process group was set up with (host messages outside collectives: a failed
+    #: step's reason, ``failure.py``); None for a one-rank group.
+    store: Any = None
+    #: Rank 0's random name for this group, so its store keys are not read by a later group that
+    #: the same launcher's store serves.
+    token: str = ""
 
     @property
     def group_name(self) -> str:
@@ -222,7 +230,9 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
     if dist.get_world_size() != world or dist.get_rank() != rank:
         raise ValueError(f"the initialised process group ({dist.get_rank()}/{dist.get_world_size()}) disagrees "
                          f"with RANK/WORLD_SIZE ({rank}/{world})")
-    tp = TPGroup(rank, world, dev, dist.group.WORLD, cpu_group, all_reduce="nccl" if dev.type == "cuda" else "gloo")
+    tp = TPGroup(rank, world, dev, dist.group.WORLD, cpu_group, all_reduce="nccl" if dev.type == "cuda" else "gloo",
+                 store=_torch_compat.default_store())
+    tp = dataclasses.replace(tp, token=tp.broadcast_object(uuid.uuid4().hex if rank == 0 else None))
     _warm_up(tp)
     if dev.type == "cuda" and all_reduce != "nccl" and comm.enable_symmetric_memory(tp):
         tp = dataclasses.replace(tp, all_reduce="symmetric-memory")

@@ -1,0 +1,75 @@
+"""A step that fails on one rank ends the group on every rank, promptly and with the reason.
+
+Each step's forward holds collectives, so a rank whose step raises (an out-of-memory error in its
+forward, a bad plan) leaves its peers waiting inside one of them, for the group's timeout (10
+minutes by default), and a peer that then gives up has only "connection closed" to say. So the
+failing rank writes its reason to the group's store under a key of its own and shuts its process
+groups down: a peer blocked in a gloo collective gets an error at once, reads the reason from the
+store, shuts down its side too and raises ``TPGroupFailed`` naming the rank and its exception
+(measured on the CPU, two ranks over gloo: the failing ``generate`` returned its error on both
+ranks 0.07 s after it began; with the failing rank's groups left open, and its program calling
+``generate`` again, both waited past a 60 s limit, for the 600 s timeout). A rank whose collective fails with no reason in the store (a peer process that
+died) publishes its own error, so no rank is left without one.
+
+The group cannot be used after this: a collective that half the ranks left is unrecoverable
+without new processes, and which steps the captured graphs were in the middle of is unknown.
+
+On GPUs a peer's wait is a device synchronisation, not a gloo call: an NCCL collective left
+unmatched keeps its kernel spinning, so the host wait is woken only by NCCL's own watchdog at the
+group timeout, and the peers' errors then come from it (not measured: no two-GPU machine since
+this was written).
+"""
+from __future__ import annotations
+
+import logging
+
+from .. import _torch_compat
+from .group import TPGroup, shutdown_tp
+
+logger = logging.getLogger("compileattn")
+
+
+class TPGroupFailed(RuntimeError):
+    """A tensor-parallel step failed on some rank; this rank's process groups are shut down."""
+
+
+def _key(tp: TPGroup, rank: int) -> str:
+    return f"compileattn/tp/{tp.token}/failed/{rank}"
+
+
+def failure_reasons(tp: TPGroup) -> dict[int, str]:
+    """The reasons ranks published, by rank (empty while none has failed). One store round trip
+    per rank: read only after a collective has failed."""
+    store = tp.store
+    if store is None:
+        return {}
+    reasons = {}
+    for rank in range(tp.world_size):
+        key = _key(tp, rank)
+        try:
+            if store.check([key]):
+                reasons[rank] = store.get(key).decode(errors="replace")
+        except Exception:  # the store went with the launcher: nothing more to learn
+            break
+    return reasons
+
+
+def fail_group(tp: TPGroup, exc: BaseException) -> TPGroupFailed:
+    """``exc`` ended a step on this rank: name its cause (a peer's published reason if there is one,
+    else ``exc``, published for the peers), shut this rank's process groups down, and return the
+    error for the caller to raise from ``exc``."""
+    peers = {r: why for r, why in failure_reasons(tp).items() if r != tp.rank}
+    if peers:
+        reason = "; ".join(f"rank {r} failed in a step: {why}" for r, why in sorted(peers.items()))
+    else:
+        own = f"{type(exc).__name__}: {exc}"
+        if tp.store is not None:
+            try:
+                tp.store.set(_key(tp, tp.rank), own)
+            except Exception:
+                logger.warning("rank %d could not publish its failure to the TP group's store", tp.rank)
+        reason = f"rank {tp.rank} failed in a step: {own}"
+    logger.error("tensor parallel group shut down: %s", reason)
+    shutdown_tp()
+    return TPGroupFailed(f"{reason}; the tensor-parallel group is shut down on every rank (start the processes "
+                         f"again to serve)")
