@@ -8,16 +8,16 @@ groups down: a peer blocked in a gloo collective gets an error at once, reads th
 store, shuts down its side too and raises ``TPGroupFailed`` naming the rank and its exception
 (measured on the CPU, two ranks over gloo: the failing ``generate`` returned its error on both
 ranks 0.07 s after it began; with the failing rank's groups left open, and its program calling
-``generate`` again, both waited past a 60 s limit, for the 600 s timeout). A rank whose collective fails with no reason in the store (a peer process that
-died) publishes its own error, so no rank is left without one.
+``generate`` again, both waited past a 60 s limit, for the 600 s timeout). A rank whose
+collective fails with no reason in the store (a peer process that died) publishes its own error,
+so no rank is left without one.
 
 The group cannot be used after this: a collective that half the ranks left is unrecoverable
 without new processes, and which steps the captured graphs were in the middle of is unknown.
 
 On GPUs a peer's wait is a device synchronisation, not a gloo call: an NCCL collective left
 unmatched keeps its kernel spinning, so the host wait is woken only by NCCL's own watchdog at the
-group timeout, and the peers' errors then come from it (not measured: no two-GPU machine since
-this was written).
+group timeout, and the peers' errors then come from it (not run on two GPUs).
 """
 from __future__ import annotations
 
