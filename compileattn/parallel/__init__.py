@@ -19,5 +19,5 @@ from .group import TPGroup, get_tp, init_tp, shutdown_tp
 from .layers import HeadShard, RowParallelLinear
 from .shard import shard_model
 
-__all__ = ["HeadShard", "RowParallelLinear", "StepPlan", "TPEngine", "TPGroup", "TPGroupFailed", "all_reduce", "get_tp",
-           "init_tp", "shard_model", "shutdown_tp"]
+__all__ = ["HeadShard", "RowParallelLinear", "StepPlan", "TPEngine", "TPGroup", "TPGroupFailed", "all_reduce",
+           "get_tp", "init_tp", "shard_model", "shutdown_tp"]
