@@ -487,6 +487,37 @@ def test_a_step_failing_on_one_rank_fails_every_rank_at_once_with_its_reason(tmp
         assert result["second_seconds"] < 1, result
 
 
+def test_rank_0_waiting_for_a_step_learns_of_a_peer_failure_from_the_store():
+    """On GPUs rank 0 waits for a step whose collective kernel a failed peer will never join, and
+    nothing interrupts a wait on a CUDA graph: its wait polls the step's event and, now and then,
+    the store, and raises once a peer published its failure; with none, it returns when the
+    event completes."""
+    import threading
+    import time
+
+    from compileattn.parallel.failure import PeerFailed, failure_reasons, wait_watching_peers
+
+    class Event:
+        def __init__(self, done_after_s: float | None):
+            self.done_at = None if done_after_s is None else time.monotonic() + done_after_s
+
+        def query(self) -> bool:
+            return self.done_at is not None and time.monotonic() >= self.done_at
+
+    store = torch.distributed.HashStore()
+    tp = TPGroup(0, 2, torch.device("cpu"), store=store, token="t")
+    wait_watching_peers(tp, Event(0.05), poll_s=0.01)  # no failure: returns when the step is done
+    assert failure_reasons(tp) == {}
+    threading.Timer(0.1, lambda: store.set("compileattn/tp/t/failed/1", "OutOfMemoryError: ...")).start()
+    start = time.monotonic()
+    with pytest.raises(PeerFailed):
+        wait_watching_peers(tp, Event(None), poll_s=0.01)  # a step that never completes
+    assert time.monotonic() - start < 5
+    assert failure_reasons(tp) == {1: "OutOfMemoryError: ..."}
+    other = TPGroup(0, 2, torch.device("cpu"), store=store, token="u")  # a later group: not its failure
+    assert failure_reasons(other) == {}
+
+
 @pytest.mark.slow
 def test_gpu_tp_script_dry_run_on_cpu(tmp_path):
     """``.ci/gpu-tp``, the 2-GPU command, in its CPU mode (gloo, simulated graphs, tiny shapes):

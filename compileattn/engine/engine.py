@@ -348,12 +348,16 @@ class Engine:
         copied.record()
         return self._pinned[:n], copied
 
+    def _wait_for(self, copied: torch.cuda.Event) -> None:
+        """Block until a step's tokens have reached the host (``TPEngine`` watches its peers meanwhile)."""
+        copied.synchronize()
+
     def _complete(self, launched: "_Launched") -> tuple[dict[int, int], list[Request]]:
         """Wait for a launched step's tokens and give them to their requests; release the requests
         that finish. A request that stopped while this step was planned gets no token from it."""
         sched = launched.step
         if launched.copied is not None:
-            launched.copied.synchronize()
+            self._wait_for(launched.copied)
         tokens = launched.tokens.tolist() if isinstance(launched.tokens, torch.Tensor) else launched.tokens
         sampled: dict[int, int] = {}
         finished: list[Request] = []

@@ -25,7 +25,7 @@ import torch
 
 from ..metadata import SequenceStep
 from ..engine import Engine
-from .failure import TPGroupFailed, fail_group
+from .failure import TPGroupFailed, fail_group, wait_watching_peers
 from .group import TPGroup, get_tp
 
 
@@ -74,6 +74,11 @@ class TPEngine(Engine):
         except BaseException as exc:
             self.failure = fail_group(self.tp, exc)
             raise self.failure from exc
+
+    def _wait_for(self, copied) -> None:
+        """Rank 0's wait for a step's tokens, watching for a peer's failure (``failure.py``)."""
+        with self._group_ends_on_error():
+            wait_watching_peers(self.tp, copied)
 
     def _prepare_step(self, seqs: Sequence[SequenceStep], input_ids, positions, dummy: bool = False):
         """Rank 0: decide (broadcast) the step, then prepare it (the other ranks prepare it in

@@ -15,22 +15,38 @@ so no rank is left without one.
 The group cannot be used after this: a collective that half the ranks left is unrecoverable
 without new processes, and which steps the captured graphs were in the middle of is unknown.
 
-On GPUs a peer's wait is a device synchronisation, not a gloo call: an NCCL collective left
-unmatched keeps its kernel spinning, so the host wait is woken only by NCCL's own watchdog at the
-group timeout, and the peers' errors then come from it (not run on two GPUs).
+On GPUs only rank 0's host waits for a step (for its sampled tokens); the others go on to the
+next broadcast, a gloo call that fails as above when rank 0 shuts down. Rank 0's wait is for a
+CUDA graph whose collective kernel spins until every peer joins, and nothing interrupts it: NCCL's
+watchdog does not track collectives captured in a graph (pytorch/pytorch#103503) and the
+symmetric-memory all-reduce spins on its peers' flags. So rank 0 waits by polling the step's
+event and, every ``PEER_POLL_S``, the store (``wait_watching_peers``); its GPU work stays stuck,
+but its program gets the reason and can exit. (Not run on two GPUs.)
 """
 from __future__ import annotations
 
 import logging
+import time
 
-from .. import _torch_compat
 from .group import TPGroup, shutdown_tp
 
 logger = logging.getLogger("compileattn")
 
 
+#: How often rank 0 reads the store for a peer's failure while it waits for a step on the GPU: a
+#: read is a TCP round trip (~0.1 ms), so only waits longer than this pay one.
+PEER_POLL_S = 0.05
+#: How long a failed rank waits for its process groups' teardown: NCCL's can hang with a
+#: collective of the failed step still on the device (``group.shutdown_tp``).
+SHUTDOWN_S = 5.0
+
+
 class TPGroupFailed(RuntimeError):
     """A tensor-parallel step failed on some rank; this rank's process groups are shut down."""
+
+
+class PeerFailed(RuntimeError):
+    """A peer published a failure while this rank waited for its own step."""
 
 
 def _key(tp: TPGroup, rank: int) -> str:
@@ -54,6 +70,22 @@ def failure_reasons(tp: TPGroup) -> dict[int, str]:
     return reasons
 
 
+def wait_watching_peers(tp: TPGroup, event, poll_s: float = PEER_POLL_S) -> None:
+    """Wait for ``event`` (a CUDA event) as ``event.synchronize()`` does, but raise ``PeerFailed``
+    if a rank publishes a failure meanwhile. Polls with ``time.sleep(0)`` between queries, so the
+    process's other Python threads (compile workers' readers, landing pieces) keep the GIL."""
+    if tp.store is None:
+        event.synchronize()
+        return
+    next_look = time.monotonic() + poll_s
+    while not event.query():
+        if time.monotonic() >= next_look:
+            if failure_reasons(tp):
+                raise PeerFailed("a peer rank failed while this rank waited for its step on the device")
+            next_look = time.monotonic() + poll_s
+        time.sleep(0)
+
+
 def fail_group(tp: TPGroup, exc: BaseException) -> TPGroupFailed:
     """``exc`` ended a step on this rank: name its cause (a peer's published reason if there is one,
     else ``exc``, published for the peers), shut this rank's process groups down, and return the
@@ -70,6 +102,6 @@ def fail_group(tp: TPGroup, exc: BaseException) -> TPGroupFailed:
                 logger.warning("rank %d could not publish its failure to the TP group's store", tp.rank)
         reason = f"rank {tp.rank} failed in a step: {own}"
     logger.error("tensor parallel group shut down: %s", reason)
-    shutdown_tp()
+    shutdown_tp(SHUTDOWN_S)
     return TPGroupFailed(f"{reason}; the tensor-parallel group is shut down on every rank (start the processes "
                          f"again to serve)")
