@@ -423,9 +423,10 @@ import torch
 import compileattn
 from compileattn.parallel.failure import TPGroupFailed
 
-model_dir, out, failing_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
-llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=None, num_blocks=64,
-                      max_num_seqs=4, max_num_batched_tokens=16)
+model_dir, out, failing_rank, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+config = compileattn.CompileConfig() if device == "cuda" else None  # on GPUs: the collectives in CUDA graphs
+llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", device=device, compile_config=config,
+                      num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)
 rank = torch.distributed.get_rank()
 first = llm.generate([[5, 6, 7, 8, 9]], max_new_tokens=3, use_tqdm=False)
 if rank == failing_rank:  # this rank's third step of the next call raises, in its forward
@@ -458,12 +459,17 @@ print(f"rank {rank}: done", file=sys.stderr, flush=True)
 '''
 
 
-@pytest.mark.parametrize("failing_rank", [1, 0])
-def test_a_step_failing_on_one_rank_fails_every_rank_at_once_with_its_reason(tmp_path, failing_rank):
+@pytest.mark.parametrize("device, failing_rank", [("cpu", 1), ("cpu", 0),
+                                                  pytest.param("cuda", 1, marks=pytest.mark.cuda)])
+def test_a_step_failing_on_one_rank_fails_every_rank_at_once_with_its_reason(tmp_path, device, failing_rank):
     """A rank whose forward raises mid-``generate`` leaves its peer inside that step's collectives:
     it publishes its reason and shuts the group down, so the peer's collective fails at once (not
     after the group's 600 s timeout) and every rank raises ``TPGroupFailed`` naming the failing rank
-    and its exception; a later ``generate`` is refused with the same reason before any collective."""
+    and its exception; a later ``generate`` is refused with the same reason before any collective.
+    On GPUs rank 0 waits on a CUDA graph whose all-reduce rank 1 never joins: its polling wait sees
+    the store."""
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (run on nvidia-h200-x2: .ci/gpu-tp)")
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -475,7 +481,7 @@ def test_a_step_failing_on_one_rank_fails_every_rank_at_once_with_its_reason(tmp
     script = tmp_path / "step_failure.py"
     script.write_text(STEP_FAILURE_SCRIPT)
     out = tmp_path / "result"
-    rc, log = torchrun(2, [str(script), str(model_dir), str(out), str(failing_rank)], tmp_path, timeout=240)
+    rc, log = torchrun(2, [str(script), str(model_dir), str(out), str(failing_rank), device], tmp_path, timeout=240)
     assert rc == 0, log[-4000:]
     reason = f"rank {failing_rank} failed in a step: RuntimeError: injected failure in the forward"
     for rank in (0, 1):
