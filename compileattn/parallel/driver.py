@@ -62,7 +62,7 @@ class TPEngine(Engine):
 
     @contextlib.contextmanager
     def _group_ends_on_error(self):
-        """Around everything between a step's broadcast and the end of its forward: an exception there
+        """Around a step's broadcast, its forward and rank 0's wait for its tokens: an exception there
         leaves the peers inside the step's collectives (or in the next broadcast), so it shuts the
         group down on every rank (``failure.py``); a group already shut down raises its reason."""
         if self.failure is not None:
