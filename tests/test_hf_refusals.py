@@ -28,7 +28,15 @@ def build(config):
     (T.LlamaConfig(head_dim=32, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **TINY), "'dynamic'"),
     (T.Qwen2Config(layer_types=["full_attention", "linear_attention"], **TINY), r"\['linear_attention'\]"),
     (T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=32, d_ff=128, num_layers=1, num_heads=2), "encoder-decoder"),
-], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5"])
+    # Their sliding windows are in the mask only, not in the attention call: served, they attended
+    # every key and generated other tokens than their own generate().
+    (T.Qwen2MoeConfig(use_sliding_window=True, sliding_window=6, max_window_layers=2, num_experts=2,
+                      num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32, **TINY),
+     r"model\.layers\.0\.self_attn: its attention mask is not .*window_left=-1.* hides keys \[0\]"),
+    (T.PhimoeConfig(sliding_window=6, num_local_experts=2, num_experts_per_tok=1, **TINY),
+     r"model\.layers\.0\.self_attn: its attention mask is not .*window_left=-1.* hides keys \[0\]"),
+], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5",
+        "window-in-mask-only-qwen2-moe", "window-in-mask-only-phimoe"])
 def test_unservable_models_are_refused_with_the_reason(config, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
         HFCausalLM(build(config))
