@@ -35,8 +35,14 @@ def build(config):
      r"model\.layers\.0\.self_attn: its attention mask is not .*window_left=-1.* hides keys \[0\]"),
     (T.PhimoeConfig(sliding_window=6, num_local_experts=2, num_experts_per_tok=1, **TINY),
      r"model\.layers\.0\.self_attn: its attention mask is not .*window_left=-1.* hides keys \[0\]"),
+    # V's head dim differs from Q's (MLA): the probe failed in o_proj (a RuntimeError) before refusing it
+    (T.DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=2,
+                        num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+                        q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=64),
+     r"value \(1, 2, 3, 64\): only self-attention with one head dim is served"),
 ], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5",
-        "window-in-mask-only-qwen2-moe", "window-in-mask-only-phimoe"])
+        "window-in-mask-only-qwen2-moe", "window-in-mask-only-phimoe", "mla-value-head-dim"])
 def test_unservable_models_are_refused_with_the_reason(config, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
         HFCausalLM(build(config))

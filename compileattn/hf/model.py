@@ -70,8 +70,11 @@ def _probe_mask(**kwargs):
 
 
 def _probe_attention(module, query, key, value, attention_mask, **kwargs):
-    """Records the call; returns zeros (the probe needs the arguments, not the result). A mask
-    ``_probe_mask`` made (or a view of one) is recorded as its mask function, not as a mask."""
+    """Records the call; returns zeros (the probe needs the arguments, not the result), shaped as
+    transformers' attention output (batch, tokens, heads, value's head dim): a query-shaped result
+    failed in the model's output projection where V's head dim differs from Q's (DeepSeek's MLA),
+    before ``check_call`` could refuse the layer with the reason. A mask ``_probe_mask`` made (or
+    a view of one) is recorded as its mask function, not as a mask."""
     if _recording is None:
         raise RuntimeError("compileattn's probe attention ran outside a probe")
     mask_function = None
@@ -80,7 +83,7 @@ def _probe_attention(module, query, key, value, attention_mask, **kwargs):
         if made is not None and made[1] is not None:
             attention_mask, mask_function = None, made[1]
     _recording.append(_ProbeCall(module, query, key, value, attention_mask, mask_function, kwargs))
-    return torch.zeros_like(query).transpose(1, 2).contiguous(), None
+    return query.new_zeros((*query.shape[:-1], value.shape[-1])).transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
