@@ -66,12 +66,17 @@ def test_a_model_that_calls_attention_differently_than_bound_fails_loudly(tmp_pa
 
 
 def test_pickled_weights_need_allow_pickle_and_nothing_is_downloaded(tmp_path):
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     directory = save_family("llama", tmp_path / "bin")
     torch.save(load_file(directory / "model.safetensors"), directory / "pytorch_model.bin")
     (directory / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="allow_pickle=True"):
+        ca.LLM(str(directory), compile_config=None, num_blocks=16)
+    # Another safetensors file is not the model's weights (it was taken for them: transformers then
+    # refused the directory with an OSError that did not name allow_pickle).
+    save_file({"lora_A": torch.zeros(2, 2)}, directory / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="only pickled weights .*allow_pickle=True"):
         ca.LLM(str(directory), compile_config=None, num_blocks=16)
     llm = ca.LLM(str(directory), compile_config=None, num_blocks=16, allow_pickle=True)
     assert llm.generate(prompts()[0], 4, use_tqdm=False)[0].token_ids == hf_greedy(
