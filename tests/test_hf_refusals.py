@@ -41,8 +41,14 @@ def build(config):
                         num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
                         q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=64),
      r"value \(1, 2, 3, 64\): only self-attention with one head dim is served"),
+    # Positions from the cache length, position_ids dropped: served, a step's second sequence and
+    # every decode token got the wrong learned positions (other tokens than its generate())
+    (T.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                  decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, is_encoder_decoder=False),
+     r"BartForCausalLM does not place tokens by position_ids: model\.decoder\.layers\.0\.self_attn's query"),
 ], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5",
-        "window-in-mask-only-qwen2-moe", "window-in-mask-only-phimoe", "mla-value-head-dim"])
+        "window-in-mask-only-qwen2-moe", "window-in-mask-only-phimoe", "mla-value-head-dim",
+        "positions-not-from-position-ids-bart"])
 def test_unservable_models_are_refused_with_the_reason(config, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
         HFCausalLM(build(config))

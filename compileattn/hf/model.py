@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Iterator
 
 import torch
@@ -207,9 +208,38 @@ def bind_layers(model, num_tokens: int = 3) -> dict[str, AttentionSpec]:
         if call.mask_function is not None and (id(call.mask_function), spec.sliding_window) not in checked_masks:
             _check_mask(call.mask_function, spec, layer_name, max_position)
             checked_masks.add((id(call.mask_function), spec.sliding_window))
+    _check_positions(model, ids, pos, names)
     for layer_name, spec in specs.items():
         setattr(model.get_submodule(layer_name), BINDING_ATTR, LayerBinding(layer_name, spec))
     return specs
+
+
+#: Norm-relative difference ``_check_positions`` allows between a query (or key) and the same
+#: token's at the same position in the second packed sequence: rounding only.
+_PACKED_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+
+
+def _check_positions(model, ids: torch.Tensor, pos: torch.Tensor, names: dict[int, str]) -> None:
+    """compileattn packs every sequence of a step into one row and gives each token its position
+    through ``position_ids``; a model must compute a token's query and key from its id and that
+    position alone. The probe's tokens are packed twice, as two sequences starting at position 0,
+    and every layer's queries and keys for the second must be the first's. A model that numbers
+    tokens by their index in the row instead (BartForCausalLM and its kin take positions from the
+    cache length and drop ``position_ids``) would serve every token after a step's first sequence,
+    and every decode token, at the wrong position."""
+    with _probing(model) as calls, torch.no_grad():
+        model.base_model(input_ids=ids.repeat(1, 2), position_ids=pos.repeat(1, 2), use_cache=False)
+    n = ids.shape[1]
+    for call in calls:
+        for what, x in (("query", call.query), ("key", call.key)):
+            first, second = x[..., :n, :].float(), x[..., n:, :].float()
+            err = ((second - first).norm() / first.norm().clamp_min(1e-12)).item() if x.shape[-2] == 2 * n else math.inf
+            if not err <= _PACKED_TOLERANCE.get(x.dtype, 2e-2):
+                raise UnsupportedModelError(
+                    f"{type(model).__name__} does not place tokens by position_ids: {names[id(call.module)]}'s "
+                    f"{what} for the same tokens at the same positions differs in a second sequence packed into "
+                    f"the row (relative difference {err:.2e}); compileattn packs a step's sequences into one "
+                    f"row and gives each token its position through position_ids")
 
 
 def _probe_inputs(model, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
