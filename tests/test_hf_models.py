@@ -17,6 +17,7 @@ import torch
 
 import compileattn as ca
 from compileattn import _torch_compat
+from compileattn.hf.model import UnsupportedModelError
 from hf_families import FAMILIES, hf_greedy, load_reference, prompts, save_family
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,10 +94,13 @@ def test_compiled_greedy_equals_hf_generate(family, piece_compiler, mode, checkp
     assert (ca.counters.full_graph_steps > full) == (mode == "full_and_piecewise")
 
 
-def test_windows_and_softcaps_reach_the_kernel(checkpoint):
+def test_windows_and_softcaps_reach_the_kernel(checkpoint, monkeypatch):
     """The token tests can fail: the same Gemma-2 checkpoint with transformers' window taken as
-    compileattn's (one key too many) or without the attention softcap generates other tokens."""
+    compileattn's (one key too many) or without the attention softcap generates other tokens. The
+    wrong window is refused at load, where the probe compares it with the model's mask; with that
+    check off, it is served and generates other tokens."""
     import compileattn.hf.attention as hf_attention
+    import compileattn.hf.model as hf_model
 
     directory, _, expected = checkpoint("gemma2")
     real = hf_attention.settings_from_call
@@ -106,12 +110,14 @@ def test_windows_and_softcaps_reach_the_kernel(checkpoint):
                 return real(query, key, scaling, None if sliding_window is None else sliding_window + 1, softcap)
             return real(query, key, scaling, sliding_window, None)
 
-        hf_attention.settings_from_call = settings
-        try:
-            llm = ca.LLM(str(directory), compile_config=None, **ENGINE)
-            outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
-        finally:
-            hf_attention.settings_from_call = real
+        monkeypatch.setattr(hf_attention, "settings_from_call", settings)
+        if wrong == "window":
+            with pytest.raises(UnsupportedModelError, match=r"window_left=6\): at query position 6 the mask hides"):
+                ca.LLM(str(directory), compile_config=None, **ENGINE)
+            monkeypatch.setattr(hf_model, "_check_mask", lambda *args: None)
+        llm = ca.LLM(str(directory), compile_config=None, **ENGINE)
+        outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
+        monkeypatch.undo()
         assert [o.token_ids for o in outputs] != [tokens for tokens, _ in expected], wrong
 
 

@@ -28,7 +28,27 @@ def build(config):
     (T.LlamaConfig(head_dim=32, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **TINY), "'dynamic'"),
     (T.Qwen2Config(layer_types=["full_attention", "linear_attention"], **TINY), r"\['linear_attention'\]"),
     (T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=32, d_ff=128, num_layers=1, num_heads=2), "encoder-decoder"),
-], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5"])
+    # Their sliding windows are in the mask only, not in the attention call: served, they attended
+    # every key and generated other tokens than their own generate().
+    (T.Qwen2MoeConfig(use_sliding_window=True, sliding_window=6, max_window_layers=2, num_experts=2,
+                      num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32, **TINY),
+     r"model\.layers\.0\.self_attn: its attention mask is not .*window_left=-1.* hides keys \[0\]"),
+    (T.PhimoeConfig(sliding_window=6, num_local_experts=2, num_experts_per_tok=1, **TINY),
+     r"model\.layers\.0\.self_attn: its attention mask is not .*window_left=-1.* hides keys \[0\]"),
+    # V's head dim differs from Q's (MLA): the probe failed in o_proj (a RuntimeError) before refusing it
+    (T.DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=2,
+                        num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+                        q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=64),
+     r"value \(1, 2, 3, 64\): only self-attention with one head dim is served"),
+    # Positions from the cache length, position_ids dropped: served, a step's second sequence and
+    # every decode token got the wrong learned positions (other tokens than its generate())
+    (T.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                  decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, is_encoder_decoder=False),
+     r"BartForCausalLM does not place tokens by position_ids: model\.decoder\.layers\.0\.self_attn's query"),
+], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5",
+        "window-in-mask-only-qwen2-moe", "window-in-mask-only-phimoe", "mla-value-head-dim",
+        "positions-not-from-position-ids-bart"])
 def test_unservable_models_are_refused_with_the_reason(config, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
         HFCausalLM(build(config))
@@ -52,12 +72,17 @@ def test_a_model_that_calls_attention_differently_than_bound_fails_loudly(tmp_pa
 
 
 def test_pickled_weights_need_allow_pickle_and_nothing_is_downloaded(tmp_path):
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     directory = save_family("llama", tmp_path / "bin")
     torch.save(load_file(directory / "model.safetensors"), directory / "pytorch_model.bin")
     (directory / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="allow_pickle=True"):
+        ca.LLM(str(directory), compile_config=None, num_blocks=16)
+    # Another safetensors file is not the model's weights (it was taken for them: transformers then
+    # refused the directory with an OSError that did not name allow_pickle).
+    save_file({"lora_A": torch.zeros(2, 2)}, directory / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="only pickled weights .*allow_pickle=True"):
         ca.LLM(str(directory), compile_config=None, num_blocks=16)
     llm = ca.LLM(str(directory), compile_config=None, num_blocks=16, allow_pickle=True)
     assert llm.generate(prompts()[0], 4, use_tqdm=False)[0].token_ids == hf_greedy(

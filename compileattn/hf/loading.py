@@ -16,20 +16,26 @@ logger = logging.getLogger("compileattn")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+#: The safetensors weights transformers loads from a directory (``SAFE_WEIGHTS_NAME`` and
+#: ``SAFE_WEIGHTS_INDEX_NAME``): another ``*.safetensors`` beside pickled weights (an adapter's) is
+#: not the model's, and was taken for them, so transformers refused the directory without the reason.
+_SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
 def _check_directory(path: Path, allow_pickle: bool) -> None:
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist (models are loaded from a local "
                                 f"directory written by save_pretrained; nothing is downloaded)")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json")
-    if any(path.glob("*.safetensors")):
+    if any((path / name).is_file() for name in _SAFETENSORS_FILES):
         return
     if any(path.glob("*.bin")):
         if allow_pickle:
             return
         raise ValueError(f"{path} has only pickled weights (*.bin), which can run code when loaded; pass "
                          f"allow_pickle=True if you trust them, or convert them to safetensors")
-    raise FileNotFoundError(f"{path} has no weights (*.safetensors)")
+    raise FileNotFoundError(f"{path} has no weights ({' or '.join(_SAFETENSORS_FILES)})")
 
 
 def _check_loaded_keys(path: Path, info: dict) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Iterator
 
 import torch
@@ -42,38 +43,94 @@ class UnsupportedModelError(ValueError):
 
 
 class _ProbeCall:
-    __slots__ = ("module", "query", "key", "value", "mask", "kwargs")
+    __slots__ = ("module", "query", "key", "value", "mask", "mask_function", "kwargs")
 
-    def __init__(self, module, query, key, value, mask, kwargs):
-        self.module, self.query, self.key, self.value, self.mask, self.kwargs = (
-            module, query, key, value, mask, kwargs)
+    def __init__(self, module, query, key, value, mask, mask_function, kwargs):
+        self.module, self.query, self.key, self.value, self.mask, self.mask_function, self.kwargs = (
+            module, query, key, value, mask, mask_function, kwargs)
 
 
 _recording: list[_ProbeCall] | None = None
+#: Storage address of each mask ``_probe_mask`` made in the current probe -> (the mask, kept so
+#: that the address is not reused, and transformers' ``mask_function`` it was made from).
+_masks: dict[int, tuple[torch.Tensor, object]] | None = None
+
+
+def _probe_mask(**kwargs):
+    """transformers' mask interface for the probe: the boolean mask its sdpa attention would get,
+    remembered with the mask function that made it. Served, the model gets no mask at all (no
+    mask function is registered for ``"compileattn"``), so a window or any other pattern that a
+    model applies only through its mask, not through its attention call's arguments (Qwen2-MoE's
+    and PhiMoE's sliding windows), is found here, by comparing each layer's mask with its spec."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**{**kwargs, "allow_is_causal_skip": False})
+    if isinstance(mask, torch.Tensor) and _masks is not None:
+        _masks[mask.untyped_storage().data_ptr()] = (mask, kwargs.get("mask_function"))
+    return mask
 
 
 def _probe_attention(module, query, key, value, attention_mask, **kwargs):
-    """Records the call; returns zeros (the probe needs the arguments, not the result)."""
+    """Records the call; returns zeros (the probe needs the arguments, not the result), shaped as
+    transformers' attention output (batch, tokens, heads, value's head dim): a query-shaped result
+    failed in the model's output projection where V's head dim differs from Q's (DeepSeek's MLA),
+    before ``check_call`` could refuse the layer with the reason. A mask ``_probe_mask`` made (or
+    a view of one) is recorded as its mask function, not as a mask."""
     if _recording is None:
         raise RuntimeError("compileattn's probe attention ran outside a probe")
-    _recording.append(_ProbeCall(module, query, key, value, attention_mask, kwargs))
-    return torch.zeros_like(query).transpose(1, 2).contiguous(), None
+    mask_function = None
+    if isinstance(attention_mask, torch.Tensor):
+        made = _masks.get(attention_mask.untyped_storage().data_ptr())
+        if made is not None and made[1] is not None:
+            attention_mask, mask_function = None, made[1]
+    _recording.append(_ProbeCall(module, query, key, value, attention_mask, mask_function, kwargs))
+    return query.new_zeros((*query.shape[:-1], value.shape[-1])).transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
 def _probing(model) -> Iterator[list[_ProbeCall]]:
-    global _recording
+    global _recording, _masks
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(_PROBE, _probe_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_PROBE, _probe_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation(_PROBE)
-    _recording = []
+    _recording, _masks = [], {}
     try:
         yield _recording
     finally:
-        _recording = None
+        _recording = _masks = None
         model.set_attn_implementation(previous)
+
+
+def _check_mask(mask_function, spec: AttentionSpec, layer_name: str, max_position: int) -> None:
+    """Refuse a layer whose mask (transformers' ``mask_function``: which keys a query position may
+    see) is not causal attention with the spec's left window: compileattn attends by the spec alone.
+    Checked at the first 64 positions, around the window's edge and at the last position."""
+    window = spec.sliding_window
+    edges = (window - 1, window, window + 1, window + 2, 2 * window + 2) if window >= 0 else ()
+    positions = sorted({*range(min(64, max_position)), *(q for q in edges if 0 <= q < max_position),
+                        max_position - 1})
+    zero = torch.zeros((), dtype=torch.long)
+    for q in positions:
+        kv = torch.arange(q + 2)  # one key past the query: must be masked
+        expected = (kv <= q) & ((q - kv <= window) if window >= 0 else True)
+        try:
+            seen = torch.as_tensor(mask_function(zero, zero, torch.tensor(q), kv)).expand(kv.shape)
+        except Exception as exc:  # a mask function that needs vmap or more than positions
+            raise UnsupportedModelError(f"{layer_name}: its attention mask could not be compared with causal "
+                                        f"attention ({type(exc).__name__}: {exc})") from None
+        seen = seen.bool()
+        if not torch.equal(seen, expected):
+            hidden, shown = (expected & ~seen).nonzero()[:, 0].tolist(), (seen & ~expected).nonzero()[:, 0].tolist()
+            raise UnsupportedModelError(
+                f"{layer_name}: its attention mask is not what its attention call asks for (causal, window_left="
+                f"{window}): at query position {q} the mask "
+                + (f"hides keys {hidden[:4]}" if hidden else f"shows keys {shown[:4]}")
+                + "; transformers applies it (a sliding window, say) through the mask only, which compileattn "
+                  "cannot apply")
 
 
 def _refuse_config(model) -> None:
@@ -140,15 +197,49 @@ def bind_layers(model, num_tokens: int = 3) -> dict[str, AttentionSpec]:
         raise UnsupportedModelError(f"{name} has {expected} layers but {len(calls)} attention calls went through "
                                     f"the AttentionInterface; every layer must, exactly once")
     specs: dict[str, AttentionSpec] = {}
+    max_position = int(getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096)
+    checked_masks = set()  # (mask function, window): layers of one type share their mask, checked once
     for call in calls:
         layer_name = names[id(call.module)]
         if layer_name in specs:
             raise UnsupportedModelError(f"{layer_name} attends more than once per forward (shared layers); its "
                                         f"KV cache would be written twice")
-        specs[layer_name] = _spec_of_call(call, layer_name)
+        spec = specs[layer_name] = _spec_of_call(call, layer_name)
+        if call.mask_function is not None and (id(call.mask_function), spec.sliding_window) not in checked_masks:
+            _check_mask(call.mask_function, spec, layer_name, max_position)
+            checked_masks.add((id(call.mask_function), spec.sliding_window))
+    _check_positions(model, ids, pos, names)
     for layer_name, spec in specs.items():
         setattr(model.get_submodule(layer_name), BINDING_ATTR, LayerBinding(layer_name, spec))
     return specs
+
+
+#: Norm-relative difference ``_check_positions`` allows between a query (or key) and the same
+#: token's at the same position in the second packed sequence: rounding only.
+_PACKED_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+
+
+def _check_positions(model, ids: torch.Tensor, pos: torch.Tensor, names: dict[int, str]) -> None:
+    """compileattn packs every sequence of a step into one row and gives each token its position
+    through ``position_ids``; a model must compute a token's query and key from its id and that
+    position alone. The probe's tokens are packed twice, as two sequences starting at position 0,
+    and every layer's queries and keys for the second must be the first's. A model that numbers
+    tokens by their index in the row instead (BartForCausalLM and its kin take positions from the
+    cache length and drop ``position_ids``) would serve every token after a step's first sequence,
+    and every decode token, at the wrong position."""
+    with _probing(model) as calls, torch.no_grad():
+        model.base_model(input_ids=ids.repeat(1, 2), position_ids=pos.repeat(1, 2), use_cache=False)
+    n = ids.shape[1]
+    for call in calls:
+        for what, x in (("query", call.query), ("key", call.key)):
+            first, second = x[..., :n, :].float(), x[..., n:, :].float()
+            err = ((second - first).norm() / first.norm().clamp_min(1e-12)).item() if x.shape[-2] == 2 * n else math.inf
+            if not err <= _PACKED_TOLERANCE.get(x.dtype, 2e-2):
+                raise UnsupportedModelError(
+                    f"{type(model).__name__} does not place tokens by position_ids: {names[id(call.module)]}'s "
+                    f"{what} for the same tokens at the same positions differs in a second sequence packed into "
+                    f"the row (relative difference {err:.2e}); compileattn packs a step's sequences into one "
+                    f"row and gives each token its position through position_ids")
 
 
 def _probe_inputs(model, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
