@@ -174,7 +174,9 @@ def _spec_of_call(call: _ProbeCall, layer_name: str) -> AttentionSpec:
             call.query, call.key, scaling, sliding_window, softcap))
         hf_attention.check_call(LayerBinding(layer_name, spec), call.query, call.key, call.value, call.mask,
                                 scaling, dropout, sliding_window, softcap, kwargs)
-    except ValueError as exc:  # AttentionMismatchError among them
+    except hf_attention.AttentionMismatchError as exc:  # names the layer already
+        raise UnsupportedModelError(str(exc)) from None
+    except ValueError as exc:
         raise UnsupportedModelError(f"{layer_name}: {exc}") from None
     return spec
 
