@@ -332,6 +332,18 @@ def test_tp2_equals_tp1_bf16_with_real_cuda_graphs(tmp_path):
         assert r["modes"]["full_and_piecewise"]["counters"]["full_graphs"] > 0
 
 
+def tiny_hf_llama(directory: Path) -> Path:
+    """A 2-layer transformers Llama (GQA 4/2, head dim 32, random weights, seed 0) saved to ``directory``."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+    return directory
+
+
 LLM_TP_SCRIPT = r'''
 import json, sys
 import torch
@@ -384,16 +396,9 @@ def test_llm_tensor_parallel_size_2_equals_one_process(tmp_path, mode):
     outputs, equal to one process's greedy tokens (fp32); a request rank 0 refuses raises on
     every rank instead of leaving the others waiting. ``prefix``: with prefix caching, a second
     call served from the cache rank 0 keeps gives the same tokens on every rank."""
-    import transformers
-
     import compileattn
 
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   max_position_embeddings=256)
-    torch.manual_seed(0)
-    model_dir = tmp_path / "model"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    model_dir = tiny_hf_llama(tmp_path / "model")
     expected = [o.token_ids for o in compileattn.LLM(str(model_dir), dtype="float32", compile_config=None, num_blocks=64,
                                                      max_num_seqs=4, max_num_batched_tokens=16).generate(
         [[5, 6, 7, 8, 9], [3] * 11, [1, 2]], max_new_tokens=6, use_tqdm=False)]
@@ -470,14 +475,7 @@ def test_a_step_failing_on_one_rank_fails_every_rank_at_once_with_its_reason(tmp
     the store."""
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (run on nvidia-h200-x2: .ci/gpu-tp)")
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   max_position_embeddings=256)
-    torch.manual_seed(0)
-    model_dir = tmp_path / "model"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    model_dir = tiny_hf_llama(tmp_path / "model")
     script = tmp_path / "step_failure.py"
     script.write_text(STEP_FAILURE_SCRIPT)
     out = tmp_path / "result"
