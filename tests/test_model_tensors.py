@@ -189,3 +189,44 @@ def test_an_attribute_named_like_a_module_global_does_not_watch_the_global(monke
         runner(X)
         GLOBAL_MODEL.double()
         torch.testing.assert_close(runner(X), runner.GLOBAL_MODEL(X))
+
+
+class _Stepper:
+    """Not a module: a runner object whose decorated method calls the model it holds."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @ca.compile(dynamic_arg_dims={"x": 0}, config=CONFIG)
+    def step(self, x):
+        return self.model(x)
+
+
+def _held(how: str, model: nn.Module):
+    """A compiled callable reaching ``model`` through something that is not itself a module."""
+    if how == "plain_instance":
+        stepper = _Stepper(model)
+        return stepper, stepper.step
+    if how == "bound_method":
+        forward = model.forward
+        return None, ca.compile(lambda x: forward(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
+
+    def inner(x):
+        return model(x)
+
+    return None, ca.compile(lambda x: inner(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
+
+
+@pytest.mark.parametrize("how", ["plain_instance", "bound_method", "closed_over_function"])
+def test_a_model_reached_through_an_object_a_method_or_a_function_is_watched(how):
+    """A runner's ``self.model``, a closed-over ``model.forward`` or a helper closing over the
+    model: none was found among the models to watch, so converting the model after the first call
+    ran the float32 code over float64 storage (values ~1e20, no error)."""
+    model = Holder()
+    keep, fn = _held(how, model)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(X), model(X))
+        model.double()
+        with pytest.raises(RecompileError, match="Holder's parameter scaled.w was torch.float32"):
+            fn(X)
+    del keep

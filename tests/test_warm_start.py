@@ -353,6 +353,33 @@ def test_a_model_closed_over_inside_a_list_is_in_the_key(tmp_path):
         assert f.compile_stats["path"] == "cold", factor
 
 
+class _Runner:
+    """Not a module: a runner object holding a model and a setting its method reads."""
+
+    def __init__(self, model, factor):
+        self.model, self.factor = model, factor
+
+    def step(self, x):
+        return self.model(x) * self.factor
+
+
+@pytest.mark.parametrize("model_factor, runner_factor", [(5.0, 1.0), (1.0, 5.0)], ids=["its_model", "its_setting"])
+def test_a_plain_object_whose_method_is_compiled_is_in_the_key_with_the_model_it_holds(tmp_path, model_factor,
+                                                                                        runner_factor):
+    """The instance of a decorated method that is not a module was keyed by nothing: a process
+    whose runner held another model (another dtype, other attributes) or setting loaded this one's
+    compile and ran it (garbage values over float64 weights, or the first runner's answer)."""
+    first = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(_Runner.step)
+    assert torch.equal(first(_Runner(_Scale(1.0), 1.0), torch.ones(3)), torch.ones(3))
+    other = _Runner(_Scale(model_factor), runner_factor)
+    second = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(_Runner.step)
+    assert torch.equal(second(other, torch.ones(3)), torch.full((3,), 5.0))
+    assert second.compile_stats["path"] == "cold"
+    again = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(_Runner.step)
+    assert torch.equal(again(_Runner(_Scale(1.0), 1.0), torch.ones(3)), torch.ones(3))
+    assert again.compile_stats["path"] == "warm"  # the same runner and model: still a hit
+
+
 def test_an_objects_private_state_stays_out_of_the_key_its_public_fields_go_in():
     """transformers' GenerationConfig keeps a string hash (randomized per process) in a private
     field: in the key, every process's warm start would miss. A config's public fields are in it."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import enum
+import functools
 import inspect
 import types
 import weakref
@@ -352,13 +353,45 @@ def leaves(v: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
         yield path, v
 
 
-def modules_in(values: Iterable[Any]) -> Iterator[torch.nn.Module]:
+def modules_in(values: Iterable[Any], depth: int = 2) -> Iterator[torch.nn.Module]:
     """The modules among ``values``, inside the containers the argument check walks too (the
-    trace bakes in a module found there alike)."""
-    for v in values:
+    trace bakes in a module found there alike), and those held by what is not a module, ``depth``
+    holders deep: a plain object's attributes (``self.model`` of a runner class whose method is
+    decorated), a bound method's instance (a closed-over ``model.forward``), a function's closure
+    (a helper closing over the model), a ``functools.partial``'s function and arguments. Dynamo
+    reads through each of them alike; found nowhere, such a model was neither watched nor keyed.
+    A module is not walked into (its submodules are its own)."""
+    seen: set[int] = set()
+
+    def walk(v: Any, left: int) -> Iterator[torch.nn.Module]:
         for _, leaf in leaves(v):
             if isinstance(leaf, torch.nn.Module):
                 yield leaf
+            elif left > 0 and id(leaf) not in seen:
+                seen.add(id(leaf))
+                for held in _held_by(leaf):
+                    yield from walk(held, left - 1)
+
+    for v in values:
+        yield from walk(v, depth)
+
+
+def _held_by(v: Any) -> list:
+    """What a bound method, function, partial or plain object holds (``modules_in``); nothing for
+    tensors, plain values, classes and Python modules."""
+    if isinstance(v, (torch.Tensor, type, types.ModuleType, *_VALUE_TYPES)):
+        return []
+    if isinstance(v, types.MethodType):
+        return [v.__self__, v.__func__]
+    if isinstance(v, types.FunctionType):
+        return closure_values(v)
+    if isinstance(v, functools.partial):
+        return [v.func, v.args, v.keywords]
+    try:  # an object's __getattr__ / __dict__ may raise anything (a lazy proxy)
+        attributes = vars(v)
+    except Exception:  # noqa: BLE001
+        return []
+    return list(attributes.values()) if isinstance(attributes, dict) else []
 
 
 def cell_filled(cell) -> bool:

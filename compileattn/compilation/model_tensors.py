@@ -60,8 +60,8 @@ def _layout(t: torch.Tensor) -> tuple:
 
 class ModelTensors:
     """The submodules, parameters and buffers of the modules a compile baked in (the instance,
-    modules among its arguments and closure, module globals its code reads), as the first call saw
-    them. Holds the modules weakly."""
+    modules among its arguments and closure, module globals its code reads, and those objects among
+    them hold: ``argcheck.modules_in``), as the first call saw them. Holds the modules weakly."""
 
     __slots__ = ("_models", "_watched", "_generation")
 

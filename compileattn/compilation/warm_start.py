@@ -174,7 +174,11 @@ def closure_fingerprint(fn: Callable) -> Iterable[str]:
 def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, values: Iterable[Any]) -> str:
     """The cache key of a compile: everything that decides Dynamo's code and the pieces that is
     known before tracing. ``arguments``: the argument checker's text of the first call;
-    ``values``: the call's argument values (modules among them, in containers too, are fingerprinted)."""
+    ``values``: the call's argument values (modules among them, in containers too, are fingerprinted;
+    so are the other objects, by value: the argument check sees their type only, and the instance
+    of a decorated method of a class that is not a module is not among the checked arguments at
+    all, yet the trace read its attributes and the model it holds)."""
+    values = tuple(values)
     parts = [
         f"format={FORMAT}", f"torch={torch.__version__}", f"python={sys.version}",
         f"compileattn={compileattn_source_digest()}",
@@ -183,6 +187,9 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
         f"dynamic={sorted(dynamic.items())}", f"arguments={arguments}", *environment_key(),
     ]
     parts.extend(closure_fingerprint(fn))
+    for value in values:
+        parts.extend(f"object={_fingerprint(leaf)}" for _, leaf in argcheck.leaves(value)
+                     if not isinstance(leaf, (torch.nn.Module, torch.Tensor)))
     for module in argcheck.modules_in(values):
         parts.extend(module_fingerprint(module))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
