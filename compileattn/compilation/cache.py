@@ -258,6 +258,17 @@ class CompileCache:
         # that pinned other values must not load it.
         self._static_tag = f"_{hashlib.sha256(repr(pinned_values).encode()).hexdigest()[:12]}" if pinned_values else ""
 
+    @classmethod
+    def opened(cls, root: str | os.PathLike, key: str, pinned_values: tuple[int, ...] = ()) -> "CompileCache | None":
+        """The cache, or None where ``root`` is a file: the compile goes on without it (logged), as
+        with a file in place of a key's directory (``_usable``) or of the decorator's ``warm_start/``;
+        other refusals (``secure_dir``'s PermissionError) raise."""
+        try:
+            return cls(root, key, pinned_values)
+        except NotADirectoryError as exc:
+            logger.warning("compile cache unusable (%s); compiling without it", exc)
+            return None
+
     def _path(self, signature: str, size: int | None) -> Path:
         shape = "dynamic" if size is None else f"static{size}{self._static_tag}"
         return self.dir / f"piece_{signature}_{shape}.bin"

@@ -673,7 +673,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
     inputs = [n.name for n in split_gm.graph.nodes if n.op == "placeholder"]
     pinned = pin_other_sizes(fake_args, inputs, token_symbol)
-    cache = CompileCache(config.cache_dir, cache_key(config, gm), pinned.values) if config.cache_dir else None
+    cache = CompileCache.opened(config.cache_dir, cache_key(config, gm), pinned.values) if config.cache_dir else None
     static_sizes = config.resolved_compile_sizes(device.type) if token_symbol is not None else ()
     if static_sizes and not pinned.keyed_by_token_count:
         logger.info("compile_sizes %s ignored: %s, so a call's sizes cannot be matched to a static piece",
