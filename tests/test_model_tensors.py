@@ -3,6 +3,8 @@ where its compiled code would read the new storage as the old dtype, served wher
 changed, CUDA graphs captured again then."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -230,3 +232,43 @@ def test_a_model_reached_through_an_object_a_method_or_a_function_is_watched(how
         with pytest.raises(RecompileError, match="Holder's parameter scaled.w was torch.float32"):
             fn(X)
     del keep
+
+
+class Projected(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * 2
+
+
+@pytest.mark.parametrize("size_asserts", [True, False])
+def test_a_parameter_given_other_strides_after_the_first_call_is_refused_by_name(size_asserts):
+    """Column-major storage of the same shape (``w.data = w.t().contiguous().t()``) compared equal:
+    Inductor's code then failed on its own stride assertion, or without it (``size_asserts``
+    off) read the weight transposed, no error. Strides of size-1 dims are free, as for Inductor."""
+    config = dataclasses.replace(CONFIG, inductor_options={"size_asserts": size_asserts})
+    model = Projected()
+    fn = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=config)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(X), model(X))
+        weight = model.lin.weight
+        weight.data = weight.data.t().contiguous().t()
+        with pytest.raises(RecompileError, match=r"Projected's parameter lin\.weight was torch\.float32 \(4, 4\) on "
+                                                 r"cpu with strides \(4, 1\) at the first call and is torch\.float32 "
+                                                 r"\(4, 4\) on cpu with strides \(1, 4\) now"):
+            fn(X)
+        weight.data = weight.data.contiguous()
+        torch.testing.assert_close(fn(X), model(X))
+        bias = model.lin.bias
+        bias.data = torch.empty(4, 2)[:, 0].copy_(bias.data)  # a size > 1 dim's stride: refused too
+        with pytest.raises(RecompileError, match=r"parameter lin\.bias"):
+            fn(X)
+    assert ModelTensors._tensors_of(nn.Linear(1, 1)) == ModelTensors._tensors_of(
+        _with_data(nn.Linear(1, 1), torch.empty(3, 4)[:1, :1]))  # a size-1 dim's stride is free
+
+
+def _with_data(module: nn.Module, data: torch.Tensor) -> nn.Module:
+    module.weight.data = data
+    return module

@@ -23,10 +23,10 @@ in torch's C++ helper, probe S18-4). So per call, two cheap looks:
    µs for both on the CPU box with a test suite running beside it; ``benchmarks/host_step.py``'s
    direct-replay step moved by less than its run-to-run spread).
 
-Where either changed, every submodule's class and every parameter's and buffer's dtype, device and
-shape, by name from the model, is compared with the first call's: a difference raises
+Where either changed, every submodule's class and every parameter's and buffer's dtype, device,
+shape and strides, by name from the model, is compared with the first call's: a difference raises
 ``RecompileError`` naming it (a compile for the changed model would be a new instance's). Where only
-addresses changed (``param.data = w`` with the same dtype, device and shape), the compiled code
+addresses changed (``param.data = w`` with the same dtype, device, shape and strides), the compiled code
 reads the new tensors by itself, and CUDA-graph steps are told to compare their captured addresses
 (``module_watch.note_moved``: they capture again).
 
@@ -55,7 +55,12 @@ def _address(t: torch.Tensor) -> int | None:
 
 
 def _layout(t: torch.Tensor) -> tuple:
-    return t.dtype, t.device, tuple(t.shape)
+    """dtype, device, shape, and the strides (None for a size-1 dim's): Inductor's code assumes them
+    (``assert_size_stride``, which leaves size-1 dims free), so a parameter given storage of its
+    shape in another order (``w.data = w.t().contiguous().t()``) failed inside it, or with
+    ``size_asserts`` off was read in the old order, no error."""
+    return (t.dtype, t.device, tuple(t.shape),
+            tuple(stride if size > 1 else None for size, stride in zip(t.shape, t.stride())))
 
 
 class ModelTensors:
@@ -147,17 +152,22 @@ class ModelTensors:
             if changed:
                 name = changed[0]
                 more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-                raise _changed(type(model), f"{name}{more}", f"was {_shown(first.get(name))} at the first call "
-                                                             f"and is {_shown(now.get(name))} now")
+                was, is_ = first.get(name), now.get(name)
+                strides = was is not None and is_ is not None and was[:-1] == is_[:-1]  # only they differ
+                raise _changed(type(model), f"{name}{more}", f"was {_shown(was, strides)} at the first call "
+                                                             f"and is {_shown(is_, strides)} now")
 
 
-def _shown(what: tuple | None) -> str:
+def _shown(what: tuple | None, strides: bool = False) -> str:
     if what is None:
         return "absent"
     if len(what) == 1:
         return f"a {what[0].__qualname__}"
-    dtype, device, shape = what
-    return f"{dtype} {shape} on {device}"
+    dtype, device, shape, _ = what
+    shown = f"{dtype} {shape} on {device}"
+    if strides:
+        return f"{shown} with strides {what[3]}"
+    return shown
 
 
 def _changed(cls: type, name: str, what: str) -> RecompileError:
