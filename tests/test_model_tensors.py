@@ -272,3 +272,41 @@ def test_a_parameter_given_other_strides_after_the_first_call_is_refused_by_name
 def _with_data(module: nn.Module, data: torch.Tensor) -> nn.Module:
     module.weight.data = data
     return module
+
+
+def _rebindable(how: str, model: nn.Module):
+    """A compiled callable and a function putting another model where its code looks ``model`` up."""
+    if how == "runner_attribute":
+        stepper = _Stepper(model)
+        return stepper.step, lambda other: setattr(stepper, "model", other)
+
+    def put(other):
+        nonlocal model
+        model = other
+
+    return ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=CONFIG), put
+
+
+@pytest.mark.parametrize("how", ["closure_variable", "runner_attribute"])
+def test_another_model_put_where_the_compiled_code_looks_it_up_is_compared_with_the_first(how):
+    """``model = load(...)`` again in the function that made the compiled closure, or a runner's
+    ``self.model = ...``: Dynamo's code looks the model up at every call and ran the float32 code
+    over the new float64 model (~1e20), while the watch looked at the first model. One alike is
+    served with its own weights."""
+    fn, put = _rebindable(how, Holder())
+    with torch.no_grad():
+        fn(X)
+        alike = Holder()
+        alike.scaled.w.fill_(-2.0)
+        put(alike)
+        torch.testing.assert_close(fn(X), alike(X))
+        put(Holder().double())
+        with pytest.raises(RecompileError, match=r"holds another model than at the first call: Holder's parameter "
+                                                 r"scaled\.w was torch\.float32 \(4,\) on cpu at the first call and "
+                                                 r"is torch\.float64"):
+            fn(X)
+        put(None)
+        with pytest.raises(RecompileError, match=r"held a Holder at the first call and holds a NoneType now"):
+            fn(X)
+        put(alike)
+        torch.testing.assert_close(fn(X), alike(X))

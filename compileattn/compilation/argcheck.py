@@ -28,7 +28,7 @@ import functools
 import inspect
 import types
 import weakref
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -360,7 +360,8 @@ def modules_in(values: Iterable[Any], depth: int = 2) -> Iterator[torch.nn.Modul
     decorated), a bound method's instance (a closed-over ``model.forward``), a function's closure
     (a helper closing over the model), a ``functools.partial``'s function and arguments. Dynamo
     reads through each of them alike; found nowhere, such a model was neither watched nor keyed.
-    A module is not walked into (its submodules are its own)."""
+    A module is not walked into (its submodules are its own). One such a holder has but the trace
+    never reads is watched and keyed too: converting it after the first call is refused."""
     seen: set[int] = set()
 
     def walk(v: Any, left: int) -> Iterator[torch.nn.Module]:
@@ -439,6 +440,46 @@ def global_modules(fn: Any, depth: int = 2) -> list[torch.nn.Module]:
                     if left > 0 and isinstance(value, (types.FunctionType, types.MethodType)):
                         todo.append((value, left - 1))
     return [v for v in found.values() if isinstance(v, torch.nn.Module)]
+
+
+def model_bindings(fn: Any, instance: tuple = ()) -> list[tuple[str, Callable[[], Any], torch.nn.Module]]:
+    """Where Dynamo's code looks a model up again at every call, so that another model put there
+    after the first call is the one it runs (with code traced for the first): a closure variable
+    of ``fn``, an attribute of the instance of a decorated method when it is not a module (a
+    runner's ``self.model``; a module's attribute replaced registers, ``module_watch.py``). Each as
+    (its name, a function reading what it holds now, the model it held at the first call). Not:
+    module globals (the compiled code keeps the first call's model: frozen, as the README says of
+    globals), objects among the other arguments (checked for type only: each call may pass
+    another), closure variables of other functions."""
+    found: list[tuple[str, Callable[[], Any], torch.nn.Module]] = []
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, getattr(fn, "__closure__", None) or ()):
+        if cell_filled(cell) and isinstance(cell.cell_contents, torch.nn.Module):
+            found.append((f"closure variable {name!r}", functools.partial(_cell_contents, cell), cell.cell_contents))
+    for obj in instance:
+        if isinstance(obj, torch.nn.Module):
+            continue
+        try:
+            attributes, ref = vars(obj), weakref.ref(obj)
+        except TypeError:  # no __dict__, or no weak references: not followed
+            continue
+        for name, value in attributes.items():
+            if isinstance(value, torch.nn.Module):
+                found.append((f"{type(obj).__qualname__}'s attribute {name!r}",
+                              functools.partial(_attribute, ref, name), value))
+    return found
+
+
+def _cell_contents(cell) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # emptied (``del model``): holds no model
+        return None
+
+
+def _attribute(ref: weakref.ref, name: str) -> Any:
+    obj = ref()
+    return None if obj is None else vars(obj).get(name)
 
 
 def _shown_path(path: tuple) -> str:

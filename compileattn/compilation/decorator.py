@@ -81,7 +81,8 @@ from .. import _torch_compat
 from ..config import CompileConfig
 from . import compile_pool, kernel_warmup, regions, warm_start
 from .argcheck import (
-    ArgChecker, RecompileError, all_arguments, closure_values, global_modules, modules_in, spec_of, tensor_places,
+    ArgChecker, RecompileError, all_arguments, closure_values, global_modules, model_bindings, modules_in, spec_of,
+    tensor_places,
 )
 from .model_tensors import ModelTensors
 from .replay import MISS, FullStepShortcut, graph_call_of
@@ -291,8 +292,9 @@ class _Site:
 
         values = all_arguments(owner._sig, self.bound, args, kwargs)
         dynamic = _mark_dynamic(values, owner._dynamic_arg_dims)
-        self.tensors = ModelTensors(modules_in((*full_args[:1 if self.bound else 0], *values.values(),
-                                                *closure_values(fn), *global_modules(fn))))
+        instance = full_args[:1 if self.bound else 0]
+        self.tensors = ModelTensors(modules_in((*instance, *values.values(), *closure_values(fn), *global_modules(fn))),
+                                    model_bindings(fn, instance))
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
                                                       for name, v in values.items()}, torch.is_grad_enabled(),
                              tensor_places(values))
@@ -303,7 +305,6 @@ class _Site:
             log.info("compileattn: %s uses backend %r: no warm start (only the default backend's compile is "
                      "saved, the cache key cannot describe another)", what, owner._backend)
         elif config.cache_dir is not None:
-            instance = full_args[:1] if self.bound else ()
             try:
                 key = warm_start.key_of(fn, config, dynamic, checker.key(), (*instance, *values.values()))
                 path = warm_start.path_of(config, key, fn)

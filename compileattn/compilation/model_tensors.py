@@ -30,6 +30,10 @@ addresses changed (``param.data = w`` with the same dtype, device, shape and str
 reads the new tensors by itself, and CUDA-graph steps are told to compare their captured addresses
 (``module_watch.note_moved``: they capture again).
 
+Another model put where the compiled code looks its model up at every call (a closure variable
+of the decorated function, an attribute of a decorated method's instance that is not a module:
+``argcheck.model_bindings``) is compared alike, per call one identity each.
+
 Not caught: a conversion of part of a model that moves neither watched tensor and registers
 nothing (``model.layers[3].half()``): convert models before their first call. A replaced submodule
 of the same class and tensor layouts is served with its own tensors, and the attribute values the
@@ -38,7 +42,7 @@ trace read from the old one (documented for every compile that skips guards).
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -68,18 +72,24 @@ class ModelTensors:
     modules among its arguments and closure, module globals its code reads, and those objects among
     them hold: ``argcheck.modules_in``), as the first call saw them. Holds the modules weakly."""
 
-    __slots__ = ("_models", "_watched", "_generation")
+    __slots__ = ("_models", "_watched", "_generation", "_bindings")
 
-    def __init__(self, models: Iterable[torch.nn.Module]):
+    def __init__(self, models: Iterable[torch.nn.Module],
+                 bindings: Iterable[tuple[str, Callable[[], Any], torch.nn.Module]] = ()):
+        """``bindings``: where the compiled code looks a model up again at each call
+        (``argcheck.model_bindings``): another model put there is compared with the first call's."""
         module_watch.start()  # a submodule replaced from now on is counted
         #: (weakref to the model, {"submodule name" / "parameter name" / "buffer name": what it was}) per
         #: distinct model
         self._models: list[tuple[weakref.ref, dict[str, tuple]]] = []
-        seen: set[int] = set()
-        for model in models:
-            if id(model) not in seen:
-                seen.add(id(model))
+        index: dict[int, int] = {}
+        bindings = list(bindings)
+        for model in (*models, *(model for _, _, model in bindings)):
+            if id(model) not in index:
+                index[id(model)] = len(self._models)
                 self._models.append((weakref.ref(model), self._tensors_of(model)))
+        #: (its name, what reads it, weakref to the model it holds, that model's index in ``_models``)
+        self._bindings = tuple((name, read, weakref.ref(model), index[id(model)]) for name, read, model in bindings)
         #: (weakref to the owning module, its table, the tensor's name, address at the first call)
         self._watched: tuple[tuple[weakref.ref, str, str, int], ...] = ()
         self._watch()
@@ -117,8 +127,11 @@ class ModelTensors:
         self._watched = tuple(watched)
 
     def check(self) -> None:
-        """Per call: nothing registered and the watched tensors where they were; else compare
-        everything (module docstring)."""
+        """Per call: the models where the compiled code finds them, nothing registered and the
+        watched tensors where they were; else compare everything (module docstring)."""
+        for i, (_, read, ref, _) in enumerate(self._bindings):
+            if read() is not ref():
+                self._rebound(i)
         registered = module_watch.generation != self._generation
         if not registered and not self._moved():
             return
@@ -141,21 +154,42 @@ class ModelTensors:
                 return True
         return False
 
+    def _rebound(self, i: int) -> None:
+        """Another object where binding ``i`` held its model (``model = load(...)`` again in the
+        function whose closure it is, a runner's ``self.model = other``): Dynamo's code runs with
+        it. Refused unless it is a model of the same submodule classes and tensor layouts, which is
+        then served with its own tensors (and the attribute values the trace read from the first,
+        as for a replaced submodule), watched from now on; CUDA-graph steps capture again."""
+        name, read, _, index = self._bindings[i]
+        now = read()
+        first = self._models[index][1]
+        if not isinstance(now, torch.nn.Module):
+            raise _changed(None, name, f"held a {first['submodule (the model)'][0].__qualname__} at the first call "
+                                       f"and holds a {type(now).__qualname__} now")
+        _refuse_changes(type(now), first, self._tensors_of(now), f"{name} holds another model than at the first call:")
+        self._models[index] = (weakref.ref(now), first)
+        self._bindings = (*self._bindings[:i], (name, read, weakref.ref(now), index), *self._bindings[i + 1:])
+        self._watch()
+        module_watch.note_moved()
+
     def _compare_all(self) -> None:
         for ref, first in self._models:
             model = ref()
-            if model is None:
-                continue
-            now = self._tensors_of(model)
-            changed = [name for name, was in first.items() if now.get(name) != was]
-            changed += [name for name in now if name not in first]
-            if changed:
-                name = changed[0]
-                more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-                was, is_ = first.get(name), now.get(name)
-                strides = was is not None and is_ is not None and was[:-1] == is_[:-1]  # only they differ
-                raise _changed(type(model), f"{name}{more}", f"was {_shown(was, strides)} at the first call "
-                                                             f"and is {_shown(is_, strides)} now")
+            if model is not None:
+                _refuse_changes(type(model), first, self._tensors_of(model))
+
+
+def _refuse_changes(cls: type, first: dict[str, tuple], now: dict[str, tuple], subject: str | None = None) -> None:
+    """Raise ``RecompileError`` naming the first difference between a model's tables (``_tensors_of``)."""
+    changed = [name for name, was in first.items() if now.get(name) != was]
+    changed += [name for name in now if name not in first]
+    if changed:
+        name = changed[0]
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        was, is_ = first.get(name), now.get(name)
+        strides = was is not None and is_ is not None and was[:-1] == is_[:-1]  # only they differ
+        what = f"was {_shown(was, strides)} at the first call and is {_shown(is_, strides)} now"
+        raise _changed(cls, f"{name}{more}", what, subject)
 
 
 def _shown(what: tuple | None, strides: bool = False) -> str:
@@ -170,8 +204,10 @@ def _shown(what: tuple | None, strides: bool = False) -> str:
     return shown
 
 
-def _changed(cls: type, name: str, what: str) -> RecompileError:
+def _changed(cls: type | None, name: str, what: str, subject: str | None = None) -> RecompileError:
+    owner = f"{cls.__qualname__}'s " if cls is not None else ""
+    subject = f"{subject} " if subject else ""
     return RecompileError(
-        f"compileattn.compile: {cls.__qualname__}'s {name} {what}. The compiled code was made for the "
+        f"compileattn.compile: {subject}{owner}{name} {what}. The compiled code was made for the "
         f"model as its first call found it and reads its tensors as such (Dynamo's guards, which would have "
         f"recompiled, are skipped): convert or move the model before its first call, or compile a new instance")
