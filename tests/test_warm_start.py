@@ -484,21 +484,26 @@ def test_a_cache_that_cannot_be_written_costs_the_save_not_the_call(tmp_path, ca
     assert sorted(p.name for p in (tmp_path / "b" / "warm_start").iterdir()) == [saved.name]
 
 
+@pytest.mark.parametrize("kind", ["file", "dangling_link"])
 @pytest.mark.parametrize("how", ["decorator", "backend"])
-def test_a_cache_dir_that_is_a_file_costs_the_cache_not_the_call(tmp_path, caplog, how):
-    """The decorator logged "no warm start" for it and went on to compile, then the backend's
-    per-piece cache raised NotADirectoryError out of the call."""
+def test_a_cache_dir_that_is_a_file_costs_the_cache_not_the_call(tmp_path, caplog, how, kind):
+    """The decorator logged "no warm start" for a file and went on to compile, then the backend's
+    per-piece cache raised NotADirectoryError out of the call; a symlink to nothing raised a bare
+    FileExistsError ("File exists") from ``mkdir``."""
     def doubled(x):
         return x * 2
 
     (tmp_path / "file").write_text("not a directory")
-    config = _eager_pieces(tmp_path / "file")
+    if kind == "dangling_link":
+        (tmp_path / "link").symlink_to(tmp_path / "nothing")
+    config = _eager_pieces(tmp_path / ("file" if kind == "file" else "link"))
     f = (ca.compile(dynamic_arg_dims={"x": 0}, config=config)(doubled) if how == "decorator"
          else torch.compile(doubled, backend="compileattn", options={"config": config}))
     with caplog.at_level("WARNING", logger="compileattn"):
         assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
-    assert "is not a directory" in caplog.text
+    assert ("is not a directory" if kind == "file" else "which does not exist") in caplog.text
     assert (tmp_path / "file").read_text() == "not a directory"
+    assert not (tmp_path / "nothing").exists()
 
 
 def test_backend_other_than_compileattn_is_not_saved(tmp_path):

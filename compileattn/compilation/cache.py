@@ -56,6 +56,9 @@ def secure_dir(path: str | os.PathLike) -> Path:
     path = Path(os.path.expanduser(os.fspath(path)))
     if path.exists() and not path.is_dir():  # mkdir(exist_ok=True) would raise a bare FileExistsError
         raise NotADirectoryError(f"compile cache_dir {str(path)!r} is not a directory")
+    if path.is_symlink() and not path.exists():  # and so would it for a symlink to nothing
+        raise NotADirectoryError(f"compile cache_dir {str(path)!r} is a symlink to {os.readlink(path)!r}, which "
+                                 f"does not exist")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     getuid = getattr(os, "getuid", None)
     if getuid is not None:
