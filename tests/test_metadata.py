@@ -113,6 +113,22 @@ def test_persistent_buffers_keep_their_addresses():
     assert first.selector is second.selector
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_first_build_under_inference_mode_leaves_buffers_later_builds_outside_it_can_write(backend):
+    """The buffers are made by the first build: under ``torch.inference_mode()`` (a warm-up step)
+    they were inference tensors, and every later build under ``torch.no_grad()`` (or neither)
+    raised "Inplace update to inference tensor outside InferenceMode"."""
+    b = builder(backend=backend)
+    with torch.inference_mode():
+        b.build(SEQS, pad_to=8)
+    with torch.no_grad():
+        md = b.build([SequenceStep(1, 9, [3, 8, 9]), SequenceStep(2, 0, [6])], pad_to=4)
+    assert md.slot_mapping.tolist() == [9 * 4 + 1, 24, 25, -1]
+    assert b.build(SEQS).seq_lens.tolist() == [6, 3, 5]
+    with torch.inference_mode():
+        assert b.build(SEQS, pad_to=8).query_start_loc.tolist()[:4] == [0, 1, 4, 6]
+
+
 def test_persistent_buffer_shape_conflict_raises():
     b = builder()
     b.buffers.get("x", (4,), torch.int32)

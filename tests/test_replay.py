@@ -598,3 +598,16 @@ def test_host_step_benchmark_runs_on_the_cpu(tmp_path, capsys):
     assert res["direct_replay"] == "on" and set(res["batches"]) == {"1", "8"}
     for row in res["batches"].values():
         assert row["direct_taken"] and set(row["us"]) == set(module.ROWS)
+
+
+def test_steps_compiled_and_captured_under_inference_mode_replay_under_no_grad(simulated_graphs):
+    """A warm-up under ``torch.inference_mode()`` and serving under ``torch.no_grad()`` (grad off
+    in both, so one compile): the builder's buffers and the simulated graphs' outputs, made by the
+    first steps, were inference tensors that refused the later steps' writes."""
+    s = Setup()
+    rng = random.Random(5)
+    for i, mode in enumerate(["inference"] * 3 + ["no_grad", "inference", "no_grad", "no_grad"]):
+        seqs = s.decode(rng.choice([2, 4]), rng, prefill=3 if i == 5 else 0)
+        with torch.inference_mode() if mode == "inference" else torch.no_grad():
+            assert_matches_eager(s.eager, s.fn, s.builder, s.caches, seqs, s.inputs, pad_to=s.padded(seqs))
+    assert s.fn.compile_stats["direct_replay"] == "on"

@@ -64,7 +64,10 @@ class PersistentBuffers:
     def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(name)
         if buf is None:
-            buf = self._buffers[name] = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
+            # a normal tensor even when the first build runs under ``torch.inference_mode()``: an
+            # inference tensor refuses the copies of every later build outside it
+            with torch.inference_mode(False):
+                buf = self._buffers[name] = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
         elif tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
             raise RuntimeError(f"persistent buffer {name!r} requested as {tuple(shape)}/{dtype}, "
                                f"exists as {tuple(buf.shape)}/{buf.dtype}")

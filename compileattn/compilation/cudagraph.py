@@ -127,9 +127,12 @@ class SimulatedGraph:
         fresh = self.fn(*self.args)
         outs = self.outputs if isinstance(self.outputs, (tuple, list)) else (self.outputs,)
         fresh = fresh if isinstance(fresh, (tuple, list)) else (fresh,)
-        for o, f in zip(outs, fresh):
-            if isinstance(o, torch.Tensor):
-                o.copy_(f)
+        # A graph writes its outputs whatever the mode; captured under inference mode they are
+        # inference tensors, which refuse a copy outside it.
+        with torch.inference_mode():
+            for o, f in zip(outs, fresh):
+                if isinstance(o, torch.Tensor):
+                    o.copy_(f)
 
 
 class SimulatedGraphPool:
