@@ -602,12 +602,33 @@ def test_host_step_benchmark_runs_on_the_cpu(tmp_path, capsys):
 
 def test_steps_compiled_and_captured_under_inference_mode_replay_under_no_grad(simulated_graphs):
     """A warm-up under ``torch.inference_mode()`` and serving under ``torch.no_grad()`` (grad off
-    in both, so one compile): the builder's buffers and the simulated graphs' outputs, made by the
-    first steps, were inference tensors that refused the later steps' writes."""
+    in both, so one compile): the builder's buffers and what the captures allocated (the full
+    graph's outputs, the piecewise graphs' outputs that the eager attention between them writes
+    into), made by the first steps, were inference tensors that refused the later steps' writes."""
     s = Setup()
     rng = random.Random(5)
-    for i, mode in enumerate(["inference"] * 3 + ["no_grad", "inference", "no_grad", "no_grad"]):
-        seqs = s.decode(rng.choice([2, 4]), rng, prefill=3 if i == 5 else 0)
+
+    def run(mode, prefill):
+        seqs = s.decode(2, rng, prefill=prefill)
         with torch.inference_mode() if mode == "inference" else torch.no_grad():
             assert_matches_eager(s.eager, s.fn, s.builder, s.caches, seqs, s.inputs, pad_to=s.padded(seqs))
+
+    for prefill in (0, 0, 0, 3, 3):  # compile, capture the full and the piecewise graphs, replay each
+        run("inference", prefill)
+    with ca.counters.expect(cudagraph_captures=0):
+        for mode, prefill in [("no_grad", 0), ("no_grad", 3), ("inference", 0), ("no_grad", 0), ("inference", 3),
+                              ("no_grad", 3)]:
+            run(mode, prefill)
     assert s.fn.compile_stats["direct_replay"] == "on"
+
+
+def test_a_model_its_caches_and_every_step_under_inference_mode(simulated_graphs):
+    """Everything made and run under ``torch.inference_mode()``: the KV caches are inference tensors
+    the pieces write into, so captures must run in inference mode too (allocating their tensors as
+    normal ones outside it refused those writes)."""
+    with torch.inference_mode():
+        s = Setup()
+        rng = random.Random(6)
+        for prefill in (0, 0, 0, 3, 3, 0, 3):
+            seqs = s.decode(2, rng, prefill=prefill)
+            assert_matches_eager(s.eager, s.fn, s.builder, s.caches, seqs, s.inputs, pad_to=s.padded(seqs))

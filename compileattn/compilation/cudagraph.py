@@ -72,6 +72,12 @@ class GraphPool:
         self.capture_seconds = 0.0
         #: Graphs dropped for good (``retire``), kept so the pool stays alive.
         self.retired: list = []
+        #: Whether a capture ran under ``torch.inference_mode()``: its outputs, and the tensors
+        #: between pieces that the eager attention writes into, are then inference tensors, which
+        #: refuse in-place writes outside inference mode, so later steps replaying these graphs run
+        #: in it (``dispatch``). Allocating them as normal tensors instead would fail the pieces'
+        #: own writes into what the caller made under inference mode (KV caches).
+        self.inference_outputs = False
 
     def capture(self, fn: Callable[..., Any], args: Sequence[Any], name: str, size: int) -> CapturedGraph:
         """Warm up once (JIT compiles, allocator settles), capture, then replay so this call's
@@ -87,6 +93,7 @@ class GraphPool:
             outputs = fn(*args)
         graph.replay()
         self.retired.clear()  # the new graph keeps the pool alive now (``retire``)
+        self.inference_outputs |= torch.is_inference_mode_enabled()
         elapsed = time.perf_counter() - start
         self.capture_seconds += elapsed
         counters.cudagraph_captures += 1
@@ -145,6 +152,7 @@ class SimulatedGraphPool:
         self.device = device
         self.capture_seconds = 0.0
         self.retired: list = []
+        self.inference_outputs = False  # as GraphPool's
 
     def retire(self, graph) -> None:
         self.retired.append(graph)
@@ -152,6 +160,7 @@ class SimulatedGraphPool:
     def capture(self, fn: Callable[..., Any], args: Sequence[Any], name: str, size: int) -> CapturedGraph:
         outputs = fn(*args)
         self.retired.clear()  # as GraphPool.capture
+        self.inference_outputs |= torch.is_inference_mode_enabled()
         counters.cudagraph_captures += 1
         return CapturedGraph(SimulatedGraph(fn, args, outputs), outputs, _tensor_layout(args), name, size)
 

@@ -301,6 +301,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             counters.eager_steps += 1
             return self._forward(*args)
         graphs = self.mode != "none" and size in self.capture_sizes
+        if graphs and self.pool is not None and self.pool.inference_outputs and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():  # graphs captured in it made inference tensors (``GraphPool``)
+                return self._step(ctx, size, args)
         if graphs:
             self._check_graph_owner(ctx)
             full = (self.mode == "full_and_piecewise" and ctx is not None and ctx.metadata.is_uniform_decode
