@@ -491,6 +491,58 @@ def test_a_step_failing_on_one_rank_fails_every_rank_at_once_with_its_reason(tmp
         assert result["second_seconds"] < 1, result
 
 
+BUILD_FAILURE_SCRIPT = r'''
+import json, sys
+import torch
+import compileattn
+from compileattn.engine.llm import LLM
+from compileattn.parallel.failure import TPGroupFailed
+
+model_dir, out, case = sys.argv[1], sys.argv[2], sys.argv[3]
+rank = int(__import__("os").environ["RANK"])
+if case == "one-rank" and rank == 1:  # this rank's load fails; rank 0's load-time probe is in its all-reduces
+    def failing_load(*args, **kwargs):
+        raise OSError("injected: the checkpoint is unreadable on this rank")
+
+    LLM._load = staticmethod(failing_load)
+try:
+    compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=None, num_blocks=64,
+                    max_num_seqs=4, max_num_batched_tokens=16)
+    error = None
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+json.dump(error, open(f"{out}.{rank}.json", "w"))
+'''
+
+
+@pytest.mark.parametrize("case", ["one-rank", "every-rank"])
+def test_an_llm_that_fails_to_build_on_one_rank_fails_on_every_rank(tmp_path, case):
+    """A rank whose build fails (its checkpoint unreadable) would leave the others in the load-time
+    probe's all-reduces until the group's timeout: it raises its own error and the others
+    ``TPGroupFailed`` naming it, at once. A model every rank refuses (head dim 16) raises its own
+    ``UnsupportedModelError`` on every rank, as without tensor parallelism."""
+    import transformers
+
+    if case == "one-rank":
+        model_dir = tiny_hf_llama(tmp_path / "model")
+    else:
+        model_dir = tmp_path / "model"
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256)).save_pretrained(model_dir)
+    script = tmp_path / "build_failure.py"
+    script.write_text(BUILD_FAILURE_SCRIPT)
+    rc, log = torchrun(2, [str(script), str(model_dir), str(tmp_path / "error"), case], tmp_path, timeout=180)
+    assert rc == 0, log[-4000:]
+    errors = [json.loads((tmp_path / f"error.{rank}.json").read_text()) for rank in (0, 1)]
+    if case == "one-rank":
+        assert errors[1] == "OSError: injected: the checkpoint is unreadable on this rank", errors
+        assert errors[0].startswith("TPGroupFailed: rank 1 failed while building the LLM: OSError: injected"), errors
+    else:
+        for error in errors:
+            assert error.startswith("UnsupportedModelError: ") and "head_dim=16" in error, errors
+
+
 def test_rank_0_waiting_for_a_step_learns_of_a_peer_failure_from_the_store():
     """On GPUs rank 0 waits for a step whose collective kernel a failed peer will never join, and
     nothing interrupts a wait on a CUDA graph: its wait polls the step's event and, now and then,

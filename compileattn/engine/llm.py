@@ -8,6 +8,7 @@ mode and its attention implementation switched to compileattn's.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -148,48 +149,52 @@ class LLM:
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         self.tp = None
+        building = contextlib.nullcontext()
         if tensor_parallel_size > 1:
             from ..parallel import init_tp
+            from ..parallel.failure import building_in_step
 
             self.tp = init_tp(tensor_parallel_size, device=None if device is None else torch.device(device).type)
             device = self.tp.device
-        self.model, self.tokenizer, hf_model = self._load(model, tokenizer, dtype, device, allow_pickle, self.tp)
-        param = next(self.model.parameters())
-        device, dtype = param.device, param.dtype
-        compile_config = self._compile_config(compile_config, device, attention_backend, max_num_seqs,
-                                              max_num_batched_tokens)
-        if compile_config is not None:
-            attention_backend = compile_config.attention_backend
-        self._check_backends(attention_backend, dtype, device, block_size)
+            building = building_in_step(self.tp)  # a rank failing here would leave the others in a collective
+        with building:
+            self.model, self.tokenizer, hf_model = self._load(model, tokenizer, dtype, device, allow_pickle, self.tp)
+            param = next(self.model.parameters())
+            device, dtype = param.device, param.dtype
+            compile_config = self._compile_config(compile_config, device, attention_backend, max_num_seqs,
+                                                  max_num_batched_tokens)
+            if compile_config is not None:
+                attention_backend = compile_config.attention_backend
+            self._check_backends(attention_backend, dtype, device, block_size)
 
-        specs = self.model.attention_specs()
-        model_len = min(self.model.max_position, max_model_len or self.model.max_position)
-        if num_blocks is None:
-            if kv_cache_memory is None:
-                kv_cache_memory = (kv_budget.profile_cuda_budget(
-                    self.model, block_size=block_size, max_num_tokens=max_num_batched_tokens,
-                    max_num_seqs=max_num_seqs, max_model_len=model_len, dtype=dtype, device=device,
-                    attention_backend=attention_backend, gpu_memory_utilization=gpu_memory_utilization)
-                    if device.type == "cuda" else
-                    kv_budget.cpu_default_bytes(specs, block_size, dtype, max_num_seqs, model_len))
-            num_blocks = kv_budget.blocks_for_memory(specs, block_size, dtype, kv_cache_memory)
-        if self.tp is not None:  # every rank must hand out the same blocks: the smallest cache
-            num_blocks = min(self.tp.all_gather_object(num_blocks))
-        if max_model_len is None:
-            max_model_len = min(model_len, num_blocks * block_size)
-        kv_budget.log_capacity(num_blocks, block_size, kv_budget.bytes_per_block(specs, block_size, dtype),
-                               max_model_len, max_num_seqs)
-        engine_args = dict(block_size=block_size, num_blocks=num_blocks, max_num_tokens=max_num_batched_tokens,
-                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                           attention_backend=attention_backend, compile_config=compile_config,
-                           eos_token_ids=_eos_token_ids(hf_model, self.tokenizer),
-                           enable_prefix_caching=enable_prefix_caching)
-        if self.tp is None:
-            self.engine = Engine(self.model, **engine_args)
-        else:
-            from ..parallel import TPEngine
+            specs = self.model.attention_specs()
+            model_len = min(self.model.max_position, max_model_len or self.model.max_position)
+            if num_blocks is None:
+                if kv_cache_memory is None:
+                    kv_cache_memory = (kv_budget.profile_cuda_budget(
+                        self.model, block_size=block_size, max_num_tokens=max_num_batched_tokens,
+                        max_num_seqs=max_num_seqs, max_model_len=model_len, dtype=dtype, device=device,
+                        attention_backend=attention_backend, gpu_memory_utilization=gpu_memory_utilization)
+                        if device.type == "cuda" else
+                        kv_budget.cpu_default_bytes(specs, block_size, dtype, max_num_seqs, model_len))
+                num_blocks = kv_budget.blocks_for_memory(specs, block_size, dtype, kv_cache_memory)
+            if self.tp is not None:  # every rank must hand out the same blocks: the smallest cache
+                num_blocks = min(self.tp.all_gather_object(num_blocks))
+            if max_model_len is None:
+                max_model_len = min(model_len, num_blocks * block_size)
+            kv_budget.log_capacity(num_blocks, block_size, kv_budget.bytes_per_block(specs, block_size, dtype),
+                                   max_model_len, max_num_seqs)
+            engine_args = dict(block_size=block_size, num_blocks=num_blocks, max_num_tokens=max_num_batched_tokens,
+                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                               attention_backend=attention_backend, compile_config=compile_config,
+                               eos_token_ids=_eos_token_ids(hf_model, self.tokenizer),
+                               enable_prefix_caching=enable_prefix_caching)
+            if self.tp is None:
+                self.engine = Engine(self.model, **engine_args)
+            else:
+                from ..parallel import TPEngine
 
-            self.engine = TPEngine(self.model, tp=self.tp, **engine_args)
+                self.engine = TPEngine(self.model, tp=self.tp, **engine_args)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -275,7 +280,7 @@ class LLM:
         engine = self.engine
         failure = getattr(engine, "failure", None)
         if failure is not None:  # before any collective: the group is gone
-            raise type(failure)(f"this LLM cannot generate: {failure}")
+            raise type(failure)(f"this LLM cannot generate: {failure}", failure.ranks)
         try:
             if engine.has_unfinished():
                 raise RuntimeError("the engine has unfinished requests from an interrupted call; create a new LLM")

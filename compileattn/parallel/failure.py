@@ -25,8 +25,10 @@ but its program gets the reason and can exit. (Not run on two GPUs.)
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from typing import Iterator
 
 from .group import TPGroup, shutdown_tp
 
@@ -42,7 +44,12 @@ SHUTDOWN_S = 5.0
 
 
 class TPGroupFailed(RuntimeError):
-    """A tensor-parallel step failed on some rank; this rank's process groups are shut down."""
+    """A tensor-parallel step (or build) failed on some rank; this rank's process groups are shut
+    down. ``ranks``: the ranks whose failures it names."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class PeerFailed(RuntimeError):
@@ -86,22 +93,43 @@ def wait_watching_peers(tp: TPGroup, event, poll_s: float = PEER_POLL_S) -> None
         time.sleep(0)
 
 
-def fail_group(tp: TPGroup, exc: BaseException) -> TPGroupFailed:
-    """``exc`` ended a step on this rank: name its cause (a peer's published reason if there is one,
-    else ``exc``, published for the peers), shut this rank's process groups down, and return the
-    error for the caller to raise from ``exc``."""
+def fail_group(tp: TPGroup, exc: BaseException, during: str = "in a step") -> TPGroupFailed:
+    """``exc`` ended this rank's part ``during`` a collective phase: name its cause (the peers'
+    published reasons if there are any, else ``exc``, published for the peers), shut this rank's
+    process groups down, and return the error for the caller to raise from ``exc``."""
     peers = {r: why for r, why in failure_reasons(tp).items() if r != tp.rank}
     if peers:
-        reason = "; ".join(f"rank {r} failed in a step: {why}" for r, why in sorted(peers.items()))
+        ranks = tuple(sorted(peers))
+        reason = "; ".join(f"rank {r} failed {why}" for r, why in sorted(peers.items()))
     else:
-        own = f"{type(exc).__name__}: {exc}"
+        ranks = (tp.rank,)
+        own = f"{during}: {type(exc).__name__}: {exc}"
         if tp.store is not None:
             try:
                 tp.store.set(_key(tp, tp.rank), own)
             except Exception:
                 logger.warning("rank %d could not publish its failure to the TP group's store", tp.rank)
-        reason = f"rank {tp.rank} failed in a step: {own}"
+        reason = f"rank {tp.rank} failed {own}"
     logger.error("tensor parallel group shut down: %s", reason)
     shutdown_tp(SHUTDOWN_S)
     return TPGroupFailed(f"{reason}; the tensor-parallel group is shut down on every rank (start the processes "
-                         f"again to serve)")
+                         f"again to serve)", ranks)
+
+
+@contextlib.contextmanager
+def building_in_step(tp: TPGroup) -> Iterator[None]:
+    """Around what every rank builds in step (loading and sharding a model, whose load-time probe
+    runs its collectives; the KV-cache agreement; compiles and captures holding collectives): an
+    exception on one rank would leave the others in a collective, so the group is shut down as for
+    a failed step. This rank's own exception is raised as it is (as without tensor parallelism: an
+    unsupported model's ``UnsupportedModelError`` on every rank alike); a peer's failure, seen here
+    as a collective's ``RuntimeError``, raises ``TPGroupFailed`` naming it."""
+    try:
+        yield
+    except TPGroupFailed:
+        raise
+    except BaseException as exc:
+        failed = fail_group(tp, exc, during="while building the LLM")
+        if tp.rank in failed.ranks or not isinstance(exc, RuntimeError):
+            raise
+        raise failed from exc
