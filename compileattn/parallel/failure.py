@@ -1,4 +1,5 @@
-"""A step that fails on one rank ends the group on every rank, promptly and with the reason.
+"""A step (or a build) that fails on one rank ends the group on every rank, promptly and with the
+reason.
 
 Each step's forward holds collectives, so a rank whose step raises (an out-of-memory error in its
 forward, a bad plan) leaves its peers waiting inside one of them, for the group's timeout (10
@@ -11,6 +12,9 @@ ranks 0.07 s after it began; with the failing rank's groups left open, and its p
 ``generate`` again, both waited past a 60 s limit, for the 600 s timeout). A rank whose
 collective fails with no reason in the store (a peer process that died) publishes its own error,
 so no rank is left without one.
+
+An ``LLM``'s build is guarded alike (``building_in_step``): the load-time probe of a sharded model,
+the KV-cache agreement and the captures hold collectives too.
 
 The group cannot be used after this: a collective that half the ranks left is unrecoverable
 without new processes, and which steps the captured graphs were in the middle of is unknown.
