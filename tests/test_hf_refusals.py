@@ -87,8 +87,10 @@ def test_pickled_weights_need_allow_pickle_and_nothing_is_downloaded(tmp_path):
     llm = ca.LLM(str(directory), compile_config=None, num_blocks=16, allow_pickle=True)
     assert llm.generate(prompts()[0], 4, use_tqdm=False)[0].token_ids == hf_greedy(
         load_reference(save_family("llama", tmp_path / "safe")), prompts()[0], 4)[0]
-    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+    with pytest.raises(FileNotFoundError, match="does not exist .*nothing is downloaded"):
         ca.LLM("meta-llama/Llama-3-8B", compile_config=None)
+    with pytest.raises(FileNotFoundError, match="is a file, not a directory"):
+        ca.LLM(str(directory / "config.json"), compile_config=None)
 
 
 @pytest.mark.parametrize("change, refused", [

@@ -24,7 +24,8 @@ _SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 def _check_directory(path: Path, allow_pickle: bool) -> None:
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (models are loaded from a local "
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"model directory {str(path)!r} {what} (models are loaded from a local "
                                 f"directory written by save_pretrained; nothing is downloaded)")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json")
