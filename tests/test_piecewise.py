@@ -295,3 +295,65 @@ def test_a_read_of_the_written_buffer_is_not_hoisted_before_the_op(make_view):
         return (x,)
     with torch.no_grad():  # autograd refuses an in-place write into one of unbind's views
         assert_matches_eager(model, compiled, builder, caches, seqs, make)
+
+
+class _WriteAfterTheOp(torch.nn.Module):
+    """A tensor the attention op does not touch is written in place after the op, then read: the
+    read must stay after the write (the hoist pass moves reads independent of the op before it)."""
+
+    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
+
+    def __init__(self, write):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(64, 4 * 32)
+        self.o = torch.nn.Linear(2 * 32, 64)
+        self.side = torch.nn.Linear(64, 64)
+        self.register_buffer("steps", torch.zeros(64))
+        self.write = write
+
+    def forward(self, x):
+        n = x.shape[0]
+        h = self.side(x)
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        h = self.write(self, h, x)
+        return self.o(out.view(n, 64)) + h * 2
+
+
+def _add_(m, h, x):
+    h.add_(1.0)
+    return h
+
+
+def _copy_(m, h, x):
+    h.copy_(x * 0.5)
+    return h
+
+
+def _zero_a_view(m, h, x):
+    h[:, :4].zero_()
+    return h
+
+
+def _count(m, h, x):
+    m.steps.add_(1.0)
+    return h + m.steps
+
+
+@pytest.mark.parametrize("write", [_add_, _copy_, _zero_a_view, _count], ids=["add_", "copy_", "view.zero_", "buffer"])
+def test_a_read_after_an_in_place_write_after_the_op_is_not_hoisted_before_the_write(write):
+    model = _WriteAfterTheOp(write)
+    eager = _WriteAfterTheOp(write)
+    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4)
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "eager"})
+
+    def make(n):
+        x = torch.randn(n, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+    with torch.no_grad():
+        for seqs in ([ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])], [ca.SequenceStep(4, 2, [4, 5])]):
+            assert_matches_eager(eager, compiled, builder, caches, seqs, make)
