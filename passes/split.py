@@ -6,7 +6,9 @@ user's own op "ns::op" or "ns::op.overload" can be a splitting op too.
 The pieces between splitting ops keep the original node order (``keep_original_order``), which
 matters because the attention op mutates its ``output`` argument: a reorder could read it early.
 Only views move, later, to the piece that uses them, past no in-place op on their input
-(``_sink_views``): they read no data.
+(``_sink_views``): they read no data. For the same reason a piece that writes in place into one of
+two inputs sharing storage gets their base instead and makes the views itself
+(``_unalias_piece_inputs``): Inductor's compile of such a piece failed at its first call.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Sequence
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from .._torch_compat import op_names
+from .._torch_compat import call_schema, node_example_value, op_names, storage_key
 
 
 def is_splitting_node(node: torch.fx.Node, splitting_ops: Sequence[str]) -> bool:
@@ -79,6 +81,7 @@ def split_graph(
         else:
             assignment[node] = partition
     _sink_views(gm, assignment, splitting_ops)
+    _unalias_piece_inputs(gm, assignment, splitting_ops)
     split_gm = split_module(gm, None, lambda n: assignment[n], keep_original_order=True)
 
     names = {f"submod_{assignment[n]}" for n in assignment if is_splitting_node(n, splitting_ops)}
@@ -150,6 +153,83 @@ def _sink_views(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int], 
             continue
         assignment[node] = first
         first_user.prepend(node)  # split_module orders the pieces by their nodes' original order
+
+
+def _storage_keys(node: torch.fx.Node) -> set:
+    """The storages of a node's traced value (a tuple's too: ``split``'s); empty without one."""
+    value = node_example_value(node)
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return {key for v in values if isinstance(v, torch.Tensor) and (key := storage_key(v)) is not None}
+
+
+def _views_its_input(node: torch.fx.Node) -> bool:
+    """A call, not in place, whose traced value lies in its first argument's storage: a view made by
+    any op (``h[:, :4]``, ``split`` and its items), as Dynamo's fake tensors tell."""
+    if node.op not in ("call_function", "call_method") or _in_place(node) or node.is_impure() or not node.args:
+        return False
+    if node.op == "call_function" and node.target is not operator.getitem and torch_call_name(node) is None:
+        return False
+    base, keys = node.args[0], _storage_keys(node)
+    return isinstance(base, torch.fx.Node) and bool(keys) and keys <= _storage_keys(base)
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """An in-place call (``add_``, ``operator.setitem``) or a call of an op with a mutable schema."""
+    if node.op != "call_function" and node.op != "call_method":
+        return False
+    schema = call_schema(node.target) if node.op == "call_function" else None
+    return _in_place(node) or node.target is operator.setitem or (schema is not None and schema.is_mutable)
+
+
+def _unalias_piece_inputs(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int],
+                          splitting_ops: Sequence[str]) -> None:
+    """Where a piece that writes in place would take two inputs sharing storage (``h`` and
+    ``h[:, :4]`` made before an attention op, ``hv.zero_()`` after it; two slices of one tensor),
+    copy each such input that is a chain of views into the piece, before its first use there, so
+    the piece takes the chain's base instead, in place.
+
+    AOTAutograd compiles a graph that mutates one of two aliasing inputs through a "synthetic
+    base"; Inductor's piece so compiled for the dynamic token count asserted the base's traced
+    shape on the flat storage it is called with (torch 2.13: ``AssertionError: wrong number of
+    dimensions``), where ``torch.compile`` of the whole model, holding both views' base, never
+    meets aliasing inputs. A view reads no data, so made again in the later piece it is the same
+    tensor; one past an in-place op on its chain (``t_``) is left as it is."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    pieces = sorted({assignment[n] for n in assignment if not is_splitting_node(n, splitting_ops)})
+    for piece in pieces:
+        members = [n for n in nodes if assignment.get(n) == piece]
+        if not any(_writes(n) for n in members):
+            continue
+        crossing = list(dict.fromkeys(i for n in members for i in n.all_input_nodes if assignment.get(i) != piece))
+        by_storage: dict = {}
+        for node in crossing:
+            for key in _storage_keys(node):
+                by_storage.setdefault(key, []).append(node)
+        aliased = sorted({n for group in by_storage.values() if len(group) > 1 for n in group}, key=order.__getitem__)
+        for view in aliased:
+            nodes = list(gm.graph.nodes)  # again per view: copies were inserted
+            order = {n: i for i, n in enumerate(nodes)}
+            chain, link = [], view
+            while _views_its_input(link):
+                chain.append(link)
+                link = link.args[0]
+            if not chain:
+                continue
+            users = sorted((u for u in view.users if assignment.get(u) == piece), key=order.__getitem__)
+            between = nodes[order[view] + 1:order[users[0]]]
+            inputs = {link, *chain}
+            if any(_in_place(n) and inputs & set(n.all_input_nodes) for n in between):
+                continue
+            copies: dict[torch.fx.Node, torch.fx.Node] = {}
+            for link in reversed(chain):
+                with gm.graph.inserting_before(users[0]):
+                    copy = gm.graph.node_copy(link, lambda a: copies.get(a, a))
+                copy.meta = dict(link.meta)
+                assignment[copy] = piece
+                copies[link] = copy
+            for user in users:
+                user.replace_input_with(view, copies[view])
 
 
 def _in_place(node: torch.fx.Node) -> bool:

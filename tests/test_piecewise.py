@@ -357,3 +357,46 @@ def test_a_read_after_an_in_place_write_after_the_op_is_not_hoisted_before_the_w
     with torch.no_grad():
         for seqs in ([ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])], [ca.SequenceStep(4, 2, [4, 5])]):
             assert_matches_eager(eager, compiled, builder, caches, seqs, make)
+
+
+class _AliasedPieceInputs(torch.nn.Module):
+    """Two tensors sharing storage, made before the attention op, reach the piece after it, which
+    writes one in place: Inductor's compile of that piece failed at its first call (``wrong
+    number of dimensions``) until the piece got their base and made the views itself."""
+
+    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
+
+    def __init__(self, views):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(64, 4 * 32)
+        self.o = torch.nn.Linear(2 * 32, 64)
+        self.side = torch.nn.Linear(64, 64)
+        self.views = views
+
+    def forward(self, x):
+        n = x.shape[0]
+        written, read = self.views(self.side(x))
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        written.mul_(2.0)
+        return self.o(out.view(n, 64)) + read.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("views", [lambda h: (h[:, :4], h), lambda h: (h[:, :4], h[:, 2:6]),
+                                   lambda h: (h.narrow(1, 0, 4), h.split(8, dim=1)[1].t().t())],
+                         ids=["slice-and-base", "two-slices", "narrow-and-split"])
+def test_a_piece_writing_one_of_two_inputs_sharing_storage_compiles_with_inductor(views):
+    model, eager = _AliasedPieceInputs(views), _AliasedPieceInputs(views)
+    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4)
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "inductor"})
+
+    def make(n):
+        x = torch.randn(n, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+    with torch.no_grad():
+        for seqs in ([ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])], [ca.SequenceStep(4, 2, [4, 5])]):
+            assert_matches_eager(eager, compiled, builder, caches, seqs, make)
