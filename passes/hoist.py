@@ -29,7 +29,7 @@ import torch
 import torch.fx
 
 from .._torch_compat import call_schema, node_example_value, storage_key
-from .split import is_splitting_node, torch_call_name
+from .split import is_splitting_node, torch_call_name, writes_in_place
 
 #: call_method names known not to mutate their receiver.
 _PURE_METHODS = frozenset({
@@ -54,6 +54,8 @@ def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _is_pure(node: torch.fx.Node) -> bool:
+    if writes_in_place(node):  # also F.relu(h, inplace=True), torch.add(h, 1, out=h)
+        return False
     if node.op == "call_method":
         return node.target in _PURE_METHODS
     if node.op != "call_function":

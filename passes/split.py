@@ -173,12 +173,28 @@ def _views_its_input(node: torch.fx.Node) -> bool:
     return isinstance(base, torch.fx.Node) and bool(keys) and keys <= _storage_keys(base)
 
 
-def _writes(node: torch.fx.Node) -> bool:
-    """An in-place call (``add_``, ``operator.setitem``) or a call of an op with a mutable schema."""
+#: The functions of Python's ``operator`` that write their first argument.
+_OPERATOR_WRITES = frozenset({operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                              operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                              operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift})
+
+
+def writes_in_place(node: torch.fx.Node) -> bool:
+    """A call that writes a tensor it is given: an in-place name (``add_``, ``torch.relu_``), an
+    ``out=`` tensor (``torch.add(h, 1, out=h)``), ``inplace=True`` (``F.relu(h, inplace=True)``),
+    ``operator.setitem``, or an op with a mutable schema. Dynamo records the torch functions among
+    them as calls whose result nobody need use (later code reads ``h``), and FX does not count
+    them impure: the passes ask this instead."""
     if node.op != "call_function" and node.op != "call_method":
         return False
+    if node.op == "call_function" and getattr(node.target, "__module__", None) == "_operator":
+        return node.target in _OPERATOR_WRITES  # not operator.not_ (Dynamo's shape checks)
+    if _in_place(node):
+        return True
+    if isinstance(node.kwargs.get("out"), (torch.fx.Node, tuple, list)) or node.kwargs.get("inplace") is True:
+        return True
     schema = call_schema(node.target) if node.op == "call_function" else None
-    return _in_place(node) or node.target is operator.setitem or (schema is not None and schema.is_mutable)
+    return schema is not None and schema.is_mutable
 
 
 def _unalias_piece_inputs(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int],
@@ -199,7 +215,7 @@ def _unalias_piece_inputs(gm: torch.fx.GraphModule, assignment: dict[torch.fx.No
     pieces = sorted({assignment[n] for n in assignment if not is_splitting_node(n, splitting_ops)})
     for piece in pieces:
         members = [n for n in nodes if assignment.get(n) == piece]
-        if not any(_writes(n) for n in members):
+        if not any(writes_in_place(n) for n in members):
             continue
         crossing = list(dict.fromkeys(i for n in members for i in n.all_input_nodes if assignment.get(i) != piece))
         by_storage: dict = {}

@@ -337,12 +337,23 @@ def _zero_a_view(m, h, x):
     return h
 
 
+def _relu_inplace(m, h, x):
+    torch.nn.functional.relu(h, inplace=True)
+    return h
+
+
+def _add_out(m, h, x):
+    torch.add(h, 1.0, out=h)
+    return h
+
+
 def _count(m, h, x):
     m.steps.add_(1.0)
     return h + m.steps
 
 
-@pytest.mark.parametrize("write", [_add_, _copy_, _zero_a_view, _count], ids=["add_", "copy_", "view.zero_", "buffer"])
+@pytest.mark.parametrize("write", [_add_, _copy_, _zero_a_view, _relu_inplace, _add_out, _count],
+                         ids=["add_", "copy_", "view.zero_", "relu(inplace=True)", "add(out=)", "buffer"])
 def test_a_read_after_an_in_place_write_after_the_op_is_not_hoisted_before_the_write(write):
     model = _WriteAfterTheOp(write)
     eager = _WriteAfterTheOp(write)
