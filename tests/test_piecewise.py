@@ -163,6 +163,51 @@ def test_runtime_finds_the_token_dimension():
     assert seen == expected
 
 
+class _ExtraSizeFirst(torch.nn.Module):
+    """An input with another dynamic size comes before the token input (Dynamo's graph inputs are
+    in the order the forward reads them)."""
+
+    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(64, 4 * 32)
+        self.o = torch.nn.Linear(2 * 32, 64)
+
+    def forward(self, extra, x):
+        bias = extra.mean(0)
+        n = x.shape[0]
+        q, k, v = self.qkv(x + bias).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        return self.o(out.view(n, 64))
+
+
+@pytest.mark.parametrize("mode", ["none", "full_and_piecewise"])
+def test_the_token_input_is_the_one_the_attention_query_counts(simulated_graphs, mode):
+    """The token count is read from the input whose dim 0 the attention's query has, not from the
+    first input with a dynamic dim 0: keyed by ``extra``, every step was refused ("called with 3
+    tokens, but the step's metadata has num_tokens=2"), and so was the 1-token step (Dynamo's
+    graph for it has a static token count and a dynamic ``extra``)."""
+    model, eager = _ExtraSizeFirst(), _ExtraSizeFirst()
+    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 16, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=16, max_num_tokens=16, max_blocks_per_seq=4)
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "eager", "cudagraph_mode": mode,
+                                                                   "cudagraph_capture_sizes": [1, 2, 4, 8]})
+    x_buf, extra_buf = torch.randn(16, 64), torch.randn(16, 64)
+    for tokens, extra in ((2, 3), (4, 3), (4, 5), (1, 3), (2, 3), (4, 3)):
+        seqs = [ca.SequenceStep(1, 2, [i]) for i in range(tokens)]
+
+        def make(n, extra=extra):
+            x, e = x_buf[:n], extra_buf[:extra]
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(e, 0)
+            return e, x
+        with torch.no_grad():
+            assert_matches_eager(eager, compiled, builder, caches, seqs, make)
+
+
 def test_splitting_at_the_unified_op_only_keeps_it_whole():
     """With splitting_ops naming only ``attention``, the KV-write rewrite must not run (it would
     leave nothing to split at): the graph still splits once per layer."""
