@@ -8,7 +8,8 @@ matters because the attention op mutates its ``output`` argument: a reorder coul
 Only views move, later, to the piece that uses them, past no in-place op on their input
 (``_sink_views``): they read no data. For the same reason a piece that writes in place into one of
 two inputs sharing storage gets their base instead and makes the views itself
-(``_unalias_piece_inputs``): Inductor's compile of such a piece failed at its first call.
+(``_unalias_piece_inputs``): Inductor's compile of such a piece failed at its first call. A float
+of the sizes (``1.0 / n``) is computed again in each piece that uses it (``_recompute_floats``).
 """
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ def split_graph(
             assignment[node] = partition
     _sink_views(gm, assignment, splitting_ops)
     _unalias_piece_inputs(gm, assignment, splitting_ops)
+    _recompute_floats(gm, assignment, splitting_ops)
     split_gm = split_module(gm, None, lambda n: assignment[n], keep_original_order=True)
 
     names = {f"submod_{assignment[n]}" for n in assignment if is_splitting_node(n, splitting_ops)}
@@ -246,6 +248,45 @@ def _unalias_piece_inputs(gm: torch.fx.GraphModule, assignment: dict[torch.fx.No
                 copies[link] = copy
             for user in users:
                 user.replace_input_with(view, copies[view])
+
+
+def _is_float_arithmetic(node: torch.fx.Node) -> bool:
+    """A pure call on no tensor whose traced value is a float (a SymFloat of the sizes: ``1.0 / (n + 1)``)."""
+    if node.op != "call_function" or node.is_impure() or writes_in_place(node):
+        return False
+    if not isinstance(node_example_value(node), (float, torch.SymFloat)):
+        return False
+    return not any(isinstance(node_example_value(i), torch.Tensor) for i in node.all_input_nodes)
+
+
+def _recompute_floats(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int],
+                      splitting_ops: Sequence[str]) -> None:
+    """Copy each float computed from the sizes into every later piece that uses it (its inputs,
+    SymInts, cross instead), in place; an original left without users is dropped.
+
+    A piece may not return a float: compiled for static sizes (``compile_sizes``), it becomes a
+    Python float, which Inductor refuses as a graph output (``AssertionError`` in
+    ``GraphLowering.output``); the hoist pass moves such arithmetic before an attention op, so
+    ``out * (1.0 / n)`` after the op made one. Recomputing is a few scalar operations."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node not in assignment or is_splitting_node(node, splitting_ops) or not _is_float_arithmetic(node):
+            continue
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        by_piece: dict[int, list[torch.fx.Node]] = {}
+        for user in node.users:
+            if user in assignment and assignment[user] != assignment[node]:
+                by_piece.setdefault(assignment[user], []).append(user)
+        for piece, users in by_piece.items():
+            first = min(users, key=order.__getitem__)
+            with gm.graph.inserting_before(first):
+                copy = gm.graph.node_copy(node)
+            copy.meta = dict(node.meta)
+            assignment[copy] = piece
+            for user in users:
+                user.replace_input_with(node, copy)
+        if not node.users:
+            gm.graph.erase_node(node)
+            del assignment[node]
 
 
 def _in_place(node: torch.fx.Node) -> bool:

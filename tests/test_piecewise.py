@@ -456,3 +456,48 @@ def test_a_piece_writing_one_of_two_inputs_sharing_storage_compiles_with_inducto
     with torch.no_grad():
         for seqs in ([ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])], [ca.SequenceStep(4, 2, [4, 5])]):
             assert_matches_eager(eager, compiled, builder, caches, seqs, make)
+
+
+class _FloatOfTheTokenCount(torch.nn.Module):
+    """A float of the token count used on both sides of the attention op (``before``), or after it
+    only, where the hoist pass moves its arithmetic before the op: either way the piece before the
+    op handed it on."""
+
+    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
+
+    def __init__(self, before):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(64, 4 * 32)
+        self.o = torch.nn.Linear(2 * 32, 64)
+        self.before = before
+
+    def forward(self, x):
+        n = x.shape[0]
+        if self.before:
+            scale = 1.0 / (n + 1)
+            x = x * scale
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        return self.o(out.view(n, 64)) * (scale if self.before else 1.0 / (n + 1))
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["used-before-and-after", "used-after"])
+def test_a_float_of_the_token_count_does_not_cross_pieces_so_static_sizes_compile(before):
+    """A piece returning a float failed its static-size Inductor compile (``compile_sizes``, on
+    CUDA by default): the float is a Python float there, which Inductor refuses as an output."""
+    model, eager = _FloatOfTheTokenCount(before), _FloatOfTheTokenCount(before)
+    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4)
+    compiled = torch.compile(model, backend="compileattn",
+                             options={"piece_compiler": "inductor", "compile_sizes": [4], "compile_workers": 0})
+
+    def make(n):
+        x = torch.randn(n, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+    with torch.no_grad():
+        for seqs in ([ca.SequenceStep(1, 2, [0]), ca.SequenceStep(3, 0, [1])],  # 4 tokens: the static piece
+                     [ca.SequenceStep(5, 0, [2, 3])]):
+            assert_matches_eager(eager, compiled, builder, caches, seqs, make)
