@@ -7,20 +7,23 @@ SymInt traffic across piece boundaries.
 This is a hand-written DCE rather than ``Graph.eliminate_dead_code()``: in torch 2.11 that treats a
 call of an OpOverloadPacket (how Dynamo records custom ops) as pure, so it deleted the attention
 op (it returns nothing; its effect is the write into ``output``). Here a node with a mutable schema
-is never removed, whatever torch version decides about packets.
+is never removed, whatever torch version decides about packets, nor a torch function that writes
+in place (``torch.relu_(h)``, ``F.relu(h, inplace=True)``, ``torch.add(h, 1, out=h)``), whose
+result Dynamo's later code does not read (it reads ``h``) and which FX does not count impure.
 """
 from __future__ import annotations
 
 import torch.fx
 
 from .._torch_compat import op_schemas
+from .split import writes_in_place
 
 
 def _has_side_effects(node: torch.fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return True  # placeholders, outputs, get_attr and call_module are left alone
-    if any(schema.is_mutable for schema in op_schemas(node.target)):
-        return True
+    if any(schema.is_mutable for schema in op_schemas(node.target)) or writes_in_place(node):
+        return True  # torch.relu_(h), torch.add(h, 1, out=h): Dynamo's later code reads h, not the result
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.endswith("__")  # in-place: add_, copy_, ...
     return node.is_impure()

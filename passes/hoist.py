@@ -15,7 +15,10 @@ the op, measured on the H200). This pass makes sure that work lives inside captu
 "Depends on" is conservative: a node is tainted if it reads the splitting op, a tensor the op
 mutates, any node sharing that tensor's storage (the buffer an output was cut from by any view op,
 told by Dynamo's fake tensors, which share storage as the real ones will), or anything derived from
-those, wherever it sits in the graph.
+those, wherever it sits in the graph. A node also stays after a write that stays after the op
+(an in-place op such as ``h.add_(1)`` or ``buf[:, :4].zero_()``, a buffer's counter) if it reads
+a tensor sharing storage with what that write may change: moved before the op, it would read the
+values from before the write.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch
 import torch.fx
 
 from .._torch_compat import call_schema, node_example_value, storage_key
-from .split import is_splitting_node, torch_call_name
+from .split import is_splitting_node, torch_call_name, writes_in_place
 
 #: call_method names known not to mutate their receiver.
 _PURE_METHODS = frozenset({
@@ -51,6 +54,8 @@ def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _is_pure(node: torch.fx.Node) -> bool:
+    if writes_in_place(node):  # also F.relu(h, inplace=True), torch.add(h, 1, out=h)
+        return False
     if node.op == "call_method":
         return node.target in _PURE_METHODS
     if node.op != "call_function":
@@ -148,6 +153,14 @@ def _tainted_by(gm: torch.fx.GraphModule, node: torch.fx.Node, by_storage: dict)
     return tainted
 
 
+def _may_write(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The argument nodes an impure node may write: a mutable op's ``(a!)`` arguments, else
+    (an in-place method's receiver, ``operator.setitem``'s target, anything without a schema)
+    every input, conservatively."""
+    schema = call_schema(node.target) if node.op == "call_function" else None
+    return _mutated_args(node) if schema is not None else list(node.all_input_nodes)
+
+
 def hoist_shape_logic(gm: torch.fx.GraphModule, splitting_ops: Sequence[str]) -> torch.fx.GraphModule:
     splits = [n for n in gm.graph.nodes if is_splitting_node(n, splitting_ops)]
     made_contiguous = sum(_make_inputs_contiguous(gm, s) for s in splits)
@@ -156,14 +169,20 @@ def hoist_shape_logic(gm: torch.fx.GraphModule, splitting_ops: Sequence[str]) ->
     for split in splits:
         tainted = _tainted_by(gm, split, by_storage)
         stayed: set[torch.fx.Node] = {split}  # nodes after the op that stay there
+        written: set[torch.fx.Node] = set()  # nodes sharing storage with what a staying write may change
         node = split.next
         while node.op != "output" and not is_splitting_node(node, splitting_ops):
             following = node.next
-            if node not in tainted and _is_pure(node) and not stayed.intersection(node.all_input_nodes):
+            inputs = node.all_input_nodes
+            if node not in tainted and _is_pure(node) and not stayed.intersection(inputs) \
+                    and not written.intersection(inputs):
                 split.prepend(node)
                 moved += 1
             else:
                 stayed.add(node)
+                if not _is_pure(node):
+                    for arg in _may_write(node):
+                        written.update(_sharing_storage(arg, by_storage))
             node = following
     gm.graph.lint()
     gm.recompile()

@@ -6,7 +6,10 @@ user's own op "ns::op" or "ns::op.overload" can be a splitting op too.
 The pieces between splitting ops keep the original node order (``keep_original_order``), which
 matters because the attention op mutates its ``output`` argument: a reorder could read it early.
 Only views move, later, to the piece that uses them, past no in-place op on their input
-(``_sink_views``): they read no data.
+(``_sink_views``): they read no data. For the same reason a piece that writes in place into one of
+two inputs sharing storage gets their base instead and makes the views itself
+(``_unalias_piece_inputs``): Inductor's compile of such a piece failed at its first call. A float
+of the sizes (``1.0 / n``) is computed again in each piece that uses it (``_recompute_floats``).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Sequence
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from .._torch_compat import op_names
+from .._torch_compat import call_schema, node_example_value, op_names, storage_key
 
 
 def is_splitting_node(node: torch.fx.Node, splitting_ops: Sequence[str]) -> bool:
@@ -79,6 +82,8 @@ def split_graph(
         else:
             assignment[node] = partition
     _sink_views(gm, assignment, splitting_ops)
+    _unalias_piece_inputs(gm, assignment, splitting_ops)
+    _recompute_floats(gm, assignment, splitting_ops)
     split_gm = split_module(gm, None, lambda n: assignment[n], keep_original_order=True)
 
     names = {f"submod_{assignment[n]}" for n in assignment if is_splitting_node(n, splitting_ops)}
@@ -150,6 +155,138 @@ def _sink_views(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int], 
             continue
         assignment[node] = first
         first_user.prepend(node)  # split_module orders the pieces by their nodes' original order
+
+
+def _storage_keys(node: torch.fx.Node) -> set:
+    """The storages of a node's traced value (a tuple's too: ``split``'s); empty without one."""
+    value = node_example_value(node)
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return {key for v in values if isinstance(v, torch.Tensor) and (key := storage_key(v)) is not None}
+
+
+def _views_its_input(node: torch.fx.Node) -> bool:
+    """A call, not in place, whose traced value lies in its first argument's storage: a view made by
+    any op (``h[:, :4]``, ``split`` and its items), as Dynamo's fake tensors tell."""
+    if node.op not in ("call_function", "call_method") or _in_place(node) or node.is_impure() or not node.args:
+        return False
+    if node.op == "call_function" and node.target is not operator.getitem and torch_call_name(node) is None:
+        return False
+    base, keys = node.args[0], _storage_keys(node)
+    return isinstance(base, torch.fx.Node) and bool(keys) and keys <= _storage_keys(base)
+
+
+#: The functions of Python's ``operator`` that write their first argument.
+_OPERATOR_WRITES = frozenset({operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                              operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                              operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift})
+
+
+def writes_in_place(node: torch.fx.Node) -> bool:
+    """A call that writes a tensor it is given: an in-place name (``add_``, ``torch.relu_``), an
+    ``out=`` tensor (``torch.add(h, 1, out=h)``), ``inplace=True`` (``F.relu(h, inplace=True)``),
+    ``operator.setitem``, or an op with a mutable schema. Dynamo records the torch functions among
+    them as calls whose result nobody need use (later code reads ``h``), and FX does not count
+    them impure: the passes ask this instead."""
+    if node.op != "call_function" and node.op != "call_method":
+        return False
+    if node.op == "call_function" and getattr(node.target, "__module__", None) == "_operator":
+        return node.target in _OPERATOR_WRITES  # not operator.not_ (Dynamo's shape checks)
+    if _in_place(node):
+        return True
+    if isinstance(node.kwargs.get("out"), (torch.fx.Node, tuple, list)) or node.kwargs.get("inplace") is True:
+        return True
+    schema = call_schema(node.target) if node.op == "call_function" else None
+    return schema is not None and schema.is_mutable
+
+
+def _unalias_piece_inputs(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int],
+                          splitting_ops: Sequence[str]) -> None:
+    """Where a piece that writes in place would take two inputs sharing storage (``h`` and
+    ``h[:, :4]`` made before an attention op, ``hv.zero_()`` after it; two slices of one tensor),
+    copy each such input that is a chain of views into the piece, before its first use there, so
+    the piece takes the chain's base instead, in place.
+
+    AOTAutograd compiles a graph that mutates one of two aliasing inputs through a "synthetic
+    base"; Inductor's piece so compiled for the dynamic token count asserted the base's traced
+    shape on the flat storage it is called with (torch 2.13: ``AssertionError: wrong number of
+    dimensions``), where ``torch.compile`` of the whole model, holding both views' base, never
+    meets aliasing inputs. A view reads no data, so made again in the later piece it is the same
+    tensor; one past an in-place op on its chain (``t_``) is left as it is."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    pieces = sorted({assignment[n] for n in assignment if not is_splitting_node(n, splitting_ops)})
+    for piece in pieces:
+        members = [n for n in nodes if assignment.get(n) == piece]
+        if not any(writes_in_place(n) for n in members):
+            continue
+        crossing = list(dict.fromkeys(i for n in members for i in n.all_input_nodes if assignment.get(i) != piece))
+        by_storage: dict = {}
+        for node in crossing:
+            for key in _storage_keys(node):
+                by_storage.setdefault(key, []).append(node)
+        aliased = sorted({n for group in by_storage.values() if len(group) > 1 for n in group}, key=order.__getitem__)
+        for view in aliased:
+            nodes = list(gm.graph.nodes)  # again per view: copies were inserted
+            order = {n: i for i, n in enumerate(nodes)}
+            chain, link = [], view
+            while _views_its_input(link):
+                chain.append(link)
+                link = link.args[0]
+            if not chain:
+                continue
+            users = sorted((u for u in view.users if assignment.get(u) == piece), key=order.__getitem__)
+            between = nodes[order[view] + 1:order[users[0]]]
+            inputs = {link, *chain}
+            if any(_in_place(n) and inputs & set(n.all_input_nodes) for n in between):
+                continue
+            copies: dict[torch.fx.Node, torch.fx.Node] = {}
+            for link in reversed(chain):
+                with gm.graph.inserting_before(users[0]):
+                    copy = gm.graph.node_copy(link, lambda a: copies.get(a, a))
+                copy.meta = dict(link.meta)
+                assignment[copy] = piece
+                copies[link] = copy
+            for user in users:
+                user.replace_input_with(view, copies[view])
+
+
+def _is_float_arithmetic(node: torch.fx.Node) -> bool:
+    """A pure call on no tensor whose traced value is a float (a SymFloat of the sizes: ``1.0 / (n + 1)``)."""
+    if node.op != "call_function" or node.is_impure() or writes_in_place(node):
+        return False
+    if not isinstance(node_example_value(node), (float, torch.SymFloat)):
+        return False
+    return not any(isinstance(node_example_value(i), torch.Tensor) for i in node.all_input_nodes)
+
+
+def _recompute_floats(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int],
+                      splitting_ops: Sequence[str]) -> None:
+    """Copy each float computed from the sizes into every later piece that uses it (its inputs,
+    SymInts, cross instead), in place; an original left without users is dropped.
+
+    A piece may not return a float: compiled for static sizes (``compile_sizes``), it becomes a
+    Python float, which Inductor refuses as a graph output (``AssertionError`` in
+    ``GraphLowering.output``); the hoist pass moves such arithmetic before an attention op, so
+    ``out * (1.0 / n)`` after the op made one. Recomputing is a few scalar operations."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node not in assignment or is_splitting_node(node, splitting_ops) or not _is_float_arithmetic(node):
+            continue
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        by_piece: dict[int, list[torch.fx.Node]] = {}
+        for user in node.users:
+            if user in assignment and assignment[user] != assignment[node]:
+                by_piece.setdefault(assignment[user], []).append(user)
+        for piece, users in by_piece.items():
+            first = min(users, key=order.__getitem__)
+            with gm.graph.inserting_before(first):
+                copy = gm.graph.node_copy(node)
+            copy.meta = dict(node.meta)
+            assignment[copy] = piece
+            for user in users:
+                user.replace_input_with(node, copy)
+        if not node.users:
+            gm.graph.erase_node(node)
+            del assignment[node]
 
 
 def _in_place(node: torch.fx.Node) -> bool:

@@ -198,6 +198,23 @@ def test_cleanup_keeps_in_place_methods():
     assert any(n.target == "add_" for n in gm.graph.nodes)
 
 
+@pytest.mark.parametrize("target,kwargs", [(torch.relu_, {}), (torch.nn.functional.relu, {"inplace": True}),
+                                           (torch.add, {"out": "x"})], ids=["relu_", "inplace=True", "out="])
+def test_cleanup_keeps_torch_functions_that_write_in_place(target, kwargs):
+    """Dynamo records ``F.relu(h, inplace=True)`` as a call whose result nobody reads (later code
+    reads ``h``); FX does not count it impure, so a DCE dropped the write."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    args = (x, 1.0) if target is torch.add else (x,)
+    g.call_function(target, args, {k: x if v == "x" else v for k, v in kwargs.items()})
+    g.output(g.call_function(operator.mul, (x, 2)))
+    gm = cleanup(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert any(n.target is target for n in gm.graph.nodes)
+    h = torch.randn(5)
+    torch.testing.assert_close(gm(h.clone()), target(h.clone(), *args[1:], **{k: h.clone() if v == "x" else v
+                                                                              for k, v in kwargs.items()}) * 2)
+
+
 def test_capture_kv_write_moves_the_write_into_the_preceding_piece():
     from compileattn.passes import capture_kv_write
 

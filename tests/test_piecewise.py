@@ -163,6 +163,51 @@ def test_runtime_finds_the_token_dimension():
     assert seen == expected
 
 
+class _ExtraSizeFirst(torch.nn.Module):
+    """An input with another dynamic size comes before the token input (Dynamo's graph inputs are
+    in the order the forward reads them)."""
+
+    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(64, 4 * 32)
+        self.o = torch.nn.Linear(2 * 32, 64)
+
+    def forward(self, extra, x):
+        bias = extra.mean(0)
+        n = x.shape[0]
+        q, k, v = self.qkv(x + bias).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        return self.o(out.view(n, 64))
+
+
+@pytest.mark.parametrize("mode", ["none", "full_and_piecewise"])
+def test_the_token_input_is_the_one_the_attention_query_counts(simulated_graphs, mode):
+    """The token count is read from the input whose dim 0 the attention's query has, not from the
+    first input with a dynamic dim 0: keyed by ``extra``, every step was refused ("called with 3
+    tokens, but the step's metadata has num_tokens=2"), and so was the 1-token step (Dynamo's
+    graph for it has a static token count and a dynamic ``extra``)."""
+    model, eager = _ExtraSizeFirst(), _ExtraSizeFirst()
+    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 16, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=16, max_num_tokens=16, max_blocks_per_seq=4)
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "eager", "cudagraph_mode": mode,
+                                                                   "cudagraph_capture_sizes": [1, 2, 4, 8]})
+    x_buf, extra_buf = torch.randn(16, 64), torch.randn(16, 64)
+    for tokens, extra in ((2, 3), (4, 3), (4, 5), (1, 3), (2, 3), (4, 3)):
+        seqs = [ca.SequenceStep(1, 2, [i]) for i in range(tokens)]
+
+        def make(n, extra=extra):
+            x, e = x_buf[:n], extra_buf[:extra]
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(e, 0)
+            return e, x
+        with torch.no_grad():
+            assert_matches_eager(eager, compiled, builder, caches, seqs, make)
+
+
 def test_splitting_at_the_unified_op_only_keeps_it_whole():
     """With splitting_ops naming only ``attention``, the KV-write rewrite must not run (it would
     leave nothing to split at): the graph still splits once per layer."""
@@ -295,3 +340,164 @@ def test_a_read_of_the_written_buffer_is_not_hoisted_before_the_op(make_view):
         return (x,)
     with torch.no_grad():  # autograd refuses an in-place write into one of unbind's views
         assert_matches_eager(model, compiled, builder, caches, seqs, make)
+
+
+class _WriteAfterTheOp(torch.nn.Module):
+    """A tensor the attention op does not touch is written in place after the op, then read: the
+    read must stay after the write (the hoist pass moves reads independent of the op before it)."""
+
+    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
+
+    def __init__(self, write):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(64, 4 * 32)
+        self.o = torch.nn.Linear(2 * 32, 64)
+        self.side = torch.nn.Linear(64, 64)
+        self.register_buffer("steps", torch.zeros(64))
+        self.write = write
+
+    def forward(self, x):
+        n = x.shape[0]
+        h = self.side(x)
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        h = self.write(self, h, x)
+        return self.o(out.view(n, 64)) + h * 2
+
+
+def _add_(m, h, x):
+    h.add_(1.0)
+    return h
+
+
+def _copy_(m, h, x):
+    h.copy_(x * 0.5)
+    return h
+
+
+def _zero_a_view(m, h, x):
+    h[:, :4].zero_()
+    return h
+
+
+def _relu_inplace(m, h, x):
+    torch.nn.functional.relu(h, inplace=True)
+    return h
+
+
+def _add_out(m, h, x):
+    torch.add(h, 1.0, out=h)
+    return h
+
+
+def _count(m, h, x):
+    m.steps.add_(1.0)
+    return h + m.steps
+
+
+@pytest.mark.parametrize("write", [_add_, _copy_, _zero_a_view, _relu_inplace, _add_out, _count],
+                         ids=["add_", "copy_", "view.zero_", "relu(inplace=True)", "add(out=)", "buffer"])
+def test_a_read_after_an_in_place_write_after_the_op_is_not_hoisted_before_the_write(write):
+    model = _WriteAfterTheOp(write)
+    eager = _WriteAfterTheOp(write)
+    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4)
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "eager"})
+
+    def make(n):
+        x = torch.randn(n, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+    with torch.no_grad():
+        for seqs in ([ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])], [ca.SequenceStep(4, 2, [4, 5])]):
+            assert_matches_eager(eager, compiled, builder, caches, seqs, make)
+
+
+class _AliasedPieceInputs(torch.nn.Module):
+    """Two tensors sharing storage, made before the attention op, reach the piece after it, which
+    writes one in place: Inductor's compile of that piece failed at its first call (``wrong
+    number of dimensions``) until the piece got their base and made the views itself."""
+
+    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
+
+    def __init__(self, views):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(64, 4 * 32)
+        self.o = torch.nn.Linear(2 * 32, 64)
+        self.side = torch.nn.Linear(64, 64)
+        self.views = views
+
+    def forward(self, x):
+        n = x.shape[0]
+        written, read = self.views(self.side(x))
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        written.mul_(2.0)
+        return self.o(out.view(n, 64)) + read.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("views", [lambda h: (h[:, :4], h), lambda h: (h[:, :4], h[:, 2:6]),
+                                   lambda h: (h.narrow(1, 0, 4), h.split(8, dim=1)[1].t().t())],
+                         ids=["slice-and-base", "two-slices", "narrow-and-split"])
+def test_a_piece_writing_one_of_two_inputs_sharing_storage_compiles_with_inductor(views):
+    model, eager = _AliasedPieceInputs(views), _AliasedPieceInputs(views)
+    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4)
+    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "inductor"})
+
+    def make(n):
+        x = torch.randn(n, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+    with torch.no_grad():
+        for seqs in ([ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])], [ca.SequenceStep(4, 2, [4, 5])]):
+            assert_matches_eager(eager, compiled, builder, caches, seqs, make)
+
+
+class _FloatOfTheTokenCount(torch.nn.Module):
+    """A float of the token count used on both sides of the attention op (``before``), or after it
+    only, where the hoist pass moves its arithmetic before the op: either way the piece before the
+    op handed it on."""
+
+    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
+
+    def __init__(self, before):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(64, 4 * 32)
+        self.o = torch.nn.Linear(2 * 32, 64)
+        self.before = before
+
+    def forward(self, x):
+        n = x.shape[0]
+        if self.before:
+            scale = 1.0 / (n + 1)
+            x = x * scale
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        return self.o(out.view(n, 64)) * (scale if self.before else 1.0 / (n + 1))
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["used-before-and-after", "used-after"])
+def test_a_float_of_the_token_count_does_not_cross_pieces_so_static_sizes_compile(before):
+    """A piece returning a float failed its static-size Inductor compile (``compile_sizes``, on
+    CUDA by default): the float is a Python float there, which Inductor refuses as an output."""
+    model, eager = _FloatOfTheTokenCount(before), _FloatOfTheTokenCount(before)
+    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4)
+    compiled = torch.compile(model, backend="compileattn",
+                             options={"piece_compiler": "inductor", "compile_sizes": [4], "compile_workers": 0})
+
+    def make(n):
+        x = torch.randn(n, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+    with torch.no_grad():
+        for seqs in ([ca.SequenceStep(1, 2, [0]), ca.SequenceStep(3, 0, [1])],  # 4 tokens: the static piece
+                     [ca.SequenceStep(5, 0, [2, 3])]):
+            assert_matches_eager(eager, compiled, builder, caches, seqs, make)

@@ -254,13 +254,38 @@ def _compile_piece_for_inference(piece: Piece, args: list[Any], config: CompileC
                                                                   config.inductor_options))
 
 
-def _token_input(fake_args: Sequence[Any]) -> int | None:
+def _token_input(fake_args: Sequence[Any], gm: torch.fx.GraphModule | None = None) -> int | None:
     """Index of the input whose dim 0 is the step's token count: the first tensor input whose dim 0
-    is symbolic. Not "the first SymInt input": when an input is a view of a persistent buffer,
-    Dynamo may also lift the buffer's own (symbolic) size, which is not the token count."""
-    for i, a in enumerate(fake_args):
-        if isinstance(a, torch.Tensor) and a.dim() and isinstance(a.shape[0], torch.SymInt):
+    is the first attention op's query token count (the count the step's metadata holds; none where
+    that is a plain int: Dynamo specialised a 1-token call), else (no such op or input) the first
+    tensor input whose dim 0 is symbolic. Not "the first symbolic dim 0" alone: a model given
+    another dynamic size first (``forward(extra, x)``) was keyed by it, and every step refused with
+    "called with <that size> tokens". Not "the first SymInt input": when an input is a view of a
+    persistent buffer, Dynamo may also lift the buffer's own (symbolic) size, which is not the
+    token count."""
+    tokens = _query_tokens(gm) if gm is not None else None
+    if isinstance(tokens, int):
+        return None
+    candidates = [i for i, a in enumerate(fake_args)
+                  if isinstance(a, torch.Tensor) and a.dim() and isinstance(a.shape[0], torch.SymInt)]
+    for i in candidates:
+        if tokens is not None and _torch_compat.symbol_of(fake_args[i].shape[0]) == tokens:
             return i
+    return candidates[0] if candidates else None
+
+
+def _query_tokens(gm: torch.fx.GraphModule):
+    """The first attention op's query token count: an int, the symbol of a symbolic one, or None
+    (no such op, or a size that is an expression)."""
+    for node in gm.graph.nodes:
+        if is_splitting_node(node, _ATTEND) or is_splitting_node(node, _UNIFIED):
+            query = _meta(node.args[0]) if node.args else None
+            if not isinstance(query, torch.Tensor) or not query.dim():
+                return None
+            if not isinstance(query.shape[0], torch.SymInt):
+                return int(query.shape[0])
+            expr = _torch_compat.symbol_of(query.shape[0])
+            return expr if expr.is_Symbol else None
     return None
 
 
@@ -668,7 +693,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     # Dynamo hands the backend real tensors, whose shapes are plain ints; only their fake twins
     # say which dims are symbolic.
     fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in example_inputs]
-    token_index = _token_input(fake_args)
+    token_index = _token_input(fake_args, gm)
     token_symbol = _torch_compat.symbol_of(fake_args[token_index].shape[0]) if token_index is not None else None
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), torch.device("cpu"))
     inputs = [n.name for n in split_gm.graph.nodes if n.op == "placeholder"]
