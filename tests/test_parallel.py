@@ -491,6 +491,72 @@ def test_a_step_failing_on_one_rank_fails_every_rank_at_once_with_its_reason(tmp
         assert result["second_seconds"] < 1, result
 
 
+LATE_FAILURE_SCRIPT = r"""
+import json, sys, time
+import torch
+import compileattn
+
+model_dir, out, case = sys.argv[1], sys.argv[2], sys.argv[3]
+llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=None, num_blocks=64,
+                      max_num_seqs=4, max_num_batched_tokens=16)
+rank = torch.distributed.get_rank()
+llm.generate([[5, 6, 7]], max_new_tokens=2, use_tqdm=False)
+if rank == 1 and case == "after-last-step":  # the call's third (last) step fails after its forward's collectives
+    run, calls = llm.engine._runner_run, []
+
+    def failing_run(prepared):
+        hidden = run(prepared)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure after the last forward")
+        return hidden
+
+    llm.engine._runner_run = failing_run
+if rank == 1 and case == "at-outputs":  # interrupted after serve(), as rank 0 broadcasts the outputs
+    broadcast, calls = llm.tp.broadcast_object, []
+
+    def interrupted_broadcast(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # 3 steps, serve's end, the outputs
+            raise KeyboardInterrupt("injected interrupt")
+        return broadcast(*args, **kwargs)
+
+    object.__setattr__(llm.tp, "broadcast_object", interrupted_broadcast)
+errors = []
+for _ in range(2):
+    start = time.perf_counter()
+    try:
+        llm.generate([[1, 2, 3]], max_new_tokens=3, ignore_eos=True, use_tqdm=False)
+        errors.append([None, time.perf_counter() - start])
+    except BaseException as exc:
+        errors.append([f"{type(exc).__name__}: {exc}", time.perf_counter() - start])
+json.dump(errors, open(f"{out}.{rank}.json", "w"))
+print(f"rank {rank}: done", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["after-last-step", "at-outputs"])
+def test_a_rank_failing_outside_the_steps_collectives_is_named_on_every_rank(tmp_path, case):
+    """A rank that fails after its last collective of a call (its last step's forward done, or
+    interrupted as rank 0 broadcasts the outputs) shuts the group down; rank 0 sees that only in
+    ``generate``'s own collectives (the end of ``serve``, the outputs, the next call's agreement),
+    which raised gloo's bare "connection closed" there, or waited for ever once the ranks' calls no
+    longer paired up. They end the group as a step does: every rank raises ``TPGroupFailed`` naming
+    rank 1, and so does the next call."""
+    model_dir = tiny_hf_llama(tmp_path / "model")
+    script = tmp_path / "late_failure.py"
+    script.write_text(LATE_FAILURE_SCRIPT)
+    rc, log = torchrun(2, [str(script), str(model_dir), str(tmp_path / "errors"), case], tmp_path, timeout=120)
+    assert rc == 0, log[-4000:]
+    reason = ("rank 1 failed in a step: RuntimeError: injected failure after the last forward"
+              if case == "after-last-step" else "rank 1 failed in generate: KeyboardInterrupt: injected interrupt")
+    for rank in (0, 1):
+        errors = json.loads((tmp_path / f"errors.{rank}.json").read_text())
+        for error, seconds in errors:
+            assert error is not None and error.startswith("TPGroupFailed: ") and reason in error, (rank, errors)
+            assert seconds < 30, (rank, errors)
+
+
 BUILD_FAILURE_SCRIPT = r'''
 import json, sys
 import torch

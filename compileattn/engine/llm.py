@@ -294,7 +294,8 @@ class LLM:
             self._agree_across_ranks(hashlib.sha256(repr((token_prompts, params)).encode()).hexdigest())
         if self.tp is not None and not self.tp.is_driver:
             engine.serve()  # rank 0's steps, until its generate ends
-            result = self.tp.broadcast_object(None)
+            with engine._group_ends_on_error("in generate"):
+                result = self.tp.broadcast_object(None)
             if isinstance(result, BaseException):
                 raise RuntimeError(f"rank 0's generate failed: {result}") from result
             return result
@@ -305,12 +306,14 @@ class LLM:
             outputs = self._run(engine, params, token_prompts, prompts, use_tqdm, start)
         except BaseException as exc:
             if self.tp is not None and engine.failure is None:  # else the group is shut down on every rank
-                engine.stop_workers()
-                self.tp.broadcast_object(RuntimeError(f"{type(exc).__name__}: {exc}"))
+                with engine._group_ends_on_error("in generate"):
+                    engine.stop_workers()
+                    self.tp.broadcast_object(RuntimeError(f"{type(exc).__name__}: {exc}"))
             raise
         if self.tp is not None:
-            engine.stop_workers()
-            self.tp.broadcast_object(outputs)
+            with engine._group_ends_on_error("in generate"):
+                engine.stop_workers()
+                self.tp.broadcast_object(outputs)
         elapsed = time.perf_counter() - start
         num_out = sum(len(o.token_ids) for o in outputs)
         logger.info("generated %d tokens for %d requests in %.2f s (%.1f tokens/s, %d preemptions)", num_out,
@@ -366,9 +369,11 @@ class LLM:
         schedules and every rank returns rank 0's outputs, so a rank that passed other prompts got
         outputs for prompts it never passed. One gather of a digest per call; a rank that refused
         its arguments (``refused``, which it raises itself) takes part too, so the others raise
-        instead of waiting for it."""
-        answers = self.tp.all_gather_object((digest, None if refused is None else f"{type(refused).__name__}: "
-                                                                                  f"{refused}"))
+        instead of waiting for it. The gather ends the group on error as a step does: a peer that
+        failed or left is named, not seen as a bare "connection closed"."""
+        with self.engine._group_ends_on_error("in generate"):
+            answers = self.tp.all_gather_object((digest, None if refused is None else f"{type(refused).__name__}: "
+                                                                                      f"{refused}"))
         refusals = {rank: why for rank, (_, why) in enumerate(answers) if why is not None}
         if refused is not None:
             return

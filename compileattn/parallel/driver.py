@@ -61,10 +61,13 @@ class TPEngine(Engine):
             return self._runner_run(prepared)
 
     @contextlib.contextmanager
-    def _group_ends_on_error(self):
-        """Around a step's broadcast, its forward and rank 0's wait for its tokens: an exception there
-        leaves the peers inside the step's collectives (or in the next broadcast), so it shuts the
-        group down on every rank (``failure.py``); a group already shut down raises its reason."""
+    def _group_ends_on_error(self, during: str = "in a step"):
+        """Around a step's broadcast, its forward and rank 0's wait for its tokens, and around
+        ``LLM.generate``'s own collectives (its agreement, the end of ``serve`` and the outputs'
+        broadcast): an exception there leaves the peers inside the step's collectives (or in the
+        next broadcast), and a peer that failed after its last collective of a step is seen only
+        there, as a bare "connection closed"; so it shuts the group down on every rank and names
+        the failed rank (``failure.py``). A group already shut down raises its reason."""
         if self.failure is not None:
             raise self.failure
         try:
@@ -72,7 +75,7 @@ class TPEngine(Engine):
         except TPGroupFailed:
             raise
         except BaseException as exc:
-            self.failure = fail_group(self.tp, exc)
+            self.failure = fail_group(self.tp, exc, during)
             raise self.failure from exc
 
     def _wait_for(self, copied) -> None:
