@@ -571,8 +571,10 @@ if case == "one-rank" and rank == 1:  # this rank's load fails; rank 0's load-ti
         raise OSError("injected: the checkpoint is unreadable on this rank")
 
     LLM._load = staticmethod(failing_load)
+# rank 1 compiles (its warm-up step's all-reduces), rank 0 does not
+config = compileattn.CompileConfig(piece_compiler="eager", cudagraph_mode="none") if case == "settings-differ" and rank == 1 else None
 try:
-    compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=None, num_blocks=64,
+    compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=config, num_blocks=64,
                     max_num_seqs=4, max_num_batched_tokens=16)
     error = None
 except Exception as exc:
@@ -581,15 +583,18 @@ json.dump(error, open(f"{out}.{rank}.json", "w"))
 '''
 
 
-@pytest.mark.parametrize("case", ["one-rank", "every-rank"])
+@pytest.mark.parametrize("case", ["one-rank", "every-rank", "settings-differ"])
 def test_an_llm_that_fails_to_build_on_one_rank_fails_on_every_rank(tmp_path, case):
     """A rank whose build fails (its checkpoint unreadable) would leave the others in the load-time
     probe's all-reduces until the group's timeout: it raises its own error and the others
     ``TPGroupFailed`` naming it, at once. A model every rank refuses (head dim 16) raises its own
-    ``UnsupportedModelError`` on every rank, as without tensor parallelism."""
+    ``UnsupportedModelError`` on every rank, as without tensor parallelism. Ranks built with
+    different settings (one compiling, one not: the compile's warm-up step holds all-reduces the
+    other rank never runs) are refused on every rank, naming the setting, before any collective
+    pairs up wrongly (it waited, or was left with "connection closed")."""
     import transformers
 
-    if case == "one-rank":
+    if case in ("one-rank", "settings-differ"):
         model_dir = tiny_hf_llama(tmp_path / "model")
     else:
         model_dir = tmp_path / "model"
@@ -604,6 +609,10 @@ def test_an_llm_that_fails_to_build_on_one_rank_fails_on_every_rank(tmp_path, ca
     if case == "one-rank":
         assert errors[1] == "OSError: injected: the checkpoint is unreadable on this rank", errors
         assert errors[0].startswith("TPGroupFailed: rank 1 failed while building the LLM: OSError: injected"), errors
+    elif case == "settings-differ":
+        for error in errors:
+            assert error.startswith("ValueError: tensor parallel LLM: the ranks' settings differ: compiled (rank 0: "
+                                    "False; rank 1: True)"), errors
     else:
         for error in errors:
             assert error.startswith("UnsupportedModelError: ") and "head_dim=16" in error, errors

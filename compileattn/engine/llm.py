@@ -158,6 +158,10 @@ class LLM:
             device = self.tp.device
             building = building_in_step(self.tp)  # a rank failing here would leave the others in a collective
         with building:
+            if self.tp is not None:
+                self._agree_on_build(self.tp, model, dtype, block_size, max_num_seqs, max_num_batched_tokens,
+                                     self._compile_config(compile_config, self.tp.device, attention_backend,
+                                                          max_num_seqs, max_num_batched_tokens))
             self.model, self.tokenizer, hf_model = self._load(model, tokenizer, dtype, device, allow_pickle, self.tp)
             param = next(self.model.parameters())
             device, dtype = param.device, param.dtype
@@ -197,6 +201,32 @@ class LLM:
                 self.engine = TPEngine(self.model, tp=self.tp, **engine_args)
 
     # -- construction --------------------------------------------------------------------------
+
+    @staticmethod
+    def _agree_on_build(tp, model, dtype, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                        compile_config: CompileConfig | None) -> None:
+        """Under tensor parallelism every rank must build with the settings that decide which
+        forwards it runs (the compile's warm-up step, one capture per size and kind) and how each
+        step is padded, or the build's and the steps' collectives pair up wrongly: a rank compiling
+        while another did not waited for ever in the warm-up's all-reduce, and capture sizes that
+        differ aborted a rank in gloo ("collective mismatch") with "connection reset" on the other.
+        One gather before the load's first collective; every rank raises a ValueError naming the
+        settings that differ (the settings each rank may keep its own, such as a ``cache_dir``,
+        are not compared)."""
+        if dtype is not None or isinstance(model, (str, Path)):
+            dtype = _dtype(dtype, tp.device)
+        mode = None if compile_config is None else compile_config.resolved_cudagraph_mode(tp.device.type)
+        mine = {"dtype": str(dtype), "block_size": block_size, "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": max_num_batched_tokens, "compiled": compile_config is not None,
+                "compile_config.cudagraph_mode": mode,
+                "compile_config.capture_sizes": None if compile_config is None else compile_config.capture_sizes}
+        settings = tp.all_gather_object(mine)
+        differ = [f"{name} (" + "; ".join(f"rank {r}: {s[name]!r}" for r, s in enumerate(settings)) + ")"
+                  for name in mine if len({repr(s[name]) for s in settings}) > 1]
+        if differ:
+            raise ValueError(f"tensor parallel LLM: the ranks' settings differ: {', '.join(differ)}; every rank must "
+                             f"build its LLM with the same settings (they decide the forwards each rank runs, and "
+                             f"so the collectives that must pair up)")
 
     @staticmethod
     def _load(model, tokenizer, dtype, device, allow_pickle, tp=None):
