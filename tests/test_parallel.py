@@ -522,6 +522,16 @@ if rank == 1 and case == "at-outputs":  # interrupted after serve(), as rank 0 b
         return broadcast(*args, **kwargs)
 
     object.__setattr__(llm.tp, "broadcast_object", interrupted_broadcast)
+if rank == 0 and case == "rank-0-before-forward":  # its second step is broadcast, then rank 0 fails before running it
+    launch, calls = llm.engine._launch, []
+
+    def failing_launch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("injected interrupt before the forward")
+        return launch(*args, **kwargs)
+
+    llm.engine._launch = failing_launch
 errors = []
 for _ in range(2):
     start = time.perf_counter()
@@ -535,21 +545,25 @@ print(f"rank {rank}: done", file=sys.stderr, flush=True)
 """
 
 
-@pytest.mark.parametrize("case", ["after-last-step", "at-outputs"])
+@pytest.mark.parametrize("case", ["after-last-step", "at-outputs", "rank-0-before-forward"])
 def test_a_rank_failing_outside_the_steps_collectives_is_named_on_every_rank(tmp_path, case):
     """A rank that fails after its last collective of a call (its last step's forward done, or
     interrupted as rank 0 broadcasts the outputs) shuts the group down; rank 0 sees that only in
     ``generate``'s own collectives (the end of ``serve``, the outputs, the next call's agreement),
     which raised gloo's bare "connection closed" there, or waited for ever once the ranks' calls no
     longer paired up. They end the group as a step does: every rank raises ``TPGroupFailed`` naming
-    rank 1, and so does the next call."""
+    rank 1, and so does the next call. Rank 0 failing after it broadcast a step, before running it,
+    cannot end ``generate`` cleanly (its broadcast of the end met rank 1 inside the step's
+    all-reduce: both waited for ever): it ends the group too."""
     model_dir = tiny_hf_llama(tmp_path / "model")
     script = tmp_path / "late_failure.py"
     script.write_text(LATE_FAILURE_SCRIPT)
     rc, log = torchrun(2, [str(script), str(model_dir), str(tmp_path / "errors"), case], tmp_path, timeout=120)
     assert rc == 0, log[-4000:]
-    reason = ("rank 1 failed in a step: RuntimeError: injected failure after the last forward"
-              if case == "after-last-step" else "rank 1 failed in generate: KeyboardInterrupt: injected interrupt")
+    reason = {"after-last-step": "rank 1 failed in a step: RuntimeError: injected failure after the last forward",
+              "at-outputs": "rank 1 failed in generate: KeyboardInterrupt: injected interrupt",
+              "rank-0-before-forward": "rank 0 failed in generate: KeyboardInterrupt: injected interrupt before the "
+                                       "forward"}[case]
     for rank in (0, 1):
         errors = json.loads((tmp_path / f"errors.{rank}.json").read_text())
         for error, seconds in errors:

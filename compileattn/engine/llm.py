@@ -337,6 +337,8 @@ class LLM:
         except BaseException as exc:
             if self.tp is not None and engine.failure is None:  # else the group is shut down on every rank
                 with engine._group_ends_on_error("in generate"):
+                    if engine.step_unrun:  # the others are in its collectives, not waiting for the end: end the group
+                        raise
                     engine.stop_workers()
                     self.tp.broadcast_object(RuntimeError(f"{type(exc).__name__}: {exc}"))
             raise
