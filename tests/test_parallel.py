@@ -205,8 +205,11 @@ def _free_port() -> int:
 
 
 def torchrun(nproc: int, argv: list[str], log_dir: Path, timeout: float = 240.0) -> tuple[int, str]:
-    """Run ``argv`` (a ``-m module ...`` or script) under torchrun; kill the whole process group on
-    timeout, so a hang fails the test with the ranks' output instead of blocking CI."""
+    """Run ``argv`` (a ``-m module ...`` or script) under torchrun; on timeout end it and its ranks,
+    so a hang fails the test with the ranks' output instead of blocking CI. torchrun starts each
+    rank in a session of its own, so killing torchrun's process group left the hung ranks running
+    (for the group's 600 s timeout), holding the output pipe the test then waited on: torchrun is
+    sent SIGTERM, which it passes on to its ranks, and killed only if it has not ended by then."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(_free_port()), *argv, "--log-dir", str(log_dir)]
     env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -215,8 +218,12 @@ def torchrun(nproc: int, argv: list[str], log_dir: Path, timeout: float = 240.0)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
         pytest.fail(f"{' '.join(argv)} did not finish in {timeout:.0f} s (a hang?); output:\n{out[-4000:]}")
     return proc.returncode, out
 
