@@ -205,8 +205,11 @@ def _free_port() -> int:
 
 
 def torchrun(nproc: int, argv: list[str], log_dir: Path, timeout: float = 240.0) -> tuple[int, str]:
-    """Run ``argv`` (a ``-m module ...`` or script) under torchrun; kill the whole process group on
-    timeout, so a hang fails the test with the ranks' output instead of blocking CI."""
+    """Run ``argv`` (a ``-m module ...`` or script) under torchrun; on timeout end it and its ranks,
+    so a hang fails the test with the ranks' output instead of blocking CI. torchrun starts each
+    rank in a session of its own, so killing torchrun's process group left the hung ranks running
+    (for the group's 600 s timeout), holding the output pipe the test then waited on: torchrun is
+    sent SIGTERM, which it passes on to its ranks, and killed only if it has not ended by then."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(_free_port()), *argv, "--log-dir", str(log_dir)]
     env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -215,8 +218,12 @@ def torchrun(nproc: int, argv: list[str], log_dir: Path, timeout: float = 240.0)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
         pytest.fail(f"{' '.join(argv)} did not finish in {timeout:.0f} s (a hang?); output:\n{out[-4000:]}")
     return proc.returncode, out
 
@@ -491,6 +498,86 @@ def test_a_step_failing_on_one_rank_fails_every_rank_at_once_with_its_reason(tmp
         assert result["second_seconds"] < 1, result
 
 
+LATE_FAILURE_SCRIPT = r"""
+import json, sys, time
+import torch
+import compileattn
+
+model_dir, out, case = sys.argv[1], sys.argv[2], sys.argv[3]
+llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=None, num_blocks=64,
+                      max_num_seqs=4, max_num_batched_tokens=16)
+rank = torch.distributed.get_rank()
+llm.generate([[5, 6, 7]], max_new_tokens=2, use_tqdm=False)
+if rank == 1 and case == "after-last-step":  # the call's third (last) step fails after its forward's collectives
+    run, calls = llm.engine._runner_run, []
+
+    def failing_run(prepared):
+        hidden = run(prepared)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure after the last forward")
+        return hidden
+
+    llm.engine._runner_run = failing_run
+if rank == 1 and case == "at-outputs":  # interrupted after serve(), as rank 0 broadcasts the outputs
+    broadcast, calls = llm.tp.broadcast_object, []
+
+    def interrupted_broadcast(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # 3 steps, serve's end, the outputs
+            raise KeyboardInterrupt("injected interrupt")
+        return broadcast(*args, **kwargs)
+
+    object.__setattr__(llm.tp, "broadcast_object", interrupted_broadcast)
+if rank == 0 and case == "rank-0-before-forward":  # its second step is broadcast, then rank 0 fails before running it
+    launch, calls = llm.engine._launch, []
+
+    def failing_launch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("injected interrupt before the forward")
+        return launch(*args, **kwargs)
+
+    llm.engine._launch = failing_launch
+errors = []
+for _ in range(2):
+    start = time.perf_counter()
+    try:
+        llm.generate([[1, 2, 3]], max_new_tokens=3, ignore_eos=True, use_tqdm=False)
+        errors.append([None, time.perf_counter() - start])
+    except BaseException as exc:
+        errors.append([f"{type(exc).__name__}: {exc}", time.perf_counter() - start])
+json.dump(errors, open(f"{out}.{rank}.json", "w"))
+print(f"rank {rank}: done", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["after-last-step", "at-outputs", "rank-0-before-forward"])
+def test_a_rank_failing_outside_the_steps_collectives_is_named_on_every_rank(tmp_path, case):
+    """A rank that fails after its last collective of a call (its last step's forward done, or
+    interrupted as rank 0 broadcasts the outputs) shuts the group down; rank 0 sees that only in
+    ``generate``'s own collectives (the end of ``serve``, the outputs, the next call's agreement),
+    which raised gloo's bare "connection closed" there, or waited for ever once the ranks' calls no
+    longer paired up. They end the group as a step does: every rank raises ``TPGroupFailed`` naming
+    rank 1, and so does the next call. Rank 0 failing after it broadcast a step, before running it,
+    cannot end ``generate`` cleanly (its broadcast of the end met rank 1 inside the step's
+    all-reduce: both waited for ever): it ends the group too."""
+    model_dir = tiny_hf_llama(tmp_path / "model")
+    script = tmp_path / "late_failure.py"
+    script.write_text(LATE_FAILURE_SCRIPT)
+    rc, log = torchrun(2, [str(script), str(model_dir), str(tmp_path / "errors"), case], tmp_path, timeout=120)
+    assert rc == 0, log[-4000:]
+    reason = {"after-last-step": "rank 1 failed in a step: RuntimeError: injected failure after the last forward",
+              "at-outputs": "rank 1 failed in generate: KeyboardInterrupt: injected interrupt",
+              "rank-0-before-forward": "rank 0 failed in generate: KeyboardInterrupt: injected interrupt before the "
+                                       "forward"}[case]
+    for rank in (0, 1):
+        errors = json.loads((tmp_path / f"errors.{rank}.json").read_text())
+        for error, seconds in errors:
+            assert error is not None and error.startswith("TPGroupFailed: ") and reason in error, (rank, errors)
+            assert seconds < 30, (rank, errors)
+
+
 BUILD_FAILURE_SCRIPT = r'''
 import json, sys
 import torch
@@ -505,8 +592,10 @@ if case == "one-rank" and rank == 1:  # this rank's load fails; rank 0's load-ti
         raise OSError("injected: the checkpoint is unreadable on this rank")
 
     LLM._load = staticmethod(failing_load)
+# rank 1 compiles (its warm-up step's all-reduces), rank 0 does not
+config = compileattn.CompileConfig(piece_compiler="eager", cudagraph_mode="none") if case == "settings-differ" and rank == 1 else None
 try:
-    compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=None, num_blocks=64,
+    compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=config, num_blocks=64,
                     max_num_seqs=4, max_num_batched_tokens=16)
     error = None
 except Exception as exc:
@@ -515,15 +604,18 @@ json.dump(error, open(f"{out}.{rank}.json", "w"))
 '''
 
 
-@pytest.mark.parametrize("case", ["one-rank", "every-rank"])
+@pytest.mark.parametrize("case", ["one-rank", "every-rank", "settings-differ"])
 def test_an_llm_that_fails_to_build_on_one_rank_fails_on_every_rank(tmp_path, case):
     """A rank whose build fails (its checkpoint unreadable) would leave the others in the load-time
     probe's all-reduces until the group's timeout: it raises its own error and the others
     ``TPGroupFailed`` naming it, at once. A model every rank refuses (head dim 16) raises its own
-    ``UnsupportedModelError`` on every rank, as without tensor parallelism."""
+    ``UnsupportedModelError`` on every rank, as without tensor parallelism. Ranks built with
+    different settings (one compiling, one not: the compile's warm-up step holds all-reduces the
+    other rank never runs) are refused on every rank, naming the setting, before any collective
+    pairs up wrongly (it waited, or was left with "connection closed")."""
     import transformers
 
-    if case == "one-rank":
+    if case in ("one-rank", "settings-differ"):
         model_dir = tiny_hf_llama(tmp_path / "model")
     else:
         model_dir = tmp_path / "model"
@@ -538,6 +630,10 @@ def test_an_llm_that_fails_to_build_on_one_rank_fails_on_every_rank(tmp_path, ca
     if case == "one-rank":
         assert errors[1] == "OSError: injected: the checkpoint is unreadable on this rank", errors
         assert errors[0].startswith("TPGroupFailed: rank 1 failed while building the LLM: OSError: injected"), errors
+    elif case == "settings-differ":
+        for error in errors:
+            assert error.startswith("ValueError: tensor parallel LLM: the ranks' settings differ: compiled (rank 0: "
+                                    "False; rank 1: True)"), errors
     else:
         for error in errors:
             assert error.startswith("UnsupportedModelError: ") and "head_dim=16" in error, errors

@@ -158,6 +158,10 @@ class LLM:
             device = self.tp.device
             building = building_in_step(self.tp)  # a rank failing here would leave the others in a collective
         with building:
+            if self.tp is not None:
+                self._agree_on_build(self.tp, model, dtype, block_size, max_num_seqs, max_num_batched_tokens,
+                                     self._compile_config(compile_config, self.tp.device, attention_backend,
+                                                          max_num_seqs, max_num_batched_tokens))
             self.model, self.tokenizer, hf_model = self._load(model, tokenizer, dtype, device, allow_pickle, self.tp)
             param = next(self.model.parameters())
             device, dtype = param.device, param.dtype
@@ -197,6 +201,32 @@ class LLM:
                 self.engine = TPEngine(self.model, tp=self.tp, **engine_args)
 
     # -- construction --------------------------------------------------------------------------
+
+    @staticmethod
+    def _agree_on_build(tp, model, dtype, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                        compile_config: CompileConfig | None) -> None:
+        """Under tensor parallelism every rank must build with the settings that decide which
+        forwards it runs (the compile's warm-up step, one capture per size and kind) and how each
+        step is padded, or the build's and the steps' collectives pair up wrongly: a rank compiling
+        while another did not waited for ever in the warm-up's all-reduce, and capture sizes that
+        differ aborted a rank in gloo ("collective mismatch") with "connection reset" on the other.
+        One gather before the load's first collective; every rank raises a ValueError naming the
+        settings that differ (the settings each rank may keep its own, such as a ``cache_dir``,
+        are not compared)."""
+        if dtype is not None or isinstance(model, (str, Path)):
+            dtype = _dtype(dtype, tp.device)
+        mode = None if compile_config is None else compile_config.resolved_cudagraph_mode(tp.device.type)
+        mine = {"dtype": str(dtype), "block_size": block_size, "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": max_num_batched_tokens, "compiled": compile_config is not None,
+                "compile_config.cudagraph_mode": mode,
+                "compile_config.capture_sizes": None if compile_config is None else compile_config.capture_sizes}
+        settings = tp.all_gather_object(mine)
+        differ = [f"{name} (" + "; ".join(f"rank {r}: {s[name]!r}" for r, s in enumerate(settings)) + ")"
+                  for name in mine if len({repr(s[name]) for s in settings}) > 1]
+        if differ:
+            raise ValueError(f"tensor parallel LLM: the ranks' settings differ: {', '.join(differ)}; every rank must "
+                             f"build its LLM with the same settings (they decide the forwards each rank runs, and "
+                             f"so the collectives that must pair up)")
 
     @staticmethod
     def _load(model, tokenizer, dtype, device, allow_pickle, tp=None):
@@ -294,7 +324,8 @@ class LLM:
             self._agree_across_ranks(hashlib.sha256(repr((token_prompts, params)).encode()).hexdigest())
         if self.tp is not None and not self.tp.is_driver:
             engine.serve()  # rank 0's steps, until its generate ends
-            result = self.tp.broadcast_object(None)
+            with engine._group_ends_on_error("in generate"):
+                result = self.tp.broadcast_object(None)
             if isinstance(result, BaseException):
                 raise RuntimeError(f"rank 0's generate failed: {result}") from result
             return result
@@ -305,12 +336,16 @@ class LLM:
             outputs = self._run(engine, params, token_prompts, prompts, use_tqdm, start)
         except BaseException as exc:
             if self.tp is not None and engine.failure is None:  # else the group is shut down on every rank
-                engine.stop_workers()
-                self.tp.broadcast_object(RuntimeError(f"{type(exc).__name__}: {exc}"))
+                with engine._group_ends_on_error("in generate"):
+                    if engine.step_unrun:  # the others are in its collectives, not waiting for the end: end the group
+                        raise
+                    engine.stop_workers()
+                    self.tp.broadcast_object(RuntimeError(f"{type(exc).__name__}: {exc}"))
             raise
         if self.tp is not None:
-            engine.stop_workers()
-            self.tp.broadcast_object(outputs)
+            with engine._group_ends_on_error("in generate"):
+                engine.stop_workers()
+                self.tp.broadcast_object(outputs)
         elapsed = time.perf_counter() - start
         num_out = sum(len(o.token_ids) for o in outputs)
         logger.info("generated %d tokens for %d requests in %.2f s (%.1f tokens/s, %d preemptions)", num_out,
@@ -366,9 +401,11 @@ class LLM:
         schedules and every rank returns rank 0's outputs, so a rank that passed other prompts got
         outputs for prompts it never passed. One gather of a digest per call; a rank that refused
         its arguments (``refused``, which it raises itself) takes part too, so the others raise
-        instead of waiting for it."""
-        answers = self.tp.all_gather_object((digest, None if refused is None else f"{type(refused).__name__}: "
-                                                                                  f"{refused}"))
+        instead of waiting for it. The gather ends the group on error as a step does: a peer that
+        failed or left is named, not seen as a bare "connection closed"."""
+        with self.engine._group_ends_on_error("in generate"):
+            answers = self.tp.all_gather_object((digest, None if refused is None else f"{type(refused).__name__}: "
+                                                                                      f"{refused}"))
         refusals = {rank: why for rank, (_, why) in enumerate(answers) if why is not None}
         if refused is not None:
             return

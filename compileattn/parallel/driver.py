@@ -49,6 +49,9 @@ class TPEngine(Engine):
         self.steps_run: list[StepPlan] | None = [] if record_steps else None
         #: Why the group was shut down (``failure.py``), once a step failed on some rank.
         self.failure: TPGroupFailed | None = None
+        #: Rank 0 broadcast a step whose forward it has not run yet: the other ranks are inside that
+        #: step's collectives, so a failure now cannot end ``generate`` cleanly (``LLM.generate``).
+        self.step_unrun = False
         super().__init__(model, **kwargs)
         self._runner_prepare = self.runner.prepare
         self.runner.prepare = self._prepare_step
@@ -58,13 +61,18 @@ class TPEngine(Engine):
     def _run_step(self, prepared):
         """The runner's ``run``, ending the group on every rank if it raises."""
         with self._group_ends_on_error():
-            return self._runner_run(prepared)
+            hidden = self._runner_run(prepared)
+            self.step_unrun = False
+            return hidden
 
     @contextlib.contextmanager
-    def _group_ends_on_error(self):
-        """Around a step's broadcast, its forward and rank 0's wait for its tokens: an exception there
-        leaves the peers inside the step's collectives (or in the next broadcast), so it shuts the
-        group down on every rank (``failure.py``); a group already shut down raises its reason."""
+    def _group_ends_on_error(self, during: str = "in a step"):
+        """Around a step's broadcast, its forward and rank 0's wait for its tokens, and around
+        ``LLM.generate``'s own collectives (its agreement, the end of ``serve`` and the outputs'
+        broadcast): an exception there leaves the peers inside the step's collectives (or in the
+        next broadcast), and a peer that failed after its last collective of a step is seen only
+        there, as a bare "connection closed"; so it shuts the group down on every rank and names
+        the failed rank (``failure.py``). A group already shut down raises its reason."""
         if self.failure is not None:
             raise self.failure
         try:
@@ -72,7 +80,7 @@ class TPEngine(Engine):
         except TPGroupFailed:
             raise
         except BaseException as exc:
-            self.failure = fail_group(self.tp, exc)
+            self.failure = fail_group(self.tp, exc, during)
             raise self.failure from exc
 
     def _wait_for(self, copied) -> None:
@@ -95,6 +103,7 @@ class TPEngine(Engine):
                         tuple(int(t) for t in input_ids), tuple(int(p) for p in positions), self.pad_fn(n))
         with self._group_ends_on_error():
             self.tp.broadcast_object(plan)
+            self.step_unrun = True
             return self._prepare_plan(plan)
 
     def _prepare_plan(self, plan: StepPlan):
