@@ -163,17 +163,24 @@ def test_runtime_finds_the_token_dimension():
     assert seen == expected
 
 
-class _ExtraSizeFirst(torch.nn.Module):
-    """An input with another dynamic size comes before the token input (Dynamo's graph inputs are
-    in the order the forward reads them)."""
+class _OneLayer(torch.nn.Module):
+    """One attention layer ("attn": 2 query heads, 1 KV head, head dim 32, hidden 64) with a side
+    projection; ``variant`` is what a subclass's forward varies by."""
 
     SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
 
-    def __init__(self):
+    def __init__(self, variant=None):
         super().__init__()
         torch.manual_seed(0)
         self.qkv = torch.nn.Linear(64, 4 * 32)
         self.o = torch.nn.Linear(2 * 32, 64)
+        self.side = torch.nn.Linear(64, 64)
+        self.variant = variant
+
+
+class _ExtraSizeFirst(_OneLayer):
+    """An input with another dynamic size comes before the token input (Dynamo's graph inputs are
+    in the order the forward reads them)."""
 
     def forward(self, extra, x):
         bias = extra.mean(0)
@@ -300,24 +307,15 @@ def test_pieces_compile_for_inference_under_grad_mode():
     torch.testing.assert_close(out[:4], expected)
 
 
-class _OutputInAView(torch.nn.Module):
+class _OutputInAView(_OneLayer):
     """Attention writes a view of a larger buffer (``buf.unbind(0)[0]``); the projection reads the
     buffer itself: it must run after the op, however the view was made."""
-
-    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
-
-    def __init__(self, make_view):
-        super().__init__()
-        torch.manual_seed(0)
-        self.qkv = torch.nn.Linear(64, 4 * 32)
-        self.o = torch.nn.Linear(2 * 32, 64)
-        self.make_view = make_view
 
     def forward(self, x):
         n = x.shape[0]
         q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
         buf = torch.zeros(2, n, 2, 32, dtype=x.dtype)
-        out = self.make_view(buf)
+        out = self.variant(buf)
         torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
         return self.o(buf[0].reshape(n, 64))
 
@@ -342,20 +340,13 @@ def test_a_read_of_the_written_buffer_is_not_hoisted_before_the_op(make_view):
         assert_matches_eager(model, compiled, builder, caches, seqs, make)
 
 
-class _WriteAfterTheOp(torch.nn.Module):
+class _WriteAfterTheOp(_OneLayer):
     """A tensor the attention op does not touch is written in place after the op, then read: the
     read must stay after the write (the hoist pass moves reads independent of the op before it)."""
 
-    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
-
     def __init__(self, write):
-        super().__init__()
-        torch.manual_seed(0)
-        self.qkv = torch.nn.Linear(64, 4 * 32)
-        self.o = torch.nn.Linear(2 * 32, 64)
-        self.side = torch.nn.Linear(64, 64)
+        super().__init__(write)
         self.register_buffer("steps", torch.zeros(64))
-        self.write = write
 
     def forward(self, x):
         n = x.shape[0]
@@ -363,7 +354,7 @@ class _WriteAfterTheOp(torch.nn.Module):
         q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
         out = torch.empty(n, 2, 32, dtype=x.dtype)
         torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
-        h = self.write(self, h, x)
+        h = self.variant(self, h, x)
         return self.o(out.view(n, 64)) + h * 2
 
 
@@ -397,42 +388,37 @@ def _count(m, h, x):
     return h + m.steps
 
 
-@pytest.mark.parametrize("write", [_add_, _copy_, _zero_a_view, _relu_inplace, _add_out, _count],
-                         ids=["add_", "copy_", "view.zero_", "relu(inplace=True)", "add(out=)", "buffer"])
-def test_a_read_after_an_in_place_write_after_the_op_is_not_hoisted_before_the_write(write):
-    model = _WriteAfterTheOp(write)
-    eager = _WriteAfterTheOp(write)
+def _matches_eager_over_two_steps(model, eager, options, steps=(
+        [ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])], [ca.SequenceStep(4, 2, [4, 5])])):
+    """``model`` under ``torch.compile(backend="compileattn", options=options)`` equals ``eager`` (a
+    twin) over ``steps`` of a one-layer model (``model.SPEC`` named "attn"), its token dim dynamic."""
     caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)
     builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4)
-    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "eager"})
+    compiled = torch.compile(model, backend="compileattn", options=options)
 
     def make(n):
         x = torch.randn(n, 64)
         torch._dynamo.mark_dynamic(x, 0)
         return (x,)
     with torch.no_grad():
-        for seqs in ([ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])], [ca.SequenceStep(4, 2, [4, 5])]):
+        for seqs in steps:
             assert_matches_eager(eager, compiled, builder, caches, seqs, make)
 
 
-class _AliasedPieceInputs(torch.nn.Module):
+@pytest.mark.parametrize("write", [_add_, _copy_, _zero_a_view, _relu_inplace, _add_out, _count],
+                         ids=["add_", "copy_", "view.zero_", "relu(inplace=True)", "add(out=)", "buffer"])
+def test_a_read_after_an_in_place_write_after_the_op_is_not_hoisted_before_the_write(write):
+    _matches_eager_over_two_steps(_WriteAfterTheOp(write), _WriteAfterTheOp(write), {"piece_compiler": "eager"})
+
+
+class _AliasedPieceInputs(_OneLayer):
     """Two tensors sharing storage, made before the attention op, reach the piece after it, which
     writes one in place: Inductor's compile of that piece failed at its first call (``wrong
     number of dimensions``) until the piece got their base and made the views itself."""
 
-    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
-
-    def __init__(self, views):
-        super().__init__()
-        torch.manual_seed(0)
-        self.qkv = torch.nn.Linear(64, 4 * 32)
-        self.o = torch.nn.Linear(2 * 32, 64)
-        self.side = torch.nn.Linear(64, 64)
-        self.views = views
-
     def forward(self, x):
         n = x.shape[0]
-        written, read = self.views(self.side(x))
+        written, read = self.variant(self.side(x))
         q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
         out = torch.empty(n, 2, 32, dtype=x.dtype)
         torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
@@ -444,60 +430,32 @@ class _AliasedPieceInputs(torch.nn.Module):
                                    lambda h: (h.narrow(1, 0, 4), h.split(8, dim=1)[1].t().t())],
                          ids=["slice-and-base", "two-slices", "narrow-and-split"])
 def test_a_piece_writing_one_of_two_inputs_sharing_storage_compiles_with_inductor(views):
-    model, eager = _AliasedPieceInputs(views), _AliasedPieceInputs(views)
-    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)
-    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4)
-    compiled = torch.compile(model, backend="compileattn", options={"piece_compiler": "inductor"})
-
-    def make(n):
-        x = torch.randn(n, 64)
-        torch._dynamo.mark_dynamic(x, 0)
-        return (x,)
-    with torch.no_grad():
-        for seqs in ([ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])], [ca.SequenceStep(4, 2, [4, 5])]):
-            assert_matches_eager(eager, compiled, builder, caches, seqs, make)
+    _matches_eager_over_two_steps(_AliasedPieceInputs(views), _AliasedPieceInputs(views),
+                                  {"piece_compiler": "inductor"})
 
 
-class _FloatOfTheTokenCount(torch.nn.Module):
+class _FloatOfTheTokenCount(_OneLayer):
     """A float of the token count used on both sides of the attention op (``before``), or after it
     only, where the hoist pass moves its arithmetic before the op: either way the piece before the
     op handed it on."""
 
-    SPEC = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=32)
-
-    def __init__(self, before):
-        super().__init__()
-        torch.manual_seed(0)
-        self.qkv = torch.nn.Linear(64, 4 * 32)
-        self.o = torch.nn.Linear(2 * 32, 64)
-        self.before = before
-
     def forward(self, x):
         n = x.shape[0]
-        if self.before:
+        if self.variant:
             scale = 1.0 / (n + 1)
             x = x * scale
         q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
         out = torch.empty(n, 2, 32, dtype=x.dtype)
         torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
-        return self.o(out.view(n, 64)) * (scale if self.before else 1.0 / (n + 1))
+        return self.o(out.view(n, 64)) * (scale if self.variant else 1.0 / (n + 1))
 
 
 @pytest.mark.parametrize("before", [True, False], ids=["used-before-and-after", "used-after"])
 def test_a_float_of_the_token_count_does_not_cross_pieces_so_static_sizes_compile(before):
     """A piece returning a float failed its static-size Inductor compile (``compile_sizes``, on
     CUDA by default): the float is a Python float there, which Inductor refuses as an output."""
-    model, eager = _FloatOfTheTokenCount(before), _FloatOfTheTokenCount(before)
-    caches = ca.allocate_kv_caches({"attn": model.SPEC}, 8, BLOCK, dtype=torch.float32)
-    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4)
-    compiled = torch.compile(model, backend="compileattn",
-                             options={"piece_compiler": "inductor", "compile_sizes": [4], "compile_workers": 0})
-
-    def make(n):
-        x = torch.randn(n, 64)
-        torch._dynamo.mark_dynamic(x, 0)
-        return (x,)
-    with torch.no_grad():
-        for seqs in ([ca.SequenceStep(1, 2, [0]), ca.SequenceStep(3, 0, [1])],  # 4 tokens: the static piece
-                     [ca.SequenceStep(5, 0, [2, 3])]):
-            assert_matches_eager(eager, compiled, builder, caches, seqs, make)
+    _matches_eager_over_two_steps(
+        _FloatOfTheTokenCount(before), _FloatOfTheTokenCount(before),
+        {"piece_compiler": "inductor", "compile_sizes": [4], "compile_workers": 0},
+        steps=([ca.SequenceStep(1, 2, [0]), ca.SequenceStep(3, 0, [1])],  # 4 tokens: the static piece
+               [ca.SequenceStep(5, 0, [2, 3])]))
