@@ -28,8 +28,8 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .._torch_compat import call_schema, node_example_value, storage_key
-from .split import is_splitting_node, torch_call_name, writes_in_place
+from .._torch_compat import call_schema, node_example_value
+from .split import is_splitting_node, node_storages, torch_call_name, writes_in_place
 
 #: call_method names known not to mutate their receiver.
 _PURE_METHODS = frozenset({
@@ -112,19 +112,11 @@ def _storage_base(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def _storages(node: torch.fx.Node) -> set:
-    """The storages of the tensors in a node's traced value (a tuple's too: ``unbind``); empty for a
-    node without one (a hand-built graph)."""
-    value = node_example_value(node)
-    values = value if isinstance(value, (tuple, list)) else (value,)
-    return {key for v in values if isinstance(v, torch.Tensor) and (key := storage_key(v)) is not None}
-
-
 def _nodes_by_storage(gm: torch.fx.GraphModule) -> dict:
     """storage key -> the nodes whose traced value holds a tensor of that storage."""
     by_storage: dict = {}
     for n in gm.graph.nodes:
-        for key in _storages(n):
+        for key in node_storages(n):
             by_storage.setdefault(key, set()).add(n)
     return by_storage
 
@@ -135,7 +127,7 @@ def _sharing_storage(written: torch.fx.Node, by_storage: dict) -> set[torch.fx.N
     tensors alias as the real ones will: a view made by any op, ``buf.unbind(0)[0]`` or
     ``torch.narrow(buf, ...)``, and the base ``buf`` itself, share one)."""
     found = {written, _storage_base(written)}
-    for key in _storages(written):
+    for key in node_storages(written):
         found.update(by_storage.get(key, ()))
     return found
 

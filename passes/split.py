@@ -157,8 +157,10 @@ def _sink_views(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int], 
         first_user.prepend(node)  # split_module orders the pieces by their nodes' original order
 
 
-def _storage_keys(node: torch.fx.Node) -> set:
-    """The storages of a node's traced value (a tuple's too: ``split``'s); empty without one."""
+def node_storages(node: torch.fx.Node) -> set:
+    """The storages of the tensors in a node's traced value (a tuple's too: ``split``'s,
+    ``unbind``'s); empty for a node without one (a hand-built graph). Both passes tell aliasing by
+    them."""
     value = node_example_value(node)
     values = value if isinstance(value, (tuple, list)) else (value,)
     return {key for v in values if isinstance(v, torch.Tensor) and (key := storage_key(v)) is not None}
@@ -171,8 +173,8 @@ def _views_its_input(node: torch.fx.Node) -> bool:
         return False
     if node.op == "call_function" and node.target is not operator.getitem and torch_call_name(node) is None:
         return False
-    base, keys = node.args[0], _storage_keys(node)
-    return isinstance(base, torch.fx.Node) and bool(keys) and keys <= _storage_keys(base)
+    base, keys = node.args[0], node_storages(node)
+    return isinstance(base, torch.fx.Node) and bool(keys) and keys <= node_storages(base)
 
 
 #: The functions of Python's ``operator`` that write their first argument.
@@ -222,7 +224,7 @@ def _unalias_piece_inputs(gm: torch.fx.GraphModule, assignment: dict[torch.fx.No
         crossing = list(dict.fromkeys(i for n in members for i in n.all_input_nodes if assignment.get(i) != piece))
         by_storage: dict = {}
         for node in crossing:
-            for key in _storage_keys(node):
+            for key in node_storages(node):
                 by_storage.setdefault(key, []).append(node)
         aliased = sorted({n for group in by_storage.values() if len(group) > 1 for n in group}, key=order.__getitem__)
         for view in aliased:

@@ -158,10 +158,11 @@ class LLM:
             device = self.tp.device
             building = building_in_step(self.tp)  # a rank failing here would leave the others in a collective
         with building:
-            if self.tp is not None:
+            if self.tp is not None:  # resolved once: the call below returns a resolved config as it is
+                compile_config = self._compile_config(compile_config, self.tp.device, attention_backend,
+                                                      max_num_seqs, max_num_batched_tokens)
                 self._agree_on_build(self.tp, model, dtype, block_size, max_num_seqs, max_num_batched_tokens,
-                                     self._compile_config(compile_config, self.tp.device, attention_backend,
-                                                          max_num_seqs, max_num_batched_tokens))
+                                     compile_config)
             self.model, self.tokenizer, hf_model = self._load(model, tokenizer, dtype, device, allow_pickle, self.tp)
             param = next(self.model.parameters())
             device, dtype = param.device, param.dtype
@@ -324,7 +325,7 @@ class LLM:
             self._agree_across_ranks(hashlib.sha256(repr((token_prompts, params)).encode()).hexdigest())
         if self.tp is not None and not self.tp.is_driver:
             engine.serve()  # rank 0's steps, until its generate ends
-            with engine._group_ends_on_error("in generate"):
+            with engine.group_ends_on_error("in generate"):
                 result = self.tp.broadcast_object(None)
             if isinstance(result, BaseException):
                 raise RuntimeError(f"rank 0's generate failed: {result}") from result
@@ -336,14 +337,14 @@ class LLM:
             outputs = self._run(engine, params, token_prompts, prompts, use_tqdm, start)
         except BaseException as exc:
             if self.tp is not None and engine.failure is None:  # else the group is shut down on every rank
-                with engine._group_ends_on_error("in generate"):
+                with engine.group_ends_on_error("in generate"):
                     if engine.step_unrun:  # the others are in its collectives, not waiting for the end: end the group
                         raise
                     engine.stop_workers()
                     self.tp.broadcast_object(RuntimeError(f"{type(exc).__name__}: {exc}"))
             raise
         if self.tp is not None:
-            with engine._group_ends_on_error("in generate"):
+            with engine.group_ends_on_error("in generate"):
                 engine.stop_workers()
                 self.tp.broadcast_object(outputs)
         elapsed = time.perf_counter() - start
@@ -403,7 +404,7 @@ class LLM:
         its arguments (``refused``, which it raises itself) takes part too, so the others raise
         instead of waiting for it. The gather ends the group on error as a step does: a peer that
         failed or left is named, not seen as a bare "connection closed"."""
-        with self.engine._group_ends_on_error("in generate"):
+        with self.engine.group_ends_on_error("in generate"):
             answers = self.tp.all_gather_object((digest, None if refused is None else f"{type(refused).__name__}: "
                                                                                       f"{refused}"))
         refusals = {rank: why for rank, (_, why) in enumerate(answers) if why is not None}

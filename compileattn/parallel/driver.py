@@ -60,13 +60,13 @@ class TPEngine(Engine):
 
     def _run_step(self, prepared):
         """The runner's ``run``, ending the group on every rank if it raises."""
-        with self._group_ends_on_error():
+        with self.group_ends_on_error():
             hidden = self._runner_run(prepared)
             self.step_unrun = False
             return hidden
 
     @contextlib.contextmanager
-    def _group_ends_on_error(self, during: str = "in a step"):
+    def group_ends_on_error(self, during: str = "in a step"):
         """Around a step's broadcast, its forward and rank 0's wait for its tokens, and around
         ``LLM.generate``'s own collectives (its agreement, the end of ``serve`` and the outputs'
         broadcast): an exception there leaves the peers inside the step's collectives (or in the
@@ -85,7 +85,7 @@ class TPEngine(Engine):
 
     def _wait_for(self, copied) -> None:
         """Rank 0's wait for a step's tokens, watching for a peer's failure (``failure.py``)."""
-        with self._group_ends_on_error():
+        with self.group_ends_on_error():
             wait_watching_peers(self.tp, copied)
 
     def _prepare_step(self, seqs: Sequence[SequenceStep], input_ids, positions, dummy: bool = False):
@@ -101,7 +101,7 @@ class TPEngine(Engine):
         n = sum(s[0] for s in seqs)
         plan = StepPlan(tuple(SequenceStep(int(s[0]), int(s[1]), tuple(s[2])) for s in seqs),
                         tuple(int(t) for t in input_ids), tuple(int(p) for p in positions), self.pad_fn(n))
-        with self._group_ends_on_error():
+        with self.group_ends_on_error():
             self.tp.broadcast_object(plan)
             self.step_unrun = True
             return self._prepare_plan(plan)
@@ -125,7 +125,7 @@ class TPEngine(Engine):
             raise RuntimeError("rank 0 drives; serve() is for the other ranks")
         count = 0
         while True:
-            with self._group_ends_on_error():  # rank 0 shuts the group down when its own step fails
+            with self.group_ends_on_error():  # rank 0 shuts the group down when its own step fails
                 plan = self.tp.broadcast_object(None)
                 if plan is None:
                     return count
