@@ -56,6 +56,38 @@ def test_a_model_converted_after_its_first_call_is_refused_by_name(how, convert)
         torch.testing.assert_close(fn(ids), Lookup.forward(model, ids))
 
 
+class Stack(nn.Module):
+    """Three linears: converting the middle one moves neither the first nor the last parameter,
+    the two tensors the per-call look reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_a_conversion_of_part_of_a_model_is_refused_by_name():
+    """``model.layers[1].double()`` registers nothing and leaves both watched tensors where they
+    were: the wrapped ``Module._apply`` counts it (module_watch.py), so the next call compares."""
+    model = Stack()
+    fn = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(2):  # the second call settles the count the compile itself moved
+            torch.testing.assert_close(fn(x), Stack.forward(model, x))
+        model.layers[1].double()
+        with pytest.raises(RecompileError, match=r"Stack's parameter layers\.1\.weight \(and 1 more\) was "
+                                                 r"torch\.float32 \(8, 8\) on cpu at the first call and is "
+                                                 r"torch\.float64"):
+            fn(x)
+        model.layers[1].float()  # back as compiled, in new storage: served
+        torch.testing.assert_close(fn(x), Stack.forward(model, x))
+
+
 def test_a_model_passed_as_an_argument_is_watched_too():
     model = Lookup()
     fn = ca.compile(lambda m, ids: m(ids), dynamic_arg_dims={"ids": 0}, config=CONFIG)

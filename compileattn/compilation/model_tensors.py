@@ -34,8 +34,10 @@ Another model put where the compiled code looks its model up at every call (a cl
 of the decorated function, an attribute of a decorated method's instance that is not a module:
 ``argcheck.model_bindings``) is compared alike, per call one identity each.
 
-Not caught: a conversion of part of a model that moves neither watched tensor and registers
-nothing (``model.layers[3].half()``): convert models before their first call. A replaced submodule
+A conversion of part of a model (``model.layers[3].half()``) moves neither watched tensor and
+registers nothing, but goes through ``Module._apply``, which ``module_watch`` counts like a
+registration. Not caught: ``.data`` assigned to a parameter of part of a model, with another dtype
+or device, outside ``_apply``: convert models before their first call. A replaced submodule
 of the same class and tensor layouts is served with its own tensors, and the attribute values the
 trace read from the old one (documented for every compile that skips guards).
 """

@@ -10,15 +10,22 @@ parameters even through torch's C++ helper (``torch._C._tensors_data_ptrs_at_ind
 compares one integer with the generation it last checked and compares addresses only when it
 moved (``dispatch.StepDispatcher``).
 
+``module.to(...)``, ``.half()``, ``.cuda()`` and the like register nothing: they assign each
+parameter's ``.data`` (or, with ``torch.__future__``'s conversion flags, swap tensors or write
+``_parameters`` directly). All of them go through ``nn.Module._apply``, once per submodule, so
+``start`` also wraps ``Module._apply`` to bump the generation after it: a conversion of part of a
+model (``model.layers[3].half()``), which moves neither tensor the decorator looks at per call
+(``model_tensors.py``), is compared at the next call like a registration. Subclasses that override
+``_apply`` reach it through ``super()``.
+
 What the hooks see: ``register_parameter`` / ``register_buffer`` / ``register_module`` and the
 attribute assignments that call them, which covers ``load_state_dict(..., assign=True)`` and
 constructing any module, a compile's ``GraphModule``s included: after one, every compiled model's
 next graph step compares its parameters, once (a Python loop: ~50 µs for 291 parameters on the
-repo's 2-core CPU box). What they do not see: ``param.data = other`` and ``module.to(...)`` /
-``.half()`` (which assign ``.data``, or with ``torch.__future__``'s conversion flags swap tensors
-or write ``_parameters`` directly), ``torch.utils.swap_tensors``, writes into ``_parameters`` or
-``_buffers``. The decorator's per-call look at two tensors of each model (``model_tensors.py``)
-bumps the generation itself (``note_moved``) when those moved.
+repo's 2-core CPU box); and every ``Module._apply`` (conversions, above). What they do not see:
+``param.data = other`` outside ``_apply``, ``torch.utils.swap_tensors``, writes into
+``_parameters`` or ``_buffers``. The decorator's per-call look at two tensors of each model
+(``model_tensors.py``) bumps the generation itself (``note_moved``) when those moved.
 
 The hooks run just before torch stores the new tensor, so a replacement made on another thread
 while a step runs can be counted before it lands and missed by that step's comparison; replace
@@ -34,6 +41,7 @@ is shown.
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 from torch.nn.modules import module as _module
@@ -58,6 +66,21 @@ def note_moved() -> None:
     generation += 1
 
 
+def _counting_apply(apply):
+    """``Module._apply`` that bumps the generation once it returned (or raised part-way through a
+    model: some submodules may be converted already)."""
+
+    @functools.wraps(apply)
+    def _apply(self, *args, **kwargs):
+        try:
+            return apply(self, *args, **kwargs)
+        finally:
+            note_moved()
+
+    _apply.counts_for_module_watch = True
+    return _apply
+
+
 def start() -> None:
     """Install the hooks, once per process; later calls do nothing."""
     global _started
@@ -69,6 +92,8 @@ def start() -> None:
         _module.register_module_parameter_registration_hook(_count_registration)
         _module.register_module_buffer_registration_hook(_count_registration)
         _module.register_module_module_registration_hook(_count_registration)
+        if not getattr(_module.Module._apply, "counts_for_module_watch", False):
+            _module.Module._apply = _counting_apply(_module.Module._apply)
         _started = True
 
 
