@@ -14,6 +14,7 @@ of the sizes (``1.0 / n``) is computed again in each piece that uses it (``_reco
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 from typing import Sequence
 
@@ -185,20 +186,36 @@ _OPERATOR_WRITES = frozenset({operator.setitem, operator.delitem, operator.iadd,
 
 def writes_in_place(node: torch.fx.Node) -> bool:
     """A call that writes a tensor it is given: an in-place name (``add_``, ``torch.relu_``), an
-    ``out=`` tensor (``torch.add(h, 1, out=h)``), ``inplace=True`` (``F.relu(h, inplace=True)``),
-    ``operator.setitem``, or an op with a mutable schema. Dynamo records the torch functions among
-    them as calls whose result nobody need use (later code reads ``h``), and FX does not count
-    them impure: the passes ask this instead."""
+    ``out=`` tensor (``torch.add(h, 1, out=h)``), ``inplace=True`` (``F.relu(h, inplace=True)``,
+    ``F.leaky_relu(h, 0.1, True)``), ``operator.setitem``, or an op with a mutable schema. Dynamo
+    records the torch functions among them as calls whose result nobody need use (later code reads
+    ``h``), and FX does not count them impure: the passes ask this instead."""
     if node.op != "call_function" and node.op != "call_method":
         return False
     if node.op == "call_function" and getattr(node.target, "__module__", None) == "_operator":
         return node.target in _OPERATOR_WRITES  # not operator.not_ (Dynamo's shape checks)
     if _in_place(node):
         return True
-    if isinstance(node.kwargs.get("out"), (torch.fx.Node, tuple, list)) or node.kwargs.get("inplace") is True:
+    if isinstance(node.kwargs.get("out"), (torch.fx.Node, tuple, list)) or _inplace_flag(node):
         return True
     schema = call_schema(node.target) if node.op == "call_function" else None
     return schema is not None and schema.is_mutable
+
+
+def _inplace_flag(node: torch.fx.Node) -> bool:
+    """``inplace=True``, as a keyword or in its place among the arguments: ``nn.LeakyReLU``,
+    ``nn.ReLU6`` (``hardtanh``) and ``nn.ELU`` pass it positionally (``F.leaky_relu(h, 0.1, True)``),
+    and Dynamo records the call as written."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op != "call_function" or not any(a is True for a in node.args):
+        return False
+    try:
+        names = list(inspect.signature(node.target).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    at = names.index("inplace") if "inplace" in names else len(node.args)
+    return at < len(node.args) and node.args[at] is True
 
 
 def _unalias_piece_inputs(gm: torch.fx.GraphModule, assignment: dict[torch.fx.Node, int],

@@ -388,6 +388,11 @@ def _count(m, h, x):
     return h + m.steps
 
 
+def _leaky_relu_module(m, h, x):
+    torch.nn.LeakyReLU(0.1, inplace=True)(h)  # F.leaky_relu(h, 0.1, True): inplace passed positionally
+    return h
+
+
 def _matches_eager_over_two_steps(model, eager, options, steps=(
         [ca.SequenceStep(5, 0, [1, 2]), ca.SequenceStep(3, 0, [3])], [ca.SequenceStep(4, 2, [4, 5])])):
     """``model`` under ``torch.compile(backend="compileattn", options=options)`` equals ``eager`` (a
@@ -405,10 +410,34 @@ def _matches_eager_over_two_steps(model, eager, options, steps=(
             assert_matches_eager(eager, compiled, builder, caches, seqs, make)
 
 
-@pytest.mark.parametrize("write", [_add_, _copy_, _zero_a_view, _relu_inplace, _add_out, _count],
-                         ids=["add_", "copy_", "view.zero_", "relu(inplace=True)", "add(out=)", "buffer"])
+@pytest.mark.parametrize("write", [_add_, _copy_, _zero_a_view, _relu_inplace, _add_out, _count, _leaky_relu_module],
+                         ids=["add_", "copy_", "view.zero_", "relu(inplace=True)", "add(out=)", "buffer",
+                              "LeakyReLU(inplace=True)"])
 def test_a_read_after_an_in_place_write_after_the_op_is_not_hoisted_before_the_write(write):
     _matches_eager_over_two_steps(_WriteAfterTheOp(write), _WriteAfterTheOp(write), {"piece_compiler": "eager"})
+
+
+class _ReadThenActivateInPlace(_OneLayer):
+    """After the op, ``h`` is read by a node that stays there, then activated in place by a module
+    that passes ``inplace`` positionally (``F.leaky_relu(h, 0.1, True)``, ``F.hardtanh(h, 0., 6.,
+    True)``): the activation must not move before the op, above the read."""
+
+    def forward(self, x):
+        n = x.shape[0]
+        h = self.side(x)
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        y = self.o(out.view(n, 64)) + h
+        h = self.variant(h)
+        return y + h * 2
+
+
+@pytest.mark.parametrize("act", [lambda: torch.nn.LeakyReLU(0.1, inplace=True), lambda: torch.nn.ReLU6(inplace=True),
+                                 lambda: torch.nn.ELU(inplace=True)], ids=["LeakyReLU", "ReLU6", "ELU"])
+def test_an_in_place_activation_with_a_positional_inplace_is_not_hoisted_above_a_read(act):
+    _matches_eager_over_two_steps(_ReadThenActivateInPlace(act()), _ReadThenActivateInPlace(act()),
+                                  {"piece_compiler": "eager"})
 
 
 class _AliasedPieceInputs(_OneLayer):
