@@ -229,8 +229,10 @@ def _unalias_piece_inputs(gm: torch.fx.GraphModule, assignment: dict[torch.fx.No
     base"; Inductor's piece so compiled for the dynamic token count asserted the base's traced
     shape on the flat storage it is called with (torch 2.13: ``AssertionError: wrong number of
     dimensions``), where ``torch.compile`` of the whole model, holding both views' base, never
-    meets aliasing inputs. A view reads no data, so made again in the later piece it is the same
-    tensor; one past an in-place op on its chain (``t_``) is left as it is."""
+    meets aliasing inputs, and its piece compiled for a static size (``compile_sizes``) computed
+    wrong values. A view reads no data, so made again in the later piece it is the same tensor,
+    whatever values were written in between (``residual.add_(...)``, ``s.masked_fill_(...)``); one
+    past an in-place op that reshapes its chain (``t_``, ``resize_``) is left as it is."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     pieces = sorted({assignment[n] for n in assignment if not is_splitting_node(n, splitting_ops)})
@@ -256,7 +258,7 @@ def _unalias_piece_inputs(gm: torch.fx.GraphModule, assignment: dict[torch.fx.No
             users = sorted((u for u in view.users if assignment.get(u) == piece), key=order.__getitem__)
             between = nodes[order[view] + 1:order[users[0]]]
             inputs = {link, *chain}
-            if any(_in_place(n) and inputs & set(n.all_input_nodes) for n in between):
+            if any(_reshapes_in_place(n) and inputs & set(n.all_input_nodes) for n in between):
                 continue
             copies: dict[torch.fx.Node, torch.fx.Node] = {}
             for link in reversed(chain):
@@ -267,6 +269,22 @@ def _unalias_piece_inputs(gm: torch.fx.GraphModule, assignment: dict[torch.fx.No
                 copies[link] = copy
             for user in users:
                 user.replace_input_with(view, copies[view])
+
+
+#: In-place ops that change a tensor's shape, strides or storage, not only its values: a view made
+#: again after one is not the view made before it.
+_RESHAPING_IN_PLACE = frozenset({"t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_", "unsqueeze_",
+                                 "as_strided_", "resize_", "resize_as_", "set_"})
+
+
+def _reshapes_in_place(node: torch.fx.Node) -> bool:
+    """An in-place call in ``_RESHAPING_IN_PLACE``. A write of values (``add_``, ``masked_fill_``,
+    ``copy_``) leaves a view of the tensor the same view: made again later, it reads the same
+    elements."""
+    if not _in_place(node):
+        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name.split(".")[0] in _RESHAPING_IN_PLACE
 
 
 def _is_float_arithmetic(node: torch.fx.Node) -> bool:

@@ -456,11 +456,16 @@ class _AliasedPieceInputs(_OneLayer):
 
 
 @pytest.mark.parametrize("views", [lambda h: (h[:, :4], h), lambda h: (h[:, :4], h[:, 2:6]),
-                                   lambda h: (h.narrow(1, 0, 4), h.split(8, dim=1)[1].t().t())],
-                         ids=["slice-and-base", "two-slices", "narrow-and-split"])
-def test_a_piece_writing_one_of_two_inputs_sharing_storage_compiles_with_inductor(views):
+                                   lambda h: (h.narrow(1, 0, 4), h.split(8, dim=1)[1].t().t()),
+                                   lambda h: (h, h[:, :4]), lambda h: (h, h.view(-1, 8, 8).transpose(1, 2)[:, 0])],
+                         ids=["slice-and-base", "two-slices", "narrow-and-split",
+                              "base-and-slice", "base-and-transposed"])  # the last two: a view read past the write
+@pytest.mark.parametrize("sizes", [[], [4]], ids=["dynamic", "static"])
+def test_a_piece_writing_one_of_two_inputs_sharing_storage_compiles_with_inductor(views, sizes):
     _matches_eager_over_two_steps(_AliasedPieceInputs(views), _AliasedPieceInputs(views),
-                                  {"piece_compiler": "inductor"})
+                                  {"piece_compiler": "inductor", "compile_sizes": sizes, "compile_workers": 0},
+                                  steps=([ca.SequenceStep(1, 2, [0]), ca.SequenceStep(3, 0, [1])],
+                                         [ca.SequenceStep(5, 0, [2, 3])]))
 
 
 class _FloatOfTheTokenCount(_OneLayer):
