@@ -168,9 +168,11 @@ def node_storages(node: torch.fx.Node) -> set:
 
 
 def _views_its_input(node: torch.fx.Node) -> bool:
-    """A call, not in place, whose traced value lies in its first argument's storage: a view made by
-    any op (``h[:, :4]``, ``split`` and its items), as Dynamo's fake tensors tell."""
-    if node.op not in ("call_function", "call_method") or _in_place(node) or node.is_impure() or not node.args:
+    """A call, not one that writes, whose traced value lies in its first argument's storage: a view
+    made by any op (``h[:, :4]``, ``split`` and its items), as Dynamo's fake tensors tell. Not
+    ``torch.mul(h, 2, out=h)``, whose value is ``h`` too: made again, it would write again."""
+    if node.op not in ("call_function", "call_method") or writes_in_place(node) or node.is_impure() \
+            or not node.args:
         return False
     if node.op == "call_function" and node.target is not operator.getitem and torch_call_name(node) is None:
         return False

@@ -468,6 +468,27 @@ def test_a_piece_writing_one_of_two_inputs_sharing_storage_compiles_with_inducto
                                          [ca.SequenceStep(5, 0, [2, 3])]))
 
 
+class _OutWriteBeforeTheOp(_OneLayer):
+    """``torch.mul(h, 2.0, out=h)`` before the op returns ``h`` itself; the piece after the op writes
+    ``h`` and reads both: the call is not a view to make again in that piece (it would write ``h``
+    a second time)."""
+
+    def forward(self, x):
+        n = x.shape[0]
+        h = self.side(x)
+        doubled = torch.mul(h, 2.0, out=h)
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        h[:, :4].zero_()
+        return self.o(out.view(n, 64)) + doubled + h
+
+
+@pytest.mark.parametrize("piece_compiler", ["eager", "inductor"])
+def test_an_out_write_into_its_input_is_not_made_again_as_a_view(piece_compiler):
+    _matches_eager_over_two_steps(_OutWriteBeforeTheOp(), _OutWriteBeforeTheOp(), {"piece_compiler": piece_compiler})
+
+
 class _FloatOfTheTokenCount(_OneLayer):
     """A float of the token count used on both sides of the attention op (``before``), or after it
     only, where the hoist pass moves its arithmetic before the op: either way the piece before the
