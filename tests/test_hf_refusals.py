@@ -208,3 +208,23 @@ def test_numpy_integers_are_token_ids_and_lengths(tmp_path):
     for as_array in (np.array(stop), torch.tensor(stop), [np.int64(stop[0])]):
         assert llm.generate([1, 2, 3], 3, stop_token_ids=as_array, ignore_eos=True,
                             use_tqdm=False)[0].token_ids == stopped
+
+
+def test_numpy_sizes_and_sampling_numbers_are_taken(tmp_path):
+    """The rule every public entry follows (``argtypes``): numpy's integers are ints, and a numpy
+    float is a number. ``LLM``'s sizes refused ``np.int64(4)`` as "must be a positive int", and
+    ``temperature``/``top_p`` refused ``np.float32`` as "must be a finite number" (``np.float64``,
+    a float subclass, passed)."""
+    import numpy as np
+
+    directory = save_family("qwen3", tmp_path / "q")
+    sizes = dict(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32)
+    llm = ca.LLM(str(directory), compile_config=None, **sizes)
+    as_numpy = ca.LLM(str(directory), compile_config=None, **{k: np.int64(v) for k, v in sizes.items()})
+    assert as_numpy.engine.max_model_len == 32 and as_numpy.engine.block_size == 4
+    sample = dict(seed=3, use_tqdm=False)
+    expected = llm.generate([[1, 2, 3], [4]], 4, temperature=0.5, top_p=0.75, **sample)
+    for number in (np.float32, np.float64):
+        got = as_numpy.generate([[1, 2, 3], [4]], 4, temperature=number(0.5), top_p=number(0.75), **sample)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+

@@ -125,6 +125,11 @@ class LLM:
                  enable_prefix_caching: bool = False):
         if kv_cache_memory is not None and num_blocks is not None:
             raise ValueError("pass kv_cache_memory or num_blocks, not both")
+        # numpy's integers as ints (``argtypes``): the engine takes Python ints only, and they size
+        # the cache and the steps.
+        block_size, max_num_seqs, max_num_batched_tokens, num_blocks, max_model_len, tensor_parallel_size = (
+            v if (k := as_int(v)) is None else k for v in (block_size, max_num_seqs, max_num_batched_tokens,
+                                                          num_blocks, max_model_len, tensor_parallel_size))
         # Before anything is loaded or sized with them (a 0 divided the KV budget's log line).
         check_positive_ints(block_size=block_size, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,

@@ -4,8 +4,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from numbers import Real
 from typing import Literal, Sequence
 
+from ..argtypes import is_bool
 from .sampler import sampling_key
 
 FinishReason = Literal["length", "stop"]
@@ -31,9 +33,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        # Any real number (numpy's float32 too), as a Python float; a bool is not a number here.
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, Real) and not is_bool(value):
+                object.__setattr__(self, name, float(value))
+        if not isinstance(self.temperature, float) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not isinstance(self.top_p, float) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
