@@ -228,3 +228,13 @@ def test_numpy_sizes_and_sampling_numbers_are_taken(tmp_path):
         got = as_numpy.generate([[1, 2, 3], [4]], 4, temperature=number(0.5), top_p=number(0.75), **sample)
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
+
+def test_a_tokenizer_whose_encode_gives_no_token_ids_is_named(tmp_path):
+    """A ``tokenizers.Tokenizer`` has encode() and decode(), but its encode gives an ``Encoding``:
+    generate failed with "'tokenizers.Encoding' object is not iterable", naming neither the
+    tokenizer nor the prompt."""
+    llm = ca.LLM(str(save_family("llama", tmp_path / "t", vocab_size=256)), compile_config=None, num_blocks=16,
+                 tokenizer=byte_level_tokenizer().backend_tokenizer)
+    with pytest.raises(TypeError, match=r"tokenizer\.encode\(prompts\[0\]\) gave Encoding, not token ids"):
+        llm.generate("Hello", 2, use_tqdm=False)
+    assert not llm.engine.has_unfinished()

@@ -443,7 +443,12 @@ class LLM:
             if self.tokenizer is None:
                 raise TypeError(f"prompts[{index}] is a string but this LLM has no tokenizer; pass token ids, or a "
                                 f"tokenizer (LLM(..., tokenizer=...) or one saved in the model directory)")
-            return list(self.tokenizer.encode(prompt))
+            ids = self.tokenizer.encode(prompt)
+            try:
+                return list(_token_ids(f"tokenizer.encode(prompts[{index}])", ids))
+            except TypeError:  # a tokenizers.Tokenizer has encode() too, giving an Encoding
+                raise TypeError(f"tokenizer.encode(prompts[{index}]) gave {type(ids).__name__}, not token ids; "
+                                f"pass a transformers tokenizer") from None
         try:
             return list(_token_ids(f"prompts[{index}]", prompt))
         except TypeError:
