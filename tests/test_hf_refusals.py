@@ -227,6 +227,9 @@ def test_numpy_sizes_and_sampling_numbers_are_taken(tmp_path):
     for number in (np.float32, np.float64):
         got = as_numpy.generate([[1, 2, 3], [4]], 4, temperature=number(0.5), top_p=number(0.75), **sample)
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    params = ca.SamplingParams(max_new_tokens=np.int64(4), temperature=0.5, top_p=0.75, seed=np.int32(3),
+                               stop_token_ids=[np.int64(7)])
+    assert (type(params.max_new_tokens), type(params.seed), type(params.stop_token_ids[0])) == (int, int, int)
 
 
 def test_a_tokenizer_whose_encode_gives_no_token_ids_is_named(tmp_path):
