@@ -177,6 +177,14 @@ class _OneLayer(torch.nn.Module):
         self.side = torch.nn.Linear(64, 64)
         self.variant = variant
 
+    def attend(self, x):
+        """``x``'s projections through "attn": its output buffer, (tokens, 2, 32)."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        return out
+
 
 class _ExtraSizeFirst(_OneLayer):
     """An input with another dynamic size comes before the token input (Dynamo's graph inputs are
@@ -351,9 +359,7 @@ class _WriteAfterTheOp(_OneLayer):
     def forward(self, x):
         n = x.shape[0]
         h = self.side(x)
-        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
-        out = torch.empty(n, 2, 32, dtype=x.dtype)
-        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        out = self.attend(x)
         h = self.variant(self, h, x)
         return self.o(out.view(n, 64)) + h * 2
 
@@ -425,9 +431,7 @@ class _ReadThenActivateInPlace(_OneLayer):
     def forward(self, x):
         n = x.shape[0]
         h = self.side(x)
-        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
-        out = torch.empty(n, 2, 32, dtype=x.dtype)
-        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        out = self.attend(x)
         y = self.o(out.view(n, 64)) + h
         h = self.variant(h)
         return y + h * 2
@@ -448,9 +452,7 @@ class _AliasedPieceInputs(_OneLayer):
     def forward(self, x):
         n = x.shape[0]
         written, read = self.variant(self.side(x))
-        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
-        out = torch.empty(n, 2, 32, dtype=x.dtype)
-        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        out = self.attend(x)
         written.mul_(2.0)
         return self.o(out.view(n, 64)) + read.sum(-1, keepdim=True)
 
@@ -477,9 +479,7 @@ class _OutWriteBeforeTheOp(_OneLayer):
         n = x.shape[0]
         h = self.side(x)
         doubled = torch.mul(h, 2.0, out=h)
-        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
-        out = torch.empty(n, 2, 32, dtype=x.dtype)
-        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        out = self.attend(x)
         h[:, :4].zero_()
         return self.o(out.view(n, 64)) + doubled + h
 
@@ -499,9 +499,7 @@ class _FloatOfTheTokenCount(_OneLayer):
         if self.variant:
             scale = 1.0 / (n + 1)
             x = x * scale
-        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
-        out = torch.empty(n, 2, 32, dtype=x.dtype)
-        torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        out = self.attend(x)
         return self.o(out.view(n, 64)) * (scale if self.variant else 1.0 / (n + 1))
 
 
