@@ -129,6 +129,8 @@ def check_varlen_args(
         # Named after the arguments the caller passed (q, k), not AttentionSpec's field names.
         raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the {kv_heads} kv heads of k/v "
                          f"(GQA/MQA need num_heads divisible by num_kv_heads)")
+    if cu_seqlens_q is None:
+        raise TypeError("cu_seqlens_q must be a tensor, got NoneType (the query offsets are required)")
     _index_tensor("cu_seqlens_q", cu_seqlens_q, 1, q.device)
     _index_tensor("cu_seqlens_k", cu_seqlens_k, 1, q.device)
     _index_tensor("seqused_k", seqused_k, 1, q.device)

@@ -392,6 +392,14 @@ def test_missing_cu_seqlens_k_is_named_even_without_max_seqlen():
         call(contiguous(cu_seqlens_k=None, max_seqlen_k=None))
 
 
+@pytest.mark.parametrize("make", [contiguous, paged])
+def test_missing_cu_seqlens_q_is_named(make):
+    """cu_seqlens_q is required in both forms: None is a TypeError naming it, not an
+    AttributeError from reading its shape."""
+    with pytest.raises(TypeError, match="^cu_seqlens_q must be a tensor"):
+        call(make(cu_seqlens_q=None))
+
+
 # ---------------------------------------------------------------- the metadata builder
 
 @pytest.mark.parametrize("seqs,pad_to,match", [
