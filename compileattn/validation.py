@@ -22,6 +22,53 @@ def _same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device}, but q is on {device}")
 
 
+def _runs(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``t``'s bytes as ``count`` runs of ``length`` bytes, ``step`` bytes apart, from ``start``:
+    its contiguous inner dims merged into one run and at most one dim left over; None if more are."""
+    dims = sorted(((s, n) for n, s in zip(t.shape, t.stride()) if n > 1), reverse=True)
+    run = 1
+    while dims and dims[-1][0] == run:
+        run *= dims.pop()[1]
+    if len(dims) > 1:
+        return None
+    step, count = dims[0] if dims else (run, 1)
+    size = t.element_size()
+    return t.data_ptr(), step * size, count, run * size
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share a byte: exact for views that are runs at one step (``kv[:, 0]``
+    and ``kv[:, 1]`` of one buffer do not overlap), else whether their spans intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    ra, rb = _runs(a), _runs(b)
+    if ra is None or rb is None or (ra[2] > 1 and rb[2] > 1 and ra[1] != rb[1]):
+        ra, rb = ((t.data_ptr(), 1, 1, (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+                   * t.element_size()) for t in (a, b))
+    (start_a, step_a, count_a, len_a), (start_b, step_b, count_b, len_b) = ra, rb
+    step = step_a if count_a > 1 else step_b
+    # Run i of a meets run j of b iff d - len_a < (i - j) * step < d + len_b, with d = start_b - start_a.
+    d = start_b - start_a
+    lo = max((d - len_a) // step + 1, 1 - count_b)
+    hi = min(-((-(d + len_b)) // step) - 1, count_a - 1)
+    return lo <= hi
+
+
+def check_no_overlap(name: str, t: torch.Tensor, others) -> None:
+    """``t`` (a tensor the kernels write) shares no memory with ``others`` ((name, tensor or None)
+    pairs): the kernels read those while writing ``t``, so a write could land before a read of
+    the same element and give wrong values without an error. Skipped while tracing: fake tensors
+    have no memory."""
+    if torch.compiler.is_compiling():
+        return
+    for other_name, other in others:
+        if other is not None and _overlaps(t, other):
+            raise ValueError(f"{name} shares memory with {other_name}: the kernels read {other_name} while they "
+                             f"write {name}; give {name} its own tensor")
+
+
 def _index_tensor(name: str, t: torch.Tensor | None, ndim: int, device: torch.device) -> None:
     if t is None:
         return
@@ -105,6 +152,7 @@ def check_varlen_args(
         raise ValueError(f"q must be (total_q, num_heads, head_dim), got shape {tuple(q.shape)}")
     if out.shape != q.shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, q has {tuple(q.shape)}")
+    check_no_overlap("out", out, (("q", q), ("k", k), ("v", v)))
     paged = block_table is not None
     if k.shape != v.shape:
         raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} disagree")
@@ -279,6 +327,7 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
             raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype}, got "
                              f"{tuple(out.shape)} {out.dtype}")
         _same_device("out", out, q.device)
+        check_no_overlap("out", out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
     if window_left < -1:
         raise ValueError(f"window_size left must be -1 or >= 0, got {window_left}")
     _check_softmax(softmax_scale, softcap)

@@ -335,6 +335,17 @@ def test_bad_arguments_are_named_before_any_kernel(no_kernels, changes, error, m
         assert torch.equal(args["k_cache"], k_before)
 
 
+def test_out_sharing_memory_with_q_or_a_cache_is_named(no_kernels):
+    """The attention reads q and the caches while it writes out: an out in their memory would be
+    written before some of its reads."""
+    args = _bad()
+    with pytest.raises(ValueError, match="^out shares memory with q"):
+        compileattn.flash_attn_with_kvcache(**args, out=args["q"])
+    q_shape = args["q"].shape
+    with pytest.raises(ValueError, match="^out shares memory with v_cache"):
+        compileattn.flash_attn_with_kvcache(**args, out=args["v_cache"].view(-1)[: q_shape.numel()].view(q_shape))
+
+
 def test_fp8_cache_needs_its_scales(no_kernels):
     s = make_setup(page=16, fp8=True)
     with pytest.raises(ValueError, match="^k_scale is required"):
