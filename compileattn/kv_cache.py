@@ -204,6 +204,10 @@ class KVCache:
             )
         if not (k.is_contiguous() and v.is_contiguous()):
             raise ValueError("key_cache and value_cache must be contiguous")
+        from .validation import check_no_overlap  # validation imports this module
+
+        check_no_overlap("value_cache", v, (("key_cache", k),), "the write would store values over keys and "
+                         "attention read them as keys")
         kvh = spec.num_kv_heads
         k_heads = _head_scales(self.k_scale, "k_scale", kvh)
         v_heads = _head_scales(self.v_scale, "v_scale", kvh)

@@ -56,17 +56,18 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return lo <= hi
 
 
-def check_no_overlap(name: str, t: torch.Tensor, others) -> None:
+def check_no_overlap(name: str, t: torch.Tensor, others, why: str = "the kernels read {other} while they "
+                     "write {name}") -> None:
     """``t`` (a tensor the kernels write) shares no memory with ``others`` ((name, tensor or None)
-    pairs): the kernels read those while writing ``t``, so a write could land before a read of
-    the same element and give wrong values without an error. Skipped while tracing: fake tensors
-    have no memory."""
+    pairs): the kernels read (or write) those while writing ``t``, so a write could land on an
+    element before it is read, or overwrite another write, without an error. Skipped while
+    tracing: fake tensors have no memory."""
     if torch.compiler.is_compiling():
         return
     for other_name, other in others:
         if other is not None and _overlaps(t, other):
-            raise ValueError(f"{name} shares memory with {other_name}: the kernels read {other_name} while they "
-                             f"write {name}; give {name} its own tensor")
+            raise ValueError(f"{name} shares memory with {other_name}: {why.format(name=name, other=other_name)}; "
+                             f"give {name} its own tensor")
 
 
 def _index_tensor(name: str, t: torch.Tensor | None, ndim: int, device: torch.device) -> None:
@@ -278,6 +279,8 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
                             f"float8_e4m3fn with k_scale/v_scale)")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+    check_no_overlap("v_cache", v_cache, (("k_cache", k_cache),), "values would be stored over keys and read as "
+                     "keys")
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} differs from q head_dim {head_dim}")
@@ -429,6 +432,8 @@ def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_
     if key_cache.shape[2:] != key.shape[1:]:
         raise ValueError(f"key_cache (kv_heads, head_dim) {tuple(key_cache.shape[2:])} differs from key's "
                          f"{tuple(key.shape[1:])}")
+    check_no_overlap("value_cache", value_cache, (("key_cache", key_cache),),
+                     "the write would store values over keys")
     check_kv_scales(key_cache.dtype, k_scale, v_scale, key_cache.shape[2], key_cache.device, cache="caches")
     if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
         raise TypeError(f"slot_mapping must be 1-D int64, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")

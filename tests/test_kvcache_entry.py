@@ -346,6 +346,13 @@ def test_out_sharing_memory_with_q_or_a_cache_is_named(no_kernels):
         compileattn.flash_attn_with_kvcache(**args, out=args["v_cache"].view(-1)[: q_shape.numel()].view(q_shape))
 
 
+def test_one_tensor_as_both_caches_is_refused(no_kernels):
+    """k_cache is v_cache: the appended values would land over the keys and be read as keys."""
+    args = _bad()
+    with pytest.raises(ValueError, match="^v_cache shares memory with k_cache"):
+        compileattn.flash_attn_with_kvcache(**{**args, "v_cache": args["k_cache"]})
+
+
 def test_fp8_cache_needs_its_scales(no_kernels):
     s = make_setup(page=16, fp8=True)
     with pytest.raises(ValueError, match="^k_scale is required"):

@@ -414,6 +414,23 @@ def test_varlen_out_sharing_memory_with_an_input(make, name):
         call({**args, "q": buf[:, 0]}, out=buf[:, 1])
 
 
+def test_key_and_value_caches_sharing_memory_are_refused():
+    """One tensor passed as both caches: the write stored values over keys and attention read
+    them as keys, with no error (write_kv_cache left the cache holding the values). Views of one
+    combined cache that share no element stay accepted."""
+    cache = torch.zeros(NB, BS, KVH, D)
+    with pytest.raises(ValueError, match="^value_cache shares memory with key_cache"):
+        compileattn.write_kv_cache(**kv_write(key_cache=cache, value_cache=cache))
+    with pytest.raises(ValueError, match="^value_cache shares memory with key_cache"):
+        compileattn.write_kv_cache(**kv_write(key_cache=cache[1:], value_cache=cache[:-1]))
+    with pytest.raises(ValueError, match="^value_cache shares memory with key_cache"):
+        KVCache(cache, cache, AttentionSpec(H, KVH, D))
+    kv = torch.zeros(NB, 2, BS, KVH, D)
+    with pytest.raises(KernelRan):
+        compileattn.write_kv_cache(**kv_write(key_cache=kv[:, 0], value_cache=kv[:, 1]))
+    KVCache(kv.transpose(0, 1).contiguous()[0], kv.transpose(0, 1).contiguous()[1], AttentionSpec(H, KVH, D))
+
+
 # ---------------------------------------------------------------- the metadata builder
 
 @pytest.mark.parametrize("seqs,pad_to,match", [
