@@ -104,6 +104,8 @@ def flash_attn_with_kvcache(
         raise TypeError(f"q must be a tensor, got {type(q).__name__}")
     backend = check_backend_name(backend, "backend")
     window_left, causal = _window_and_causal(window_size, causal)
+    if not isinstance(cache_seqlens, torch.Tensor) and as_int(cache_seqlens) is not None:
+        cache_seqlens = as_int(cache_seqlens)  # numpy's integers are ints (argtypes)
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, window_left, softcap,
                        alibi_slopes, k_scale, v_scale, softmax_scale)
     batch, seqlen_q, num_heads, head_dim = q.shape

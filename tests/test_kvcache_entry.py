@@ -353,6 +353,16 @@ def test_one_tensor_as_both_caches_is_refused(no_kernels):
         compileattn.flash_attn_with_kvcache(**{**args, "v_cache": args["k_cache"]})
 
 
+def test_cache_seqlens_takes_a_numpy_integer():
+    """A numpy integer is an int, as at every public entry (argtypes): the same result as the int."""
+    np = pytest.importorskip("numpy")
+    s1, s2 = make_setup(page=16), make_setup(page=16)
+    kw = dict(block_table=s1.block_table, causal=True, backend="reference")
+    want = compileattn.flash_attn_with_kvcache(s1.q, s1.k_cache, s1.v_cache, cache_seqlens=5, **kw)
+    got = compileattn.flash_attn_with_kvcache(s2.q, s2.k_cache, s2.v_cache, cache_seqlens=np.int64(5), **kw)
+    torch.testing.assert_close(got, want)
+
+
 def test_fp8_cache_needs_its_scales(no_kernels):
     s = make_setup(page=16, fp8=True)
     with pytest.raises(ValueError, match="^k_scale is required"):
