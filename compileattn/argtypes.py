@@ -31,6 +31,13 @@ def as_int(value) -> int | None:
         return None
 
 
+def integer_as_int(value):
+    """``value`` as an int where it is an integer (``as_int``), else as it is: for an argument whose
+    own check follows and names it, so numpy's integers pass it as Python's do."""
+    index = as_int(value)
+    return value if index is None else index
+
+
 def positive_int(value, name: str) -> int:
     """``value`` as an int >= 1 (``as_int``), or a TypeError / ValueError naming ``name``."""
     index = as_int(value)

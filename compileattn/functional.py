@@ -18,7 +18,7 @@ import torch
 
 from . import ops
 from .backends.selector import check_backend_name
-from .argtypes import as_int, is_bool
+from .argtypes import as_int, integer_as_int, is_bool
 from .validation import (
     check_append_slots, check_kv_write_args, check_kvcache_args, check_kvcache_values, check_varlen_args,
     check_varlen_values,
@@ -104,8 +104,8 @@ def flash_attn_with_kvcache(
         raise TypeError(f"q must be a tensor, got {type(q).__name__}")
     backend = check_backend_name(backend, "backend")
     window_left, causal = _window_and_causal(window_size, causal)
-    if not isinstance(cache_seqlens, torch.Tensor) and as_int(cache_seqlens) is not None:
-        cache_seqlens = as_int(cache_seqlens)  # numpy's integers are ints (argtypes)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = integer_as_int(cache_seqlens)  # numpy's integers are ints (argtypes)
     check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, window_left, softcap,
                        alibi_slopes, k_scale, v_scale, softmax_scale)
     batch, seqlen_q, num_heads, head_dim = q.shape

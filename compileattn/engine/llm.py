@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config import CompileConfig
-from ..argtypes import as_int, is_bool
+from ..argtypes import as_int, integer_as_int, is_bool
 from . import kv_budget
 from .engine import Engine, check_positive_ints
 from .request import FinishReason, Request, SamplingParams
@@ -127,9 +127,9 @@ class LLM:
             raise ValueError("pass kv_cache_memory or num_blocks, not both")
         # numpy's integers as ints (``argtypes``): the engine takes Python ints only, and they size
         # the cache and the steps.
-        block_size, max_num_seqs, max_num_batched_tokens, num_blocks, max_model_len, tensor_parallel_size = (
-            v if (k := as_int(v)) is None else k for v in (block_size, max_num_seqs, max_num_batched_tokens,
-                                                          num_blocks, max_model_len, tensor_parallel_size))
+        block_size, max_num_seqs, max_num_batched_tokens, num_blocks, max_model_len, tensor_parallel_size = map(
+            integer_as_int, (block_size, max_num_seqs, max_num_batched_tokens, num_blocks, max_model_len,
+                             tensor_parallel_size))
         # Before anything is loaded or sized with them (a 0 divided the KV budget's log line).
         check_positive_ints(block_size=block_size, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
@@ -390,8 +390,8 @@ class LLM:
             lengths = [length] * len(prompts)
         elif isinstance(max_new_tokens, (str, bytes)) or not hasattr(max_new_tokens, "__iter__"):
             raise TypeError(f"max_new_tokens must be an int or one int per prompt, got {max_new_tokens!r}")
-        else:  # numpy's integers as Python ints; anything else is refused by SamplingParams, by name
-            lengths = [n if (k := as_int(n)) is None else k for n in max_new_tokens]
+        else:  # SamplingParams takes numpy's integers as ints and refuses anything else, by name
+            lengths = list(max_new_tokens)
         if len(lengths) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(lengths)} entries for {len(prompts)} prompts")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):

@@ -7,7 +7,7 @@ import time
 from numbers import Real
 from typing import Literal, Sequence
 
-from ..argtypes import as_int, is_bool
+from ..argtypes import integer_as_int, is_bool
 from .sampler import sampling_key
 
 FinishReason = Literal["length", "stop"]
@@ -33,10 +33,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # numpy's integers as ints (``argtypes``): they count tokens, seed a generator, name token ids.
         for name in ("max_new_tokens", "seed"):
-            if (number := as_int(getattr(self, name))) is not None:
-                object.__setattr__(self, name, number)
-        object.__setattr__(self, "stop_token_ids",
-                           tuple(t if (i := as_int(t)) is None else i for t in self.stop_token_ids))
+            object.__setattr__(self, name, integer_as_int(getattr(self, name)))
+        object.__setattr__(self, "stop_token_ids", tuple(map(integer_as_int, self.stop_token_ids)))
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         # Any real number (numpy's float32 too), as a Python float; a bool is not a number here.
