@@ -214,7 +214,8 @@ def test_numpy_sizes_and_sampling_numbers_are_taken(tmp_path):
     """The rule every public entry follows (``argtypes``): numpy's integers are ints, and a numpy
     float is a number. ``LLM``'s sizes refused ``np.int64(4)`` as "must be a positive int", and
     ``temperature``/``top_p`` refused ``np.float32`` as "must be a finite number" (``np.float64``,
-    a float subclass, passed)."""
+    a float subclass, passed); ``generate``'s ``seed`` refused ``np.int64(3)``, which
+    ``SamplingParams`` takes."""
     import numpy as np
 
     directory = save_family("qwen3", tmp_path / "q")
@@ -227,6 +228,9 @@ def test_numpy_sizes_and_sampling_numbers_are_taken(tmp_path):
     for number in (np.float32, np.float64):
         got = as_numpy.generate([[1, 2, 3], [4]], 4, temperature=number(0.5), top_p=number(0.75), **sample)
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    got = as_numpy.generate([[1, 2, 3], [4]], np.int64(4), temperature=0.5, top_p=0.75, seed=np.int64(3),
+                            use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     params = ca.SamplingParams(max_new_tokens=np.int64(4), temperature=0.5, top_p=0.75, seed=np.int32(3),
                                stop_token_ids=[np.int64(7)])
     assert (type(params.max_new_tokens), type(params.seed), type(params.stop_token_ids[0])) == (int, int, int)

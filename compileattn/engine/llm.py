@@ -394,6 +394,7 @@ class LLM:
             lengths = list(max_new_tokens)
         if len(lengths) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(lengths)} entries for {len(prompts)} prompts")
+        seed = integer_as_int(seed)  # numpy's integers as ints, as SamplingParams takes them
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         params = [SamplingParams(max_new_tokens=n, temperature=temperature, top_p=top_p,
