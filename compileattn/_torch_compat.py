@@ -548,6 +548,26 @@ def storage_key(t: torch.Tensor):
         return None
 
 
+def size_hint(n) -> int:
+    """A traced size as an int: a SymInt's value at the trace's example (its hint)."""
+    if isinstance(n, torch.SymInt):
+        hint = getattr(n.node, "hint", None)
+        return int(hint) if hint is not None else int(n.node.expr.xreplace(size_hints(n.node.shape_env)))
+    return int(n)
+
+
+def input_name(node) -> str:
+    """The user's name of a Dynamo graph input: its source (``L['x']``, ``L['self'].weight``) where
+    the graph keeps it (not after ``aot_compile``), else its placeholder's (``L_x_``) as ``x``."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)  # a method on torch 2.11, a cached property on 2.13
+    name = name() if callable(name) else name
+    if isinstance(name, str):
+        return name
+    target = str(node.target)
+    return target[2:-1] if target.startswith("L_") and target.endswith("_") else target
+
+
 def call_schema(target):
     """The schema of the overload a call of ``target`` runs (a packet's ``default``), or None for a
     target that is not an op. Dynamo records packets, AOT graphs record overloads."""

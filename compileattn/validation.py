@@ -22,31 +22,30 @@ def _same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device}, but q is on {device}")
 
 
-def _runs(t: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """``t``'s bytes as ``count`` runs of ``length`` bytes, ``step`` bytes apart, from ``start``:
-    its contiguous inner dims merged into one run and at most one dim left over; None if more are."""
-    dims = sorted(((s, n) for n, s in zip(t.shape, t.stride()) if n > 1), reverse=True)
-    run = 1
-    while dims and dims[-1][0] == run:
-        run *= dims.pop()[1]
-    if len(dims) > 1:
-        return None
-    step, count = dims[0] if dims else (run, 1)
-    size = t.element_size()
-    return t.data_ptr(), step * size, count, run * size
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` share a byte: exact for views that are runs at one step (``kv[:, 0]``
-    and ``kv[:, 1]`` of one buffer do not overlap), else whether their spans intersect."""
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share a byte of memory (``layouts_overlap``)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    ra, rb = _runs(a), _runs(b)
+    return layouts_overlap(byte_layout(a), byte_layout(b))
+
+
+def byte_layout(t: torch.Tensor, size=int) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+    """(first byte in its storage, shape, strides in elements, element size); ``size`` turns a
+    traced size into an int (a fake tensor's symbolic sizes: their hints)."""
+    return (size(t.storage_offset()) * t.element_size(), tuple(size(n) for n in t.shape),
+            tuple(size(s) for s in t.stride()), t.element_size())
+
+
+def layouts_overlap(a: tuple, b: tuple) -> bool:
+    """Whether two ``byte_layout``s in one storage share a byte: exact for views that are runs at
+    one step (``kv[:, 0]`` and ``kv[:, 1]`` of one buffer do not overlap), else whether their
+    spans intersect."""
+    ra, rb = _runs(*a), _runs(*b)
     if ra is None or rb is None or (ra[2] > 1 and rb[2] > 1 and ra[1] != rb[1]):
-        ra, rb = ((t.data_ptr(), 1, 1, (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
-                   * t.element_size()) for t in (a, b))
+        ra, rb = ((start, 1, 1, (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * size)
+                  for start, shape, strides, size in (a, b))
     (start_a, step_a, count_a, len_a), (start_b, step_b, count_b, len_b) = ra, rb
     step = step_a if count_a > 1 else step_b
     # Run i of a meets run j of b iff d - len_a < (i - j) * step < d + len_b, with d = start_b - start_a.
@@ -54,6 +53,19 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     lo = max((d - len_a) // step + 1, 1 - count_b)
     hi = min(-((-(d + len_b)) // step) - 1, count_a - 1)
     return lo <= hi
+
+
+def _runs(start: int, shape: tuple, strides: tuple, size: int) -> tuple[int, int, int, int] | None:
+    """A layout's bytes as ``count`` runs of ``length`` bytes, ``step`` bytes apart, from ``start``:
+    its contiguous inner dims merged into one run and at most one dim left over; None if more are."""
+    dims = sorted(((s, n) for n, s in zip(shape, strides) if n > 1), reverse=True)
+    run = 1
+    while dims and dims[-1][0] == run:
+        run *= dims.pop()[1]
+    if len(dims) > 1:
+        return None
+    step, count = dims[0] if dims else (run, 1)
+    return start, step * size, count, run * size
 
 
 def check_no_overlap(name: str, t: torch.Tensor, others, why: str = "the kernels read {other} while they "
@@ -65,7 +77,7 @@ def check_no_overlap(name: str, t: torch.Tensor, others, why: str = "the kernels
     if torch.compiler.is_compiling():
         return
     for other_name, other in others:
-        if other is not None and _overlaps(t, other):
+        if other is not None and overlaps(t, other):
             raise ValueError(f"{name} shares memory with {other_name}: {why.format(name=name, other=other_name)}; "
                              f"give {name} its own tensor")
 

@@ -204,6 +204,23 @@ def writes_in_place(node: torch.fx.Node) -> bool:
     return schema is not None and schema.is_mutable
 
 
+def written_values(node: torch.fx.Node) -> list:
+    """The traced values (fake tensors) a ``writes_in_place`` node writes: its first argument (an
+    in-place call, ``inplace=True``, ``operator.setitem``), its ``out=`` tensors, and the arguments
+    its schema marks written; the first argument where a mutable schema is not at hand."""
+    if not writes_in_place(node):
+        return []
+    schema = call_schema(node.target) if node.op == "call_function" else None
+    if schema is not None and schema.is_mutable and not _in_place(node):
+        bound = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+        targets = [bound.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    else:
+        out = node.kwargs.get("out")
+        targets = list(out) if isinstance(out, (tuple, list)) else [out] if out is not None else node.args[:1]
+    values = [node_example_value(t) for t in targets if isinstance(t, torch.fx.Node)]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
 def _inplace_flag(node: torch.fx.Node) -> bool:
     """``inplace=True``, as a keyword or in its place among the arguments: ``nn.LeakyReLU``,
     ``nn.ReLU6`` (``hardtanh``) and ``nn.ELU`` pass it positionally (``F.leaky_relu(h, 0.1, True)``),

@@ -6,6 +6,7 @@ decorator and not the piecewise backend; the tests at the end use the real backe
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import random
 import statistics
@@ -256,6 +257,65 @@ def test_two_tensors_on_the_first_call_stay_two_where_the_compiled_code_writes_o
         f(t, t)
     assert torch.equal(t, torch.arange(4.0)), "refused before anything ran"
     assert torch.equal(f(t, torch.ones(4)), torch.arange(4.0) * 2 + 1)
+
+
+def _read_then_incremented(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    doubled = y * 2
+    x.add_(1)
+    return doubled
+
+
+@pytest.mark.parametrize("path", ["aot", "frame"])
+def test_a_written_tensor_may_not_come_to_share_memory_with_another_argument(path, monkeypatch):
+    """Two views of one buffer are two graph inputs: Inductor's code for ``y * 2; x.add_(1)``,
+    traced with distinct tensors, gave 2y + 2 where ``y`` overlaps ``x`` (eager: 2y), as
+    torch.compile does. Views that do not overlap, and overlaps between tensors only read, are
+    served; a write that another argument would see is refused before anything runs, on the first
+    call by the compile."""
+    if path == "frame":
+        from compileattn import _torch_compat
+
+        def unavailable(*args, **kwargs):
+            raise _torch_compat.AotUnsupported("the frame path in this test")
+
+        monkeypatch.setattr(_torch_compat, "aot_compile", unavailable)
+    config = compileattn.CompileConfig(piece_compiler="inductor", compile_workers=0)
+    f = compileattn.compile(dynamic_arg_dims={}, config=config)(_read_then_incremented)
+    assert torch.equal(f(torch.zeros(4), torch.ones(4)), torch.full((4,), 2.0))
+    buf = torch.arange(8.0)
+    for x, y in ((buf[:4], buf[2:6]), (buf[:4], buf[:4].view(4)), (buf[3:7], buf[:4])):
+        with pytest.raises(RecompileError, match=r"argument 'y' shares memory with 'x', which the compiled code "
+                                                 r"writes into; on the first call they shared none"):
+            f(x, y)
+        assert torch.equal(buf, torch.arange(8.0)), "refused before anything ran"
+    assert torch.equal(f(buf[:4], buf[4:]), torch.arange(4.0, 8.0) * 2)  # one buffer, no shared byte
+
+    g = compileattn.compile(dynamic_arg_dims={}, config=config)(_read_then_incremented)
+    buf = torch.arange(8.0)
+    with pytest.raises(Exception, match=r"inputs (L\['y'\]|y) and (L\['x'\]|x) share memory and the compiled code "
+                                        r"writes it \(add_\)"):
+        g(buf[:4], buf[2:6])  # compiled by the pieces as two buffers, it too gave 2y + 2
+    assert torch.equal(buf, torch.arange(8.0)), "refused before anything ran"
+
+    h = compileattn.compile(dynamic_arg_dims={}, config=config)(_shifted)  # writes nothing
+    buf = torch.arange(8.0)
+    assert torch.equal(h(buf[:4], buf[2:6]), _shifted(buf[:4], buf[2:6]))
+    assert torch.equal(h(torch.zeros(4), torch.ones(4)), torch.ones(4))
+
+
+def test_the_first_calls_overlaps_are_part_of_the_warm_start_key():
+    """A file traced for distinct tensors must not serve a process whose first call overlaps them
+    (its own first call sets the overlaps it checks later)."""
+    from compileattn.compilation.argcheck import ArgChecker, overlapping_tensors, spec_of, tensor_places
+
+    def key(x, y):
+        values = {"x": x, "y": y}
+        places = tensor_places(values)
+        return ArgChecker(inspect.signature(_shifted), False, {n: spec_of(v, ()) for n, v in values.items()}, False,
+                          places, overlapping_tensors(values, places)).key()
+
+    buf = torch.arange(8.0)
+    assert key(buf[:4], buf[2:6]) != key(buf[:4], buf[4:]) == key(torch.zeros(4), torch.ones(4))
 
 
 def _shifted(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -512,3 +512,29 @@ def test_a_float_of_the_token_count_does_not_cross_pieces_so_static_sizes_compil
         {"piece_compiler": "inductor", "compile_sizes": [4], "compile_workers": 0},
         steps=([ca.SequenceStep(1, 2, [0]), ca.SequenceStep(3, 0, [1])],  # 4 tokens: the static piece
                [ca.SequenceStep(5, 0, [2, 3])]))
+
+
+def test_a_write_two_overlapping_inputs_see_is_refused_at_compile():
+    """The pieces are compiled without the inputs' aliasing: torch.compile with compileattn's
+    backend and Inductor pieces returned 2y + 2 for ``d = y * 2; x.add_(1)`` with ``y``
+    overlapping ``x`` (eager and torch.compile's Inductor: 2y). Views of one buffer that share no
+    byte, and overlapping inputs only read, compile."""
+    def read_then_incremented(x, y):
+        d = y * 2
+        x.add_(1)
+        return d
+
+    def summed(x, y):
+        return x * 2 + y
+
+    buf = torch.arange(8.0)
+    compiled = torch.compile(read_then_incremented, backend="compileattn", options={"piece_compiler": "eager"})
+    with pytest.raises(Exception, match=r"inputs L\['y'\] and L\['x'\] share memory and the compiled code writes "
+                                        r"it \(add_\)"):
+        compiled(buf[:4], buf[2:6])
+    assert torch.equal(buf, torch.arange(8.0))
+    assert torch.equal(compiled(buf[:4], buf[4:]), torch.arange(4.0, 8.0) * 2)
+    assert torch.equal(buf[:4], torch.arange(1.0, 5.0))
+    buf = torch.arange(8.0)
+    reads = torch.compile(summed, backend="compileattn", options={"piece_compiler": "eager"})
+    assert torch.equal(reads(buf[:4], buf[2:6]), summed(buf[:4], buf[2:6]))

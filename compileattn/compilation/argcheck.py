@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from ..validation import overlaps
 from .size_guards import SizeGuards
 
 
@@ -340,6 +341,24 @@ def tensor_places(values: Mapping[str, Any]) -> tuple[tuple[tuple, ...], ...]:
     return tuple(tuple(paths) for paths in by_id.values())
 
 
+def overlapping_tensors(values: Mapping[str, Any], places: tuple[tuple[tuple, ...], ...]) -> frozenset[tuple[int, int]]:
+    """Pairs (i, j), i < j, of the distinct tensors (``tensor_places``' order) that share memory:
+    views of one buffer. Dynamo traces distinct tensors as distinct inputs, and the compiled code
+    may read one after writing the other, or before (Inductor orders by its buffers, not by
+    memory; a functionalized write lands at the end): with a write, the pairs must stay as they
+    were on the first call (``ArgChecker.check``)."""
+    tensors = [_leaf(values, group[0]) for group in places]
+    return frozenset((i, j) for i in range(len(tensors)) for j in range(i + 1, len(tensors))
+                     if overlaps(tensors[i], tensors[j]))
+
+
+def _leaf(values: Mapping[str, Any], path: tuple) -> Any:
+    v = values[path[0]]
+    for key in path[1:]:
+        v = v[key]
+    return v
+
+
 def leaves(v: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """Every value inside ``v`` that is not one of the containers the check walks item by item
     (``_is_sequence``, ``_is_mapping``), with the keys leading to it from ``path``."""
@@ -500,7 +519,7 @@ class ArgChecker:
     """
 
     def __init__(self, sig: inspect.Signature, bound_self: bool, specs: dict[str, Any], grad_enabled: bool,
-                 tensors: tuple[tuple[tuple, ...], ...] = ()):
+                 tensors: tuple[tuple[tuple, ...], ...] = (), overlapping: frozenset[tuple[int, int]] = frozenset()):
         self._sig = sig
         self._bound_self = bound_self
         self._specs = specs
@@ -509,6 +528,8 @@ class ArgChecker:
         self._tensors = tensors
         #: groups of places that held one tensor on the first call
         self._same = tuple(group for group in tensors if len(group) > 1)
+        #: pairs of indices into ``_tensors`` that shared memory on the first call (``overlapping_tensors``)
+        self._overlapping = overlapping
         #: indices into ``_tensors`` of the tensors the compiled code writes into, and of those it may
         #: (no version counter to tell: inference-mode tensors), from the first call (``noting_writes``)
         self._written: frozenset[int] = frozenset()
@@ -561,7 +582,10 @@ class ArgChecker:
         """Stable text of what the first call looked like (part of the warm-start cache key)."""
         specs = ";".join(f"{name}={spec.key()}" for name, spec in self._specs.items())
         same = f";same={[[_shown_path(p) for p in group] for group in self._same]}" if self._same else ""
-        return f"{specs};grad={self._grad_enabled}{same}"
+        pairs = [[_shown_path(self._tensors[i][0]), _shown_path(self._tensors[j][0])]
+                 for i, j in sorted(self._overlapping)]
+        shared = f";overlapping={pairs}" if pairs else ""
+        return f"{specs};grad={self._grad_enabled}{same}{shared}"
 
     def check(self, args: tuple, kwargs: dict) -> None:
         key = (len(args), *kwargs) if kwargs else len(args)
@@ -579,6 +603,7 @@ class ArgChecker:
                    else {id(self._value(place, args, kwargs)) for place in places})
             if len(ids) < len(places):
                 self._refuse_written_alias(places, args, kwargs)
+            self._check_written_overlaps(places, args, kwargs)
         for group in same:
             first = self._value(group[0], args, kwargs)
             for place in group[1:]:
@@ -611,6 +636,26 @@ class ArgChecker:
                                                 f"as {_shown_path(distinct[i][1])!r}, {writes}; they were two "
                                                 f"tensors on the first call, traced as two inputs, so the write "
                                                 f"would not be seen through the other")
+
+    def _check_written_overlaps(self, distinct: list, args: tuple, kwargs: dict) -> None:
+        """A tensor the compiled code writes shares no memory with another argument that it did not
+        share on the first call: traced as distinct inputs, two views of one buffer see each
+        other's writes in eager code, and in the compiled code only in the order it happened to
+        keep (Inductor's code for ``d = y * 2; x.add_(1)``, traced with two buffers, gave 2y + 2
+        for a ``y`` overlapping ``x``, as torch.compile's does). The compile refuses a write that
+        the first call's overlapping inputs both see (``piecewise.refuse_written_overlapping_inputs``).
+        ~1 µs per pair, paid only by functions that write an argument."""
+        tensors = [self._value(place, args, kwargs) for place in distinct]
+        for i in sorted(self._written):
+            for j in range(len(tensors)):
+                if j != i and (min(i, j), max(i, j)) not in self._overlapping and overlaps(tensors[i], tensors[j]):
+                    written, other = _shown_path(distinct[i][1]), _shown_path(distinct[j][1])
+                    raise RecompileError(f"compileattn.compile: argument {other!r} shares memory with {written!r}, "
+                                         f"which the compiled code writes into; on the first call they shared none, "
+                                         f"and the compiled code does not see the write through the other as eager "
+                                         f"code would (torch.compile's guards miss this too). Pass tensors that "
+                                         f"share no memory (clone one), or compile a separate instance for this "
+                                         f"variant.")
 
     def _value(self, place: tuple, args: tuple, kwargs: dict) -> Any:
         """The object at ``place``: (position, keyword, or None for an argument left at its default;

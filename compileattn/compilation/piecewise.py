@@ -31,7 +31,8 @@ from .. import _torch_compat, layer_ids, ops
 from ..config import CompileConfig
 from ..counters import counters
 from ..passes import capture_kv_write, cleanup, hoist_shape_logic, inline_regions, split_graph
-from ..passes.split import Piece, is_splitting_node
+from ..passes.split import Piece, is_splitting_node, written_values
+from ..validation import byte_layout, layouts_overlap
 from . import compile_pool, inductor_piece
 from .cache import CompileCache, cache_key
 from .landing import StaticLanding
@@ -658,6 +659,38 @@ def _shape(size: int | None) -> str:
     return "dynamic shapes" if size is None else f"{size} tokens"
 
 
+def refuse_written_overlapping_inputs(gm: torch.fx.GraphModule) -> None:
+    """A ``ValueError`` where the graph writes a tensor that two of its inputs see (two views of
+    one buffer sharing bytes, one of them written). Dynamo traces them as distinct inputs; eager
+    code sees the write through the other, and the compiled pieces, compiled per piece without the
+    inputs' aliasing, do not: Inductor's code for ``d = y * 2; x.add_(1)`` with ``y`` overlapping
+    ``x`` gave 2y + 2 where eager gives 2y (``torch.compile``'s own Inductor, which compiles the
+    whole graph with the aliasing, gave 2y). Checked at the traced sizes; the decorator checks
+    later calls (``argcheck``)."""
+    inputs: dict[Any, list[tuple[torch.fx.Node, torch.Tensor]]] = {}
+    for node in gm.graph.nodes:
+        value = _torch_compat.node_example_value(node) if node.op == "placeholder" else None
+        if isinstance(value, torch.Tensor) and value.numel() and (key := _torch_compat.storage_key(value)) is not None:
+            inputs.setdefault(key, []).append((node, value))
+    shared = {key: members for key, members in inputs.items() if len(members) > 1}
+    if not shared:
+        return
+    for node in gm.graph.nodes:
+        for written in written_values(node):
+            members = shared.get(_torch_compat.storage_key(written))
+            if members is None:
+                continue
+            layout = byte_layout(written, _torch_compat.size_hint)
+            seen = [n for n, v in members if layouts_overlap(byte_layout(v, _torch_compat.size_hint), layout)]
+            if len(seen) > 1:
+                a, b = (_torch_compat.input_name(n) for n in seen[:2])
+                op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
+                raise ValueError(f"compileattn: inputs {a} and {b} share memory and the compiled code writes it "
+                                 f"({op}): compileattn compiles its pieces without the inputs' aliasing, so the "
+                                 f"other would not see the write as in eager code; pass tensors that share no "
+                                 f"memory (clone one)")
+
+
 def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig) -> CompiledSplit:
     start = time.perf_counter()
     # First, and before anything is counted: a graph whose regions cannot be flattened is traced
@@ -669,6 +702,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
         counters.region_subgraphs += region_subgraphs
         logger.info("compileattn: %d nested-region calls of %d traced subgraphs flattened", region_calls,
                     region_subgraphs)
+    refuse_written_overlapping_inputs(gm)
     gm = cleanup(gm)
     if config.capture_kv_write and any(op in config.splitting_ops for op in _ATTEND):
         gm = capture_kv_write(gm)
