@@ -578,6 +578,85 @@ def test_a_rank_failing_outside_the_steps_collectives_is_named_on_every_rank(tmp
             assert seconds < 30, (rank, errors)
 
 
+PEER_DEATH_SCRIPT = r'''
+import json, os, sys, time
+import torch
+import compileattn
+
+model_dir, out, dying = sys.argv[1], sys.argv[2], int(sys.argv[3])
+llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=None, num_blocks=64,
+                      max_num_seqs=4, max_num_batched_tokens=16)
+rank = torch.distributed.get_rank()
+llm.generate([[5, 6, 7]], max_new_tokens=2, use_tqdm=False)
+if rank == dying:  # this rank's process ends in its second forward of the next call, publishing nothing
+    forward, calls = llm.engine.runner.forward, []
+
+    def dying_forward(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            os._exit(0)
+        return forward(*args)
+
+    llm.engine.runner.forward = dying_forward
+start = time.perf_counter()
+try:
+    llm.generate([[1, 2, 3]], max_new_tokens=5, ignore_eos=True, use_tqdm=False)
+    error = None
+except BaseException as exc:
+    error = f"{type(exc).__name__}: {exc}"
+json.dump([error, getattr(llm.engine.failure, "ranks", None), time.perf_counter() - start],
+          open(f"{out}.{rank}.json", "w"))
+'''
+
+
+@pytest.mark.parametrize("dying", [1, 0])
+def test_a_rank_whose_process_dies_is_named_by_the_others(tmp_path, dying):
+    """A rank whose process ends mid-``generate`` (killed, ``os._exit``) publishes no reason; its
+    peer sees only gloo's "connection closed/reset by peer" in a collective. The peer names the
+    rank that died, not itself (it said "rank 0 failed in a step: ... Connection closed by peer")."""
+    model_dir = tiny_hf_llama(tmp_path / "model")
+    script = tmp_path / "peer_death.py"
+    script.write_text(PEER_DEATH_SCRIPT)
+    rc, log = torchrun(2, [str(script), str(model_dir), str(tmp_path / "error"), str(dying)], tmp_path, timeout=120)
+    survivor = 1 - dying
+    error, ranks, seconds = json.loads((tmp_path / f"error.{survivor}.json").read_text())
+    assert error is not None and error.startswith(f"TPGroupFailed: rank {dying} failed in a step: its process "
+                                                  f"ended"), (error, log[-4000:])
+    assert f"rank {survivor} failed" not in error, error
+    assert ranks == [dying] and seconds < 30, (ranks, seconds)
+    assert not (tmp_path / f"error.{dying}.json").exists()
+
+
+def test_a_dead_peer_among_several_is_named_by_every_survivor():
+    """With more than two ranks a survivor whose collective lost a peer cannot tell from gloo's
+    error which peer ended: the survivors mark themselves alive in the store and name the rank that
+    never answered (and publish that, so a rank failing later reads the same reason)."""
+    import threading
+
+    from compileattn.parallel.failure import fail_group
+
+    store = torch.distributed.HashStore()
+    groups = [TPGroup(r, 3, torch.device("cpu"), store=store, token="t") for r in range(3)]
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:30858")
+    errors = {}
+    threads = [threading.Thread(target=lambda r=r: errors.__setitem__(r, fail_group(groups[r], lost)))
+               for r in (0, 1)]  # rank 2 died: it never answers
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for r in (0, 1):
+        assert errors[r].ranks == (2,), (r, str(errors[r]))
+        assert str(errors[r]).startswith("rank 2 failed in a step: its process ended"), str(errors[r])
+    late = fail_group(groups[0], lost)  # the published reason, at once
+    assert late.ranks == (2,)
+    two = TPGroup(0, 2, torch.device("cpu"), store=torch.distributed.HashStore(), token="u")
+    assert fail_group(two, lost).ranks == (1,)  # the only peer
+    assert fail_group(two, RuntimeError("boom")).ranks == (1,)  # its reason is published now
+    own = TPGroup(0, 2, torch.device("cpu"), store=torch.distributed.HashStore(), token="v")
+    assert fail_group(own, RuntimeError("out of memory")).ranks == (0,)  # not a lost peer: this rank's own
+
+
 BUILD_FAILURE_SCRIPT = r'''
 import json, sys
 import torch

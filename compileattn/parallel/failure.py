@@ -10,8 +10,12 @@ store, shuts down its side too and raises ``TPGroupFailed`` naming the rank and 
 (measured on the CPU, two ranks over gloo: the failing ``generate`` returned its error on both
 ranks 0.07 s after it began; with the failing rank's groups left open, and its program calling
 ``generate`` again, both waited past a 60 s limit, for the 600 s timeout). A rank whose
-collective fails with no reason in the store (a peer process that died) publishes its own error,
-so no rank is left without one.
+collective fails with no reason in the store publishes its own error, so no rank is left without
+one; unless the collective lost a peer (gloo's "connection closed/reset by peer": a peer process
+that ended, killed or ``os._exit``, and published nothing), which names that peer, not the rank
+that saw the loss. gloo's error names the peer's address, not its rank: with two ranks the peer is
+the other one; with more, the ranks that saw the loss mark themselves alive in the store and name
+the ones that stay silent (``LOST_PEER_WAIT_S``).
 
 An ``LLM``'s build is guarded alike (``building_in_step``): the load-time probe of a sharded model,
 the KV-cache agreement and the captures hold collectives too.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from typing import Iterator
 
@@ -42,6 +47,12 @@ logger = logging.getLogger("compileattn")
 #: How often rank 0 reads the store for a peer's failure while it waits for a step on the GPU: a
 #: read is a TCP round trip (~0.1 ms), so only waits longer than this pay one.
 PEER_POLL_S = 0.05
+#: How long ranks that lost a peer (of more than one) wait for the others to mark themselves alive
+#: before naming the silent ones: a live rank marks itself once its own collective fails, which
+#: the survivors' shutdown makes prompt, unless it is busy outside collectives (compiling, say).
+LOST_PEER_WAIT_S = 10.0
+#: gloo's errors for a peer whose connection went away (``gloo/transport/tcp/pair.cc``).
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
 #: How long a failed rank waits for its process groups' teardown: NCCL's can hang with a
 #: collective of the failed step still on the device (``group.shutdown_tp``).
 SHUTDOWN_S = 5.0
@@ -60,8 +71,8 @@ class PeerFailed(RuntimeError):
     """A peer published a failure while this rank waited for its own step."""
 
 
-def _key(tp: TPGroup, rank: int) -> str:
-    return f"compileattn/tp/{tp.token}/failed/{rank}"
+def _key(tp: TPGroup, rank: int, what: str = "failed") -> str:
+    return f"compileattn/tp/{tp.token}/{what}/{rank}"
 
 
 def failure_reasons(tp: TPGroup) -> dict[int, str]:
@@ -99,25 +110,73 @@ def wait_watching_peers(tp: TPGroup, event, poll_s: float = PEER_POLL_S) -> None
 
 def fail_group(tp: TPGroup, exc: BaseException, during: str = "in a step") -> TPGroupFailed:
     """``exc`` ended this rank's part ``during`` a collective phase: name its cause (the peers'
-    published reasons if there are any, else ``exc``, published for the peers), shut this rank's
-    process groups down, and return the error for the caller to raise from ``exc``."""
+    published reasons if there are any; else, where ``exc`` is a collective's lost peer, the peers
+    that ended; else ``exc``; published for the peers), shut this rank's process groups down, and
+    return the error for the caller to raise from ``exc``."""
     peers = {r: why for r, why in failure_reasons(tp).items() if r != tp.rank}
+    shut_down = False
+    if not peers and _lost_a_peer(exc):
+        shutdown_tp(SHUTDOWN_S)  # first: peers blocked on this rank fail and answer at once
+        shut_down = True
+        silent = _silent_peers(tp)
+        peers = {r: why for r, why in failure_reasons(tp).items() if r != tp.rank}  # another survivor's verdict
+        if not peers:
+            seen = f"rank {tp.rank}'s collective lost it: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+            peers = {r: f"{during}: its process ended with no reason given ({seen})" for r in silent}
+            for r, why in peers.items():  # so a rank failing later names it too
+                _publish(tp, r, why)
     if peers:
         ranks = tuple(sorted(peers))
         reason = "; ".join(f"rank {r} failed {why}" for r, why in sorted(peers.items()))
     else:
         ranks = (tp.rank,)
         own = f"{during}: {type(exc).__name__}: {exc}"
-        if tp.store is not None:
-            try:
-                tp.store.set(_key(tp, tp.rank), own)
-            except Exception:
-                logger.warning("rank %d could not publish its failure to the TP group's store", tp.rank)
+        _publish(tp, tp.rank, own)
         reason = f"rank {tp.rank} failed {own}"
     logger.error("tensor parallel group shut down: %s", reason)
-    shutdown_tp(SHUTDOWN_S)
+    if not shut_down:
+        shutdown_tp(SHUTDOWN_S)
     return TPGroupFailed(f"{reason}; the tensor-parallel group is shut down on every rank (start the processes "
                          f"again to serve)", ranks)
+
+
+def _publish(tp: TPGroup, rank: int, reason: str) -> None:
+    if tp.store is not None:
+        try:
+            tp.store.set(_key(tp, rank), reason)
+        except Exception:
+            logger.warning("rank %d could not publish a failure to the TP group's store", tp.rank)
+
+
+def _lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what raised it) is a collective's report of a peer gone away."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if _LOST_PEER.search(str(exc)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _silent_peers(tp: TPGroup) -> list[int]:
+    """The peers that ended, for a rank whose collective lost one and found no reason published:
+    the other rank of two; of more, this rank marks itself alive and waits (``LOST_PEER_WAIT_S``) for
+    the peers to mark themselves, and returns those that did not; it waits no longer once one peer
+    alone is left (at least one ended) or a reason is published (another survivor named the
+    ended ones first, or a peer failed on its own: the caller reads it)."""
+    others = [r for r in range(tp.world_size) if r != tp.rank]
+    if len(others) == 1 or tp.store is None:
+        return others
+    store, deadline = tp.store, time.monotonic() + LOST_PEER_WAIT_S
+    try:
+        store.set(_key(tp, tp.rank, "alive"), "1")
+        while True:
+            silent = [r for r in others if not store.check([_key(tp, r, "alive")])]
+            if len(silent) <= 1 or time.monotonic() >= deadline or any(store.check([_key(tp, r)]) for r in others):
+                return silent or others
+            time.sleep(PEER_POLL_S)
+    except Exception:  # the store went with the launcher
+        return others
 
 
 @contextlib.contextmanager
