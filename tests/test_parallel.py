@@ -657,6 +657,62 @@ def test_a_dead_peer_among_several_is_named_by_every_survivor():
     assert fail_group(own, RuntimeError("out of memory")).ranks == (0,)  # not a lost peer: this rank's own
 
 
+MISMATCHED_CALLS_SCRIPT = r'''
+import json, logging, sys, time
+import torch
+import compileattn
+import compileattn.parallel.group
+
+model_dir, out = sys.argv[1], sys.argv[2]
+compileattn.parallel.group.ARRIVAL_WARN_S = 0.5
+warnings = []
+handler = logging.Handler()
+handler.emit = lambda record: warnings.append(record.getMessage()) if record.levelno == logging.WARNING else None
+logging.getLogger("compileattn").addHandler(handler)
+llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=None, num_blocks=64,
+                      max_num_seqs=4, max_num_batched_tokens=16)
+rank = torch.distributed.get_rank()
+start = time.perf_counter()
+try:  # rank 1 calls the group's barrier while rank 0 is in generate
+    if rank == 0:
+        llm.generate([[1, 2, 3]], max_new_tokens=3, use_tqdm=False)
+    else:
+        llm.tp.barrier()
+    mismatch = None
+except Exception as exc:
+    mismatch = f"{type(exc).__name__}: {exc}"
+seconds = time.perf_counter() - start
+warnings.clear()
+if rank == 1:  # a rank late to generate (its own work first): the waiting rank says whom it waits for
+    time.sleep(2)
+tokens = llm.generate([[1, 2, 3]], max_new_tokens=3, use_tqdm=False)[0].token_ids  # the group is intact
+json.dump({"mismatch": mismatch, "seconds": seconds, "tokens": tokens, "warnings": warnings},
+          open(f"{out}.{rank}.json", "w"))
+'''
+
+
+def test_a_rank_in_barrier_while_another_is_in_generate_raises_on_both(tmp_path):
+    """``tp.barrier()`` on one rank while another is in ``generate`` paired no collective: both
+    waited for the group's 600 s timeout. The group's host calls name themselves in their gather,
+    so both raise at once naming each rank's call, and the group serves on. A rank late to
+    ``generate`` (or in a ``torch.distributed`` collective of its own, which no gather sees) is
+    named in a warning by the ranks waiting for it."""
+    model_dir = tiny_hf_llama(tmp_path / "model")
+    script = tmp_path / "mismatched_calls.py"
+    script.write_text(MISMATCHED_CALLS_SCRIPT)
+    rc, log = torchrun(2, [str(script), str(model_dir), str(tmp_path / "result")], tmp_path, timeout=90)
+    assert rc == 0, log[-4000:]
+    results = [json.loads((tmp_path / f"result.{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert result["mismatch"] is not None and result["mismatch"].startswith(
+            "CallMismatch: tensor parallel: the ranks are in different calls (rank 0: LLM.generate; rank 1: "
+            "TPGroup.barrier)"), results
+        assert result["seconds"] < 30, results
+        assert result["tokens"] == results[0]["tokens"] and len(result["tokens"]) == 3
+    assert any("waited" in w and "rank 1" in w for w in results[0]["warnings"]), results[0]["warnings"]
+    assert not results[1]["warnings"], results[1]["warnings"]
+
+
 BUILD_FAILURE_SCRIPT = r'''
 import json, sys
 import torch

@@ -226,7 +226,7 @@ class LLM:
                 "max_num_batched_tokens": max_num_batched_tokens, "compiled": compile_config is not None,
                 "compile_config.cudagraph_mode": mode,
                 "compile_config.capture_sizes": None if compile_config is None else compile_config.capture_sizes}
-        settings = tp.all_gather_object(mine)
+        settings = tp.agree("LLM(...)", mine)
         differ = [f"{name} (" + "; ".join(f"rank {r}: {s[name]!r}" for r, s in enumerate(settings)) + ")"
                   for name in mine if len({repr(s[name]) for s in settings}) > 1]
         if differ:
@@ -411,8 +411,8 @@ class LLM:
         instead of waiting for it. The gather ends the group on error as a step does: a peer that
         failed or left is named, not seen as a bare "connection closed"."""
         with self.engine.group_ends_on_error("in generate"):
-            answers = self.tp.all_gather_object((digest, None if refused is None else f"{type(refused).__name__}: "
-                                                                                      f"{refused}"))
+            answers = self.tp.agree("LLM.generate", (digest, None if refused is None else f"{type(refused).__name__}: "
+                                                                                         f"{refused}"))
         refusals = {rank: why for rank, (_, why) in enumerate(answers) if why is not None}
         if refused is not None:
             return

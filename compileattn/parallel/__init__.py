@@ -15,9 +15,9 @@ symmetric memory).
 from .comm import all_reduce
 from .driver import StepPlan, TPEngine
 from .failure import TPGroupFailed
-from .group import TPGroup, get_tp, init_tp, shutdown_tp
+from .group import CallMismatch, TPGroup, get_tp, init_tp, shutdown_tp
 from .layers import HeadShard, RowParallelLinear
 from .shard import shard_model
 
-__all__ = ["HeadShard", "RowParallelLinear", "StepPlan", "TPEngine", "TPGroup", "TPGroupFailed", "all_reduce",
-           "get_tp", "init_tp", "shard_model", "shutdown_tp"]
+__all__ = ["CallMismatch", "HeadShard", "RowParallelLinear", "StepPlan", "TPEngine", "TPGroup", "TPGroupFailed",
+           "all_reduce", "get_tp", "init_tp", "shard_model", "shutdown_tp"]

@@ -26,7 +26,7 @@ import torch
 from ..metadata import SequenceStep
 from ..engine import Engine
 from .failure import TPGroupFailed, fail_group, wait_watching_peers
-from .group import TPGroup, get_tp
+from .group import CallMismatch, TPGroup, get_tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ class TPEngine(Engine):
             raise self.failure
         try:
             yield
-        except TPGroupFailed:
+        except (TPGroupFailed, CallMismatch):  # the group is gone already, or intact
             raise
         except BaseException as exc:
             self.failure = fail_group(self.tp, exc, during)

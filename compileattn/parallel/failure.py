@@ -39,7 +39,7 @@ import re
 import time
 from typing import Iterator
 
-from .group import TPGroup, shutdown_tp
+from .group import CallMismatch, TPGroup, shutdown_tp
 
 logger = logging.getLogger("compileattn")
 
@@ -72,7 +72,7 @@ class PeerFailed(RuntimeError):
 
 
 def _key(tp: TPGroup, rank: int, what: str = "failed") -> str:
-    return f"compileattn/tp/{tp.token}/{what}/{rank}"
+    return tp.store_key(what, rank)
 
 
 def failure_reasons(tp: TPGroup) -> dict[int, str]:
@@ -189,7 +189,7 @@ def building_in_step(tp: TPGroup) -> Iterator[None]:
     as a collective's ``RuntimeError``, raises ``TPGroupFailed`` naming it."""
     try:
         yield
-    except TPGroupFailed:
+    except (TPGroupFailed, CallMismatch):  # the group is gone already, or intact
         raise
     except BaseException as exc:
         failed = fail_group(tp, exc, during="while building the LLM")

@@ -87,6 +87,18 @@ logger = logging.getLogger("compileattn")
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
             "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
 
+#: How long a rank waits in an agreement (``TPGroup.agree``) before it logs which ranks have not
+#: reached it. Only a warning: a rank may be late for reasons of its own (writing results), and one
+#: in a collective no agreement sees (``torch.distributed.barrier()``) cannot be told from it.
+ARRIVAL_WARN_S = 10.0
+#: Marks an agreement's contribution in the gather, so a peer's other gathers are told apart.
+_AGREEMENT = "compileattn.agreement"
+
+
+class CallMismatch(ValueError):
+    """The ranks' agreement paired up different calls (one rank in ``LLM.generate``, another in
+    ``TPGroup.barrier``): raised on every rank; the gather paired up, so the group is intact."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TPGroup:
@@ -108,6 +120,12 @@ class TPGroup:
     #: Rank 0's random name for this group, so its store keys are not read by a later group that
     #: the same launcher's store serves.
     token: str = ""
+    #: How many agreements this rank has entered (shared by the copies ``dataclasses.replace`` makes).
+    agreements: list = dataclasses.field(default_factory=lambda: [0], repr=False, compare=False)
+
+    def store_key(self, what: str, rank: int) -> str:
+        """This group's key for ``what`` of ``rank`` in the store (host messages outside collectives)."""
+        return f"compileattn/tp/{self.token}/{what}/{rank}"
 
     @property
     def group_name(self) -> str:
@@ -136,9 +154,53 @@ class TPGroup:
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
+    def agree(self, call: str, payload: Any = None) -> list[Any]:
+        """Every rank's ``payload`` for ``call`` (one gather over gloo), each rank naming its call:
+        ranks in different calls (``generate`` on one, ``barrier`` on another) paired no collective
+        before and waited for the group's timeout; their gathers pair up, and every rank raises
+        ``CallMismatch`` naming each rank's call. A rank waiting longer than ``ARRIVAL_WARN_S``
+        logs which peers have not reached this agreement (one store write per call tells it)."""
+        if self.world_size == 1:
+            return [payload]
+        self.agreements[0] += 1
+        count = self.agreements[0]
+        if self.store is not None:
+            self.store.set(self.store_key("agreement", self.rank), f"{count} {call}")
+        timer = threading.Timer(ARRIVAL_WARN_S, self._warn_waiting, (call, count))
+        timer.daemon = True
+        timer.start()
+        try:
+            answers = self.all_gather_object((_AGREEMENT, call, payload))
+        finally:
+            timer.cancel()
+        calls = [a[1] if isinstance(a, tuple) and len(a) == 3 and a[0] == _AGREEMENT else "a gather of its own"
+                 for a in answers]
+        if len(set(calls)) > 1:
+            raise CallMismatch("tensor parallel: the ranks are in different calls (" + "; ".join(
+                f"rank {r}: {c}" for r, c in enumerate(calls)) + "); every rank must make the same calls (LLM(...), "
+                "generate, TPGroup.barrier) in the same order; refused on every rank, the group is intact")
+        return [a[2] for a in answers]
+
+    def _warn_waiting(self, call: str, count: int) -> None:
+        """The timer's warning: the peers whose last agreement (in the store) is an earlier one."""
+        behind = []
+        for rank in range(self.world_size):
+            key = self.store_key("agreement", rank)
+            try:  # get() would wait for a key never set
+                last = self.store.get(key).decode() if self.store is not None and self.store.check([key]) else "0 none"
+            except Exception:  # the store went with the launcher: name none
+                break
+            number, last_call = last.split(" ", 1)
+            if rank != self.rank and int(number) < count:
+                behind.append(f"rank {rank} (its last agreement: {last_call})")
+        logger.warning("rank %d has waited %.0f s in %s for %s: every rank must make the same calls in the same "
+                       "order; a rank in a collective of its own (torch.distributed.barrier(), say) leaves this one "
+                       "waiting for the group's timeout", self.rank, ARRIVAL_WARN_S, call,
+                       ", ".join(behind) or "the other ranks")
+
     def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self.cpu_group)
+        """Every rank waits for the others here (an agreement: it raises against another call)."""
+        self.agree("TPGroup.barrier")
 
     def release(self) -> None:
         """Drop the process-group handles (engines keep this object after shutdown): a group is
