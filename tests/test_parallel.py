@@ -729,9 +729,11 @@ if case == "one-rank" and rank == 1:  # this rank's load fails; rank 0's load-ti
     LLM._load = staticmethod(failing_load)
 # rank 1 compiles (its warm-up step's all-reduces), rank 0 does not
 config = compileattn.CompileConfig(piece_compiler="eager", cudagraph_mode="none") if case == "settings-differ" and rank == 1 else None
+# rank 1's block tables would hold one block: rank 0's steps of longer sequences failed on it
+max_model_len = 16 if case == "max-model-len-differs" and rank == 1 else None
 try:
     compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=config, num_blocks=64,
-                    max_num_seqs=4, max_num_batched_tokens=16)
+                    max_num_seqs=4, max_num_batched_tokens=16, max_model_len=max_model_len)
     error = None
 except Exception as exc:
     error = f"{type(exc).__name__}: {exc}"
@@ -739,7 +741,7 @@ json.dump(error, open(f"{out}.{rank}.json", "w"))
 '''
 
 
-@pytest.mark.parametrize("case", ["one-rank", "every-rank", "settings-differ"])
+@pytest.mark.parametrize("case", ["one-rank", "every-rank", "settings-differ", "max-model-len-differs"])
 def test_an_llm_that_fails_to_build_on_one_rank_fails_on_every_rank(tmp_path, case):
     """A rank whose build fails (its checkpoint unreadable) would leave the others in the load-time
     probe's all-reduces until the group's timeout: it raises its own error and the others
@@ -747,10 +749,12 @@ def test_an_llm_that_fails_to_build_on_one_rank_fails_on_every_rank(tmp_path, ca
     ``UnsupportedModelError`` on every rank, as without tensor parallelism. Ranks built with
     different settings (one compiling, one not: the compile's warm-up step holds all-reduces the
     other rank never runs) are refused on every rank, naming the setting, before any collective
-    pairs up wrongly (it waited, or was left with "connection closed")."""
+    pairs up wrongly (it waited, or was left with "connection closed"); so are ranks given different
+    ``max_model_len`` (each rank's block tables hold that many tokens: rank 0 scheduled a longer
+    sequence than rank 1 could run, which ended the group at the first such step)."""
     import transformers
 
-    if case in ("one-rank", "settings-differ"):
+    if case in ("one-rank", "settings-differ", "max-model-len-differs"):
         model_dir = tiny_hf_llama(tmp_path / "model")
     else:
         model_dir = tmp_path / "model"
@@ -769,6 +773,10 @@ def test_an_llm_that_fails_to_build_on_one_rank_fails_on_every_rank(tmp_path, ca
         for error in errors:
             assert error.startswith("ValueError: tensor parallel LLM: the ranks' settings differ: compiled (rank 0: "
                                     "False; rank 1: True)"), errors
+    elif case == "max-model-len-differs":
+        for error in errors:
+            assert error.startswith("ValueError: tensor parallel LLM: the ranks' settings differ: max_model_len (rank "
+                                    "0: None; rank 1: 16)"), errors
     else:
         for error in errors:
             assert error.startswith("UnsupportedModelError: ") and "head_dim=16" in error, errors

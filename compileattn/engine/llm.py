@@ -167,7 +167,7 @@ class LLM:
                 compile_config = self._compile_config(compile_config, self.tp.device, attention_backend,
                                                       max_num_seqs, max_num_batched_tokens)
                 self._agree_on_build(self.tp, model, dtype, block_size, max_num_seqs, max_num_batched_tokens,
-                                     compile_config)
+                                     max_model_len, compile_config)
             self.model, self.tokenizer, hf_model = self._load(model, tokenizer, dtype, device, allow_pickle, self.tp)
             param = next(self.model.parameters())
             device, dtype = param.device, param.dtype
@@ -210,12 +210,15 @@ class LLM:
 
     @staticmethod
     def _agree_on_build(tp, model, dtype, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                        compile_config: CompileConfig | None) -> None:
+                        max_model_len: int | None, compile_config: CompileConfig | None) -> None:
         """Under tensor parallelism every rank must build with the settings that decide which
-        forwards it runs (the compile's warm-up step, one capture per size and kind) and how each
-        step is padded, or the build's and the steps' collectives pair up wrongly: a rank compiling
-        while another did not waited for ever in the warm-up's all-reduce, and capture sizes that
-        differ aborted a rank in gloo ("collective mismatch") with "connection reset" on the other.
+        forwards it runs (the compile's warm-up step, one capture per size and kind), how each
+        step is padded and which steps it can run (``max_model_len`` sizes each rank's block tables:
+        rank 0 schedules up to its own), or the build's and the steps' collectives pair up wrongly
+        or a step fails on one rank alone: a rank compiling while another did not waited for ever
+        in the warm-up's all-reduce, capture sizes that differ aborted a rank in gloo ("collective
+        mismatch") with "connection reset" on the other, and a rank with a shorter max_model_len
+        ended the group at rank 0's first longer sequence.
         One gather before the load's first collective; every rank raises a ValueError naming the
         settings that differ (the settings each rank may keep its own, such as a ``cache_dir``,
         are not compared)."""
@@ -223,7 +226,8 @@ class LLM:
             dtype = _dtype(dtype, tp.device)
         mode = None if compile_config is None else compile_config.resolved_cudagraph_mode(tp.device.type)
         mine = {"dtype": str(dtype), "block_size": block_size, "max_num_seqs": max_num_seqs,
-                "max_num_batched_tokens": max_num_batched_tokens, "compiled": compile_config is not None,
+                "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+                "compiled": compile_config is not None,
                 "compile_config.cudagraph_mode": mode,
                 "compile_config.capture_sizes": None if compile_config is None else compile_config.capture_sizes}
         settings = tp.agree("LLM(...)", mine)
