@@ -447,6 +447,29 @@ def test_a_value_the_key_cannot_describe_means_no_warm_start(tmp_path, caplog):
     assert not (tmp_path / "warm_start").exists() or not any((tmp_path / "warm_start").iterdir())
 
 
+def _shifted(scale, offset):
+    def shifted(x, shift=offset):
+        return x * scale + shift
+
+    return shifted
+
+
+def test_a_warm_start_reads_the_tensors_its_function_closes_over_and_defaults_to_now(tmp_path):
+    """The key describes a tensor by its shape: the loaded code ran with the saving process's
+    closure and defaults, pickled in the file (a later scale or shift, or an in-place update, was
+    not seen)."""
+    x = torch.ones(4, 3)
+    first = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(
+        _shifted(torch.full((3,), 2.0), torch.zeros(3)))
+    assert torch.equal(first(x), torch.full((4, 3), 2.0)) and first.compile_stats["path"] == "cold"
+    scale = torch.full((3,), 5.0)
+    second = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(_shifted(scale, torch.ones(3)))
+    assert torch.equal(second(x), torch.full((4, 3), 6.0))
+    assert second.compile_stats["path"] == "warm"
+    scale.fill_(7.0)
+    assert torch.equal(second(x), torch.full((4, 3), 8.0))
+
+
 def test_the_default_dtype_and_autocast_are_in_the_keys():
     from compileattn.compilation.cache import environment_key
 

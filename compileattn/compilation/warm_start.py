@@ -40,6 +40,7 @@ import re
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -261,6 +262,7 @@ def load(path: Path, fn: Callable, config: CompileConfig, what: str) -> Loaded |
             raise TypeError(f"holds {type(size_guards).__name__} where the size guards belong")
         with artifact.loading(config) as dispatchers:
             aot_fn = _torch_compat.aot_load(compiled, fn.__globals__)
+        function = _with_state_of(fn, _torch_compat.aot_function(aot_fn))
     except Exception as exc:  # noqa: BLE001 (another torch/GPU, a corrupt file: compile instead)
         log.warning("compileattn: warm-start cache %s unusable for %s (%s: %s); compiling", path, what,
                     type(exc).__name__, exc)
@@ -269,8 +271,20 @@ def load(path: Path, fn: Callable, config: CompileConfig, what: str) -> Loaded |
     if changed is not None:
         log.info("compileattn: source of %s changed since %s was saved; compiling %s", changed, path, what)
         return None
-    return Loaded(_torch_compat.aot_function(aot_fn), dispatchers, time.perf_counter() - start, import_wait,
-                  size_guards)
+    return Loaded(function, dispatchers, time.perf_counter() - start, import_wait, size_guards)
+
+
+def _with_state_of(fn: Callable, loaded: Callable) -> Callable:
+    """Dynamo's loaded code with ``fn``'s own closure cells and defaults: the file holds pickled
+    copies of the saving process's (the key describes a tensor among them by its shape only), and
+    the compiled code reads them at every call, as the cold compile reads the live ones."""
+    if loaded.__code__.co_freevars != fn.__code__.co_freevars:
+        raise TypeError(f"the saved code closes over {loaded.__code__.co_freevars}, {fn.__qualname__} over "
+                        f"{fn.__code__.co_freevars}")
+    function = types.FunctionType(loaded.__code__, loaded.__globals__, loaded.__name__, fn.__defaults__,
+                                  fn.__closure__)
+    function.__kwdefaults__ = fn.__kwdefaults__
+    return function
 
 
 def save(path: Path, aot_fn, size_guards: SizeGuards, what: str) -> float | None:
