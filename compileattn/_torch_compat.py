@@ -14,6 +14,7 @@ import importlib
 import io
 import inspect
 import sys
+import types
 from typing import Any, Callable
 
 import torch
@@ -32,6 +33,8 @@ PRIVATE_APIS = {
                                                      "serialize(), source_info()",
     "torch._dynamo.aot_compile_types.SerializableCallable": "base of what the backend returns, so aot_compile "
                                                             "can save it",
+    "torch._dynamo.guards._get_closure_vars": "the helpers Dynamo's guard names call, to read a value the "
+                                              "trace baked in again where the guard named it (warm start)",
     "torch._dynamo.utils": "the module of the helpers Dynamo's code calls around the graph (profiler markers, "
                            "call_size): a full-decode step may skip that code only if it calls nothing else",
     "torch.multiprocessing.reductions.StorageWeakRef": "which traced nodes share a storage (the hoist pass: "
@@ -128,20 +131,43 @@ class AotUnsupported(RuntimeError):
     """This torch cannot trace a function ahead of time (``torch.compile(...).aot_compile``)."""
 
 
-def aot_compile(fn, args: tuple, kwargs: dict, backend):
+#: Dynamo's guards on a plain value the trace read and baked in (a float attribute, a flag, a
+#: module global, a class attribute, a config's field however deep)
+_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
+
+
+def aot_compile(fn, args: tuple, kwargs: dict, backend, baked: list | None = None):
     """Dynamo's trace of ``fn(*args, **kwargs)`` handed to ``backend``, with every guard dropped
     (the caller checks arguments itself), returned as an ``AOTCompiledFunction``: nothing is
-    installed on ``fn``'s code object and ``fn`` is not run. ``aot_compile`` exists on the wrapper
+    installed on ``fn``'s code object and ``fn`` is not run. ``baked`` (emptied first) receives
+    (Dynamo's name of where it read the value, the value) of each value guard it dropped
+    (``_VALUE_GUARDS``; not code objects, which Dynamo compares by id): ``name`` evaluates with the
+    frame's locals and ``G``, the compiled code's globals. ``aot_compile`` exists on the wrapper
     only if ``enable_aot_compile`` is on when ``torch.compile`` wraps (2.11's default is off)."""
+    if baked is not None:
+        baked.clear()
+
+    def drop_all(entries) -> list[bool]:
+        if baked is not None:
+            baked.extend((e.name, e.value) for e in entries
+                         if e.guard_type in _VALUE_GUARDS and e.has_value and not isinstance(e.value, types.CodeType))
+        return [False] * len(entries)
+
     with resolve("torch._dynamo.config").patch(enable_aot_compile=True):
         compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend,
-                                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+                                 options={"guard_filter_fn": drop_all})
     if not hasattr(compiled, "aot_compile"):
         raise AotUnsupported(f"torch {torch.__version__}'s torch.compile has no aot_compile")
     aot_fn = compiled.aot_compile((args, kwargs))
     if not isinstance(aot_fn, resolve("torch._dynamo.aot_compile.AOTCompiledFunction")):
         raise AotUnsupported(f"torch {torch.__version__}'s aot_compile returned {type(aot_fn).__name__}")
     return aot_fn
+
+
+def guard_name_scope() -> dict[str, Any]:
+    """The helpers Dynamo's guard names call (``___odict_getitem``, ``___tuple_iterator_getitem``):
+    with ``G`` (the globals) and the frame's locals, a name evaluates to the value it guards."""
+    return dict(resolve("torch._dynamo.guards._get_closure_vars")())
 
 
 def aot_function(aot_fn):

@@ -470,6 +470,63 @@ def test_a_warm_start_reads_the_tensors_its_function_closes_over_and_defaults_to
     assert torch.equal(second(x), torch.full((4, 3), 8.0))
 
 
+_FACTOR = 2.0  # a module global a forward reads (a program may set it from its command line)
+
+
+class _Namespace:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+class _Private:
+    """A config keeping its value in a private field, read through a property."""
+
+    def __init__(self, factor):
+        self._factor = factor
+
+    @property
+    def factor(self):
+        return self._factor
+
+
+class _Baked(nn.Module):
+    """Reads each factor the way the key cannot see: a global, a class attribute, a field five
+    objects deep, a private field behind a property, a module in a plain list (not a submodule)."""
+
+    class_factor = 1.0
+
+    def __init__(self, deep=1.0, private=1.0, listed=1.0):
+        super().__init__()
+        self.config = _Namespace(a=_Namespace(b=_Namespace(c=_Namespace(d=_Namespace(factor=deep)))))
+        self.private = _Private(private)
+        self.helpers = [_Scale(listed)]
+
+    def forward(self, x):
+        x = x * _FACTOR * self.class_factor * self.config.a.b.c.d.factor * self.private.factor
+        return self.helpers[0](x)
+
+
+@pytest.mark.parametrize("where", ["global", "class_attribute", "deep_config", "private_field", "module_in_list"])
+def test_a_value_the_trace_baked_in_that_the_key_cannot_see_is_checked_on_loading(tmp_path, monkeypatch, where):
+    """The key describes what it reaches before tracing, four levels deep: a process that set such
+    a value otherwise loaded this one's compile and returned its answer. Dynamo's constant guards
+    on what the trace read are saved and compared once, on loading."""
+    arguments = {"deep_config": "deep", "private_field": "private", "module_in_list": "listed"}
+
+    def run(value):
+        if where == "global":
+            monkeypatch.setattr(sys.modules[__name__], "_FACTOR", value)
+        elif where == "class_attribute":
+            monkeypatch.setattr(_Baked, "class_factor", value)
+        model = _Baked(**({arguments[where]: value} if where in arguments else {}))
+        f = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(lambda m, x: m(x))
+        out = f(model, torch.ones(4, 3))
+        assert torch.equal(out, model(torch.ones(4, 3))), where
+        return f.compile_stats["path"]
+
+    assert [run(2.0), run(2.0), run(3.0)] == ["cold", "warm", "cold"]
+
+
 def test_the_default_dtype_and_autocast_are_in_the_keys():
     from compileattn.compilation.cache import environment_key
 

@@ -315,7 +315,7 @@ class _Site:
             except NotADirectoryError as exc:  # a file where warm_start/ belongs: compile, save nothing
                 log.warning("compileattn: %s: no warm start (%s)", what, exc)
                 path = None
-            loaded = warm_start.load(path, fn, config, what) if path is not None else None
+            loaded = warm_start.load(path, fn, config, what, full_args, kwargs) if path is not None else None
             if loaded is not None:
                 checker.assume_sizes(loaded.size_guards)
                 try:  # the key leaves the dynamic sizes out: the saved compile may assume others
@@ -354,8 +354,9 @@ class _Site:
         if reason is None:
             timed = _TimedBackend(backend, wrap=True)
             import_wait = warm_start.wait_for_inductor()
+            baked: list = []
             try:
-                aot_fn, traced_regions = self._trace_ahead(fn, config, what, full_args, kwargs, timed)
+                aot_fn, traced_regions = self._trace_ahead(fn, config, what, full_args, kwargs, timed, baked)
             except Exception as exc:
                 for d in timed.dispatchers():
                     d.abandon_static_compiles()  # its compile is discarded
@@ -369,8 +370,10 @@ class _Site:
                 stats["import_wait_s"] = import_wait
                 stats["regions"] = traced_regions
                 self.runtimes = timed.dispatchers()
-                save = ((lambda: warm_start.save(path, aot_fn, size_guards, what))
-                        if path is not None and self.runtimes else None)
+                values = (warm_start.baked_values(baked, aot_fn, fn, full_args, kwargs, what)
+                          if path is not None and self.runtimes else None)
+                save = ((lambda: warm_start.save(path, aot_fn, size_guards, values, what))
+                        if values is not None else None)
                 late = [d for d in self.runtimes if d.pending_static_compiles()]
                 if late:
                     stats["static_pending"] = sum(d.pending_static_compiles() for d in late)
@@ -385,19 +388,23 @@ class _Site:
         return self._compile_frame(fn, backend, checker, dynamic, start, what, full_args, kwargs)
 
     def _trace_ahead(self, fn: Callable, config: CompileConfig, what: str, full_args: tuple, kwargs: dict,
-                     timed: "_TimedBackend"):
+                     timed: "_TimedBackend", baked: list):
         """``aot_compile`` with the module's decoder layers traced once (``regions.py``; only for
         the default backend, which flattens them again) -> (AOTCompiledFunction, what regions did).
         A trace that fails because of its regions (``regions.region_failure``: more layer variants
         than torch keeps, a layer Dynamo cannot capture as a region, a graph the backend cannot
-        flatten) is traced again flat; any other error is raised after the one trace."""
+        flatten) is traced again flat; any other error is raised after the one trace. ``baked``
+        receives the value guards of the trace returned (``_torch_compat.aot_compile``)."""
+        def trace():
+            return _torch_compat.aot_compile(fn, full_args, kwargs, timed, baked)
+
         if not config.trace_layers_once:
-            return _torch_compat.aot_compile(fn, full_args, kwargs, timed), "off: config.trace_layers_once is False"
+            return trace(), "off: config.trace_layers_once is False"
         if self.owner._backend is not None:
-            return _torch_compat.aot_compile(fn, full_args, kwargs, timed), "off: not the compileattn backend"
+            return trace(), "off: not the compileattn backend"
         with regions.layers_as_regions(full_args[0] if self.bound else None) as state:
             try:
-                return _torch_compat.aot_compile(fn, full_args, kwargs, timed), state
+                return trace(), state
             except Exception as exc:
                 culprit = regions.region_failure(exc) if state.startswith("on") else None
                 if culprit is None:
@@ -405,7 +412,7 @@ class _Site:
                 why = _first_line(culprit)
         log.info("compileattn: tracing %s with its layers as regions failed (%s); tracing it flat", what, why)
         timed.failed = False
-        return _torch_compat.aot_compile(fn, full_args, kwargs, timed), f"off: {why}"
+        return trace(), f"off: {why}"
 
     @staticmethod
     def _compile_stats(timed: _TimedBackend, path: str) -> dict[str, Any]:

@@ -16,10 +16,12 @@ arguments, the model's structure, environment). What the key cannot know in adva
 source files Dynamo reads: the file stores every traced module's source, and a loaded entry whose
 sources differ from the current files is not used (``_sources_unchanged``, as vLLM does).
 
-Limits (as for any compile that skips guards): Python globals and non-parameter state the forward
-reads are frozen at the first call *of the process that wrote the file*; the fingerprint catches
-plain attributes of the model's modules (ints, floats, strings, dataclass configs, tensor shapes),
-not values computed at run time elsewhere.
+The plain values the trace read and baked in (Dynamo's constant guards, which the decorator
+skips: a module global, a class attribute, a config's field however deep) are saved with where
+they were read, and a loaded entry whose first call reads any of them otherwise is not used
+(``BakedValues``): the key cannot reach them all before tracing. Not compared: what Dynamo
+compares by identity (which function or code object a hook or attribute holds: the key describes
+those it reaches).
 
 Only the default backend is saved (``backend=None``: compileattn's, with the decorator's config):
 the key cannot describe another backend. Anything that fails here (an unpicklable global, a
@@ -27,6 +29,7 @@ closure holding a module, a file from another GPU or torch) falls back to compil
 """
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import enum
 import functools
@@ -55,7 +58,7 @@ from .size_guards import SizeGuards
 log = logging.getLogger("compileattn")
 
 #: Bumped when what is saved changes meaning.
-FORMAT = 4
+FORMAT = 5
 
 #: Values whose repr is their value, the same in every process.
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), torch.dtype, torch.device,
@@ -237,6 +240,97 @@ def _sources_unchanged(aot_fn) -> str | None:
     return None
 
 
+#: How Dynamo names a value it read from one of compileattn's own modules: compileattn's state
+#: (a registration counter, a flag set while tracing), which its source digest keys, not the program's.
+_OWN_STATE = ("G['__import_compileattn_dot_", "G['__import_compileattn']")
+
+
+class Unrecheckable(ValueError):
+    """A value the trace baked in cannot be read again from a later first call: no warm start."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BakedValues:
+    """The plain values Dynamo's trace read and baked into the compiled code (a float attribute,
+    a flag, a module global, a class attribute, a config's field however deep, a private field
+    behind a property), each with Dynamo's name of where it read it (``m.cfg.rope.theta``,
+    ``G['EPS']``, ``dict(type(self).__dict__)['k']``): the guards Dynamo would check on every
+    call, which the decorator skips. The key describes what it can reach before tracing; these are
+    what the trace actually read, and a warm start compares each with the first call's frame
+    once (``first_difference``), so a value the key cannot see (changed at run time, deeper than
+    the key describes, behind a property) compiles instead of running another's code."""
+
+    entries: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def recorded(cls, entries: list[tuple[str, Any]], scope: dict, f_locals: dict) -> "BakedValues":
+        """From the value guards ``aot_compile`` dropped, read again in the frame of the cold
+        compile's first call, after the trace, as a later first call will read them (not those of
+        compileattn's own state, ``_OWN_STATE``). One that reads otherwise now, or no longer reads
+        (an index or attribute gone), is state compileattn set for the trace alone
+        (``layer_ids.tracing_regions``; a Hugging Face attention class's forward put back,
+        ``hf/kernel_wrappers.py``), set alike in every trace: not kept. Raises ``Unrecheckable``
+        for a name no later process could evaluate or a value it could not compare: a warm start
+        would be served unchecked against it."""
+        names = {**_torch_compat.guard_name_scope(), "G": scope, "__builtins__": builtins}
+        kept: dict[str, Any] = {}
+        for name, value in entries:
+            if name.startswith(_OWN_STATE):
+                continue
+            if not _comparable(value):
+                raise Unrecheckable(f"{name} holds a {type(value).__qualname__}, not compared across processes")
+            try:
+                now = eval(name, names, f_locals)  # noqa: S307 (Dynamo's source names: attribute and item reads)
+            except (NameError, SyntaxError) as exc:
+                raise Unrecheckable(f"{name} cannot be evaluated ({type(exc).__name__}: {exc})") from None
+            except Exception:  # noqa: BLE001 (the trace's own state, gone after it)
+                continue
+            if _same(now, value):
+                kept[name] = value
+        return cls(tuple(kept.items()))
+
+    def first_difference(self, scope: dict, f_locals: dict) -> str | None:
+        """None if every value reads the same in the frame of ``f_locals`` (``G``: ``scope``, the
+        compiled code's globals), else the first that does not, as text."""
+        names = {**_torch_compat.guard_name_scope(), "G": scope, "__builtins__": builtins}
+        for name, value in self.entries:
+            try:
+                now = eval(name, names, f_locals)  # noqa: S307 (Dynamo's source names: attribute and item reads)
+            except Exception as exc:  # noqa: BLE001 (gone, or not readable so: not the same)
+                return f"{name} cannot be read ({type(exc).__name__}: {exc})"
+            if not _same(now, value):
+                return f"{name} is {now!r}, was {value!r}"
+        return None
+
+
+def baked_values(entries: list[tuple[str, Any]], aot_fn, fn: Callable, args: tuple, kwargs: dict,
+                 what: str) -> BakedValues | None:
+    """The values a cold compile of ``fn(*args, **kwargs)`` baked in (``entries``: its dropped value
+    guards), to save with it; None (logged) where a later process could not check them: no save."""
+    try:
+        return BakedValues.recorded(entries, _torch_compat.aot_function(aot_fn).__globals__,
+                                    frame_locals(fn, args, kwargs))
+    except Unrecheckable as exc:
+        log.info("compileattn: %s compiled but not saved for a warm start: a value its trace baked in could not be "
+                 "checked in a later process (%s)", what, exc)
+        return None
+
+
+def _same(now: Any, value: Any) -> bool:
+    if type(now) is not type(value):
+        return False
+    if isinstance(value, (tuple, list)):
+        return len(now) == len(value) and all(_same(a, b) for a, b in zip(now, value))
+    return bool(now == value) or (isinstance(value, float) and now != now and value != value)  # NaN
+
+
+def _comparable(value: Any) -> bool:
+    """A value that compares by value in any process (its type is part of the comparison)."""
+    if isinstance(value, (tuple, list, frozenset, set)):
+        return all(_comparable(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
 @dataclasses.dataclass
 class Loaded:
     function: Callable[..., Any]
@@ -248,8 +342,9 @@ class Loaded:
     size_guards: SizeGuards
 
 
-def load(path: Path, fn: Callable, config: CompileConfig, what: str) -> Loaded | None:
-    """The saved compile at ``path``, or None (missing, unusable or stale: logged) to compile."""
+def load(path: Path, fn: Callable, config: CompileConfig, what: str, args: tuple, kwargs: dict) -> Loaded | None:
+    """The saved compile at ``path`` for the first call ``fn(*args, **kwargs)``, or None (missing,
+    unusable or stale: logged) to compile."""
     from . import artifact
 
     if not path.exists():
@@ -257,9 +352,10 @@ def load(path: Path, fn: Callable, config: CompileConfig, what: str) -> Loaded |
     start = time.perf_counter()
     import_wait = wait_for_inductor()
     try:
-        compiled, size_guards = pickle.loads(path.read_bytes())
-        if not isinstance(size_guards, SizeGuards):
-            raise TypeError(f"holds {type(size_guards).__name__} where the size guards belong")
+        compiled, size_guards, baked = pickle.loads(path.read_bytes())
+        if not isinstance(size_guards, SizeGuards) or not isinstance(baked, BakedValues):
+            raise TypeError(f"holds {type(size_guards).__name__}, {type(baked).__name__} where the size guards "
+                            f"and baked values belong")
         with artifact.loading(config) as dispatchers:
             aot_fn = _torch_compat.aot_load(compiled, fn.__globals__)
         function = _with_state_of(fn, _torch_compat.aot_function(aot_fn))
@@ -270,6 +366,10 @@ def load(path: Path, fn: Callable, config: CompileConfig, what: str) -> Loaded |
     changed = _sources_unchanged(aot_fn)
     if changed is not None:
         log.info("compileattn: source of %s changed since %s was saved; compiling %s", changed, path, what)
+        return None
+    differs = baked.first_difference(function.__globals__, frame_locals(fn, args, kwargs))
+    if differs is not None:
+        log.info("compileattn: %s: a value its trace baked in differs from %s's (%s); compiling", what, path, differs)
         return None
     return Loaded(function, dispatchers, time.perf_counter() - start, import_wait, size_guards)
 
@@ -287,12 +387,24 @@ def _with_state_of(fn: Callable, loaded: Callable) -> Callable:
     return function
 
 
-def save(path: Path, aot_fn, size_guards: SizeGuards, what: str) -> float | None:
-    """Write the compile, and what it assumed of the dynamic sizes, to ``path``; seconds taken, or
-    None when it cannot be saved (logged)."""
+def frame_locals(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The locals ``fn``'s frame starts with for this call, as Dynamo's guards name them: the
+    arguments (defaults applied) and the closure variables."""
+    names = fn.__code__.co_freevars
+    f_locals = {name: cell.cell_contents for name, cell in zip(names, fn.__closure__ or ())
+                if argcheck.cell_filled(cell)}
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    f_locals.update(bound.arguments)
+    return f_locals
+
+
+def save(path: Path, aot_fn, size_guards: SizeGuards, baked: "BakedValues", what: str) -> float | None:
+    """Write the compile, what it assumed of the dynamic sizes and the values it baked in to
+    ``path``; seconds taken, or None when it cannot be saved (logged)."""
     start = time.perf_counter()
     try:
-        data = pickle.dumps((_torch_compat.aot_serialize(aot_fn), size_guards))
+        data = pickle.dumps((_torch_compat.aot_serialize(aot_fn), size_guards, baked))
     except Exception as exc:  # noqa: BLE001 (closure holding a module, unpicklable global, aot_eager pieces)
         log.info("compileattn: %s compiled but cannot be saved for a warm start (%s: %s)", what,
                  type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
