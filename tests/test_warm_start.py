@@ -527,6 +527,37 @@ def test_a_value_the_trace_baked_in_that_the_key_cannot_see_is_checked_on_loadin
     assert [run(2.0), run(2.0), run(3.0)] == ["cold", "warm", "cold"]
 
 
+def _activation(doubling):
+    return (lambda x: x * 2) if doubling else (lambda x: x * 3)
+
+
+def _doubled_output(module, inputs, output):
+    return output * 2
+
+
+def _tripled_output(module, inputs, output):
+    return output * 3
+
+
+def test_which_code_a_function_holds_and_the_global_forward_hooks_are_in_the_key(tmp_path):
+    """Two lambdas on one line share their name and line (Dynamo compares which one by identity,
+    the source check sees one file); a hook for every module (``register_module_forward_hook``)
+    is traced into the call: either way another process loaded this one's compile."""
+    for doubling, factor in ((True, 2.0), (False, 3.0)):
+        model = _Scale(1.0)
+        model.act = _activation(doubling)
+        f = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(lambda m, x: m.act(m(x)))
+        assert torch.equal(f(model, torch.ones(4)), torch.full((4,), factor)) and f.compile_stats["path"] == "cold"
+    for hook, factor in ((_doubled_output, 2.0), (_tripled_output, 3.0)):
+        handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        try:
+            f = ca.compile(dynamic_arg_dims={"x": 0}, config=_eager_pieces(tmp_path))(lambda m, x: m(x))
+            assert torch.equal(f(_Scale(1.0), torch.ones(4)), torch.full((4,), factor))
+            assert f.compile_stats["path"] == "cold"
+        finally:
+            handle.remove()
+
+
 def test_the_default_dtype_and_autocast_are_in_the_keys():
     from compileattn.compilation.cache import environment_key
 

@@ -115,7 +115,7 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
         owner = getattr(value, "__self__", None)
         bound = f" of {_fingerprint(owner, depth - 1)}" if owner is not None else ""
         return (f"fn {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}@{code.co_firstlineno}"
-                f"[{', '.join(cells)}]{_fingerprint(defaults, depth - 1)}{bound}")
+                f":{_code_digest(code)}[{', '.join(cells)}]{_fingerprint(defaults, depth - 1)}{bound}")
     if dataclasses.is_dataclass(value):
         fields = (f"{f.name}={_fingerprint(getattr(value, f.name), depth - 1)}" for f in dataclasses.fields(value))
         return f"{name}({', '.join(fields)})"
@@ -141,9 +141,39 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
                         f"one's compile)")
 
 
+def _code_digest(code: types.CodeType) -> str:
+    """What a function's code does: two lambdas on one line share their name and line, and which
+    one a model holds is compared by identity only (the source check sees one file)."""
+    h = hashlib.sha256()
+    todo = [code]
+    while todo:
+        c = todo.pop()
+        h.update(c.co_code)
+        h.update(repr(c.co_names).encode())
+        for k in c.co_consts:
+            if isinstance(k, types.CodeType):
+                todo.append(k)
+            else:  # a frozenset's order follows the per-process string hash
+                h.update(repr(sorted(map(repr, k)) if isinstance(k, frozenset) else k).encode())
+    return h.hexdigest()[:12]
+
+
 def _slots_of(cls: type) -> tuple[str, ...]:
     slots = getattr(cls, "__slots__", ())
     return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+#: torch's forward hooks for every module (``register_module_forward_hook``): traced into each call
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_with_kwargs",
+                 "_global_forward_hooks_always_called")
+
+
+def global_hooks_fingerprint() -> Iterable[str]:
+    """Which global forward hooks are registered (the functions, as a module's own hooks are)."""
+    for name in _GLOBAL_HOOKS:
+        registered = getattr(torch.nn.modules.module, name, None)
+        if registered:
+            yield f"{name}=[{', '.join(_fingerprint(h) for h in registered.values())}]"
 
 
 def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
@@ -196,6 +226,7 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
                      if not isinstance(leaf, (torch.nn.Module, torch.Tensor)))
     for module in argcheck.modules_in(values):
         parts.extend(module_fingerprint(module))
+    parts.extend(global_hooks_fingerprint())
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
