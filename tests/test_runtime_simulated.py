@@ -144,3 +144,27 @@ def test_a_parameter_replaced_after_capture_is_captured_again(simulated_graphs, 
         for seqs in (mixed, decode, mixed):
             step(seqs)
     assert len(backend.built) == 1  # not a recompile: the graphs of the one dispatcher were captured again
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_a_second_instance_of_the_model_class_is_not_answered_from_the_first_ones_graphs(simulated_graphs, mode):
+    """Dynamo serves every instance of a module class from one graph (its parameters are graph
+    inputs), so two models compiled apart share one dispatcher: the second, made before the first
+    captured (no registration since), must not replay graphs that read the first one's weights.
+    OPT has no buffers, whose per-step comparison would have refused the second instead."""
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    first, second = (OPTForCausalLM(OPTConfig.tiny(), seed=seed) for seed in (0, 1))
+    caches = ca.allocate_kv_caches(first.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=16)
+    make_inputs = _mark(PersistentInputs(first.config.vocab_size, MAX_TOKENS, mark_dynamic=False))
+    options = dict(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, piece_compiler="eager")
+    compiled = [torch.compile(m, backend="compileattn", fullgraph=True, options=options) for m in (first, second)]
+    decode = [ca.SequenceStep(1, 10 + i, [i]) for i in range(4)]
+    mixed = [ca.SequenceStep(1, 10, [0]), ca.SequenceStep(3, 0, [1])]
+    # one graph, one dispatcher (what makes this case); each switch of model captures again
+    with ca.counters.expect(dynamo_graphs=1, parameter_recaptures=2):
+        for model, fn in ((first, compiled[0]), (first, compiled[0]), (second, compiled[1]), (first, compiled[0])):
+            for seqs in (decode, mixed):
+                assert_matches_eager(model, fn, builder, caches, seqs, make_inputs, pad_to=4)

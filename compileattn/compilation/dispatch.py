@@ -37,15 +37,18 @@ positions, buffers: a few per step, ~0.1 µs each) with where they were when the
 captured, and raises ``CudaGraphAddressError`` for a moved one, which every replay would otherwise
 read stale. Parameters are too many to compare every step (~21 µs for a Llama's 291, probe S18-4):
 a graph step compares ``module_watch.generation``, bumped by every parameter, buffer or submodule
-registration in the process, with the one it last checked, and only when that changed compares
-every parameter with its address at capture. A replaced parameter (``module.weight =
+registration in the process, with the one it last checked, and the addresses of the first and last
+parameter inputs with theirs (another instance of the model's class, which Dynamo serves from this
+same graph, registered nothing since the capture), and only when one changed compares every
+parameter with its address at capture. A replaced parameter (``module.weight =
 nn.Parameter(w)``, ``load_state_dict(..., assign=True)``, a new submodule) drops every CUDA graph,
 and each size's next step captures them again from the current tensors (a buffer replaced with it
 is then served too); a buffer replaced alone raises ``CudaGraphAddressError``, as a moved token-id
 input does (with ``check_input_addresses``, the default). Updating a parameter in place is served as
-it is. ``param.data = other`` and ``module.to(...)`` register nothing: the decorator sees them where
-they move a model's first or last parameter (``model_tensors.py``: a conversion of the whole model
-raises there, moved tensors of the same layout bump the generation as a registration does).
+it is. ``param.data = other`` and ``module.to(...)`` register nothing: a graph step sees them where
+they move the first or last parameter input, and the decorator where they move a model's first or
+last parameter (``model_tensors.py``: a conversion of the whole model raises there, moved tensors of
+the same layout bump the generation as a registration does).
 """
 from __future__ import annotations
 
@@ -124,6 +127,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self._parameters_at: tuple[tuple[int, int], ...] = ()
         #: ``module_watch.generation`` when the parameters were last compared (None: no graph step yet)
         self._watched_generation: int | None = None
+        #: (position, address) of the first and last parameter graph input at that comparison:
+        #: compared every graph step (``_parameters_moved``)
+        self._watched_parameters: tuple[tuple[int, int], ...] = ()
         #: size -> ``module_watch.generation`` at this size's last full-graph step through the
         #: ordinary path, which compared that size's graph inputs, buffers too: a direct replay
         #: (``full_replay_entry``) needs the current one. The dispatcher-wide generation is not
@@ -162,8 +168,8 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                     f"in place (buffer.copy_(new)).")
 
     def _recheck_after_registrations(self, size: int, full: bool, args, generation: int) -> None:
-        """A module registered a parameter, buffer or submodule since the last graph step (or this
-        is the first one): compare every parameter input with its address at capture, and drop
+        """A module registered a parameter, buffer or submodule since the last graph step, or the
+        first or last parameter input moved (``_parameters_moved``), or this is the first one: compare every parameter input with its address at capture, and drop
         every graph if one was replaced (module docstring). ``generation`` counts as checked only
         once the step's other inputs passed too: a buffer replaced alone keeps every graph step
         here, raising, and off ``replay.FullStepShortcut``, which does not compare buffers."""
@@ -181,8 +187,20 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                             self._input_names[moved[0]], f" (and {len(moved) - 1} more)" if len(moved) > 1 else "")
                 self._drop_graphs(self.capture_sizes)
         self._parameters_at = now
+        self._watched_parameters = (now[0], now[-1]) if now else ()
         self._check_addresses(size, full, args)
         self._watched_generation = generation
+
+    def _parameters_moved(self, args) -> bool:
+        """Whether the first or last parameter graph input is not where it was at the last
+        comparison: another instance of the model's class, which Dynamo serves from this same
+        graph (its parameters are graph inputs, and guards do not compare modules by identity),
+        whose parameters were all made before the graphs were captured, so no registration tells
+        (two data_ptr reads a graph step)."""
+        for i, address in self._watched_parameters:
+            if args[i].data_ptr() != address:
+                return True
+        return False
 
     # -- saving (torch.compile(...).aot_compile calls these) -----------------------------------
 
@@ -309,7 +327,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             full = (self.mode == "full_and_piecewise" and ctx is not None and ctx.metadata.is_uniform_decode
                     and ctx.table.capturable)
             generation = module_watch.generation
-            if generation != self._watched_generation:
+            if generation != self._watched_generation or self._parameters_moved(args):
                 self._recheck_after_registrations(size, full, args, generation)
             else:
                 self._check_addresses(size, full, args)

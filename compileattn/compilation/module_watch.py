@@ -8,7 +8,8 @@ parameters even through torch's C++ helper (``torch._C._tensors_data_ptrs_at_ind
 ~72 ns a tensor, H200 host, probe S18-4). Instead, torch's global module registration hooks bump
 ``generation`` whenever any module registers a parameter, buffer or submodule; a graph step
 compares one integer with the generation it last checked and compares addresses only when it
-moved (``dispatch.StepDispatcher``).
+moved, or when the first or last parameter input did (another instance of the model's class,
+served from the same graph: ``dispatch.StepDispatcher``).
 
 ``module.to(...)``, ``.half()``, ``.cuda()`` and the like register nothing: they assign each
 parameter's ``.data`` (or, with ``torch.__future__``'s conversion flags, swap tensors or write
