@@ -37,6 +37,20 @@ def test_different_computation_shape_or_dtype_does_not_share():
     assert piece_signature(_trace(a), [a_.half() for a_ in args], 1) != base
 
 
+def test_inputs_on_another_gpu_do_not_share():
+    """Inductor's code names the device index it was compiled for (``torch.cuda._DeviceGuard(0)``,
+    its buffers allocated there): a piece on cuda:1 (another rank sharing the cache_dir, or the
+    second GPU of a model split over two) must not run code compiled for cuda:0."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def a(w, x):
+        return torch.relu(x @ w) + 1
+
+    with FakeTensorMode():  # no GPU needed: fake tensors carry the device
+        on = {i: [torch.empty(4, 4, device=f"cuda:{i}"), torch.empty(2, 4, device=f"cuda:{i}")] for i in (0, 1)}
+    assert piece_signature(_trace(a), on[0], 0) != piece_signature(_trace(a), on[1], 1)
+
+
 def test_lambdas_closures_and_state_never_share():
     def make(k):
         def scale(x):

@@ -20,8 +20,9 @@ Two things make identical pieces print differently, and are taken out:
   CUDA-graph capture that lookup runs at capture time, once per piece and size, so each captured
   graph holds its own layer's cache addresses.
 
-Two pieces share only if, after that, their canonical code and every input's dtype, device,
-symbolic shape, stride and storage offset match: the compiled code specialises on all of those.
+Two pieces share only if, after that, their canonical code and every input's dtype, device (its
+index too: Inductor's code sets and allocates on the GPU it was compiled for), symbolic shape,
+stride and storage offset match: the compiled code specialises on all of those.
 A piece that text cannot identify shares with no other: one that reads module state
 (``get_attr``), holds a tensor constant in an argument (its repr can be truncated), or calls a
 lambda or closure (one qualified name for different code). The signature of such a piece is its
@@ -98,7 +99,7 @@ def canonical_code(gm: torch.fx.GraphModule) -> str | None:
 
 def _describe(arg: Any) -> str:
     if isinstance(arg, torch.Tensor):
-        return (f"T({arg.dtype},{arg.device.type},{[str(s) for s in arg.shape]},{[str(s) for s in arg.stride()]},"
+        return (f"T({arg.dtype},{arg.device},{[str(s) for s in arg.shape]},{[str(s) for s in arg.stride()]},"
                 f"{arg.storage_offset()},{arg.requires_grad})")
     if isinstance(arg, torch.SymInt):
         return f"S({_torch_compat.symbol_of(arg)})"
