@@ -168,3 +168,29 @@ def test_a_second_instance_of_the_model_class_is_not_answered_from_the_first_one
         for model, fn in ((first, compiled[0]), (first, compiled[0]), (second, compiled[1]), (first, compiled[0])):
             for seqs in (decode, mixed):
                 assert_matches_eager(model, fn, builder, caches, seqs, make_inputs, pad_to=4)
+
+
+def test_a_weight_sync_assigning_every_parameters_data_is_captured_again(simulated_graphs):
+    """``p.data = new`` for every parameter registers nothing, and a graph reads the old memory
+    (the simulated graph too: it keeps aliases of the captured memory); the first and last
+    parameter inputs moved, so the next graph step captures again."""
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(OPTConfig.tiny(), seed=0)
+    caches = ca.allocate_kv_caches(model.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=16)
+    make_inputs = _mark(PersistentInputs(model.config.vocab_size, MAX_TOKENS, mark_dynamic=False))
+    compiled = torch.compile(model, backend="compileattn", fullgraph=True,
+                             options=dict(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=SIZES,
+                                          piece_compiler="eager"))
+    decode = [ca.SequenceStep(1, 10 + i, [i]) for i in range(4)]
+    mixed = [ca.SequenceStep(1, 10, [0]), ca.SequenceStep(3, 0, [1])]
+    for seqs in (decode, mixed, decode, mixed):
+        assert_matches_eager(model, compiled, builder, caches, seqs, make_inputs, pad_to=4)
+    generator = torch.Generator().manual_seed(3)
+    for p in model.parameters():
+        p.data = p.data + 0.05 * torch.randn(p.shape, generator=generator)
+    with ca.counters.expect(parameter_recaptures=1):
+        for seqs in (decode, mixed, decode, mixed):
+            assert_matches_eager(model, compiled, builder, caches, seqs, make_inputs, pad_to=4)

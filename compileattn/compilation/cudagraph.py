@@ -125,10 +125,14 @@ class SimulatedGraph:
     """Stands in for ``torch.cuda.CUDAGraph`` where there is no GPU: a replay re-runs the captured
     callable on the captured arguments and copies the results into the tensors the capture
     returned, so a replay hands back the same tensor objects with fresh values, as a real graph does.
+    The arguments are kept as aliases of the memory they had at capture (``detach``), which a real
+    graph reads: a tensor object given other storage since (``param.data = other``) is replayed
+    from its old memory, not from the new one the tensor object now shows.
     """
 
     def __init__(self, fn: Callable[..., Any], args: Sequence[Any], outputs):
-        self.fn, self.args, self.outputs = fn, list(args), outputs
+        self.fn, self.outputs = fn, outputs
+        self.args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
 
     def replay(self) -> None:
         fresh = self.fn(*self.args)
