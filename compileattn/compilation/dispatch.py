@@ -169,7 +169,8 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
 
     def _recheck_after_registrations(self, size: int, full: bool, args, generation: int) -> None:
         """A module registered a parameter, buffer or submodule since the last graph step, or the
-        first or last parameter input moved (``_parameters_moved``), or this is the first one: compare every parameter input with its address at capture, and drop
+        first or last parameter input moved (``_parameters_moved``), or this is the first one:
+        compare every parameter input with its address at capture, and drop
         every graph if one was replaced (module docstring). ``generation`` counts as checked only
         once the step's other inputs passed too: a buffer replaced alone keeps every graph step
         here, raising, and off ``replay.FullStepShortcut``, which does not compare buffers."""
