@@ -55,3 +55,12 @@ def test_second_process_hits_and_config_change_misses(tmp_path):
     changed = _run(tmp_path, hoist_shape_logic=False)
     assert (changed["cache_misses"], changed["cache_hits"], changed["backend_compiles"]) == (pieces, 0, pieces)
     assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
+
+
+@pytest.mark.slow
+def test_a_piece_torch_cannot_serialize_costs_the_save_not_the_compile(tmp_path):
+    """Inductor's ``freezing`` artifacts raise ``TypeError: 'NoneType' object is not callable`` when
+    serialized: with a cache dir the whole compile failed (BackendCompilerFailed)."""
+    run = _run(tmp_path, inductor_options={"freezing": True})
+    assert (run["backend_compiles"], run["cache_hits"]) == (3, 0)
+    assert run["max_err"] < 1e-4

@@ -294,7 +294,15 @@ class CompileCache:
             return None
 
     def save(self, signature: str, artifact: Any, size: int | None = None, guards: tuple = ()) -> None:
-        self.save_bytes(signature, _torch_compat.artifact_bytes(artifact), size, guards)
+        """Save a compiled piece; one torch cannot serialize costs the save, logged, not the compile
+        (Inductor's ``freezing`` artifacts raised ``TypeError: 'NoneType' object is not callable``)."""
+        try:
+            data = _torch_compat.artifact_bytes(artifact)
+        except Exception as exc:  # noqa: BLE001 (whatever torch's serializer raises: the piece still runs)
+            logger.warning("compile cache: piece %s compiled but not saved (%s: %s)", signature[:16],
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return
+        self.save_bytes(signature, data, size, guards)
 
     def _usable(self, otherwise: str) -> bool:
         """The directory passes ``secure_dir``; a file in its place costs the cache, not the call
