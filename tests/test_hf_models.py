@@ -97,8 +97,8 @@ def test_compiled_greedy_equals_hf_generate(family, piece_compiler, mode, checkp
 def test_windows_and_softcaps_reach_the_kernel(checkpoint, monkeypatch):
     """The token tests can fail: the same Gemma-2 checkpoint with transformers' window taken as
     compileattn's (one key too many) or without the attention softcap generates other tokens. The
-    wrong window is refused at load, where the probe compares it with the model's mask; with that
-    check off, it is served and generates other tokens."""
+    wrong window is refused at load, where the probe compares it with the model's mask and then with
+    transformers' cache; with those checks off, it is served and generates other tokens."""
     import compileattn.hf.attention as hf_attention
     import compileattn.hf.model as hf_model
 
@@ -115,6 +115,10 @@ def test_windows_and_softcaps_reach_the_kernel(checkpoint, monkeypatch):
             with pytest.raises(UnsupportedModelError, match=r"window_left=6\): at query position 6 the mask hides"):
                 ca.LLM(str(directory), compile_config=None, **ENGINE)
             monkeypatch.setattr(hf_model, "_check_mask", lambda *args: None)
+            with pytest.raises(UnsupportedModelError, match=r"cache for this config is a sliding window of 6 keys "
+                                                            r"while .*\(causal, window_left=6\)"):
+                ca.LLM(str(directory), compile_config=None, **ENGINE)
+            monkeypatch.setattr(hf_model, "_check_cache_windows", lambda *args: None)
         llm = ca.LLM(str(directory), compile_config=None, **ENGINE)
         outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
         monkeypatch.undo()

@@ -46,12 +46,24 @@ def build(config):
     (T.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                   decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, is_encoder_decoder=False),
      r"BartForCausalLM does not place tokens by position_ids: model\.decoder\.layers\.0\.self_attn's query"),
+    # A window in transformers' cache only (config.sliding_window, no layer_types), not in the
+    # attention call or the mask: its generate() attended the last 6 keys in decode steps and every
+    # key in prefill; served, it attended every key throughout (other tokens than its generate())
+    (T.MoshiConfig(sliding_window=6, **TINY),
+     r"model\.layers\.0\.self_attn: transformers' cache for this config is a sliding window of 6 keys .*"
+     r"window_left=-1\): the model's own generate\(\) applies that window in decode steps only"),
 ], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5",
         "window-in-mask-only-qwen2-moe", "window-in-mask-only-phimoe", "mla-value-head-dim",
-        "positions-not-from-position-ids-bart"])
+        "positions-not-from-position-ids-bart", "window-in-cache-only-moshi"])
 def test_unservable_models_are_refused_with_the_reason(config, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
         HFCausalLM(build(config))
+
+
+def test_a_cache_window_no_sequence_reaches_is_served():
+    """Moshi's checkpoints window their cache at max_position_embeddings: no sequence is longer,
+    so the window never drops a key its attention would see."""
+    HFCausalLM(build(T.MoshiConfig(sliding_window=64, max_position_embeddings=64, **TINY)))
 
 
 def test_a_model_that_calls_attention_differently_than_bound_fails_loudly(tmp_path):

@@ -210,10 +210,40 @@ def bind_layers(model, num_tokens: int = 3) -> dict[str, AttentionSpec]:
         if call.mask_function is not None and (id(call.mask_function), spec.sliding_window) not in checked_masks:
             _check_mask(call.mask_function, spec, layer_name, max_position)
             checked_masks.add((id(call.mask_function), spec.sliding_window))
+    _check_cache_windows(model, specs, max_position)
     _check_positions(model, ids, pos, names)
     for layer_name, spec in specs.items():
         setattr(model.get_submodule(layer_name), BINDING_ATTR, LayerBinding(layer_name, spec))
     return specs
+
+
+def _check_cache_windows(model, specs: dict[str, AttentionSpec], max_position: int) -> None:
+    """Refuse a layer whose transformers cache keeps fewer keys than its attention sees. transformers
+    builds a sliding-window cache layer from the config alone (``config.sliding_window`` with no
+    ``layer_types`` makes every layer one), whatever the attention call and the mask do: where they
+    attend further back (Moshi), the model's ``generate()`` attends a window in decode steps that its
+    forward, prefill included, does not apply. compileattn attends by the spec alone, so its tokens
+    would differ from that ``generate()``. A window no sequence reaches (at least ``max_position``
+    keys) drops nothing and is served. Cache layers pair with the attention calls in order, one
+    per decoder layer (``bind_layers`` checked that); a cache transformers cannot build for the
+    config is no cache that could differ."""
+    from transformers.cache_utils import DynamicCache
+
+    try:
+        cache_layers = DynamicCache(config=model.config).layers
+    except Exception:  # noqa: BLE001  (no cache for this config: nothing its generate() could window)
+        return
+    for layer, (layer_name, spec) in zip(cache_layers, specs.items()):
+        kept = getattr(layer, "sliding_window", None)
+        if kept is None or kept >= max_position:
+            continue
+        seen = spec.sliding_window + 1 if spec.sliding_window >= 0 else None  # keys a query sees, itself included
+        if seen is None or kept < seen:
+            raise UnsupportedModelError(
+                f"{layer_name}: transformers' cache for this config is a sliding window of {kept} keys while its "
+                f"attention call and mask attend further back (causal, window_left={spec.sliding_window}): the "
+                f"model's own generate() applies that window in decode steps only, which compileattn cannot "
+                f"reproduce")
 
 
 #: Norm-relative difference ``_check_positions`` allows between a query (or key) and the same
