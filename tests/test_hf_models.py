@@ -125,6 +125,22 @@ def test_windows_and_softcaps_reach_the_kernel(checkpoint, monkeypatch):
         assert [o.token_ids for o in outputs] != [tokens for tokens, _ in expected], wrong
 
 
+def test_a_window_of_one_attends_each_token_alone_as_the_models_forward_does(tmp_path):
+    """``sliding_window=1``: every query sees only its own key. The reference is the model's forward
+    without a cache, run again for each token: transformers' ``generate()`` is none here, its
+    sliding cache keeps the last ``sliding_window - 1`` keys as ``keys[:, :, -sliding_window + 1:]``,
+    which for a window of 1 is every key, so its decode steps attend further back than its forward."""
+    directory = save_family("mistral", tmp_path / "w1", sliding_window=1)
+    reference = load_reference(directory)
+    llm = ca.LLM(str(directory), compile_config=None, **ENGINE)
+    for prompt, output in zip(prompts(), llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                ids.append(int(reference(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        assert output.token_ids == ids[len(prompt):]
+
+
 def test_preemption_and_block_reuse_under_pressure_give_unpressured_tokens(checkpoint):
     directory, _, expected = checkpoint("qwen2")
     # 14 blocks of 4 tokens: the four sequences grow to 2 + 4 + 7 + 11 blocks.
