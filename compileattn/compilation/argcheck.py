@@ -345,8 +345,8 @@ def overlapping_tensors(values: Mapping[str, Any], places: tuple[tuple[tuple, ..
     """Pairs (i, j), i < j, of the distinct tensors (``tensor_places``' order) that share memory:
     views of one buffer. Dynamo traces distinct tensors as distinct inputs, and the compiled code
     may read one after writing the other, or before (Inductor orders by its buffers, not by
-    memory; a functionalized write lands at the end): with a write, the pairs must stay as they
-    were on the first call (``ArgChecker.check``)."""
+    memory; a functionalized write lands at the end): a tensor the compiled code writes may share
+    memory with no argument it did not share it with on the first call (``ArgChecker.check``)."""
     tensors = [_leaf(values, group[0]) for group in places]
     return frozenset((i, j) for i in range(len(tensors)) for j in range(i + 1, len(tensors))
                      if overlaps(tensors[i], tensors[j]))
