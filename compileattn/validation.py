@@ -42,6 +42,8 @@ def layouts_overlap(a: tuple, b: tuple) -> bool:
     """Whether two ``byte_layout``s in one storage share a byte: exact for views that are runs at
     one step (``kv[:, 0]`` and ``kv[:, 1]`` of one buffer do not overlap), else whether their
     spans intersect."""
+    if 0 in a[1] or 0 in b[1]:
+        return False  # no element, no byte
     ra, rb = _runs(*a), _runs(*b)
     if ra is None or rb is None or (ra[2] > 1 and rb[2] > 1 and ra[1] != rb[1]):
         ra, rb = ((start, 1, 1, (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * size)
