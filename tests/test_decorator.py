@@ -477,6 +477,27 @@ def test_a_tensor_subclass_is_not_a_plain_tensor_but_a_parameter_is():
     assert torch.equal(f(nn.Parameter(torch.ones(4), requires_grad=False)), torch.full((4,), 2.0))
 
 
+def test_a_negative_or_conjugate_view_is_not_the_plain_tensor_it_was_traced_as():
+    """``z.conj().imag`` is a view with the negative bit set: Inductor's code reads its memory as
+    is (the wrong sign, no error); Dynamo's guards, which compare the dispatch keys, would have
+    recompiled."""
+    def doubled(x):
+        return x * 2
+
+    f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=compileattn.CompileConfig(
+        piece_compiler="inductor", compile_workers=0, compile_sizes=[]))(doubled)
+    z = torch.complex(torch.zeros(4), torch.ones(4))
+    assert torch.equal(f(z.imag), doubled(z.imag))
+    assert z.conj().imag.is_neg()
+    with pytest.raises(RecompileError, match=r"argument 'x' is a negative view \(is_neg\(\)\) now"):
+        f(z.conj().imag)
+    assert torch.equal(f(z.conj().imag.resolve_neg()), -doubled(z.imag))
+    g = compileattn.compile(dynamic_arg_dims={"x": 0}, config=_eager_config())(doubled)
+    g(z)
+    with pytest.raises(RecompileError, match=r"argument 'x' is a conjugate view \(is_conj\(\)\) now"):
+        g(z.conj())
+
+
 def test_a_model_argument_must_be_the_same_instance():
     """A module passed as an argument: the trace baked in its attributes, so another instance
     (another factor) is refused, not answered with the first one's; in-place parameter updates of

@@ -2,7 +2,7 @@
 
 The compiled code runs with every Dynamo guard dropped (``warm_start``/``decorator``), so this is
 the only check between a call and code traced for the first call: dtype, device, ndim, static
-sizes, requires_grad and contiguity of tensors (the exact strides of a non-contiguous one without
+sizes, requires_grad, negative/conjugate view bits and contiguity of tensors (the exact strides of a non-contiguous one without
 dynamic dims; with them, the strides as the trace expressed them in the sizes), values of
 scalars, strings, dtypes and devices, types of other objects, containers item by item, grad mode,
 which arguments were one and the same tensor (Dynamo traces such a tensor as one graph input: a
@@ -74,7 +74,7 @@ def _tensor_class(t: torch.Tensor) -> type:
 
 class _TensorSpec:
     __slots__ = ("cls", "dtype", "device", "ndim", "shape", "static", "dynamic", "requires_grad", "contiguous",
-                 "strides", "layout")
+                 "strides", "layout", "neg", "conj")
 
     def __init__(self, t: torch.Tensor, dynamic: tuple[int, ...] = ()):
         self.cls = _tensor_class(t)
@@ -85,6 +85,12 @@ class _TensorSpec:
         self.dynamic = dynamic
         self.static = tuple((i, s) for i, s in enumerate(self.shape) if i not in dynamic)
         self.requires_grad = t.requires_grad
+        #: a negative or conjugate view (``z.conj().imag``, ``z.conj()``) is its memory read with a
+        #: sign or conjugation that the tensor's dispatch keys carry: Inductor's code, traced with a
+        #: plain tensor, reads the memory as is (Dynamo's guards compare the dispatch keys). Only a
+        #: complex tensor can be a conjugate view: ``conj`` is None for the others (0.13 µs a check)
+        self.neg = t.is_neg()
+        self.conj = t.is_conj() if t.is_complex() else None
         self.contiguous = t.is_contiguous()
         #: a non-contiguous tensor is traced with its layout, which Inductor's code asserts and a CUDA
         #: graph reads: without dynamic dims its exact strides (Dynamo specialises them), with them
@@ -99,6 +105,8 @@ class _TensorSpec:
             or v.dtype is not self.dtype
             or v.dim() != self.ndim
             or v.requires_grad is not self.requires_grad
+            or v.is_neg() is not self.neg
+            or (self.conj is not None and v.is_conj() is not self.conj)
             or v.device != self.device
         ):
             return False
@@ -142,6 +150,12 @@ class _TensorSpec:
                         f"{tuple(v.shape)}; dynamic dims: {list(self.dynamic)})")
         if v.requires_grad is not self.requires_grad:
             return f"requires_grad changed from {self.requires_grad} to {v.requires_grad}"
+        for flag, what, resolve in (("neg", "negative", "resolve_neg"), ("conj", "conjugate", "resolve_conj")):
+            was = getattr(self, flag)
+            if was is not None and getattr(v, f"is_{flag}")() is not was:
+                return (f"is {'not ' if was else ''}a {what} view (is_{flag}()) now, and was {'' if was else 'not '}"
+                        f"on the first call (the compiled code reads its memory as the first call's); pass "
+                        f"x.{resolve}()")
         if self.strides is not None:
             return (f"strides changed from {self.strides} to {tuple(v.stride())} (a non-contiguous argument without "
                     f"dynamic dims is compiled for its layout)")
@@ -155,7 +169,8 @@ class _TensorSpec:
 
     def key(self) -> str:
         return (f"T({self.cls.__module__}.{self.cls.__qualname__},{self.dtype},{self.device},{self.ndim},"
-                f"{self.static},{self.dynamic},{self.requires_grad},{self.contiguous},{self.strides},{self.layout})")
+                f"{self.static},{self.dynamic},{self.requires_grad},{self.contiguous},{self.strides},{self.layout}"
+                f"{',neg' if self.neg else ''}{',conj' if self.conj else ''})")
 
 
 _VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
