@@ -9,6 +9,7 @@ import gc
 import inspect
 import logging
 import random
+import re
 import statistics
 import sys
 import time
@@ -238,6 +239,48 @@ def _doubled_then_added(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
 
 
+_HELD = torch.ones(3)
+
+
+class _Cached(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3).requires_grad_(False)
+        self.cache = [torch.ones(3)]  # a plain attribute, not a buffer
+
+    def forward(self, x, w, c):
+        return self.lin(x) + w.sum() + self.cache[0] + c
+
+
+@pytest.mark.parametrize("where", ["parameter", "attribute", "global", "closure"])
+def test_an_argument_that_was_a_tensor_the_trace_reads_elsewhere_must_stay_it(where):
+    """Dynamo traces one tensor met as an argument and as a model's parameter (or a plain
+    attribute, a global, a closure variable) as one graph input: a later call passing another tensor
+    for the argument would have both places read one of them. (Dynamo's guard for it, skipped, is
+    not even made between an argument and a global: torch.compile answers wrong there too.)"""
+    model = _Cached()
+    held = torch.full((3,), 2.0)
+
+    def step(m, x, w, c):
+        return m(x, w, c) + _HELD + held
+
+    first = {"parameter": (model.lin.weight, "_Cached's parameter 'lin.weight'"),
+             "attribute": (model.cache[0], "_Cached's attribute 'cache[0]'"),
+             "global": (_HELD, "global '_HELD'"), "closure": (held, "closure variable 'held'")}
+    shared, name = first[where]
+    w = shared if shared.dim() == 2 else torch.zeros(3, 3)
+    c = shared if shared.dim() == 1 else torch.zeros(3)
+    arg = "w" if shared.dim() == 2 else "c"
+    f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=_eager_config())(step)
+    x = torch.randn(4, 3)
+    assert torch.equal(f(model, x, w, c), step(model, x, w, c))
+    assert torch.equal(f(model, x[:2], w, c), step(model, x[:2], w, c))  # the same tensor again: served
+    other = {"w": torch.zeros(3, 3), "c": torch.zeros(3)}
+    with pytest.raises(RecompileError, match=rf"argument '{arg}' was the same tensor as {re.escape(name)} on the "
+                                             rf"first call, now is another"):
+        f(model, x, **{"w": w, "c": c, arg: other[arg]})
+
+
 @pytest.mark.parametrize("path", ["aot", "frame"])
 def test_two_tensors_on_the_first_call_stay_two_where_the_compiled_code_writes_one(path, monkeypatch):
     """Traced as two inputs, the write into ``a`` is not seen through ``b``: ``f(t, t)`` after
@@ -316,6 +359,22 @@ def test_the_first_calls_overlaps_are_part_of_the_warm_start_key():
 
     buf = torch.arange(8.0)
     assert key(buf[:4], buf[2:6]) != key(buf[:4], buf[4:]) == key(torch.zeros(4), torch.ones(4))
+
+
+def test_an_argument_held_elsewhere_is_part_of_the_warm_start_key():
+    """A file traced with an argument that was also a model's parameter (one graph input) must not
+    serve a process whose first call passes another tensor there, nor the other way round."""
+    from compileattn.compilation.argcheck import ArgChecker, held_elsewhere, spec_of, tensor_places
+
+    def key(m, w):
+        values = {"m": m, "w": w}
+        places = tensor_places(values)
+        specs = {n: spec_of(v, ()) for n, v in values.items()}
+        return ArgChecker(inspect.signature(lambda m, w: None), False, specs, False, places,
+                          held=held_elsewhere(values, places, [m], None)).key()
+
+    lin = nn.Linear(2, 2).requires_grad_(False)
+    assert key(lin, lin.weight) != key(lin, torch.zeros(2, 2)) == key(lin, torch.ones(2, 2))
 
 
 def _shifted(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

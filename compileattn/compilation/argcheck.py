@@ -2,14 +2,15 @@
 
 The compiled code runs with every Dynamo guard dropped (``warm_start``/``decorator``), so this is
 the only check between a call and code traced for the first call: dtype, device, ndim, static
-sizes, requires_grad, negative/conjugate view bits and contiguity of tensors (the exact strides of a non-contiguous one without
-dynamic dims; with them, the strides as the trace expressed them in the sizes), values of
-scalars, strings, dtypes and devices, types of other objects, containers item by item, grad mode,
-which arguments were one and the same tensor (Dynamo traces such a tensor as one graph input: a
-later call passing two tensors there would have both read from the first) and which were distinct
-(traced as two inputs: one tensor passed for both would not see the compiled code's write into
-the other, checked for the tensors the first call wrote into, or may have: inference-mode tensors
-have no version counter); and, once the compile
+sizes, requires_grad, negative/conjugate view bits and contiguity of tensors (the exact strides
+of a non-contiguous one without dynamic dims; with them, the strides as the trace expressed them
+in the sizes), values of scalars, strings, dtypes and devices, types of other objects, containers
+item by item, grad mode, which arguments were one and the same tensor (Dynamo traces such a
+tensor as one graph input: a later call passing two tensors there would have both read from the
+first), also with a tensor held outside the arguments (a model's parameter, a global:
+``held_elsewhere``), and which were distinct (traced as two inputs: one tensor passed for both
+would not see the compiled code's write into the other, checked for the tensors the first call
+wrote into, or may have: inference-mode tensors have no version counter); and, once the compile
 is done, what it assumed of the dynamic sizes (``size_guards.py``). torch's own guard filters
 cannot replace it: ``keep_tensor_guards_unsafe`` checks tensors but not scalar values or grad mode, and
 its failure is a ``RuntimeError`` naming ``L['x']`` from inside the guard manager; a change must
@@ -449,7 +450,13 @@ def global_modules(fn: Any, depth: int = 2) -> list[torch.nn.Module]:
     calls deep: where a script's model lives (``model = Llama(...)`` beside ``@compileattn.compile
     def step(ids): return model(ids)``). Attribute names (``self.model``) are not globals; globals
     are not walked into (a module's containers can be large, or hold themselves)."""
-    found: dict[int, Any] = {}
+    return [v for _, _, v in globals_read(fn, depth) if isinstance(v, torch.nn.Module)]
+
+
+def globals_read(fn: Any, depth: int = 2) -> list[tuple[dict, str, Any]]:
+    """(the globals dict, the name, the value) of each distinct value among the module globals
+    ``fn``'s code loads, and the functions among them, ``depth`` calls deep (``global_modules``)."""
+    found: dict[int, tuple[dict, str, Any]] = {}
     seen: set[int] = set()
     todo = [(fn, depth)]
     while todo:
@@ -470,10 +477,10 @@ def global_modules(fn: Any, depth: int = 2) -> list[torch.nn.Module]:
                     value = scope[ins.argval]
                     if id(value) in found:
                         continue
-                    found[id(value)] = value
+                    found[id(value)] = (scope, ins.argval, value)
                     if left > 0 and isinstance(value, (types.FunctionType, types.MethodType)):
                         todo.append((value, left - 1))
-    return [v for v in found.values() if isinstance(v, torch.nn.Module)]
+    return list(found.values())
 
 
 def model_bindings(fn: Any, instance: tuple = ()) -> list[tuple[str, Callable[[], Any], torch.nn.Module]]:
@@ -516,6 +523,95 @@ def _attribute(ref: weakref.ref, name: str) -> Any:
     return None if obj is None else vars(obj).get(name)
 
 
+def held_elsewhere(values: Mapping[str, Any], places: tuple[tuple[tuple, ...], ...],
+                   models: Iterable[torch.nn.Module], fn: Any, instance: tuple = ()
+                   ) -> tuple[tuple[tuple, str, Callable[[], Any]], ...]:
+    """(its first place, where else, a function reading what is there now) of each tensor of the
+    arguments (``values``; ``places``: ``tensor_places``) that the first call also holds outside
+    them, where Dynamo's trace may read it too: a parameter, buffer or plain attribute (inside its
+    lists and dicts) of a module of ``models`` (``modules_in``: the instance, modules among the
+    arguments, closure and globals), a closure variable of ``fn``, a module global its code reads
+    (``globals_read``), an attribute of a decorated method's instance. Dynamo traces one tensor met
+    in two places as one graph input, which the compiled code reads from one of them for both
+    (``ArgChecker.check``: a later call must pass what is held there then). Looked for once, at the
+    first call; per call nothing where none was found, else one identity per such argument."""
+    firsts = [(group[0], _leaf(values, group[0])) for group in places]
+    wanted = {id(t) for _, t in firsts}
+    found: dict[int, tuple[str, Callable[[], Any]]] = {}
+
+    def note(path_leaves: Iterable[tuple[tuple, Any]], name: Callable[[tuple], str],
+             read: Callable[[tuple], Callable[[], Any]]) -> None:
+        for path, leaf in path_leaves:
+            if isinstance(leaf, torch.Tensor) and id(leaf) in wanted and id(leaf) not in found:
+                found[id(leaf)] = (name(path), read(path))
+
+    def module_name(model: torch.nn.Module, prefix: str) -> Callable[[tuple], str]:
+        def name(path: tuple) -> str:
+            kind = {"_parameters": "parameter", "_buffers": "buffer"}.get(path[0])
+            shown = f"{prefix}{path[1]}{_keys(path[2:])}" if kind else f"{prefix}{path[0]}{_keys(path[1:])}"
+            return f"{type(model).__qualname__}'s {kind or 'attribute'} {shown!r}"
+        return name
+
+    for model in models:
+        for prefix, module in model.named_modules():
+            ref = weakref.ref(module)
+            attributes = {k: v for k, v in vars(module).items() if k != "_modules"}
+            note(leaves(attributes), module_name(model, f"{prefix}." if prefix else ""),
+                 lambda path, ref=ref: functools.partial(_attribute_path, ref, path))
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, getattr(fn, "__closure__", None) or ()):
+        if cell_filled(cell):
+            note(leaves(cell.cell_contents), lambda path, name=name: f"closure variable {name!r}{_keys(path)}",
+                 lambda path, cell=cell: functools.partial(_cell_path, cell, path))
+    for scope, name, value in globals_read(fn):
+        note(leaves(value), lambda path, name=name: f"global {name!r}{_keys(path)}",
+             lambda path, scope=scope, name=name: functools.partial(_global_path, scope, name, path))
+    for obj in instance:
+        if isinstance(obj, torch.nn.Module):
+            continue  # among ``models``
+        try:
+            attributes, ref = vars(obj), weakref.ref(obj)
+        except TypeError:  # no __dict__, or no weak references: not followed
+            continue
+        note(leaves(attributes), lambda path, cls=type(obj): f"{cls.__qualname__}'s attribute {path[0]!r}"
+                                                            f"{_keys(path[1:])}",
+             lambda path, ref=ref: functools.partial(_attribute_path, ref, path))
+    return tuple((place, *found[id(t)]) for place, t in firsts if id(t) in found)
+
+
+def _keys(path: tuple) -> str:
+    return "".join(f"[{key!r}]" for key in path)
+
+
+def _item(v: Any, path: tuple) -> Any:
+    for key in path:
+        v = v[key]
+    return v
+
+
+def _attribute_path(ref: weakref.ref, path: tuple) -> Any:
+    """What an object (held weakly) holds now at ``path`` (an attribute, then container keys); None
+    where it holds nothing there."""
+    try:
+        return _item(vars(ref())[path[0]], path[1:])
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _cell_path(cell, path: tuple) -> Any:
+    try:
+        return _item(cell.cell_contents, path)
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _global_path(scope: dict, name: str, path: tuple) -> Any:
+    try:
+        return _item(scope[name], path)
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
 def _shown_path(path: tuple) -> str:
     return path[0] + "".join(f"[{key!r}]" for key in path[1:])
 
@@ -534,7 +630,8 @@ class ArgChecker:
     """
 
     def __init__(self, sig: inspect.Signature, bound_self: bool, specs: dict[str, Any], grad_enabled: bool,
-                 tensors: tuple[tuple[tuple, ...], ...] = (), overlapping: frozenset[tuple[int, int]] = frozenset()):
+                 tensors: tuple[tuple[tuple, ...], ...] = (), overlapping: frozenset[tuple[int, int]] = frozenset(),
+                 held: tuple[tuple[tuple, str, Callable[[], Any]], ...] = ()):
         self._sig = sig
         self._bound_self = bound_self
         self._specs = specs
@@ -545,6 +642,9 @@ class ArgChecker:
         self._same = tuple(group for group in tensors if len(group) > 1)
         #: pairs of indices into ``_tensors`` that shared memory on the first call (``overlapping_tensors``)
         self._overlapping = overlapping
+        #: (path, where, read) of each argument tensor of the first call that was also held outside
+        #: the arguments (``held_elsewhere``): later calls must pass what ``read()`` holds then
+        self._held = held
         #: indices into ``_tensors`` of the tensors the compiled code writes into, and of those it may
         #: (no version counter to tell: inference-mode tensors), from the first call (``noting_writes``)
         self._written: frozenset[int] = frozenset()
@@ -600,14 +700,15 @@ class ArgChecker:
         pairs = [[_shown_path(self._tensors[i][0]), _shown_path(self._tensors[j][0])]
                  for i, j in sorted(self._overlapping)]
         shared = f";overlapping={pairs}" if pairs else ""
-        return f"{specs};grad={self._grad_enabled}{same}{shared}"
+        held = f";held={[[_shown_path(path), where] for path, where, _ in self._held]}" if self._held else ""
+        return f"{specs};grad={self._grad_enabled}{same}{shared}{held}"
 
     def check(self, args: tuple, kwargs: dict) -> None:
         key = (len(args), *kwargs) if kwargs else len(args)
         layout = self._plans.get(key)
         if layout is None:
             layout = self._plans[key] = self._plan(args, kwargs)
-        plan, sizes_hold, same, distinct = layout
+        plan, sizes_hold, same, distinct, held = layout
         for src, name, spec in plan:
             v = args[src] if src.__class__ is int else kwargs[src]
             if not spec.matches(v):
@@ -627,6 +728,12 @@ class ArgChecker:
                     raise recompile_error(None, f"argument {_shown_path(place[1])!r}{default} was the same tensor "
                                                 f"as {_shown_path(group[0][1])!r} on the first call, now is another: "
                                                 f"the compiled code reads one input for both")
+        for place, where, read in held:
+            if self._value(place, args, kwargs) is not read():
+                default = " (left at its default)" if place[0] is None else ""
+                raise recompile_error(None, f"argument {_shown_path(place[1])!r}{default} was the same tensor as "
+                                            f"{where} on the first call, now is another: the compiled code reads "
+                                            f"one input for both (Dynamo traced them as one)")
         if sizes_hold is not None and not sizes_hold(args, kwargs):
             sources = {name: src for src, name, _ in plan}
 
@@ -711,10 +818,11 @@ class ArgChecker:
             if not spec.matches(param.default):
                 raise recompile_error(name, f"now left at its default ({spec.explain(param.default)})")
         self._check_var_keyword_order(names)
+        held = [((where.get(path[0]), path), held_where, read) for path, held_where, read in self._held]
         if self._size_guards is None:
-            return plan, None, same, distinct
+            return plan, None, same, distinct, held
         defaults = {name: self._sig.parameters[name].default for name in self._specs if name not in passed}
-        return plan, self._size_guards.checker({name: src for src, name in names}, defaults), same, distinct
+        return plan, self._size_guards.checker({name: src for src, name in names}, defaults), same, distinct, held
 
     def _check_var_keyword_order(self, names: list) -> None:
         """``**kw``'s keys in the first call's order: its items are checked by name, but the trace

@@ -81,8 +81,8 @@ from .. import _torch_compat
 from ..config import CompileConfig
 from . import compile_pool, kernel_warmup, regions, warm_start
 from .argcheck import (
-    ArgChecker, RecompileError, all_arguments, closure_values, global_modules, model_bindings, modules_in,
-    overlapping_tensors, spec_of, tensor_places,
+    ArgChecker, RecompileError, all_arguments, closure_values, global_modules, held_elsewhere, model_bindings,
+    modules_in, overlapping_tensors, spec_of, tensor_places,
 )
 from .model_tensors import ModelTensors
 from .replay import MISS, FullStepShortcut, graph_call_of
@@ -293,12 +293,13 @@ class _Site:
         values = all_arguments(owner._sig, self.bound, args, kwargs)
         dynamic = _mark_dynamic(values, owner._dynamic_arg_dims)
         instance = full_args[:1 if self.bound else 0]
-        self.tensors = ModelTensors(modules_in((*instance, *values.values(), *closure_values(fn), *global_modules(fn))),
-                                    model_bindings(fn, instance))
+        models = list(modules_in((*instance, *values.values(), *closure_values(fn), *global_modules(fn))))
+        self.tensors = ModelTensors(models, model_bindings(fn, instance))
         places = tensor_places(values)
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
                                                       for name, v in values.items()}, torch.is_grad_enabled(),
-                             places, overlapping_tensors(values, places))
+                             places, overlapping_tensors(values, places),
+                             held_elsewhere(values, places, models, fn, instance))
         start = time.perf_counter()
         kernel_warmup.settle_cache_dir()
         path = None
