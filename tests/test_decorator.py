@@ -639,6 +639,23 @@ def test_non_tensor_arguments_and_defaults_are_checked_by_value():
     assert backend.graphs == 1
 
 
+def test_a_float_zero_keeps_its_sign():
+    """0.0 == -0.0, but the trace baked in the first call's zero: ``1 / (x * scale)`` gave +inf where
+    -inf was due (torch.compile's value guard compares with == too)."""
+    def reciprocal(x, scale: float):
+        return 1 / (x * scale)
+
+    f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=_eager_config())(reciprocal)
+    x = torch.ones(3)
+    assert torch.equal(f(x, 0.0), reciprocal(x, 0.0))
+    assert torch.equal(f(x, 0.0 * 5), reciprocal(x, 0.0))  # another object, the same zero
+    with pytest.raises(RecompileError, match=r"'scale' value changed from 0.0 to -0.0"):
+        f(x, -0.0)
+    g = compileattn.compile(dynamic_arg_dims={"x": 0}, config=_eager_config())(reciprocal)
+    g(x, float("nan"))
+    assert g(x, float("nan")).isnan().all()  # another NaN object, equal to none: the NaN baked in serves
+
+
 def test_argument_left_at_a_different_default_raises():
     backend = CountingBackend()
 

@@ -27,6 +27,7 @@ import dis
 import enum
 import functools
 import inspect
+import math
 import types
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -188,7 +189,7 @@ class _ValueSpec:
         self.value = v
 
     def matches(self, v: Any) -> bool:
-        return type(v) is self.type and (v is self.value or v == self.value)
+        return type(v) is self.type and (v is self.value or same_value(v, self.value))
 
     def explain(self, v: Any) -> str:
         if type(v) is not self.type:
@@ -200,6 +201,15 @@ class _ValueSpec:
 
     def key(self) -> str:
         return f"V({self.type.__module__}.{self.type.__qualname__},{self.value!r})"
+
+
+def same_value(now: Any, value: Any) -> bool:
+    """Whether code that baked in ``value`` serves for ``now`` (of its type): equal, a float zero of
+    the same sign (``0.0 == -0.0``, but ``1 / (x * scale)`` is +inf or -inf), or both NaN (equal to
+    nothing, but baked in it computes the same)."""
+    if bool(now == value):
+        return not (isinstance(value, float) and value == 0) or math.copysign(1.0, now) == math.copysign(1.0, value)
+    return isinstance(value, float) and now != now and value != value
 
 
 class _TypeSpec:

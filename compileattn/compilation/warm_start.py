@@ -352,7 +352,7 @@ def _same(now: Any, value: Any) -> bool:
         return False
     if isinstance(value, (tuple, list)):
         return len(now) == len(value) and all(_same(a, b) for a, b in zip(now, value))
-    return bool(now == value) or (isinstance(value, float) and now != now and value != value)  # NaN
+    return argcheck.same_value(now, value)
 
 
 def _comparable(value: Any) -> bool:
