@@ -656,6 +656,29 @@ def test_a_float_zero_keeps_its_sign():
     assert g(x, float("nan")).isnan().all()  # another NaN object, equal to none: the NaN baked in serves
 
 
+def test_a_numpy_array_is_checked_as_the_tensor_dynamo_traced():
+    """Dynamo traces a numpy array argument as a tensor of its dtype, shape and strides: Inductor's
+    code read a float64 array given later as float32 (wrong numbers, no error), and failed an
+    assertion on another shape."""
+    np = pytest.importorskip("numpy")
+
+    def shifted(x, a):
+        return x + torch.from_numpy(a)
+
+    f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=compileattn.CompileConfig(
+        piece_compiler="inductor", compile_workers=0, compile_sizes=[]))(shifted)
+    x = torch.ones(3, 4)
+    assert torch.equal(f(x, np.ones(4, dtype=np.float32)), shifted(x, np.ones(4, dtype=np.float32)))
+    twos = np.full(4, 2, dtype=np.float32)
+    assert torch.equal(f(x, twos), shifted(x, twos))  # another array of the same layout: read per call
+    with pytest.raises(RecompileError, match=r"argument 'a' dtype changed from float32 to float64"):
+        f(x, np.full(4, 3, dtype=np.float64))
+    with pytest.raises(RecompileError, match=r"argument 'a' shape changed from \(4,\) to \(1,\)"):
+        f(x, np.full(1, 3, dtype=np.float32))
+    with pytest.raises(RecompileError, match=r"argument 'a' strides changed from \(4,\) to \(8,\)"):
+        f(x, np.arange(8, dtype=np.float32)[::2])
+
+
 def test_argument_left_at_a_different_default_raises():
     backend = CountingBackend()
 

@@ -4,8 +4,8 @@ The compiled code runs with every Dynamo guard dropped (``warm_start``/``decorat
 the only check between a call and code traced for the first call: dtype, device, ndim, static
 sizes, requires_grad, negative/conjugate view bits and contiguity of tensors (the exact strides
 of a non-contiguous one without dynamic dims; with them, the strides as the trace expressed them
-in the sizes), values of scalars, strings, dtypes and devices, types of other objects, containers
-item by item, grad mode, which arguments were one and the same tensor (Dynamo traces such a
+in the sizes), values of scalars, strings, dtypes and devices, dtype, shape and strides of numpy
+arrays, types of other objects, containers item by item, grad mode, which arguments were one and the same tensor (Dynamo traces such a
 tensor as one graph input: a later call passing two tensors there would have both read from the
 first), also with a tensor held outside the arguments (a model's parameter, a global:
 ``held_elsewhere``), and which were distinct (traced as two inputs: one tensor passed for both
@@ -233,6 +233,42 @@ class _TypeSpec:
         return f"O({self.type.__module__}.{self.type.__qualname__})"
 
 
+class _ArraySpec:
+    """A numpy array: Dynamo traces it as a tensor of its dtype, shape and strides (static), which
+    Inductor's code assumes (a float64 array read as float32: wrong numbers, no error)."""
+
+    __slots__ = ("type", "dtype", "shape", "strides")
+
+    def __init__(self, v: Any):
+        self.type = type(v)
+        self.dtype = v.dtype
+        self.shape = v.shape
+        self.strides = v.strides
+
+    def matches(self, v: Any) -> bool:
+        return type(v) is self.type and v.dtype == self.dtype and v.shape == self.shape and v.strides == self.strides
+
+    def explain(self, v: Any) -> str:
+        if type(v) is not self.type:
+            return f"type changed from {self.type.__qualname__} to {type(v).__qualname__}"
+        for what in ("dtype", "shape", "strides"):
+            if getattr(v, what) != getattr(self, what):
+                return f"{what} changed from {getattr(self, what)} to {getattr(v, what)}"
+        return "changed"
+
+    def describe(self) -> str:
+        return f"ndarray{self.shape} {self.dtype}"
+
+    def key(self) -> str:
+        return f"A({self.type.__module__}.{self.type.__qualname__},{self.dtype},{self.shape},{self.strides})"
+
+
+def _is_array(v: Any) -> bool:
+    """A numpy array (numpy is not imported for it: a process without it passes none)."""
+    cls = type(v)
+    return cls.__name__ == "ndarray" and cls.__module__ == "numpy"
+
+
 class _ModuleSpec:
     """An ``nn.Module`` argument: the trace baked in that instance's attributes (and Dynamo would
     guard on them), so a call must pass the same instance; its parameters' values are read per
@@ -347,6 +383,8 @@ def spec_of(v: Any, dynamic: tuple[int, ...] = ()):
         return _ValueSpec(v)
     if isinstance(v, torch.nn.Module):
         return _ModuleSpec(v)
+    if _is_array(v):
+        return _ArraySpec(v)
     if _is_sequence(v):
         return _SeqSpec(v, [spec_of(x) for x in v])
     if _is_mapping(v):
