@@ -679,6 +679,28 @@ def test_a_numpy_array_is_checked_as_the_tensor_dynamo_traced():
         f(x, np.arange(8, dtype=np.float32)[::2])
 
 
+def test_a_function_argument_must_be_the_same_function():
+    """The trace inlined the first call's function (Dynamo guards its identity): another one passed
+    later ran the first one's code."""
+    def applied(x, act):
+        return act(x)
+
+    def tripled(t):
+        return t * 3
+
+    f = compileattn.compile(dynamic_arg_dims={"x": 0}, config=_eager_config())(applied)
+    x = torch.randn(4)
+    assert torch.equal(f(x, torch.relu), torch.relu(x))
+    assert torch.equal(f(x[:2], torch.relu), torch.relu(x[:2]))
+    with pytest.raises(RecompileError, match=r"argument 'act' is another function than on the first call \(tanh, was "
+                                             r"relu\)"):
+        f(x, torch.tanh)
+    g = compileattn.compile(dynamic_arg_dims={"x": 0}, config=_eager_config())(applied)
+    assert torch.equal(g(x, tripled), x * 3)
+    with pytest.raises(RecompileError, match=r"argument 'act' is another function than on the first call"):
+        g(x, lambda t: t * 5)
+
+
 def test_argument_left_at_a_different_default_raises():
     backend = CountingBackend()
 

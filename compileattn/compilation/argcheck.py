@@ -5,7 +5,7 @@ the only check between a call and code traced for the first call: dtype, device,
 sizes, requires_grad, negative/conjugate view bits and contiguity of tensors (the exact strides
 of a non-contiguous one without dynamic dims; with them, the strides as the trace expressed them
 in the sizes), values of scalars, strings, dtypes and devices, dtype, shape and strides of numpy
-arrays, types of other objects, containers item by item, grad mode, which arguments were one and the same tensor (Dynamo traces such a
+arrays, identity of functions, types of other objects, containers item by item, grad mode, which arguments were one and the same tensor (Dynamo traces such a
 tensor as one graph input: a later call passing two tensors there would have both read from the
 first), also with a tensor held outside the arguments (a model's parameter, a global:
 ``held_elsewhere``), and which were distinct (traced as two inputs: one tensor passed for both
@@ -233,6 +233,43 @@ class _TypeSpec:
         return f"O({self.type.__module__}.{self.type.__qualname__})"
 
 
+class _FunctionSpec:
+    """A function (Python or builtin): the trace inlined the first call's, and Dynamo guards its
+    identity, so a call must pass the same one (a lambda made per call is another each time).
+    Held weakly where it can be."""
+
+    __slots__ = ("type", "ref", "name")
+
+    def __init__(self, v: Any):
+        self.type = type(v)
+        try:
+            self.ref = weakref.ref(v)
+        except TypeError:  # a builtin: lives as long as its module
+            self.ref = lambda v=v: v
+        self.name = _function_name(v)
+
+    def matches(self, v: Any) -> bool:
+        return v is self.ref()
+
+    def explain(self, v: Any) -> str:
+        if type(v) is not self.type:
+            return f"type changed from {self.type.__qualname__} to {type(v).__qualname__}"
+        return (f"is another function than on the first call ({_function_name(v)}, was {self.name}), "
+                f"whose code the compiled code inlined")
+
+    def describe(self) -> str:
+        return f"<function {self.name}>"
+
+    def key(self) -> str:
+        return f"F({self.type.__qualname__},{getattr(self.ref(), '__module__', None)}.{self.name})"
+
+
+def _function_name(v: Any) -> str:
+    """A Python function's qualified name; a builtin's name (``torch.relu``'s qualified name is
+    ``_VariableFunctionsClass.relu``)."""
+    return v.__qualname__ if isinstance(v, types.FunctionType) else getattr(v, "__name__", repr(v))
+
+
 class _ArraySpec:
     """A numpy array: Dynamo traces it as a tensor of its dtype, shape and strides (static), which
     Inductor's code assumes (a float64 array read as float32: wrong numbers, no error)."""
@@ -385,6 +422,8 @@ def spec_of(v: Any, dynamic: tuple[int, ...] = ()):
         return _ModuleSpec(v)
     if _is_array(v):
         return _ArraySpec(v)
+    if isinstance(v, (types.FunctionType, types.BuiltinFunctionType)):
+        return _FunctionSpec(v)
     if _is_sequence(v):
         return _SeqSpec(v, [spec_of(x) for x in v])
     if _is_mapping(v):

@@ -44,8 +44,8 @@ CUDA graphs are captured again, ``dispatch.py``); a model converted or moved aft
 (``.half()``, ``.to(device)``) raises ``RecompileError`` naming a tensor (``model_tensors.py``:
 watched at two tensors per model, so convert a part of a model before the first call);
 autocast, torch function modes and global flags other than grad mode. Objects other than tensors,
-numpy arrays, scalars, strings, dtypes/devices and tuples/lists/dicts of those are checked for type
-only (a function too: another one passed later runs the first one's trace). Dynamic
+numpy arrays, functions, scalars, strings, dtypes/devices and tuples/lists/dicts of those are checked
+for type only (a bound method or ``functools.partial`` too). Dynamic
 dims need size >= 2 on the first call (Dynamo specializes sizes 0 and 1; a size-1 first call is
 refused rather than compiled static); later calls may use any size, including 1 (so a forward must
 not branch on a dynamic size being > 1: Dynamo decides that without a guard, ``size_guards.py``).
