@@ -5,10 +5,10 @@ the only check between a call and code traced for the first call: dtype, device,
 sizes, requires_grad, negative/conjugate view bits and contiguity of tensors (the exact strides
 of a non-contiguous one without dynamic dims; with them, the strides as the trace expressed them
 in the sizes), values of scalars, strings, dtypes and devices, dtype, shape and strides of numpy
-arrays, identity of functions, types of other objects, containers item by item, grad mode, which arguments were one and the same tensor (Dynamo traces such a
-tensor as one graph input: a later call passing two tensors there would have both read from the
-first), also with a tensor held outside the arguments (a model's parameter, a global:
-``held_elsewhere``), and which were distinct (traced as two inputs: one tensor passed for both
+arrays, identity of functions, types of other objects, containers item by item, grad mode, which
+arguments were one and the same tensor (Dynamo traces such a tensor as one graph input: a later
+call passing two tensors there would have both read from the first), also with a tensor held
+outside the arguments (a model's parameter, a global: ``held_elsewhere``), and which were distinct (traced as two inputs: one tensor passed for both
 would not see the compiled code's write into the other, checked for the tensors the first call
 wrote into, or may have: inference-mode tensors have no version counter); and, once the compile
 is done, what it assumed of the dynamic sizes (``size_guards.py``). torch's own guard filters
