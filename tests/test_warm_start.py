@@ -137,12 +137,16 @@ H, KVH, D, HIDDEN = 2, 1, 32, 32
 
 
 class Stack(nn.Module):
-    def __init__(self, layers: int = 2, scale: float = 1.0):
+    def __init__(self, layers: int = 2, scale: float = 1.0, tied: str | None = None):
         super().__init__()
         self.scale = scale  # a plain attribute the trace bakes in
         self.qkv = nn.ModuleList(nn.Linear(HIDDEN, (H + 2 * KVH) * D) for _ in range(layers))
         self.attn = nn.ModuleList(Attention(AttentionSpec(H, KVH, D), f"l{i}") for i in range(layers))
         self.out = nn.ModuleList(nn.Linear(H * D, HIDDEN) for _ in range(layers))
+        if tied == "module":  # the last layer's output projection is the first one's
+            self.out[-1] = self.out[0]
+        elif tied == "parameter":
+            self.out[-1].weight = self.out[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for qkv, attn, out in zip(self.qkv, self.attn, self.out):
@@ -151,13 +155,13 @@ class Stack(nn.Module):
         return x
 
 
-def _run_stack(cache_dir, layers: int = 2, scale: float = 1.0, **options) -> dict:
+def _run_stack(cache_dir, layers: int = 2, scale: float = 1.0, tied: str | None = None, **options) -> dict:
     """A fresh decoration (as in a new process: no compiled site to reuse) and one checked step."""
     config = ca.CompileConfig(cache_dir=str(cache_dir), piece_compiler="eager", **options)
     cls = ca.compile(type("CompiledStack", (Stack,), {}), dynamic_arg_dims={"x": 0}, config=config)
     torch.manual_seed(0)
-    model = cls(layers, scale)
-    eager = Stack(layers, scale)
+    model = cls(layers, scale, tied)
+    eager = Stack(layers, scale, tied)
     eager.load_state_dict(model.state_dict())
     caches = ca.allocate_kv_caches({f"l{i}": AttentionSpec(H, KVH, D) for i in range(layers)}, 64, 4,
                                    dtype=torch.float32)
@@ -180,6 +184,16 @@ def test_key_misses_on_compile_settings_and_structure_and_hits_on_run_time_setti
     assert _run_stack(tmp_path, layers=3)["path"] == "cold"  # other parameters
     assert _run_stack(tmp_path, scale=2.0)["path"] == "cold"  # same parameters, another baked-in attribute
     assert len(list((tmp_path / "warm_start").iterdir())) == 4
+
+
+@pytest.mark.parametrize("tied", ["module", "parameter"])
+def test_which_tensors_a_model_shares_between_layers_is_in_the_key(tmp_path, tied):
+    """Dynamo passes a tensor the model reaches under two names as one graph input: a compile of a
+    model whose layers share a weight, loaded for one of the same shapes whose layers do not, would
+    run the second layer with the first one's weight."""
+    assert _run_stack(tmp_path, tied=tied)["path"] == "cold"
+    assert _run_stack(tmp_path)["path"] == "cold"
+    assert _run_stack(tmp_path, tied=tied)["path"] == "warm"
 
 
 def test_a_warm_first_call_settles_the_triton_cache_dir_as_a_cold_one_does(tmp_path, monkeypatch):

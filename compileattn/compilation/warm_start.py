@@ -180,19 +180,31 @@ def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
     """The model's structure as text: every submodule's class, its attributes (``_``-named ones
     too: Dynamo reads them alike), its hooks (which functions, not only how many), and the name,
     shape, dtype and device of every parameter and buffer (values are read at each call, shapes
-    and attributes are baked into the trace)."""
+    and attributes are baked into the trace). A tensor the model reaches under two names (tied
+    weights, a submodule shared by two layers) is marked at its second name with its first: Dynamo
+    passes it as one graph input, so the compile of a model that shares it would run a model that
+    does not with the first name's tensor in both places."""
+    first_name: dict[int, str] = {}
+
+    def shared(name: str, t: torch.Tensor) -> str:
+        first = first_name.setdefault(id(t), name)
+        return f" is {first}" if first != name else ""
+
     for name, mod in module.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
         yield f"{name}:{type(mod).__module__}.{type(mod).__qualname__}"
         for attr, value in sorted(vars(mod).items()):
             if attr not in _MODULE_INTERNALS:
-                yield f" {attr}={_fingerprint(value)}"
+                tied = shared(prefix + attr, value) if isinstance(value, torch.Tensor) else ""
+                yield f" {attr}={_fingerprint(value)}{tied}"
         for hooks in _HOOKS:
             registered = getattr(mod, hooks, None)
             if registered:
                 yield f" {hooks}=[{', '.join(_fingerprint(h) for h in registered.values())}]"
         for kind, tensors in (("p", mod.named_parameters(recurse=False)), ("b", mod.named_buffers(recurse=False))):
             for pname, t in tensors:
-                yield f" {kind} {pname} {tuple(t.shape)} {t.dtype} {t.device} {t.requires_grad}"
+                yield (f" {kind} {pname} {tuple(t.shape)} {t.dtype} {t.device} {t.requires_grad}"
+                       f"{shared(prefix + pname, t)}")
 
 
 def closure_fingerprint(fn: Callable) -> Iterable[str]:
