@@ -187,6 +187,33 @@ def test_a_submodule_replaced_by_one_alike_is_served_with_its_tensors():
         torch.testing.assert_close(fn(X), model(X))
 
 
+def _tie_weight(model):
+    model.layers[2].weight = model.layers[0].weight
+
+
+def _tie_module(model):
+    model.layers[2] = model.layers[0]
+
+
+@pytest.mark.parametrize("tie, refused", [
+    (_tie_weight, r"Stack's tie of parameter layers\.2\.weight was to layers\.0\.weight at the first call and is "
+                  r"absent now"),
+    (_tie_module, r"Stack's submodule layers\.2 \(and 2 more\) was absent at the first call and is a Linear now"),
+])
+def test_layers_untied_after_the_first_call_are_refused_by_name(tie, refused):
+    """Dynamo passes a tensor the model reaches under two names as one graph input: untied, the
+    second name's own tensor of the same layout would never be read."""
+    model = Stack()
+    tie(model)
+    fn = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x), Stack.forward(model, x))
+        model.layers[2] = nn.Linear(8, 8)
+        with pytest.raises(RecompileError, match=refused):
+            fn(x)
+
+
 GLOBAL_MODEL = None
 
 
@@ -342,3 +369,18 @@ def test_another_model_put_where_the_compiled_code_looks_it_up_is_compared_with_
             fn(X)
         put(alike)
         torch.testing.assert_close(fn(X), alike(X))
+
+
+def test_an_untied_model_put_where_a_tied_one_was_is_refused():
+    """The compiled code reads the first model's tied weight once, under its first name: a model
+    put in its place whose layers have weights of their own would run with one of them twice."""
+    tied = Stack()
+    _tie_weight(tied)
+    fn, put = _rebindable("closure_variable", tied)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        fn(x)
+        put(Stack())
+        with pytest.raises(RecompileError, match=r"holds another model than at the first call: Stack's tie of "
+                                                 r"parameter layers\.2\.weight was to layers\.0\.weight"):
+            fn(x)

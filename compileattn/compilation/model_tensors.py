@@ -9,7 +9,10 @@ a model changed after its first call:
   wrong numbers, no error, wherever no argument changed with the model (token ids stay int64);
 - restructured: a submodule replaced by another (``model.norm = Norm(dtype=torch.float64)``, or an
   activation of another class), whose tensors the trace read with the old one's layout, or whose
-  forward it never traced.
+  forward it never traced;
+- untied: a tensor the model reached under two names (tied weights) is one graph input, read
+  under its first name: the second name given a tensor of its own would never be read. Which
+  tensors are the same is compared too (a tie made or undone), as the submodules are.
 
 Comparing every parameter per call would cost what the guards cost (~21 µs for a Llama's 291 even
 in torch's C++ helper, probe S18-4). So per call, two cheap looks:
@@ -103,6 +106,7 @@ class ModelTensors:
         """Every submodule's class and every parameter's and buffer's layout, by name: one walk of
         the module tree (``named_parameters`` and ``named_buffers`` would walk it twice more)."""
         found = {}
+        first_name: dict[int, str] = {}
         for name, module in model.named_modules():
             found[f"submodule {name or '(the model)'}"] = (type(module),)
             prefix = f"{name}." if name else ""
@@ -110,6 +114,9 @@ class ModelTensors:
                 for leaf, t in table.items():
                     if t is not None:
                         found[f"{kind} {prefix}{leaf}"] = _layout(t)
+                        first = first_name.setdefault(id(t), prefix + leaf)
+                        if first != prefix + leaf:
+                            found[f"tie of {kind} {prefix}{leaf}"] = (f"to {first}",)
         return found
 
     def _watch(self) -> None:
@@ -198,7 +205,7 @@ def _shown(what: tuple | None, strides: bool = False) -> str:
     if what is None:
         return "absent"
     if len(what) == 1:
-        return f"a {what[0].__qualname__}"
+        return what[0] if isinstance(what[0], str) else f"a {what[0].__qualname__}"
     dtype, device, shape, _ = what
     shown = f"{dtype} {shape} on {device}"
     if strides:
