@@ -61,6 +61,10 @@ class Counters:
     #: Of those, the ones that found a parameter replaced and dropped every CUDA graph (each size's
     #: next graph step captures them again).
     parameter_recaptures: int = 0
+    #: Graph steps whose scalar graph input (a Python float or int Dynamo passes as a 0-dim CPU
+    #: tensor, baked into a CUDA graph at capture) held another value than at its size's capture:
+    #: that size's graphs were dropped and captured again.
+    scalar_recaptures: int = 0
     #: Forward steps that ran without CUDA graphs (too many tokens, or graphs off).
     eager_steps: int = 0
     #: Calls that ran the dynamic-shape pieces without CUDA graphs or static pieces because their

@@ -194,3 +194,48 @@ def test_a_weight_sync_assigning_every_parameters_data_is_captured_again(simulat
     with ca.counters.expect(parameter_recaptures=1):
         for seqs in (decode, mixed, decode, mixed):
             assert_matches_eager(model, compiled, builder, caches, seqs, make_inputs, pad_to=4)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_a_float_attribute_that_became_a_graph_input_is_compared_by_value(simulated_graphs, mode):
+    """Two instances of a class differing in a float attribute: Dynamo recompiles with the float as
+    a graph input, a fresh 0-dim CPU tensor every call. A CUDA graph bakes such a scalar into its
+    kernel launches at capture, so its address means nothing and its value everything: the same
+    value replays (no address error), another one captures that size again instead of replaying
+    the captured value."""
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, inner, scale):
+            super().__init__()
+            self.inner, self.scale = inner, scale
+
+        def forward(self, ids, pos):
+            return self.inner(ids, pos) * self.scale
+
+    inner = OPTForCausalLM(OPTConfig.tiny(), seed=0)
+    one, half = Scaled(inner, 1.0), Scaled(inner, 0.5)  # the same weights: only the float differs
+    caches = ca.allocate_kv_caches(inner.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=16)
+    make_inputs = _mark(PersistentInputs(inner.config.vocab_size, MAX_TOKENS, mark_dynamic=False))
+    options = dict(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, piece_compiler="eager")
+    compiled = {m: torch.compile(m, backend="compileattn", fullgraph=True, options=options) for m in (one, half)}
+    decode = [ca.SequenceStep(1, 10 + i, [i]) for i in range(4)]
+    mixed = [ca.SequenceStep(1, 10, [0]), ca.SequenceStep(3, 0, [1])]
+
+    def steps(model):
+        for seqs in (decode, mixed):
+            assert_matches_eager(model, compiled[model], builder, caches, seqs, make_inputs, pad_to=4)
+
+    steps(one)  # the graph with the float specialised
+    with ca.counters.expect(dynamo_graphs=1):  # automatic dynamic: the float becomes a graph input
+        steps(half)
+    with ca.counters.expect(scalar_recaptures=0, parameter_recaptures=0, cudagraph_replays=4):
+        steps(half)  # replays of the same value: not refused for the fresh tensor's address
+        steps(half)
+    with ca.counters.expect(scalar_recaptures=1, parameter_recaptures=0):
+        steps(one)  # another value: captured again, not answered with the captured 0.5
+        steps(one)
+    with ca.counters.expect(scalar_recaptures=1):
+        steps(half)

@@ -10,6 +10,13 @@ on the first replay of every size in every mode and raises ``CudaGraphAddressErr
 
 Outputs of a replay are the graph's static tensors: they are overwritten by the next replay of
 the same size, as with any CUDA-graph runtime.
+
+A 0-dim CPU tensor input (a Python scalar Dynamo passes as a graph input) is not read by address:
+capturing reads its value on the host (``.item()``, or aten wrapping it as a scalar operand) and
+bakes it into the kernel launches, so every replay computes with the value of the capture. Such
+inputs are compared by value on the first replay; the dispatcher compares them every graph step
+and captures again for another value (``dispatch.py``). Under simulated graphs every tensor is on
+the CPU, so a model's 0-dim buffer is taken for a scalar here too.
 """
 from __future__ import annotations
 
@@ -28,17 +35,29 @@ class CudaGraphAddressError(RuntimeError):
     """A captured graph's input no longer lives at the address it was captured with."""
 
 
+def _is_scalar(a: Any) -> bool:
+    """A 0-dim CPU tensor: a captured graph holds its value, not its address (module docstring)."""
+    return isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu"
+
+
 def _tensor_layout(args: Sequence[Any]) -> list[tuple[int, int, tuple[int, ...]]]:
-    return [(i, a.data_ptr(), tuple(a.shape)) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    return [(i, a.data_ptr(), tuple(a.shape)) for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and not _is_scalar(a)]
+
+
+def _scalar_values(args: Sequence[Any]) -> list[tuple[int, Any]]:
+    return [(i, a.item()) for i, a in enumerate(args) if _is_scalar(a)]
 
 
 class CapturedGraph:
-    __slots__ = ("graph", "outputs", "layout", "checked", "name", "size", "dropped", "__weakref__")
+    __slots__ = ("graph", "outputs", "layout", "scalars", "checked", "name", "size", "dropped", "__weakref__")
 
-    def __init__(self, graph, outputs, layout, name: str, size: int):
+    def __init__(self, graph, outputs, layout, name: str, size: int, scalars=()):
         self.graph = graph
         self.outputs = outputs
         self.layout = layout
+        #: (position, value) of the 0-dim CPU inputs at capture, which the graph holds by value
+        self.scalars = scalars
         self.checked = False
         self.name = name
         self.size = size
@@ -60,6 +79,12 @@ class CapturedGraph:
                     f"{self.name}, size {self.size}: input {i} was captured with shape {shape} but has "
                     f"{now_shape}; the step's inputs must hold metadata.num_tokens tokens."
                 )
+        for i, value in self.scalars:
+            if args[i].item() != value:
+                raise CudaGraphAddressError(
+                    f"{self.name}, size {self.size}: scalar input {i} (a 0-dim CPU tensor) was captured as "
+                    f"{value!r} but is now {args[i].item()!r}; a CUDA graph replays the value it was captured with. "
+                    f"Drop this size's graph (CUDAGraphWrapper.forget) to capture it again.")
         self.checked = True
 
 
@@ -100,7 +125,7 @@ class GraphPool:
         logger.info("captured %s for %d tokens in %.1f ms (graph pool now %.1f MiB)", name, size,
                     elapsed * 1e3, self.pool_bytes() / 2**20)
         # Unchecked until its first replay: that is when a caller's moved input would bite.
-        return CapturedGraph(graph, outputs, _tensor_layout(args), name, size)
+        return CapturedGraph(graph, outputs, _tensor_layout(args), name, size, _scalar_values(args))
 
     def retire(self, graph) -> None:
         """Keep a graph that will never replay again until the next capture into this pool:
@@ -127,12 +152,15 @@ class SimulatedGraph:
     returned, so a replay hands back the same tensor objects with fresh values, as a real graph does.
     The arguments are kept as aliases of the memory they had at capture (``detach``), which a real
     graph reads: a tensor object given other storage since (``param.data = other``) is replayed
-    from its old memory, not from the new one the tensor object now shows.
+    from its old memory, not from the new one the tensor object now shows. A 0-dim CPU argument is
+    kept as a copy: a real graph holds its value at capture, and replays that whatever the tensor
+    holds since (module docstring).
     """
 
     def __init__(self, fn: Callable[..., Any], args: Sequence[Any], outputs):
         self.fn, self.outputs = fn, outputs
-        self.args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        self.args = [(a.detach().clone() if _is_scalar(a) else a.detach()) if isinstance(a, torch.Tensor) else a
+                     for a in args]
 
     def replay(self) -> None:
         fresh = self.fn(*self.args)
@@ -166,7 +194,8 @@ class SimulatedGraphPool:
         self.retired.clear()  # as GraphPool.capture
         self.inference_outputs |= torch.is_inference_mode_enabled()
         counters.cudagraph_captures += 1
-        return CapturedGraph(SimulatedGraph(fn, args, outputs), outputs, _tensor_layout(args), name, size)
+        return CapturedGraph(SimulatedGraph(fn, args, outputs), outputs, _tensor_layout(args), name, size,
+                             _scalar_values(args))
 
     def pool_bytes(self) -> int:
         return 0

@@ -49,6 +49,15 @@ it is. ``param.data = other`` and ``module.to(...)`` register nothing: a graph s
 they move the first or last parameter input, and the decorator where they move a model's first or
 last parameter (``model_tensors.py``: a conversion of the whole model raises there, moved tensors of
 the same layout bump the generation as a registration does).
+
+Scalars: a Python float or int that Dynamo made a graph input (automatic dynamic, after a second
+instance of the class read another value of an attribute) arrives as a fresh 0-dim CPU tensor every
+call. A CUDA graph does not read it by address: its value is read on the host while capturing (an
+``.item()``, or an operand aten wraps as a scalar) and baked into the kernel launches, so a replay
+computes with the value of the capture. A graph step compares these inputs by value (``.item()``,
+~0.6 µs each on a 2-core CPU box; a graph without them pays one dict lookup) with their values
+when the size's graphs were captured; another value drops that size's graphs, which the step
+captures again (``scalar_recaptures``), with or without ``check_input_addresses``.
 """
 from __future__ import annotations
 
@@ -121,8 +130,12 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         #: graph inputs (by position) a piece's graph / the full graph reads (``_inputs_read``)
         self._read_by_pieces, self._read_by_full = self._inputs_read()
         self._input_names = [n.name for n in self.split_gm.graph.nodes if n.op == "placeholder"]
+        #: graph inputs (by position) Dynamo made from a Python scalar: compared by value
+        self._scalar_inputs = self._scalars()
         #: (size, full?) -> (position, address) of its graphs' checked inputs at their capture
         self._captured_at: dict[tuple[int, bool], tuple[tuple[int, int], ...]] = {}
+        #: (size, full?) -> (position, value) of its graphs' scalar inputs at their capture
+        self._scalars_at: dict[tuple[int, bool], tuple[tuple[int, Any], ...]] = {}
         #: (position, address) of every parameter graph input when the live graphs were captured
         self._parameters_at: tuple[tuple[int, int], ...] = ()
         #: ``module_watch.generation`` when the parameters were last compared (None: no graph step yet)
@@ -146,17 +159,44 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         by_full = tuple(i for i, n in enumerate(placeholders) if n.users)
         return by_pieces, by_full
 
+    def _scalars(self) -> frozenset[int]:
+        """Positions of the graph inputs that are Python scalars passed as 0-dim CPU tensors (module
+        docstring): those Dynamo says it wrapped (``GraphArg.pass_arg_as_tensor`` of a non-tensor),
+        and, where the graph runs on a GPU, any 0-dim CPU tensor (a graph loaded from a file keeps
+        no Dynamo metadata). A model's 0-dim buffer on the CPU under simulated graphs is neither."""
+        scalars = set()
+        for i, n in enumerate(n for n in self.split_gm.graph.nodes if n.op == "placeholder"):
+            arg = n.meta.get("grapharg")
+            value = _torch_compat.node_example_value(n)
+            if arg is not None and getattr(arg, "pass_arg_as_tensor", False) and not getattr(arg, "is_tensor", True):
+                scalars.add(i)
+            elif (self.device.type != "cpu" and isinstance(value, torch.Tensor) and value.dim() == 0
+                  and value.device.type == "cpu"):
+                scalars.add(i)
+        return frozenset(scalars)
+
     def _check_addresses(self, size: int, full: bool, args) -> None:
-        """A graph step's inputs are where its graphs were captured with them (module docstring)."""
+        """A graph step's inputs are where its graphs were captured with them, and its scalar inputs
+        hold the values they were captured with (module docstring)."""
         key = (size, full)
         captured = self._captured_at.get(key)
         if captured is None:
-            if self.config.check_input_addresses:
-                read = self._read_by_full if full else self._read_by_pieces
-                self._captured_at[key] = tuple(
-                    (i, args[i].data_ptr()) for i in read
-                    if isinstance(args[i], torch.Tensor) and not isinstance(args[i], torch.nn.Parameter))
+            read = self._read_by_full if full else self._read_by_pieces
+            self._scalars_at[key] = tuple((i, args[i].item()) for i in read if i in self._scalar_inputs)
+            self._captured_at[key] = tuple(
+                (i, args[i].data_ptr()) for i in read
+                if isinstance(args[i], torch.Tensor) and not isinstance(args[i], torch.nn.Parameter)
+                and i not in self._scalar_inputs) if self.config.check_input_addresses else ()
             return
+        for i, value in self._scalars_at[key]:
+            if args[i].item() != value:
+                counters.scalar_recaptures += 1
+                logger.info("compileattn: size %d: scalar graph input %s is %r, its CUDA graphs were captured with "
+                            "%r (a replay would compute with that): capturing them again", size,
+                            self._input_names[i], args[i].item(), value)
+                self._drop_graphs((size,))
+                self._check_addresses(size, full, args)  # records this step's, whose graphs it captures
+                return
         for i, ptr in captured:
             if args[i].data_ptr() != ptr:
                 raise cudagraph.CudaGraphAddressError(
@@ -429,8 +469,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                 graphs.forget(size)
             if self._full is not None:
                 self._full.forget(size)
-            self._captured_at.pop((size, False), None)
-            self._captured_at.pop((size, True), None)
+            for full in (False, True):
+                self._captured_at.pop((size, full), None)
+                self._scalars_at.pop((size, full), None)
         if sizes:
             self.replayed = None
 
