@@ -346,6 +346,65 @@ def test_a_written_tensor_may_not_come_to_share_memory_with_another_argument(pat
     assert torch.equal(h(torch.zeros(4), torch.ones(4)), torch.ones(4))
 
 
+class _OneLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _scaled_then_applied(m: nn.Module, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    w.mul_(2)
+    return m(x)
+
+
+@pytest.mark.parametrize("path", ["aot", "frame"])
+def test_a_written_tensor_may_not_come_to_share_memory_with_a_models_parameter(path, monkeypatch):
+    """Traced with a tensor of its own, ``w`` and ``m.lin.weight`` are two graph inputs: passing
+    the parameter as ``w`` later, the compiled code computed ``m(x)`` from the weight before the
+    write (eager: after it). Refused before anything runs, views of the parameter too; the other
+    way round (the parameter on the first call, one graph input) ``held_elsewhere`` keeps it the
+    parameter, and a view of it written on the first call is refused by the compile."""
+    if path == "frame":
+        from compileattn import _torch_compat
+
+        def unavailable(*args, **kwargs):
+            raise _torch_compat.AotUnsupported("the frame path in this test")
+
+        monkeypatch.setattr(_torch_compat, "aot_compile", unavailable)
+    config = compileattn.CompileConfig(piece_compiler="inductor", compile_workers=0)
+    torch.manual_seed(0)
+    m, x = _OneLinear(), torch.randn(2, 4)
+    f = compileattn.compile(dynamic_arg_dims={}, config=config)(_scaled_then_applied)
+    assert torch.allclose(f(m, torch.ones(4, 4), x), m(x))
+    weight = m.lin.weight.clone()
+    for w in (m.lin.weight, m.lin.weight.view(4, 4), m.lin.weight.detach()):
+        with pytest.raises(RecompileError, match=r"argument 'w', which the compiled code writes into, shares "
+                                                 r"memory with _OneLinear's parameter 'lin.weight'; on the first "
+                                                 r"call it shared none"):
+            f(m, w, x)
+        assert torch.equal(m.lin.weight, weight), "refused before anything ran"
+    assert torch.allclose(f(m, torch.ones(4, 4), x), m(x))
+    m.lin.weight = nn.Parameter(torch.randn(4, 4), requires_grad=False)  # registered: looked at again
+    with pytest.raises(RecompileError, match=r"shares memory with _OneLinear's parameter 'lin.weight'"):
+        f(m, m.lin.weight, x)
+
+    m = _OneLinear()
+    eager = _OneLinear()
+    eager.load_state_dict(m.state_dict())
+    g = compileattn.compile(dynamic_arg_dims={}, config=config)(_scaled_then_applied)
+    assert torch.allclose(g(m, m.lin.weight, x), _scaled_then_applied(eager, eager.lin.weight, x))
+    assert torch.allclose(g(m, m.lin.weight, x), _scaled_then_applied(eager, eager.lin.weight, x))
+    with pytest.raises(RecompileError, match=r"argument 'w' was the same tensor as _OneLinear's parameter "
+                                             r"'lin.weight' on the first call, now is another"):
+        g(m, torch.ones(4, 4), x)
+    h = compileattn.compile(dynamic_arg_dims={}, config=config)(_scaled_then_applied)
+    with pytest.raises(Exception, match=r"share memory and the compiled code writes it \(mul_\)"):
+        h(m, m.lin.weight.view(4, 4), x)
+
+
 def test_the_first_calls_overlaps_are_part_of_the_warm_start_key():
     """A file traced for distinct tensors must not serve a process whose first call overlaps them
     (its own first call sets the overlaps it checks later)."""

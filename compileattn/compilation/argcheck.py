@@ -10,7 +10,8 @@ arguments were one and the same tensor (Dynamo traces such a tensor as one graph
 call passing two tensors there would have both read from the first), also with a tensor held
 outside the arguments (a model's parameter, a global: ``held_elsewhere``), and which were distinct (traced as two inputs: one tensor passed for both
 would not see the compiled code's write into the other, checked for the tensors the first call
-wrote into, or may have: inference-mode tensors have no version counter); and, once the compile
+wrote into, or may have: inference-mode tensors have no version counter), whether such a tensor
+newly shares memory with a model's parameter or buffer (``ModelTensors.storages``); and, once the compile
 is done, what it assumed of the dynamic sizes (``size_guards.py``). torch's own guard filters
 cannot replace it: ``keep_tensor_guards_unsafe`` checks tensors but not scalar values or grad mode, and
 its failure is a ``RuntimeError`` naming ``L['x']`` from inside the guard manager; a change must
@@ -34,7 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from ..validation import overlaps
+from ..validation import byte_layout, layouts_overlap, overlaps
 from .size_guards import SizeGuards
 
 
@@ -718,7 +719,10 @@ class ArgChecker:
 
     def __init__(self, sig: inspect.Signature, bound_self: bool, specs: dict[str, Any], grad_enabled: bool,
                  tensors: tuple[tuple[tuple, ...], ...] = (), overlapping: frozenset[tuple[int, int]] = frozenset(),
-                 held: tuple[tuple[tuple, str, Callable[[], Any]], ...] = ()):
+                 held: tuple[tuple[tuple, str, Callable[[], Any]], ...] = (),
+                 model_storages: Callable[[], Mapping[int, list]] | None = None):
+        """``model_storages``: the models' parameters and buffers by storage
+        (``ModelTensors.storages``), which a written argument must not come to share."""
         self._sig = sig
         self._bound_self = bound_self
         self._specs = specs
@@ -732,6 +736,7 @@ class ArgChecker:
         #: (path, where, read) of each argument tensor of the first call that was also held outside
         #: the arguments (``held_elsewhere``): later calls must pass what ``read()`` holds then
         self._held = held
+        self._model_storages = model_storages
         #: indices into ``_tensors`` of the tensors the compiled code writes into, and of those it may
         #: (no version counter to tell: inference-mode tensors), from the first call (``noting_writes``)
         self._written: frozenset[int] = frozenset()
@@ -795,7 +800,7 @@ class ArgChecker:
         layout = self._plans.get(key)
         if layout is None:
             layout = self._plans[key] = self._plan(args, kwargs)
-        plan, sizes_hold, same, distinct, held = layout
+        plan, sizes_hold, same, distinct, held, written = layout
         for src, name, spec in plan:
             v = args[src] if src.__class__ is int else kwargs[src]
             if not spec.matches(v):
@@ -807,6 +812,8 @@ class ArgChecker:
             if len(ids) < len(places):
                 self._refuse_written_alias(places, args, kwargs)
             self._check_written_overlaps(places, args, kwargs)
+        if written:
+            self._check_written_model_tensors(written, args, kwargs)
         for group in same:
             first = self._value(group[0], args, kwargs)
             for place in group[1:]:
@@ -866,6 +873,36 @@ class ArgChecker:
                                          f"share no memory (clone one), or compile a separate instance for this "
                                          f"variant.")
 
+    def _check_written_model_tensors(self, written: list, args: tuple, kwargs: dict) -> None:
+        """A tensor the compiled code writes shares no memory with a model's parameter or buffer
+        (``ModelTensors.storages``) unless it was that tensor on the first call (``held_elsewhere``:
+        one graph input). Traced as distinct inputs, the compiled code reads the model's tensor as
+        it was before the write: ``w.mul_(2); m(x)`` with ``m.lin.weight`` passed as ``w`` returned
+        ``m(x)`` of the old weight (eager: of the doubled one). A view of a model's tensor written
+        on the first call is refused by the compile (``piecewise.refuse_written_overlapping_inputs``:
+        parameters are graph inputs too). Paid only by functions that write an argument: a storage
+        address and a dict lookup per written argument (~1.7 µs each on the loaded 2-core CPU box), more only
+        where it shares a storage with a model's tensor."""
+        storages = self._model_storages()
+        if not storages:
+            return
+        for place in written:
+            t = self._value(place, args, kwargs)
+            try:
+                members = storages.get(t.untyped_storage().data_ptr())
+            except RuntimeError:  # no storage (a wrapper subclass): nothing to share
+                continue
+            if not members:
+                continue
+            layout = byte_layout(t)
+            for device, held, name in members:
+                if device == t.device and layouts_overlap(held, layout):
+                    raise RecompileError(f"compileattn.compile: argument {_shown_path(place[1])!r}, which the compiled "
+                                         f"code writes into, shares memory with {name}; on the first call it shared "
+                                         f"none, and the compiled code reads the model's tensor as another input, "
+                                         f"without the write (torch.compile's guards miss this too). Pass a tensor "
+                                         f"of its own (clone it), or compile a separate instance for this variant.")
+
     def _value(self, place: tuple, args: tuple, kwargs: dict) -> Any:
         """The object at ``place``: (position, keyword, or None for an argument left at its default;
         the path of argument name and container keys)."""
@@ -880,7 +917,7 @@ class ArgChecker:
             v = v[key]
         return v
 
-    def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, tuple | None]:
+    def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, tuple | None, list, list]:
         names = _argument_names(self._sig, self._bound_self, args, kwargs)
         plan = [(src, name, self._specs[name]) for src, name in names if name in self._specs]
         where = dict((name, src) for src, name in names)
@@ -906,10 +943,15 @@ class ArgChecker:
                 raise recompile_error(name, f"now left at its default ({spec.explain(param.default)})")
         self._check_var_keyword_order(names)
         held = [((where.get(path[0]), path), held_where, read) for path, held_where, read in self._held]
+        # written tensors that were not a model's own on the first call (``_check_written_model_tensors``)
+        one_input = {path for path, _, _ in self._held}
+        written = [groups[i][0] for i in sorted(self._written)
+                   if self._model_storages is not None and groups[i][0][1] not in one_input]
         if self._size_guards is None:
-            return plan, None, same, distinct, held
+            return plan, None, same, distinct, held, written
         defaults = {name: self._sig.parameters[name].default for name in self._specs if name not in passed}
-        return plan, self._size_guards.checker({name: src for src, name in names}, defaults), same, distinct, held
+        return (plan, self._size_guards.checker({name: src for src, name in names}, defaults), same, distinct, held,
+                written)
 
     def _check_var_keyword_order(self, names: list) -> None:
         """``**kw``'s keys in the first call's order: its items are checked by name, but the trace

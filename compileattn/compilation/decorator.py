@@ -269,10 +269,10 @@ class _Site:
                 if self.fast is None:
                     return self._compile(full_args, args, kwargs)
                 fast = self.fast
+        if self.tensors is not None:  # first: the argument check reads its storages (``ModelTensors.storages``)
+            self.tensors.check()
         if self.checker is not None:
             self.checker.check(args, kwargs)
-        if self.tensors is not None:
-            self.tensors.check()
         direct = self.direct
         if direct is not None:
             out = direct.step(args, kwargs)
@@ -300,7 +300,7 @@ class _Site:
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
                                                       for name, v in values.items()}, torch.is_grad_enabled(),
                              places, overlapping_tensors(values, places),
-                             held_elsewhere(values, places, models, fn, instance))
+                             held_elsewhere(values, places, models, fn, instance), self.tensors.storages)
         start = time.perf_counter()
         kernel_warmup.settle_cache_dir()
         path = None

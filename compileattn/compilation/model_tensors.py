@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import module_watch
+from ..validation import byte_layout
 from .argcheck import RecompileError
 
 
@@ -77,7 +78,7 @@ class ModelTensors:
     modules among its arguments and closure, module globals its code reads, and those objects among
     them hold: ``argcheck.modules_in``), as the first call saw them. Holds the modules weakly."""
 
-    __slots__ = ("_models", "_watched", "_generation", "_bindings")
+    __slots__ = ("_models", "_watched", "_generation", "_bindings", "_storages")
 
     def __init__(self, models: Iterable[torch.nn.Module],
                  bindings: Iterable[tuple[str, Callable[[], Any], torch.nn.Module]] = ()):
@@ -97,6 +98,8 @@ class ModelTensors:
         self._bindings = tuple((name, read, weakref.ref(model), index[id(model)]) for name, read, model in bindings)
         #: (weakref to the owning module, its table, the tensor's name, address at the first call)
         self._watched: tuple[tuple[weakref.ref, str, str, int], ...] = ()
+        #: ``storages()``, built when first asked for; None again whenever ``_watch`` runs
+        self._storages: dict[int, list[tuple[torch.device, tuple, str]]] | None = None
         self._watch()
         #: ``module_watch.generation`` when the models were last compared
         self._generation = module_watch.generation
@@ -119,7 +122,29 @@ class ModelTensors:
                             found[f"tie of {kind} {prefix}{leaf}"] = (f"to {first}",)
         return found
 
+    def storages(self) -> dict[int, list[tuple[torch.device, tuple, str]]]:
+        """Storage address -> (device, ``byte_layout``, what it is) of each parameter and buffer of
+        the models: what a written argument must not come to share (``ArgChecker``). Built when
+        first asked for (only functions that write an argument ask), and again after ``check``
+        found a registration or a watched tensor moved; between, ``param.data = w`` on a tensor
+        that is not watched goes unseen (module docstring)."""
+        if self._storages is None:
+            found: dict[int, list[tuple[torch.device, tuple, str]]] = {}
+            for ref, _ in self._models:
+                model = ref()
+                if model is None:
+                    continue
+                for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
+                    for name, t in named():
+                        address = _address(t) if t.numel() else None
+                        if address:  # storage of its own: not a wrapper subclass, a meta or an empty tensor
+                            found.setdefault(t.untyped_storage().data_ptr(), []).append(
+                                (t.device, byte_layout(t), f"{type(model).__qualname__}'s {kind} {name!r}"))
+            self._storages = found
+        return self._storages
+
     def _watch(self) -> None:
+        self._storages = None
         watched = []
         for ref, _ in self._models:
             model = ref()
