@@ -451,16 +451,9 @@ def overlapping_tensors(values: Mapping[str, Any], places: tuple[tuple[tuple, ..
     may read one after writing the other, or before (Inductor orders by its buffers, not by
     memory; a functionalized write lands at the end): a tensor the compiled code writes may share
     memory with no argument it did not share it with on the first call (``ArgChecker.check``)."""
-    tensors = [_leaf(values, group[0]) for group in places]
+    tensors = [_item(values, group[0]) for group in places]
     return frozenset((i, j) for i in range(len(tensors)) for j in range(i + 1, len(tensors))
                      if overlaps(tensors[i], tensors[j]))
-
-
-def _leaf(values: Mapping[str, Any], path: tuple) -> Any:
-    v = values[path[0]]
-    for key in path[1:]:
-        v = v[key]
-    return v
 
 
 def leaves(v: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
@@ -623,7 +616,7 @@ def held_elsewhere(values: Mapping[str, Any], places: tuple[tuple[tuple, ...], .
     in two places as one graph input, which the compiled code reads from one of them for both
     (``ArgChecker.check``: a later call must pass what is held there then). Looked for once, at the
     first call; per call nothing where none was found, else one identity per such argument."""
-    firsts = [(group[0], _leaf(values, group[0])) for group in places]
+    firsts = [(group[0], _item(values, group[0])) for group in places]
     wanted = {id(t) for _, t in firsts}
     found: dict[int, tuple[str, Callable[[], Any]]] = {}
 
@@ -672,6 +665,7 @@ def _keys(path: tuple) -> str:
 
 
 def _item(v: Any, path: tuple) -> Any:
+    """What ``v`` holds at ``path`` (container keys; the arguments by name: a ``tensor_places`` path)."""
     for key in path:
         v = v[key]
     return v
