@@ -423,7 +423,8 @@ def test_the_first_calls_overlaps_are_part_of_the_warm_start_key():
 def test_an_argument_held_elsewhere_is_part_of_the_warm_start_key():
     """A file traced with an argument that was also a model's parameter (one graph input) must not
     serve a process whose first call passes another tensor there, nor the other way round."""
-    from compileattn.compilation.argcheck import ArgChecker, held_elsewhere, spec_of, tensor_places
+    from compileattn.compilation.argcheck import ArgChecker, spec_of, tensor_places
+    from compileattn.compilation.reach import held_elsewhere
 
     def key(m, w):
         values = {"m": m, "w": w}

@@ -81,11 +81,9 @@ import torch
 from .. import _torch_compat
 from ..config import CompileConfig
 from . import compile_pool, kernel_warmup, regions, warm_start
-from .argcheck import (
-    ArgChecker, RecompileError, all_arguments, closure_values, global_modules, held_elsewhere, model_bindings,
-    modules_in, overlapping_tensors, spec_of, tensor_places,
-)
+from .argcheck import ArgChecker, RecompileError, all_arguments, overlapping_tensors, spec_of, tensor_places
 from .model_tensors import ModelTensors
+from .reach import closure_values, global_modules, held_elsewhere, model_bindings, modules_in
 from .replay import MISS, FullStepShortcut, graph_call_of
 from .size_guards import SizeGuards, UncheckableGuard
 

@@ -35,7 +35,7 @@ reads the new tensors by itself, and CUDA-graph steps are told to compare their 
 
 Another model put where the compiled code looks its model up at every call (a closure variable
 of the decorated function, an attribute of a decorated method's instance that is not a module:
-``argcheck.model_bindings``) is compared alike, per call one identity each.
+``reach.model_bindings``) is compared alike, per call one identity each.
 
 A conversion of part of a model (``model.layers[3].half()``) moves neither watched tensor and
 registers nothing, but goes through ``Module._apply``, which ``module_watch`` counts like a
@@ -76,14 +76,14 @@ def _layout(t: torch.Tensor) -> tuple:
 class ModelTensors:
     """The submodules, parameters and buffers of the modules a compile baked in (the instance,
     modules among its arguments and closure, module globals its code reads, and those objects among
-    them hold: ``argcheck.modules_in``), as the first call saw them. Holds the modules weakly."""
+    them hold: ``reach.modules_in``), as the first call saw them. Holds the modules weakly."""
 
     __slots__ = ("_models", "_watched", "_generation", "_bindings", "_storages")
 
     def __init__(self, models: Iterable[torch.nn.Module],
                  bindings: Iterable[tuple[str, Callable[[], Any], torch.nn.Module]] = ()):
         """``bindings``: where the compiled code looks a model up again at each call
-        (``argcheck.model_bindings``): another model put there is compared with the first call's."""
+        (``reach.model_bindings``): another model put there is compared with the first call's."""
         module_watch.start()  # a submodule replaced from now on is counted
         #: (weakref to the model, {"submodule name" / "parameter name" / "buffer name": what it was}) per
         #: distinct model

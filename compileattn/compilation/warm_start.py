@@ -51,7 +51,7 @@ import torch
 
 from .. import _torch_compat
 from ..config import CompileConfig
-from . import argcheck
+from . import argcheck, reach
 from .cache import compileattn_source_digest, environment_key, save_or_log, secure_dir
 from .size_guards import SizeGuards
 
@@ -109,7 +109,7 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
                 f"{_fingerprint(value.keywords, depth - 1)})")
     code = getattr(value, "__code__", None)
     if code is not None:  # a function (or a bound method's function, below)
-        cells = [_fingerprint(c.cell_contents, depth - 1) if argcheck.cell_filled(c) else "<empty>"
+        cells = [_fingerprint(c.cell_contents, depth - 1) if reach.cell_filled(c) else "<empty>"
                  for c in (getattr(value, "__closure__", None) or ())]
         defaults = (getattr(value, "__defaults__", None), getattr(value, "__kwdefaults__", None))
         owner = getattr(value, "__self__", None)
@@ -212,7 +212,7 @@ def closure_fingerprint(fn: Callable) -> Iterable[str]:
     functions made by one factory share their source lines), and a module among them (in
     containers too) as the model it is."""
     yield f"function={_fingerprint(fn, depth=5)}"  # its cells and defaults at the depth of a value
-    for i, module in enumerate(argcheck.modules_in(argcheck.closure_values(fn))):
+    for i, module in enumerate(reach.modules_in(reach.closure_values(fn))):
         yield f"closure module {i}:"
         yield from module_fingerprint(module)
 
@@ -236,7 +236,7 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
     for value in values:
         parts.extend(f"object={_fingerprint(leaf)}" for _, leaf in argcheck.leaves(value)
                      if not isinstance(leaf, (torch.nn.Module, torch.Tensor)))
-    for module in argcheck.modules_in(values):
+    for module in reach.modules_in(values):
         parts.extend(module_fingerprint(module))
     parts.extend(global_hooks_fingerprint())
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
@@ -435,7 +435,7 @@ def frame_locals(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     arguments (defaults applied) and the closure variables."""
     names = fn.__code__.co_freevars
     f_locals = {name: cell.cell_contents for name, cell in zip(names, fn.__closure__ or ())
-                if argcheck.cell_filled(cell)}
+                if reach.cell_filled(cell)}
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     f_locals.update(bound.arguments)
