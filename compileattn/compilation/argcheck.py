@@ -10,10 +10,10 @@ arguments were one and the same tensor (Dynamo traces such a tensor as one graph
 call passing two tensors there would have both read from the first), also with a tensor held
 outside the arguments (a model's parameter, a global: ``reach.held_elsewhere``), and which were
 distinct (traced as two inputs: one tensor passed for both would not see the compiled code's
-write into the other, checked for the tensors the first call
-wrote into, or may have: inference-mode tensors have no version counter), whether such a tensor
-newly shares memory with a model's parameter or buffer (``ModelTensors.storages``); and, once the compile
-is done, what it assumed of the dynamic sizes (``size_guards.py``). torch's own guard filters
+write into the other, checked for the tensors the first call wrote into, or may have:
+inference-mode tensors have no version counter), whether such a tensor newly shares memory with
+a model's parameter or buffer (``ModelTensors.storages``); and, once the compile is done, what
+it assumed of the dynamic sizes (``size_guards.py``). torch's own guard filters
 cannot replace it: ``keep_tensor_guards_unsafe`` checks tensors but not scalar values or grad mode, and
 its failure is a ``RuntimeError`` naming ``L['x']`` from inside the guard manager; a change must
 instead raise ``RecompileError`` naming the argument, before any kernel runs (with no check at all,

@@ -315,7 +315,7 @@ class BakedValues:
         ``hf/kernel_wrappers.py``), set alike in every trace: not kept. Raises ``Unrecheckable``
         for a name no later process could evaluate or a value it could not compare: a warm start
         would be served unchecked against it."""
-        names = {**_torch_compat.guard_name_scope(), "G": scope, "__builtins__": builtins}
+        names = _guard_names(scope)
         kept: dict[str, Any] = {}
         for name, value in entries:
             if name.startswith(_OWN_STATE):
@@ -335,7 +335,7 @@ class BakedValues:
     def first_difference(self, scope: dict, f_locals: dict) -> str | None:
         """None if every value reads the same in the frame of ``f_locals`` (``G``: ``scope``, the
         compiled code's globals), else the first that does not, as text."""
-        names = {**_torch_compat.guard_name_scope(), "G": scope, "__builtins__": builtins}
+        names = _guard_names(scope)
         for name, value in self.entries:
             try:
                 now = eval(name, names, f_locals)  # noqa: S307 (Dynamo's source names: attribute and item reads)
@@ -344,6 +344,12 @@ class BakedValues:
             if not _same(now, value):
                 return f"{name} is {now!r}, was {value!r}"
         return None
+
+
+def _guard_names(scope: dict) -> dict[str, Any]:
+    """The globals a Dynamo source name is evaluated with (its helpers, ``G``: the compiled code's
+    globals ``scope``); the frame's locals are the other mapping."""
+    return {**_torch_compat.guard_name_scope(), "G": scope, "__builtins__": builtins}
 
 
 def baked_values(entries: list[tuple[str, Any]], aot_fn, fn: Callable, args: tuple, kwargs: dict,
