@@ -65,6 +65,9 @@ class Counters:
     #: tensor, baked into a CUDA graph at capture) held another value than at its size's capture:
     #: that size's graphs were dropped and captured again.
     scalar_recaptures: int = 0
+    #: Dispatchers that stopped capturing CUDA graphs because a scalar graph input kept changing
+    #: (``dispatch.SCALAR_RECAPTURES_BEFORE_EAGER``): their steps run the compiled pieces eagerly.
+    scalar_graphs_off: int = 0
     #: Forward steps that ran without CUDA graphs (too many tokens, or graphs off).
     eager_steps: int = 0
     #: Calls that ran the dynamic-shape pieces without CUDA graphs or static pieces because their

@@ -7,6 +7,7 @@ tested on the GPU in tests/test_cudagraph.py; what it shows here, on every CI ru
 runtime's choice of mode per step, its replay/capture counting, padding, and graphs for a graph
 with no symbolic token dim (Dynamo's 1-token specialisation), whose absence the H200 caught first.
 """
+import logging
 import random
 
 import pytest
@@ -239,3 +240,47 @@ def test_a_float_attribute_that_became_a_graph_input_is_compared_by_value(simula
         steps(one)
     with ca.counters.expect(scalar_recaptures=1):
         steps(half)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_a_scalar_input_that_keeps_changing_stops_the_captures(simulated_graphs, mode, caplog):
+    """A scalar graph input changing step after step (here a step counter a forward reads) would
+    capture every step; after ``SCALAR_RECAPTURES_BEFORE_EAGER`` captures the dispatcher runs the
+    compiled pieces without graphs, still answering with each step's value, and says so once."""
+    from compileattn.compilation import dispatch
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    class Stepped(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.step = inner, 0.0
+
+        def forward(self, ids, pos):
+            return self.inner(ids, pos) * (1.0 + self.step)
+
+    inner = OPTForCausalLM(OPTConfig.tiny(), seed=0)
+    model = Stepped(inner)
+    caches = ca.allocate_kv_caches(inner.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=16)
+    make_inputs = _mark(PersistentInputs(inner.config.vocab_size, MAX_TOKENS, mark_dynamic=False))
+    compiled = torch.compile(model, backend="compileattn", fullgraph=True,
+                             options=dict(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, piece_compiler="eager"))
+    decode = [ca.SequenceStep(1, 10 + i, [i]) for i in range(4)]
+
+    def step(value):
+        model.step = value
+        assert_matches_eager(model, compiled, builder, caches, decode, make_inputs, pad_to=4)
+
+    step(0.0)
+    step(0.5)  # automatic dynamic: the float becomes a graph input; captured with 0.5
+    limit = dispatch.SCALAR_RECAPTURES_BEFORE_EAGER
+    with ca.counters.expect(scalar_recaptures=limit, scalar_graphs_off=0):
+        for i in range(limit):
+            step(1.0 + i)
+    with caplog.at_level(logging.WARNING, logger="compileattn"), \
+            ca.counters.expect(scalar_recaptures=0, scalar_graphs_off=1, cudagraph_captures=0, cudagraph_replays=0,
+                               eager_steps=limit + 1):
+        for i in range(limit + 1):
+            step(10.0 + i)  # each value answered, none captured
+    assert sum("without CUDA graphs" in r.getMessage() for r in caplog.records) == 1

@@ -57,7 +57,12 @@ call. A CUDA graph does not read it by address: its value is read on the host wh
 computes with the value of the capture. A graph step compares these inputs by value (``.item()``,
 ~0.6 µs each on a 2-core CPU box; a graph without them pays one dict lookup) with their values
 when the size's graphs were captured; another value drops that size's graphs, which the step
-captures again (``scalar_recaptures``), with or without ``check_input_addresses``.
+captures again (``scalar_recaptures``), with or without ``check_input_addresses``. A scalar that
+keeps changing (a step counter, two instances of a class stepped in turn) would capture every step,
+a capture costing ms of host time and a replay's worth of graph memory churned; after
+``SCALAR_RECAPTURES_BEFORE_EAGER`` such captures the dispatcher stops capturing and runs its steps
+through the compiled pieces without graphs (``scalar_graphs_off``, a WARNING naming the input), as
+``torch.compile``'s own CUDA graphs skip a graph with CPU scalar inputs.
 """
 from __future__ import annotations
 
@@ -73,6 +78,9 @@ from . import cudagraph, module_watch
 from .piecewise import CompiledSplit
 
 logger = logging.getLogger("compileattn")
+
+#: Captures for a changed scalar input a dispatcher makes before it stops capturing (module docstring).
+SCALAR_RECAPTURES_BEFORE_EAGER = 3
 
 
 class StepDispatcher(_torch_compat.serializable_callable_base()):
@@ -136,6 +144,10 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self._captured_at: dict[tuple[int, bool], tuple[tuple[int, int], ...]] = {}
         #: (size, full?) -> (position, value) of its graphs' scalar inputs at their capture
         self._scalars_at: dict[tuple[int, bool], tuple[tuple[int, Any], ...]] = {}
+        #: captures made so far because a scalar input changed; past the bound, no graph steps
+        self._scalar_recaptures = 0
+        #: set once a scalar input changed past that bound: every step runs without graphs
+        self._graphs_stopped = False
         #: (position, address) of every parameter graph input when the live graphs were captured
         self._parameters_at: tuple[tuple[int, int], ...] = ()
         #: ``module_watch.generation`` when the parameters were last compared (None: no graph step yet)
@@ -175,9 +187,10 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                 scalars.add(i)
         return frozenset(scalars)
 
-    def _check_addresses(self, size: int, full: bool, args) -> None:
+    def _check_addresses(self, size: int, full: bool, args) -> bool:
         """A graph step's inputs are where its graphs were captured with them, and its scalar inputs
-        hold the values they were captured with (module docstring)."""
+        hold the values they were captured with (module docstring). False: the step runs without
+        graphs, a scalar input having changed too often to capture again."""
         key = (size, full)
         captured = self._captured_at.get(key)
         if captured is None:
@@ -187,16 +200,19 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                 (i, args[i].data_ptr()) for i in read
                 if isinstance(args[i], torch.Tensor) and not isinstance(args[i], torch.nn.Parameter)
                 and i not in self._scalar_inputs) if self.config.check_input_addresses else ()
-            return
+            return True
         for i, value in self._scalars_at[key]:
             if args[i].item() != value:
+                self._drop_graphs((size,))
+                if self._scalar_recaptures >= SCALAR_RECAPTURES_BEFORE_EAGER:
+                    self._stop_graphs_for_scalar(self._input_names[i])
+                    return False
+                self._scalar_recaptures += 1
                 counters.scalar_recaptures += 1
                 logger.info("compileattn: size %d: scalar graph input %s is %r, its CUDA graphs were captured with "
                             "%r (a replay would compute with that): capturing them again", size,
                             self._input_names[i], args[i].item(), value)
-                self._drop_graphs((size,))
-                self._check_addresses(size, full, args)  # records this step's, whose graphs it captures
-                return
+                return self._check_addresses(size, full, args)  # records this step's, whose graphs it captures
         for i, ptr in captured:
             if args[i].data_ptr() != ptr:
                 raise cudagraph.CudaGraphAddressError(
@@ -206,8 +222,19 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                     f"memory. Pass inputs that live in persistent buffers (slice views of one preallocated tensor), "
                     f"or turn CUDA graphs off. A module's buffer replaced after capture is refused alike: update it "
                     f"in place (buffer.copy_(new)).")
+        return True
 
-    def _recheck_after_registrations(self, size: int, full: bool, args, generation: int) -> None:
+    def _stop_graphs_for_scalar(self, name: str) -> None:
+        """No more CUDA graphs for this dispatcher: a scalar input changed more often than a capture
+        pays for (module docstring)."""
+        self._graphs_stopped = True
+        self._drop_graphs(self.capture_sizes)
+        counters.scalar_graphs_off += 1
+        logger.warning("compileattn: scalar graph input %s changed after %d captures for it: its steps run "
+                       "without CUDA graphs from now on (a CUDA graph bakes a Python scalar in at capture). Keep "
+                       "the value in a tensor (a buffer) to have graphs again", name, self._scalar_recaptures)
+
+    def _recheck_after_registrations(self, size: int, full: bool, args, generation: int) -> bool:
         """A module registered a parameter, buffer or submodule since the last graph step, or the
         first or last parameter input moved (``_parameters_moved``), or this is the first one:
         compare every parameter input with its address at capture, and drop
@@ -229,8 +256,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                 self._drop_graphs(self.capture_sizes)
         self._parameters_at = now
         self._watched_parameters = (now[0], now[-1]) if now else ()
-        self._check_addresses(size, full, args)
+        graphs = self._check_addresses(size, full, args)
         self._watched_generation = generation
+        return graphs
 
     def _parameters_moved(self, args) -> bool:
         """Whether the first or last parameter graph input is not where it was at the last
@@ -359,7 +387,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         if self.mode == "none" and not self.static:
             counters.eager_steps += 1
             return self._forward(*args)
-        graphs = self.mode != "none" and size in self.capture_sizes
+        graphs = self.mode != "none" and size in self.capture_sizes and not self._graphs_stopped
         if graphs and self.pool is not None and self.pool.inference_outputs and not torch.is_inference_mode_enabled():
             with torch.inference_mode():  # graphs captured in it made inference tensors (``GraphPool``)
                 return self._step(ctx, size, args)
@@ -369,9 +397,10 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                     and ctx.table.capturable)
             generation = module_watch.generation
             if generation != self._watched_generation or self._parameters_moved(args):
-                self._recheck_after_registrations(size, full, args, generation)
+                graphs = self._recheck_after_registrations(size, full, args, generation)
             else:
-                self._check_addresses(size, full, args)
+                graphs = self._check_addresses(size, full, args)
+        if graphs:
             counters.cudagraph_replays += 1
             if full:
                 out = self._run_full(size, args)
