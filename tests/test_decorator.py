@@ -405,6 +405,53 @@ def test_a_written_tensor_may_not_come_to_share_memory_with_a_models_parameter(p
         h(m, m.lin.weight.view(4, 4), x)
 
 
+_GLOBAL_TABLE = torch.arange(8.0)
+
+
+def _incremented_then_added_to_the_global(x: torch.Tensor) -> torch.Tensor:
+    x.add_(1)
+    return x + _GLOBAL_TABLE[:4]
+
+
+@pytest.mark.parametrize("held", ["global", "closure"])
+def test_a_written_tensor_may_not_come_to_share_memory_with_a_global_or_closure_tensor(held):
+    """A tensor global or closure variable the code reads is a graph input of its own: passing it,
+    or a view of it, as the written argument later, the compiled code read it as it was before the
+    write (eager: after it). Refused before anything runs; read again at each call, so a global
+    rebound since the first call is the one compared."""
+    global _GLOBAL_TABLE
+    config = compileattn.CompileConfig(piece_compiler="inductor", compile_workers=0)
+    if held == "global":
+        _GLOBAL_TABLE = torch.arange(8.0)
+        fn = _incremented_then_added_to_the_global
+
+        def table():
+            return _GLOBAL_TABLE
+    else:
+        closed = torch.arange(8.0)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            x.add_(1)
+            return x + closed[:4]
+
+        def table():
+            return closed
+    f = compileattn.compile(dynamic_arg_dims={}, config=config)(fn)
+    assert torch.equal(f(torch.zeros(4)), torch.arange(4.0) + 1)
+    for view in (table()[:4], table()[2:6]):
+        with pytest.raises(RecompileError, match=rf"argument 'x', which the compiled code writes into, shares "
+                                                 rf"memory with (global '_GLOBAL_TABLE'|closure variable 'closed')"):
+            f(view)
+        assert torch.equal(table(), torch.arange(8.0)), "refused before anything ran"
+    assert torch.equal(f(torch.zeros(4)), torch.arange(4.0) + 1)
+    if held == "global":
+        old = _GLOBAL_TABLE
+        _GLOBAL_TABLE = torch.arange(8.0)  # rebound: the new one is what the compiled code reads
+        with pytest.raises(RecompileError, match="shares memory with global '_GLOBAL_TABLE'"):
+            f(_GLOBAL_TABLE[:4])
+        assert torch.equal(f(old[4:]), torch.arange(4.0, 8.0) + 1 + torch.arange(4.0))
+
+
 def test_the_first_calls_overlaps_are_part_of_the_warm_start_key():
     """A file traced for distinct tensors must not serve a process whose first call overlaps them
     (its own first call sets the overlaps it checks later)."""
@@ -424,14 +471,14 @@ def test_an_argument_held_elsewhere_is_part_of_the_warm_start_key():
     """A file traced with an argument that was also a model's parameter (one graph input) must not
     serve a process whose first call passes another tensor there, nor the other way round."""
     from compileattn.compilation.argcheck import ArgChecker, spec_of, tensor_places
-    from compileattn.compilation.reach import held_elsewhere
+    from compileattn.compilation.reach import held_elsewhere, tensors_reached
 
     def key(m, w):
         values = {"m": m, "w": w}
         places = tensor_places(values)
         specs = {n: spec_of(v, ()) for n, v in values.items()}
         return ArgChecker(inspect.signature(lambda m, w: None), False, specs, False, places,
-                          held=held_elsewhere(values, places, [m], None)).key()
+                          held=held_elsewhere(values, places, tensors_reached([m], None))).key()
 
     lin = nn.Linear(2, 2).requires_grad_(False)
     assert key(lin, lin.weight) != key(lin, torch.zeros(2, 2)) == key(lin, torch.ones(2, 2))

@@ -806,3 +806,36 @@ def test_cuda_warm_start_with_inductor_pieces(tmp_path):
     assert cold["err"] < 5e-2 and warm["err"] < 5e-2
     # the attention kernels the cold run compiled are found where it put them
     assert not [k for k in warm["generated"] if k.startswith("compileattn.")], warm["generated"]
+
+
+class _Weighted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False).requires_grad_(False)
+
+
+def _scaled_then_applied(m: nn.Module, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    w.mul_(2)
+    return m.lin(x)
+
+
+def test_a_warm_first_call_writing_a_view_of_a_parameter_is_compiled_and_refused(tmp_path, caplog):
+    """Which arguments the code writes is known only after a call, and the compile that refuses a
+    written view of a parameter (two graph inputs sharing memory) does not run on a warm start: a
+    loaded compile served such a first call, reading the weight from before the write. The warm
+    first call now compiles instead wherever an argument shares memory with a model's tensor, and
+    the compile refuses it, as in the process that saved the file."""
+    torch.manual_seed(0)
+    m, x = _Weighted(), torch.randn(2, 4)
+    config = ca.CompileConfig(cache_dir=str(tmp_path), piece_compiler="inductor", compile_workers=0)
+    first = ca.compile(dynamic_arg_dims={}, config=config)(_scaled_then_applied)
+    assert torch.allclose(first(m, torch.ones(4, 4), x), m.lin(x)) and first.compile_stats["path"] == "cold"
+    second = ca.compile(dynamic_arg_dims={}, config=config)(_scaled_then_applied)
+    weight = m.lin.weight.clone()
+    with caplog.at_level("INFO", logger="compileattn"), \
+            pytest.raises(ValueError, match=r"share memory and the compiled code writes it \(mul_\)"):
+        second(m, m.lin.weight.view(4, 4), x)
+    assert "does not serve this first call" in caplog.text
+    assert torch.equal(m.lin.weight, weight), "refused before anything ran"
+    third = ca.compile(dynamic_arg_dims={}, config=config)(_scaled_then_applied)
+    assert torch.allclose(third(m, torch.ones(4, 4), x), m.lin(x)) and third.compile_stats["path"] == "warm"

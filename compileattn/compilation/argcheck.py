@@ -497,9 +497,12 @@ class ArgChecker:
     def __init__(self, sig: inspect.Signature, bound_self: bool, specs: dict[str, Any], grad_enabled: bool,
                  tensors: tuple[tuple[tuple, ...], ...] = (), overlapping: frozenset[tuple[int, int]] = frozenset(),
                  held: tuple[tuple[tuple, str, Callable[[], Any]], ...] = (),
-                 model_storages: Callable[[], Mapping[int, list]] | None = None):
+                 model_storages: Callable[[], Mapping[int, list]] | None = None,
+                 other_tensors: tuple[tuple[str, Callable[[], Any]], ...] = ()):
         """``model_storages``: the models' parameters and buffers by storage
-        (``ModelTensors.storages``), which a written argument must not come to share."""
+        (``ModelTensors.storages``); ``other_tensors``: (where, read) of the other tensors the
+        first call reached outside its arguments (``reach.other_tensors``): what a written
+        argument must not come to share."""
         self._sig = sig
         self._bound_self = bound_self
         self._specs = specs
@@ -514,6 +517,7 @@ class ArgChecker:
         #: the arguments (``held_elsewhere``): later calls must pass what ``read()`` holds then
         self._held = held
         self._model_storages = model_storages
+        self._other_tensors = other_tensors
         #: indices into ``_tensors`` of the tensors the compiled code writes into, and of those it may
         #: (no version counter to tell: inference-mode tensors), from the first call (``noting_writes``)
         self._written: frozenset[int] = frozenset()
@@ -590,7 +594,7 @@ class ArgChecker:
                 self._refuse_written_alias(places, args, kwargs)
             self._check_written_overlaps(places, args, kwargs)
         if written:
-            self._check_written_model_tensors(written, args, kwargs)
+            self._check_written_shared(written, args, kwargs)
         for group in same:
             first = self._value(group[0], args, kwargs)
             for place in group[1:]:
@@ -614,6 +618,21 @@ class ArgChecker:
             raise recompile_error(
                 None, f"grad mode (torch.is_grad_enabled()) changed from {self._grad_enabled} to "
                 f"{not self._grad_enabled}; use the same torch.no_grad()/inference_mode() as the first call")
+
+    def check_before_loaded_call(self, args: tuple, kwargs: dict) -> None:
+        """``check``, before a compile loaded from a warm start file serves its first call, with
+        every argument taken for written: which ones the compiled code writes is known only after a
+        call (``noting_writes``), and the compile that would refuse a written argument sharing
+        memory with a model's tensor or a global (``piecewise.refuse_written_overlapping_inputs``)
+        did not run in this process. A refusal here sends the call to a compile, which decides;
+        only a first call passing a view of such a tensor pays that."""
+        written, self._written = self._written, frozenset(range(len(self._tensors)))
+        self._plans.clear()
+        try:
+            self.check(args, kwargs)
+        finally:
+            self._written = written
+            self._plans.clear()
 
     def _refuse_written_alias(self, distinct: list, args: tuple, kwargs: dict) -> None:
         """Two of the first call's distinct tensors are one now: refused where the compiled code
@@ -650,35 +669,43 @@ class ArgChecker:
                                          f"share no memory (clone one), or compile a separate instance for this "
                                          f"variant.")
 
-    def _check_written_model_tensors(self, written: list, args: tuple, kwargs: dict) -> None:
+    def _check_written_shared(self, written: list, args: tuple, kwargs: dict) -> None:
         """A tensor the compiled code writes shares no memory with a model's parameter or buffer
-        (``ModelTensors.storages``) unless it was that tensor on the first call (``held_elsewhere``:
-        one graph input). Traced as distinct inputs, the compiled code reads the model's tensor as
-        it was before the write: ``w.mul_(2); m(x)`` with ``m.lin.weight`` passed as ``w`` returned
-        ``m(x)`` of the old weight (eager: of the doubled one). A view of a model's tensor written
-        on the first call is refused by the compile (``piecewise.refuse_written_overlapping_inputs``:
-        parameters are graph inputs too). Paid only by functions that write an argument: a storage
-        address and a dict lookup per written argument (~1.7 µs each on the loaded 2-core CPU box), more only
-        where it shares a storage with a model's tensor."""
-        storages = self._model_storages()
-        if not storages:
-            return
+        (``ModelTensors.storages``) or another tensor the first call reached outside its arguments
+        (a global, a closure variable: ``_other_tensors``) unless it was that tensor on the first
+        call (``held_elsewhere``: one graph input). Traced as distinct inputs, the compiled code
+        reads the other tensor as it was before the write: ``w.mul_(2); m(x)`` with
+        ``m.lin.weight`` passed as ``w`` returned ``m(x)`` of the old weight (eager: of the doubled
+        one). A view of such a tensor written on the first call is refused by the compile
+        (``piecewise.refuse_written_overlapping_inputs``: they are graph inputs too). Paid only by
+        functions that write an argument: a storage address and a dict lookup per written argument
+        (~1.7 µs each on the loaded 2-core CPU box), and a read and a storage address per other
+        tensor reached (most models reach none), more only where storages match."""
+        storages = self._model_storages() if self._model_storages is not None else None
         for place in written:
             t = self._value(place, args, kwargs)
             try:
-                members = storages.get(t.untyped_storage().data_ptr())
+                address = t.untyped_storage().data_ptr()
             except RuntimeError:  # no storage (a wrapper subclass): nothing to share
                 continue
-            if not members:
-                continue
-            layout = byte_layout(t)
-            for device, held, name in members:
-                if device == t.device and layouts_overlap(held, layout):
-                    raise RecompileError(f"compileattn.compile: argument {_shown_path(place[1])!r}, which the compiled "
-                                         f"code writes into, shares memory with {name}; on the first call it shared "
-                                         f"none, and the compiled code reads the model's tensor as another input, "
-                                         f"without the write (torch.compile's guards miss this too). Pass a tensor "
-                                         f"of its own (clone it), or compile a separate instance for this variant.")
+            members = storages.get(address) if storages else None
+            if members:
+                layout = byte_layout(t)
+                for device, held, name in members:
+                    if device == t.device and layouts_overlap(held, layout):
+                        self._refuse_written_shared(place, name)
+            for name, read in self._other_tensors:
+                other = read()
+                if isinstance(other, torch.Tensor) and overlaps(other, t):
+                    self._refuse_written_shared(place, name)
+
+    @staticmethod
+    def _refuse_written_shared(place: tuple, name: str) -> None:
+        raise RecompileError(f"compileattn.compile: argument {_shown_path(place[1])!r}, which the compiled code "
+                             f"writes into, shares memory with {name}; on the first call it shared none, and the "
+                             f"compiled code reads that tensor as another input, without the write (torch.compile's "
+                             f"guards miss this too). Pass a tensor of its own (clone it), or compile a separate "
+                             f"instance for this variant.")
 
     def _value(self, place: tuple, args: tuple, kwargs: dict) -> Any:
         """The object at ``place``: (position, keyword, or None for an argument left at its default;
@@ -720,10 +747,10 @@ class ArgChecker:
                 raise recompile_error(name, f"now left at its default ({spec.explain(param.default)})")
         self._check_var_keyword_order(names)
         held = [((where.get(path[0]), path), held_where, read) for path, held_where, read in self._held]
-        # written tensors that were not a model's own on the first call (``_check_written_model_tensors``)
+        # written tensors that were not held outside the arguments on the first call (``_check_written_shared``)
         one_input = {path for path, _, _ in self._held}
-        written = [groups[i][0] for i in sorted(self._written)
-                   if self._model_storages is not None and groups[i][0][1] not in one_input]
+        shared = self._model_storages is not None or self._other_tensors
+        written = [groups[i][0] for i in sorted(self._written) if shared and groups[i][0][1] not in one_input]
         if self._size_guards is None:
             return plan, None, same, distinct, held, written
         defaults = {name: self._sig.parameters[name].default for name in self._specs if name not in passed}

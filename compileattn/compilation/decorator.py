@@ -83,7 +83,8 @@ from ..config import CompileConfig
 from . import compile_pool, kernel_warmup, regions, warm_start
 from .argcheck import ArgChecker, RecompileError, all_arguments, overlapping_tensors, spec_of, tensor_places
 from .model_tensors import ModelTensors
-from .reach import closure_values, global_modules, held_elsewhere, model_bindings, modules_in
+from .reach import (closure_values, global_modules, held_elsewhere, model_bindings, modules_in, other_tensors,
+                    tensors_reached)
 from .replay import MISS, FullStepShortcut, graph_call_of
 from .size_guards import SizeGuards, UncheckableGuard
 
@@ -295,10 +296,11 @@ class _Site:
         models = list(modules_in((*instance, *values.values(), *closure_values(fn), *global_modules(fn))))
         self.tensors = ModelTensors(models, model_bindings(fn, instance))
         places = tensor_places(values)
+        reached = list(tensors_reached(models, fn, instance))
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
                                                       for name, v in values.items()}, torch.is_grad_enabled(),
-                             places, overlapping_tensors(values, places),
-                             held_elsewhere(values, places, models, fn, instance), self.tensors.storages)
+                             places, overlapping_tensors(values, places), held_elsewhere(values, places, reached),
+                             self.tensors.storages, other_tensors(reached))
         start = time.perf_counter()
         kernel_warmup.settle_cache_dir()
         path = None
@@ -319,7 +321,7 @@ class _Site:
             if loaded is not None:
                 checker.assume_sizes(loaded.size_guards)
                 try:  # the key leaves the dynamic sizes out: the saved compile may assume others
-                    checker.check(args, kwargs)
+                    checker.check_before_loaded_call(args, kwargs)
                 except RecompileError as exc:
                     log.info("compileattn: %s: the warm start file's compile does not serve this first call (%s); "
                              "compiling", what, exc)

@@ -1,7 +1,8 @@
 """What a compiled function reaches besides its arguments: the models among its arguments, its
 closure and the module globals its code reads (``modules_in``, ``global_modules``), where it looks a
-model up at each call (``model_bindings``), and which of its tensor arguments the first call also
-held there (``held_elsewhere``). Dynamo's trace reads all of these; the decorator skips the guards
+model up at each call (``model_bindings``), the tensors it reaches there (``tensors_reached``),
+which of its tensor arguments the first call also held there (``held_elsewhere``) and which other
+tensors a written argument must not come to share memory with (``other_tensors``). Dynamo's trace reads all of these; the decorator skips the guards
 that would have watched them, so it finds them once, at the first call, and checks what they hold
 per call (``model_tensors.py``, ``argcheck.ArgChecker``).
 """
@@ -153,28 +154,14 @@ def _attribute(ref: weakref.ref, name: str) -> Any:
     return None if obj is None else vars(obj).get(name)
 
 
-def held_elsewhere(values: Mapping[str, Any], places: tuple[tuple[tuple, ...], ...],
-                   models: Iterable[torch.nn.Module], fn: Any, instance: tuple = ()
-                   ) -> tuple[tuple[tuple, str, Callable[[], Any]], ...]:
-    """(its first place, where else, a function reading what is there now) of each tensor of the
-    arguments (``values``; ``places``: ``tensor_places``) that the first call also holds outside
-    them, where Dynamo's trace may read it too: a parameter, buffer or plain attribute (inside its
-    lists and dicts) of a module of ``models`` (``modules_in``: the instance, modules among the
-    arguments, closure and globals), a closure variable of ``fn``, a module global its code reads
-    (``globals_read``), an attribute of a decorated method's instance. Dynamo traces one tensor met
-    in two places as one graph input, which the compiled code reads from one of them for both
-    (``ArgChecker.check``: a later call must pass what is held there then). Looked for once, at the
-    first call; per call nothing where none was found, else one identity per such argument."""
-    firsts = [(group[0], value_at(values, group[0])) for group in places]
-    wanted = {id(t) for _, t in firsts}
-    found: dict[int, tuple[str, Callable[[], Any]]] = {}
-
-    def note(path_leaves: Iterable[tuple[tuple, Any]], name: Callable[[tuple], str],
-             read: Callable[[tuple], Callable[[], Any]]) -> None:
-        for path, leaf in path_leaves:
-            if isinstance(leaf, torch.Tensor) and id(leaf) in wanted and id(leaf) not in found:
-                found[id(leaf)] = (name(path), read(path))
-
+def tensors_reached(models: Iterable[torch.nn.Module], fn: Any, instance: tuple = ()
+                    ) -> Iterator[tuple[torch.Tensor, str, Callable[[], Any], bool]]:
+    """(the tensor, where it is, a function reading what is there now, whether it is a parameter or
+    buffer) of every tensor the first call reaches outside its arguments, where Dynamo's trace may
+    read it: a parameter, buffer or plain attribute (inside its lists and dicts) of a module of
+    ``models`` (``modules_in``: the instance, modules among the arguments, closure and globals), a
+    closure variable of ``fn``, a module global its code reads (``globals_read``), an attribute of
+    a decorated method's instance."""
     def module_name(model: torch.nn.Module, prefix: str) -> Callable[[tuple], str]:
         def name(path: tuple) -> str:
             kind = {"_parameters": "parameter", "_buffers": "buffer"}.get(path[0])
@@ -182,20 +169,27 @@ def held_elsewhere(values: Mapping[str, Any], places: tuple[tuple[tuple, ...], .
             return f"{type(model).__qualname__}'s {kind or 'attribute'} {shown!r}"
         return name
 
+    def found(path_leaves: Iterable[tuple[tuple, Any]], name: Callable[[tuple], str],
+              read: Callable[[tuple], Callable[[], Any]], in_module: bool = False):
+        for path, leaf in path_leaves:
+            if isinstance(leaf, torch.Tensor):
+                yield leaf, name(path), read(path), in_module and path[0] in ("_parameters", "_buffers")
+
     for model in models:
         for prefix, module in model.named_modules():
             ref = weakref.ref(module)
             attributes = {k: v for k, v in vars(module).items() if k != "_modules"}
-            note(leaves(attributes), module_name(model, f"{prefix}." if prefix else ""),
-                 lambda path, ref=ref: functools.partial(_attribute_path, ref, path))
+            yield from found(leaves(attributes), module_name(model, f"{prefix}." if prefix else ""),
+                             lambda path, ref=ref: functools.partial(_attribute_path, ref, path), in_module=True)
     names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
     for name, cell in zip(names, getattr(fn, "__closure__", None) or ()):
         if cell_filled(cell):
-            note(leaves(cell.cell_contents), lambda path, name=name: f"closure variable {name!r}{_keys(path)}",
-                 lambda path, cell=cell: functools.partial(_cell_path, cell, path))
+            yield from found(leaves(cell.cell_contents),
+                             lambda path, name=name: f"closure variable {name!r}{_keys(path)}",
+                             lambda path, cell=cell: functools.partial(_cell_path, cell, path))
     for scope, name, value in globals_read(fn):
-        note(leaves(value), lambda path, name=name: f"global {name!r}{_keys(path)}",
-             lambda path, scope=scope, name=name: functools.partial(_global_path, scope, name, path))
+        yield from found(leaves(value), lambda path, name=name: f"global {name!r}{_keys(path)}",
+                         lambda path, scope=scope, name=name: functools.partial(_global_path, scope, name, path))
     for obj in instance:
         if isinstance(obj, torch.nn.Module):
             continue  # among ``models``
@@ -203,10 +197,42 @@ def held_elsewhere(values: Mapping[str, Any], places: tuple[tuple[tuple, ...], .
             attributes, ref = vars(obj), weakref.ref(obj)
         except TypeError:  # no __dict__, or no weak references: not followed
             continue
-        note(leaves(attributes), lambda path, cls=type(obj): f"{cls.__qualname__}'s attribute {path[0]!r}"
-                                                            f"{_keys(path[1:])}",
-             lambda path, ref=ref: functools.partial(_attribute_path, ref, path))
+        yield from found(leaves(attributes), lambda path, cls=type(obj): f"{cls.__qualname__}'s attribute "
+                                                                         f"{path[0]!r}{_keys(path[1:])}",
+                         lambda path, ref=ref: functools.partial(_attribute_path, ref, path))
+
+
+def held_elsewhere(values: Mapping[str, Any], places: tuple[tuple[tuple, ...], ...],
+                   reached: Iterable[tuple[torch.Tensor, str, Callable[[], Any], bool]]
+                   ) -> tuple[tuple[tuple, str, Callable[[], Any]], ...]:
+    """(its first place, where else, a function reading what is there now) of each tensor of the
+    arguments (``values``; ``places``: ``tensor_places``) that the first call also holds outside
+    them (``reached``: ``tensors_reached``). Dynamo traces one tensor met in two places as one
+    graph input, which the compiled code reads from one of them for both (``ArgChecker.check``: a
+    later call must pass what is held there then). Looked for once, at the first call; per call
+    nothing where none was found, else one identity per such argument."""
+    firsts = [(group[0], value_at(values, group[0])) for group in places]
+    wanted = {id(t) for _, t in firsts}
+    found: dict[int, tuple[str, Callable[[], Any]]] = {}
+    for t, where, read, _ in reached:
+        if id(t) in wanted and id(t) not in found:
+            found[id(t)] = (where, read)
     return tuple((place, *found[id(t)]) for place, t in firsts if id(t) in found)
+
+
+def other_tensors(reached: Iterable[tuple[torch.Tensor, str, Callable[[], Any], bool]]
+                  ) -> tuple[tuple[str, Callable[[], Any]], ...]:
+    """(where, a function reading what is there now) of each tensor of ``reached`` that is not a
+    model's parameter or buffer (those are ``ModelTensors.storages``): a global, a closure
+    variable, a plain tensor attribute. Read again at each check, since rebinding one registers
+    nothing."""
+    seen: set[int] = set()
+    out = []
+    for t, where, read, is_model_tensor in reached:
+        if not is_model_tensor and id(t) not in seen:
+            seen.add(id(t))
+            out.append((where, read))
+    return tuple(out)
 
 
 def _keys(path: tuple) -> str:
