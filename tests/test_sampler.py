@@ -121,3 +121,13 @@ def test_cuda_draws_equal_the_cpus_and_keep_to_the_nucleus():
     allowed = torch.zeros_like(probs, dtype=torch.bool).scatter_(
         1, kept.indices, mass_above < torch.tensor(top_ps).unsqueeze(1))
     assert allowed.gather(1, on_gpu.cpu().unsqueeze(1)).all()
+
+
+def test_ignore_eos_must_be_a_bool():
+    """A truthy string ("no", "false") was kept as is and read as True: EOS silently ignored."""
+    for bad in ("no", "false", 0, 1, None):
+        with pytest.raises(TypeError, match="ignore_eos must be a bool"):
+            SamplingParams(ignore_eos=bad)
+    np = pytest.importorskip("numpy")
+    assert SamplingParams(ignore_eos=np.True_).ignore_eos is True
+

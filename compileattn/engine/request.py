@@ -35,6 +35,10 @@ class SamplingParams:
         for name in ("max_new_tokens", "seed"):
             object.__setattr__(self, name, integer_as_int(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(map(integer_as_int, self.stop_token_ids)))
+        # Read as a truth value: a string such as "false" would silently ignore EOS.
+        if not is_bool(self.ignore_eos):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         # Any real number (numpy's float32 too), as a Python float; a bool is not a number here.
