@@ -131,3 +131,11 @@ def test_ignore_eos_must_be_a_bool():
     np = pytest.importorskip("numpy")
     assert SamplingParams(ignore_eos=np.True_).ignore_eos is True
 
+
+def test_stop_token_ids_must_be_a_sequence_named_when_it_is_not():
+    """None or a bare int failed inside ``map`` with "'int' object is not iterable", naming nothing."""
+    for bad in (None, 3, "12", b"\x01"):
+        with pytest.raises(TypeError, match="stop_token_ids must be a sequence of token ids"):
+            SamplingParams(stop_token_ids=bad)
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=torch.tensor([5])).stop_token_ids == (5,)

@@ -34,7 +34,12 @@ class SamplingParams:
         # numpy's integers as ints (``argtypes``): they count tokens, seed a generator, name token ids.
         for name in ("max_new_tokens", "seed"):
             object.__setattr__(self, name, integer_as_int(getattr(self, name)))
-        object.__setattr__(self, "stop_token_ids", tuple(map(integer_as_int, self.stop_token_ids)))
+        # A string's characters or a bytes object's values are not token ids, and None or a bare
+        # int has no items: refused by name rather than failing inside ``map``.
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes, bytearray, dict)) or not hasattr(stop, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a sequence of token ids, got {stop!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(map(integer_as_int, stop)))
         # Read as a truth value: a string such as "false" would silently ignore EOS.
         if not is_bool(self.ignore_eos):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
