@@ -367,3 +367,18 @@ def test_a_deleted_engine_frees_its_kv_cache(llama, compiled):
         torch.compiler.reset()
     gc.collect()
     assert [ref() is None for ref in kept] == [True, True]
+
+
+def test_a_non_int_step_budget_is_refused_before_anything_is_scheduled(llama):
+    """A float budget reached the allocator as a float block count ("n must be an int >= 0, got
+    1.0") after the request had been moved from the queue into the running set."""
+    engine = engine_for(llama)
+    engine.add_request(prompts_of([9])[0], 2)
+    for bad in (2.5, 4.0, True, "4", 0):
+        with pytest.raises(ValueError, match="max_tokens_per_step must be a positive int"):
+            engine.step(bad)
+        with pytest.raises(ValueError, match="max_tokens_per_step must be a positive int"):
+            engine.run(max_tokens_per_step=bad)
+    assert len(engine.scheduler.waiting) == 1 and not engine.scheduler.running
+    np = pytest.importorskip("numpy")
+    assert engine.step(np.int64(4)).num_tokens == 4

@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import logging
 
+from ..argtypes import as_int
 from ..metadata import SequenceStep
 from .block_allocator import BlockAllocator
 from .request import Request
@@ -160,11 +161,15 @@ class Scheduler:
         """Plan one step of at most ``max_tokens`` tokens (default: the engine's maximum); None when
         nothing can run now (every running request waits for a pending token that ends it, or for
         blocks those requests still hold)."""
+        if max_tokens is not None:
+            # A float budget would make float chunk lengths and block counts: refused here, before
+            # any request moves out of the queue.
+            budget = as_int(max_tokens)
+            if budget is None or budget < 1:
+                raise ValueError(f"max_tokens_per_step must be a positive int, got {max_tokens!r}")
         if not self.has_unfinished():
             raise ValueError("no unfinished requests to schedule; add a request first")
-        budget = self.max_num_tokens if max_tokens is None else min(max_tokens, self.max_num_tokens)
-        if budget < 1:
-            raise ValueError(f"max_tokens_per_step must be >= 1, got {max_tokens}")
+        budget = self.max_num_tokens if max_tokens is None else min(budget, self.max_num_tokens)
         plan: list[tuple[Request, int]] = []
         scheduled: set[int] = set()
         preempted: list[Request] = []
