@@ -382,3 +382,24 @@ def test_a_non_int_step_budget_is_refused_before_anything_is_scheduled(llama):
     assert len(engine.scheduler.waiting) == 1 and not engine.scheduler.running
     np = pytest.importorskip("numpy")
     assert engine.step(np.int64(4)).num_tokens == 4
+
+
+def test_a_callers_sampler_must_give_one_token_in_the_vocabulary_per_row(llama):
+    """Tokens were zipped with the rows: a short list left a request waiting for ever for a token
+    (IndexError at its next step); an id past the vocabulary was appended and failed in the next
+    step's embedding."""
+    engine = engine_for(llama)
+    for p in prompts_of([5, 7]):
+        engine.add_request(p, 3)
+    with pytest.raises(ValueError, match=r"sampler returned 1 tokens for 2 rows"):
+        engine.step(64, sampler=lambda logits, ids: [1])
+    with pytest.raises(ValueError, match=r"sampler returned token 256 .*\[0, 256\)"):
+        engine.step(64, sampler=lambda logits, ids: [1, 256])
+    with pytest.raises(ValueError, match=r"sampler returned token -1"):
+        engine.step(64, sampler=lambda logits, ids: [-1, 2])
+    with pytest.raises(TypeError, match="sampler must return integer token ids"):
+        engine.step(64, sampler=lambda logits, ids: [1.7, 2])
+    engine.reset()
+    prompts = prompts_of([5, 7])
+    assert engine.generate(prompts, 3, 64, sampler=lambda logits, ids: logits.argmax(-1)) == \
+        engine_for(llama).generate(prompts, 3, 64)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from ..argtypes import as_int
 from ..metadata import AttentionMetadata, SequenceStep
 from .block_allocator import BlockAllocator
 from .model_runner import ModelRunner, PreparedStep
@@ -321,7 +322,7 @@ class Engine:
         if reqs:
             logits = self.runner.compute_logits(hidden, sched.sample_rows)
             if sampler is not None:
-                tokens = [int(t) for t in sampler(logits, [r.seq_id for r in reqs])]
+                tokens = self._checked_tokens(sampler(logits, [r.seq_id for r in reqs]), len(reqs))
             else:
                 on_device = sample(logits, [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
                                    sched.sample_uniforms)
@@ -335,6 +336,20 @@ class Engine:
         self.history.append((sched.kinds.count("decode"), sched.kinds.count("prefill"),
                              sched.kinds.count("chunked_prefill"), sched.num_tokens, padded))
         return _Launched(sched, hidden, logits, tokens, copied, padded)
+
+    def _checked_tokens(self, tokens, num_rows: int) -> list[int]:
+        """A caller's sampler's tokens as ints, one per sampled row and each in the vocabulary: they
+        are given to the rows' requests in order and fed back as the next step's inputs, checked
+        here before any request is advanced."""
+        tokens = [t if type(t) is int else as_int(t) for t in tokens]  # int() would truncate a float
+        if None in tokens:
+            raise TypeError("sampler must return integer token ids")
+        if len(tokens) != num_rows:
+            raise ValueError(f"sampler returned {len(tokens)} tokens for {num_rows} rows; it must return one per row")
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"sampler returned token {bad} out of range [0, {self.vocab_size})")
+        return tokens
 
     def _to_host(self, tokens: torch.Tensor):
         """(host tensor, event) for an asynchronous copy on CUDA; (list, None) elsewhere."""
