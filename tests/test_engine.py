@@ -403,3 +403,15 @@ def test_a_callers_sampler_must_give_one_token_in_the_vocabulary_per_row(llama):
     prompts = prompts_of([5, 7])
     assert engine.generate(prompts, 3, 64, sampler=lambda logits, ids: logits.argmax(-1)) == \
         engine_for(llama).generate(prompts, 3, 64)
+
+
+def test_add_request_names_a_prompt_or_params_of_the_wrong_kind(llama):
+    """A bare int or None as the prompt failed with "'int' object is not iterable"; a dict as
+    ``params`` with "'dict' object has no attribute 'max_new_tokens'"."""
+    engine = engine_for(llama)
+    for bad in (5, None):
+        with pytest.raises(TypeError, match=r"prompt must be a sequence of token ids, got"):
+            engine.add_request(bad, 2)
+    with pytest.raises(TypeError, match=r"params must be a SamplingParams, got dict"):
+        engine.add_request([1, 2], params={"max_new_tokens": 2})
+    assert not engine.has_unfinished()

@@ -213,8 +213,12 @@ class Engine:
         ``params`` are given."""
         if params is None:
             params = SamplingParams(max_new_tokens=16 if max_new_tokens is None else max_new_tokens)
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         elif max_new_tokens is not None:
             raise ValueError("pass max_new_tokens inside params, not both")
+        if not hasattr(prompt, "__iter__"):
+            raise TypeError(f"prompt must be a sequence of token ids, got {prompt!r}")
         try:  # int() would truncate a float into another token
             prompt = [operator.index(t) for t in prompt]
         except TypeError:
