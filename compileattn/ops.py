@@ -219,12 +219,13 @@ _lib.impl("attention_by_id", attention_by_id_impl, "CompositeExplicitAutograd")
 
 
 class _InferenceOnly(torch.autograd.Function):
-    """Marks ``written`` as produced by an inference-only op: its backward raises."""
+    """Marks ``written`` as produced by an inference-only op: their backward raises."""
 
     @staticmethod
-    def forward(ctx, op_name, written, *inputs):
+    def forward(ctx, op_name, num_written, *tensors):
         ctx.op_name = op_name
-        ctx.mark_dirty(written)
+        written = tensors[:num_written]
+        ctx.mark_dirty(*written)
         return written
 
     @staticmethod
@@ -238,32 +239,37 @@ _BelowAutograd = _torch_compat.below_autograd_guard()
 _dispatch_stack_depth = _torch_compat.dispatch_stack_depth()
 
 
-def _register_inference_only(name: str, impl, written: int, inputs: tuple[int, ...]) -> None:
-    """The op's Autograd kernel. With plain tensors and no dispatch mode (an eager call, the
-    common case) it calls ``impl`` itself: a redispatch below Autograd would cost a second trip
-    through the dispatcher (~2 us of host per call). Tensor subclasses (fake, functional) and
-    dispatch modes (tracing, debugging) take the redispatch, which reaches their handlers."""
+def _register_inference_only(name: str, impl, written: tuple[int, ...], inputs: tuple[int, ...]) -> None:
+    """The op's Autograd kernel. With plain tensors, no dispatch mode and no input requiring grad
+    (an eager inference call, the common case) it calls ``impl`` itself: a redispatch below
+    Autograd would cost a second trip through the dispatcher (~2 us of host per call). Tensor
+    subclasses (fake, functional), dispatch modes (tracing, debugging) and inputs requiring grad
+    take the redispatch: the first two reach their handlers there, and below Autograd the impl's
+    own torch ops record no graph (recorded, a reference write would give the caches an autograd
+    history chaining each step's activations to the next). Every tensor in ``written`` then gets
+    the backward that raises."""
     op = getattr(torch.ops.compileattn, name).default
     qualified = f"compileattn::{name}"
     plain = torch.Tensor
+    first_written = written[0]
 
     def autograd_kernel(*args, **kwargs):
-        if type(args[0]) is plain and type(args[written]) is plain and not _dispatch_stack_depth():
-            result = impl(*args, **kwargs)
-        else:
-            with _BelowAutograd():
-                result = op(*args, **kwargs)
-        if torch.is_grad_enabled() and any(args[i].requires_grad for i in inputs):
-            _InferenceOnly.apply(qualified, args[written], *(args[i] for i in inputs))
+        grad = torch.is_grad_enabled() and any(args[i].requires_grad for i in inputs)
+        if not grad and type(args[0]) is plain and type(args[first_written]) is plain and not _dispatch_stack_depth():
+            return impl(*args, **kwargs)
+        with _BelowAutograd():
+            result = op(*args, **kwargs)
+        if grad:
+            _InferenceOnly.apply(qualified, len(written), *(args[i] for i in written), *(args[i] for i in inputs))
         return result
 
     _lib.impl(name, autograd_kernel, "Autograd")
 
 
-_register_inference_only("attention", attention_impl, written=3, inputs=(0, 1, 2))
-_register_inference_only("attention_by_id", attention_by_id_impl, written=3, inputs=(0, 1, 2))
-_register_inference_only("varlen_attention", _varlen_attention, written=3, inputs=(0, 1, 2))
-_register_inference_only("write_kv_cache", _write_kv_cache, written=2, inputs=(0, 1))
+_register_inference_only("attention", attention_impl, written=(3,), inputs=(0, 1, 2))
+_register_inference_only("attention_by_id", attention_by_id_impl, written=(3,), inputs=(0, 1, 2))
+_register_inference_only("varlen_attention", _varlen_attention, written=(3,), inputs=(0, 1, 2))
+_register_inference_only("write_kv_cache", _write_kv_cache, written=(2, 3), inputs=(0, 1))
 
 
 @torch.library.register_fake("compileattn::write_kv_cache")

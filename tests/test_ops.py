@@ -266,3 +266,36 @@ def test_fake_attention_checks_shapes_at_trace_time():
             torch.ops.compileattn.attention(q, k.half(), v, out, "layer.0")
         k = v = torch.empty(5, 2, D)
         assert torch.ops.compileattn.attention(q, k, v, out, "layer.0") is None
+
+
+def test_write_kv_cache_backward_through_either_cache_raises():
+    """Both caches are written: a backward through the value cache raises as one through the key
+    cache does (the reference's index writes must not hand ``value`` a gradient)."""
+    key, value = torch.randn(2, KVH, D, requires_grad=True), torch.randn(2, KVH, D, requires_grad=True)
+    key_cache, value_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KVH, D), torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KVH, D)
+    torch.ops.compileattn.write_kv_cache(key, value, key_cache, value_cache, torch.tensor([0, 5]), "reference")
+    for cache in (key_cache, value_cache):
+        with pytest.raises(RuntimeError, match="compileattn::write_kv_cache is inference-only"):
+            cache.sum().backward()
+    assert value.grad is None and key.grad is None
+
+
+def test_eager_attention_with_grad_leaves_no_autograd_history_in_the_caches():
+    """Eagerly, with grad enabled and K/V from a trained projection: the caches the op writes keep
+    no autograd graph (it would chain every step's activations to the next through the caches,
+    and a backward through a cache would reach the projection's weights)."""
+    tables, t, rand = _step_tensors(torch.float32)
+    spec = AttentionSpec(H, KVH, D)
+    cache = KVCache(rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D), rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D), spec)
+    builder = AttentionMetadataBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_tokens=16,
+                                       max_blocks_per_seq=4, backend="reference")
+    md = builder.build([SequenceStep(q, c, tb) for (q, c), tb in zip(STEP, tables)])
+    proj = torch.nn.Linear(8, (H + 2 * KVH) * D)
+    q, k, v = proj(torch.randn(t, 8)).split([H * D, KVH * D, KVH * D], dim=-1)
+    out = torch.empty(t, H, D)
+    with set_forward_context(md, {"layer.0": cache}):
+        torch.ops.compileattn.attention(q.reshape(t, H, D), k.reshape(t, KVH, D), v.reshape(t, KVH, D), out,
+                                        "layer.0")
+    assert out.requires_grad
+    assert not cache.key_cache.requires_grad and not cache.value_cache.requires_grad
+    assert cache.key_cache.grad_fn is None and cache.value_cache.grad_fn is None
