@@ -59,8 +59,9 @@ def layouts_overlap(a: tuple, b: tuple) -> bool:
 
 def _runs(start: int, shape: tuple, strides: tuple, size: int) -> tuple[int, int, int, int] | None:
     """A layout's bytes as ``count`` runs of ``length`` bytes, ``step`` bytes apart, from ``start``:
-    its contiguous inner dims merged into one run and at most one dim left over; None if more are."""
-    dims = sorted(((s, n) for n, s in zip(shape, strides) if n > 1), reverse=True)
+    its contiguous inner dims merged into one run and at most one dim left over; None if more are.
+    A dim of stride 0 (a broadcast) repeats the same bytes, so it adds none and is left out."""
+    dims = sorted(((s, n) for n, s in zip(shape, strides) if n > 1 and s != 0), reverse=True)
     run = 1
     while dims and dims[-1][0] == run:
         run *= dims.pop()[1]

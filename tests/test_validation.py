@@ -645,3 +645,18 @@ def test_allocate_refuses_a_storage_dtype_it_would_not_serve_and_sizes_that_are_
 def test_builder_refuses_a_pad_to_that_is_not_an_int(pad_to):
     with pytest.raises(TypeError, match="pad_to must be an int or None"):
         builder().build([SequenceStep(3, 0, [0])], pad_to=pad_to)
+
+
+def test_overlap_of_a_broadcast_view_is_decided_not_divided_by_its_zero_stride():
+    """A view whose only dim of more than one element has stride 0 (one element broadcast,
+    ``buf[i].expand(n)``) covers that element's bytes: it overlaps what holds them and nothing
+    else (its runs were taken as ``n`` runs 0 bytes apart, a division by zero)."""
+    from compileattn.validation import overlaps
+
+    buf = torch.arange(16.0)
+    broadcast = buf[3:4].expand(5)
+    for other, shared in ((buf[:3], False), (buf[4:9], False), (buf[2:5], True), (buf[3:4], True),
+                          (buf[3:4].expand(2, 1), True), (buf[8:9].expand(4), False), (buf.view(4, 4)[:, 0], False),
+                          (buf.view(4, 4)[:, 3], True)):
+        assert overlaps(broadcast, other) is shared, other
+        assert overlaps(other, broadcast) is shared, other
