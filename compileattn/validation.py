@@ -339,6 +339,13 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
     elif k_cache.shape[0] < batch:
         raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences for a batch of {batch} (without block_table "
                          f"sequence b uses row b of the cache)")
+    if isinstance(cache_seqlens, int):  # on the host: checked here, free of device reads (validate=False too)
+        seqlen_new = k.shape[1] if k is not None else 0
+        blocks = block_table.shape[1] if block_table is not None else 1
+        if cache_seqlens + seqlen_new > blocks * k_cache.shape[1]:
+            raise ValueError(f"cache_seqlens={cache_seqlens} plus the {seqlen_new} new tokens of k/v exceed the "
+                             f"{blocks * k_cache.shape[1]} tokens each sequence can hold ({blocks} blocks x "
+                             f"{k_cache.shape[1]})")
     if out is not None:
         _tensor("out", out)
         if out.shape != q.shape or out.dtype != q.dtype:

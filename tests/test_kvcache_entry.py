@@ -335,6 +335,20 @@ def test_bad_arguments_are_named_before_any_kernel(no_kernels, changes, error, m
         assert torch.equal(args["k_cache"], k_before)
 
 
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("cache_seqlens", [64, 2 ** 40])
+def test_an_int_cache_seqlens_past_the_cache_is_named_without_validate_too(no_kernels, cache_seqlens, validate):
+    """An int is on the host: checking it against the cache's capacity costs no device read, so
+    ``validate=False`` checks it as well (unchecked, the append's positions were clamped into the
+    table and landed on other rows; past int32, torch.full's overflow error named nothing)."""
+    args = _bad(cache_seqlens=cache_seqlens)
+    k_before = args["k_cache"].clone()
+    with pytest.raises(ValueError, match=rf"^cache_seqlens={cache_seqlens} plus the 1 new tokens of k/v exceed the "
+                                         r"64 tokens each sequence can hold \(4 blocks x 16\)"):
+        compileattn.flash_attn_with_kvcache(**args, validate=validate)
+    assert torch.equal(args["k_cache"], k_before)
+
+
 def test_out_sharing_memory_with_q_or_a_cache_is_named(no_kernels):
     """The attention reads q and the caches while it writes out: an out in their memory would be
     written before some of its reads."""
