@@ -14,7 +14,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .argtypes import as_int
+from .argtypes import as_int, positive_int
 from .backends.base import AttentionBackend, PersistentBuffers, StepShape, StepTensors
 from .backends.selector import KernelSelector
 from .validation import context_write_clash
@@ -97,14 +97,10 @@ class AttentionMetadataBuilder:
         device: torch.device | str = "cpu",
         backend: AttentionBackend | str = "auto",
     ):
-        for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
-                            ("max_num_tokens", max_num_tokens), ("max_blocks_per_seq", max_blocks_per_seq)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.max_num_tokens = max_num_tokens
-        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = positive_int(block_size, "block_size")
+        self.num_blocks = positive_int(num_blocks, "num_blocks")
+        self.max_num_tokens = positive_int(max_num_tokens, "max_num_tokens")
+        self.max_blocks_per_seq = positive_int(max_blocks_per_seq, "max_blocks_per_seq")
         self.device = torch.device(device)
         self.buffers = PersistentBuffers(self.device)
         self.selector = KernelSelector(backend, self.device, self.buffers)

@@ -503,6 +503,19 @@ def test_builder_rejects_bad_sizes(name):
         builder(**{name: 0})
 
 
+@pytest.mark.parametrize("name", ["block_size", "num_blocks", "max_num_tokens", "max_blocks_per_seq"])
+def test_builder_sizes_follow_the_int_rule(name):
+    """argtypes' rule for every public entry: numpy's integers are ints, a bool or a float never is
+    (``block_size=True`` built pages of one token)."""
+    import numpy as np
+
+    b = builder(**{name: np.int64(8)})
+    assert getattr(b, name) == 8 and type(getattr(b, name)) is int
+    for bad in (True, 8.0):
+        with pytest.raises(TypeError, match=f"^{name} must be an int"):
+            builder(**{name: bad})
+
+
 def test_builder_rejects_unknown_backend():
     with pytest.raises(ValueError, match="attention_backend='nope'"):
         builder(backend="nope")
