@@ -85,8 +85,7 @@ def alibi_slopes(num_heads: int) -> tuple[float, ...]:
     """ALiBi's head slopes (Press et al., "Train Short, Test Long"): the geometric sequence
     ``2**(-8 i / n)``, i = 1..n, for the largest power of two n <= num_heads; the remaining heads
     take every other slope of the sequence for 2n heads, as BLOOM and MPT were trained."""
-    if not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    num_heads = positive_int(num_heads, "num_heads")
     n = 1 << (num_heads.bit_length() - 1)
     slopes = [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
     extra = [2.0 ** (-8.0 * i / (2 * n)) for i in range(1, 2 * n + 1, 2)]

@@ -28,6 +28,17 @@ def test_standard_slopes():
         alibi_slopes(0)
 
 
+def test_standard_slopes_take_the_head_count_by_the_int_rule():
+    """argtypes' rule: numpy's integers are ints (head counts come from configs and arrays), a
+    bool or a float never is (``alibi_slopes(True)`` gave one head's slopes)."""
+    import numpy as np
+
+    assert alibi_slopes(np.int64(12)) == alibi_slopes(12)
+    for bad in (True, 8.0):
+        with pytest.raises(TypeError, match="^num_heads must be an int"):
+            alibi_slopes(bad)
+
+
 def test_spec_takes_slopes_as_a_hashable_tuple():
     spec = AttentionSpec(4, 2, 64, alibi_slopes=[0.5, 0.25, 0.125, 1])
     assert spec.alibi_slopes == (0.5, 0.25, 0.125, 1.0) and hash(spec) == hash(AttentionSpec(
