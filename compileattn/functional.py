@@ -20,8 +20,8 @@ from . import ops
 from .backends.selector import check_backend_name
 from .argtypes import as_int, integer_as_int, is_bool
 from .validation import (
-    check_append_slots, check_kv_write_args, check_kvcache_args, check_kvcache_values, check_varlen_args,
-    check_varlen_values,
+    check_append_slots, check_float_values, check_kv_write_args, check_kvcache_args, check_kvcache_values,
+    check_varlen_args, check_varlen_values,
 )
 
 
@@ -70,6 +70,7 @@ def flash_attn_varlen_func(
             max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
     if validate:
         check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+        check_float_values(alibi_slopes, k_scale, v_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     ops.varlen_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
@@ -120,6 +121,7 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if validate:
         check_kvcache_values(k_cache, cache_seqlens, seqlen_new, block_table)
+        check_float_values(alibi_slopes, k_scale, v_scale)
     slots = _append_slots(cache_seqlens, seqlen_new, block_table, page) if seqlen_new else None
     if validate and slots is not None:  # no slot written twice (sequences may share blocks they only read)
         check_append_slots(slots, page, block_table, cache_seqlens)

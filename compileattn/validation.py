@@ -148,6 +148,17 @@ def check_alibi(alibi_slopes, num_heads: int, device: torch.device) -> None:
         _float_vector("alibi_slopes", alibi_slopes, num_heads, "query head", device)
 
 
+def check_float_values(alibi_slopes=None, k_scale=None, v_scale=None) -> None:
+    """The values of the float vectors, as ``AttentionSpec`` and ``KVCache`` check theirs: ALiBi
+    slopes finite (a NaN slope gives NaN rows), K/V scales finite and > 0 (a zero scale stores
+    every written element as +-448 or NaN). Reads the tensors: a host sync on CUDA."""
+    if alibi_slopes is not None and not bool(torch.isfinite(alibi_slopes).all()):
+        raise ValueError(f"alibi_slopes must hold finite floats (one per query head), got {alibi_slopes.tolist()}")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is not None and not bool((torch.isfinite(t) & (t > 0)).all()):
+            raise ValueError(f"{name} must hold finite floats > 0 (one per KV head), got {t.tolist()}")
+
+
 def check_varlen_args(
     q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
     window_left: int, softcap: float, check_values: bool = True, alibi_slopes=None, k_scale=None, v_scale=None,
@@ -218,6 +229,7 @@ def check_varlen_args(
     check_kv_scales(k.dtype, k_scale, v_scale, kv_heads, q.device)
     if check_values:
         check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+        check_float_values(alibi_slopes, k_scale, v_scale)
 
 
 def _check_monotonic(name: str, cu: torch.Tensor, total: int, exact: bool) -> list[int]:
@@ -465,6 +477,8 @@ def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens of key/value; "
                          f"give every token a slot (-1 for one that writes nothing)")
+    if check_values:
+        check_float_values(None, k_scale, v_scale)
     if check_values and slot_mapping.numel():
         num_slots = key_cache.shape[0] * key_cache.shape[1]
         hi, lo = int(slot_mapping.max()), int(slot_mapping.min())

@@ -673,3 +673,58 @@ def test_overlap_of_a_broadcast_view_is_decided_not_divided_by_its_zero_stride()
                           (buf.view(4, 4)[:, 3], True)):
         assert overlaps(broadcast, other) is shared, other
         assert overlaps(other, broadcast) is shared, other
+
+
+FP8 = torch.float8_e4m3fn
+BAD_SCALES = [0.0, -0.5, float("nan"), float("inf")]
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES)
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("entry", ["write_kv_cache", "varlen", "kvcache"])
+def test_kv_scale_values_are_checked_like_kvcache_checks_them(entry, name, bad):
+    """KVCache refuses a scale that is not finite and > 0; the entry points' value checks refuse it
+    too (a zero scale stored every written element as +-448 or NaN, a NaN one read the cache as
+    NaN), and ``validate=False`` leaves the tensors unread."""
+    scales = {"k_scale": torch.full((KVH,), 0.1), "v_scale": torch.full((KVH,), 0.1)}
+    scales[name][1] = bad
+    if entry == "write_kv_cache":
+        def run(validate):
+            compileattn.write_kv_cache(**kv_write(key_cache=torch.zeros(NB, BS, KVH, D, dtype=FP8),
+                                                  value_cache=torch.zeros(NB, BS, KVH, D, dtype=FP8)),
+                                       **scales, validate=validate)
+    elif entry == "varlen":
+        def run(validate):
+            call(paged(k=torch.zeros(NB, BS, KVH, D, dtype=FP8), v=torch.zeros(NB, BS, KVH, D, dtype=FP8)),
+                 **scales, validate=validate)
+    else:
+        def run(validate):
+            compileattn.flash_attn_with_kvcache(torch.randn(2, 1, H, D), torch.zeros(NB, BS, KVH, D, dtype=FP8),
+                                                torch.zeros(NB, BS, KVH, D, dtype=FP8), torch.randn(2, 1, KVH, D),
+                                                torch.randn(2, 1, KVH, D), cache_seqlens=i32([5, 2]),
+                                                block_table=i32([[2, 0], [5, 1]]), **scales, validate=validate)
+    with pytest.raises(ValueError, match=rf"^{name} must hold finite floats > 0 \(one per KV head\), got "):
+        run(True)
+    with pytest.raises(KernelRan):
+        run(False)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("entry", ["varlen", "kvcache"])
+def test_alibi_slope_values_are_checked_like_the_spec_checks_them(entry, bad):
+    """AttentionSpec refuses a slope that is not finite; so do the entry points' value checks (a
+    NaN slope gave NaN rows, an infinite one NaN or one-key rows)."""
+    slopes = torch.tensor([0.5, 0.25, bad, 0.125])
+    if entry == "varlen":
+        def run(validate):
+            call(paged(), alibi_slopes=slopes, validate=validate)
+    else:
+        def run(validate):
+            compileattn.flash_attn_with_kvcache(torch.randn(2, 1, H, D), torch.zeros(NB, BS, KVH, D),
+                                                torch.zeros(NB, BS, KVH, D), cache_seqlens=i32([5, 2]),
+                                                block_table=i32([[2, 0], [5, 1]]), alibi_slopes=slopes,
+                                                validate=validate)
+    with pytest.raises(ValueError, match=r"^alibi_slopes must hold finite floats \(one per query head\), got "):
+        run(True)
+    with pytest.raises(KernelRan):
+        run(False)
