@@ -239,7 +239,8 @@ _BelowAutograd = _torch_compat.below_autograd_guard()
 _dispatch_stack_depth = _torch_compat.dispatch_stack_depth()
 
 
-def _register_inference_only(name: str, impl, written: tuple[int, ...], inputs: tuple[int, ...]) -> None:
+def _register_inference_only(name: str, impl, written: tuple[int, ...], inputs: tuple[int, ...],
+                             optional: tuple[int, ...] = ()) -> None:
     """The op's Autograd kernel. With plain tensors, no dispatch mode and no input requiring grad
     (an eager inference call, the common case) it calls ``impl`` itself: a redispatch below
     Autograd would cost a second trip through the dispatcher (~2 us of host per call). Tensor
@@ -247,20 +248,23 @@ def _register_inference_only(name: str, impl, written: tuple[int, ...], inputs: 
     take the redispatch: the first two reach their handlers there, and below Autograd the impl's
     own torch ops record no graph (recorded, a reference write would give the caches an autograd
     history chaining each step's activations to the next). Every tensor in ``written`` then gets
-    the backward that raises."""
+    the backward that raises. ``optional``: the positions of inputs that may be None or left out
+    (ALiBi slopes, which a model may hold as a parameter)."""
     op = getattr(torch.ops.compileattn, name).default
     qualified = f"compileattn::{name}"
     plain = torch.Tensor
     first_written = written[0]
 
     def autograd_kernel(*args, **kwargs):
-        grad = torch.is_grad_enabled() and any(args[i].requires_grad for i in inputs)
+        grad = torch.is_grad_enabled() and (any(args[i].requires_grad for i in inputs) or any(
+            i < len(args) and args[i] is not None and args[i].requires_grad for i in optional))
         if not grad and type(args[0]) is plain and type(args[first_written]) is plain and not _dispatch_stack_depth():
             return impl(*args, **kwargs)
         with _BelowAutograd():
             result = op(*args, **kwargs)
         if grad:
-            _InferenceOnly.apply(qualified, len(written), *(args[i] for i in written), *(args[i] for i in inputs))
+            _InferenceOnly.apply(qualified, len(written), *(args[i] for i in written), *(args[i] for i in inputs),
+                                 *(args[i] for i in optional if i < len(args) and args[i] is not None))
         return result
 
     _lib.impl(name, autograd_kernel, "Autograd")
@@ -268,7 +272,7 @@ def _register_inference_only(name: str, impl, written: tuple[int, ...], inputs: 
 
 _register_inference_only("attention", attention_impl, written=(3,), inputs=(0, 1, 2))
 _register_inference_only("attention_by_id", attention_by_id_impl, written=(3,), inputs=(0, 1, 2))
-_register_inference_only("varlen_attention", _varlen_attention, written=(3,), inputs=(0, 1, 2))
+_register_inference_only("varlen_attention", _varlen_attention, written=(3,), inputs=(0, 1, 2), optional=(15,))
 _register_inference_only("write_kv_cache", _write_kv_cache, written=(2, 3), inputs=(0, 1))
 
 

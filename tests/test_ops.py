@@ -299,3 +299,24 @@ def test_eager_attention_with_grad_leaves_no_autograd_history_in_the_caches():
     assert out.requires_grad
     assert not cache.key_cache.requires_grad and not cache.value_cache.requires_grad
     assert cache.key_cache.grad_fn is None and cache.value_cache.grad_fn is None
+
+
+def test_backward_through_varlen_attention_raises_when_only_the_alibi_slopes_require_grad():
+    """Slopes held as a parameter (requires_grad by default) are an input like q/k/v: the reference
+    recorded its softmax and handed them a gradient, Triton none."""
+    tables, t, rand = _step_tensors(torch.float32)
+    q, k, v = rand(3, H, D), rand(3, KVH, D), rand(3, KVH, D)
+    cu = naive.cu_seqlens([3])
+    slopes = torch.nn.Parameter(torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    for kwargs in (False, True):
+        out = torch.empty(3, H, D)
+        if kwargs:
+            torch.ops.compileattn.varlen_attention(q, k, v, out, cu, cu, None, None, 3, 3, D ** -0.5,
+                                                   backend="reference", alibi_slopes=slopes)
+        else:
+            torch.ops.compileattn.varlen_attention(q, k, v, out, cu, cu, None, None, 3, 3, D ** -0.5, True, -1, 0.0,
+                                                   "reference", slopes)
+        with pytest.raises(RuntimeError, match="compileattn::varlen_attention is inference-only"):
+            out.sum().backward()
+        assert slopes.grad is None
+
