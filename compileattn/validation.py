@@ -104,13 +104,15 @@ def _index_tensor(name: str, t: torch.Tensor | None, ndim: int, device: torch.de
 
 def _check_softmax(softmax_scale, softcap) -> None:
     """Real, finite numbers: a NaN scale or an infinite softcap gives NaN rows, and a NaN softcap
-    compares false with 0 and would silently mean "no softcap"."""
+    compares false with 0 and would silently mean "no softcap". Finite by comparisons (a NaN fails
+    them), not ``math.isfinite``: under ``torch.compile(dynamic=True)`` the numbers, the entry
+    points' float defaults included, are symbolic floats, which comparisons trace."""
     for name, value, positive in (("softmax_scale", softmax_scale, True), ("softcap", softcap, False)):
         if value is None and name == "softmax_scale":
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-        if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+        if not -math.inf < value < math.inf or (value <= 0 if positive else value < 0):
             raise ValueError(f"{name} must be a finite float {'> 0' if positive else '>= 0 (0: no softcap)'}, "
                              f"got {value}")
 

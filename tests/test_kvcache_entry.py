@@ -453,3 +453,30 @@ def test_cuda_graph_replays_with_new_cache_seqlens(paged):
         torch.cuda.synchronize()
         torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
         assert torch.equal(s.k_cache, ref_k) and torch.equal(s.v_cache, ref_v)
+
+
+def test_compiled_with_dynamic_shapes_traces_into_one_graph():
+    """``dynamic=True`` makes Python floats symbolic, the entry points' defaults included
+    (softcap=0.0): the softmax numbers' check must trace (``math.isfinite`` of a symbolic float
+    broke the graph, an error under ``fullgraph=True``)."""
+    def step(q, k_cache, v_cache, k, v, lens, table, scale):
+        return compileattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table,
+                                                   softmax_scale=scale, causal=True, backend="reference",
+                                                   validate=False)
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k):
+        return compileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, backend="reference",
+                                                  validate=False)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
+    for seqlen_q in (2, 3):
+        s1, s2 = make_setup(page=16, new=seqlen_q, seqlen_q=seqlen_q), make_setup(page=16, new=seqlen_q, seqlen_q=seqlen_q)
+        want = step(s1.q, s1.k_cache, s1.v_cache, s1.k, s1.v, s1.cache_seqlens, s1.block_table, 0.1)
+        got = compiled(s2.q, s2.k_cache, s2.v_cache, s2.k, s2.v, s2.cache_seqlens, s2.block_table, 0.1)
+        torch.testing.assert_close(got, want)
+        assert torch.equal(s1.k_cache, s2.k_cache)
+    compiled_varlen = torch.compile(varlen, fullgraph=True, backend="aot_eager", dynamic=True)
+    for lens_q, lens_k in (([1, 4], [5, 6]), ([2, 3, 1], [2, 8, 4])):
+        q, k, v = torch.randn(sum(lens_q), 8, 64), torch.randn(sum(lens_k), 2, 64), torch.randn(sum(lens_k), 2, 64)
+        args = (q, k, v, naive.cu_seqlens(lens_q), naive.cu_seqlens(lens_k), max(lens_q), max(lens_k))
+        torch.testing.assert_close(compiled_varlen(*args), varlen(*args))
