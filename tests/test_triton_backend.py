@@ -11,6 +11,7 @@ sequence's length, or a stale page, poisons its output instead of passing by luc
 """
 from __future__ import annotations
 
+import naive
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -713,3 +714,47 @@ def test_varlen_copies_only_the_tensors_whose_layout_the_kernels_cannot_read(mon
                                              causal=True, backend="triton")
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert copied == [q.shape]
+
+
+
+# ---------------------------------------------------------------------------------------------
+# keys scoring -inf (an infinite k): SDPA's answer, never zeros
+
+MINUS_INF_KEYS = 32  # the first two 16-key tiles: a whole unmasked body tile of -inf scores
+
+
+@cpu_only
+@pytest.mark.parametrize("kv_len", [1, 20, 32, 33, 50])
+@pytest.mark.parametrize("path", ["decode", "decode-split2", "decode-split8", "decode-folded", "unified"])
+def test_keys_scoring_minus_inf(path, kv_len):
+    """Keys 0..31 have -inf in dim 3 and every query a positive dim 3, so they score -inf. A row
+    that sees only such keys is NaN (SDPA's softmax of only -inf scores), never zeros, whichever
+    tile path (masked tail, unmasked body, split partials merged in the launch or by the combine
+    kernel) reads them; a row that also sees finite keys ignores them, even when a whole tile of
+    them comes first (it used to be NaN from the unmasked body, zero from a masked tile)."""
+    g = torch.Generator().manual_seed(5)
+    q_len = 3 if path == "unified" else 1
+    page, kvh, h, d = 16, 1, 2, 32
+    q = torch.randn(q_len, h, d, generator=g)
+    q[:, :, 3] = q[:, :, 3].abs() + 0.5
+    k = torch.randn(kv_len, kvh, d, generator=g)
+    v = torch.randn(kv_len, kvh, d, generator=g)
+    k[:MINUS_INF_KEYS, :, 3] = float("-inf")
+    pages = -(-kv_len // page)
+    kc = torch.full((pages + 1, page, kvh, d), float("nan"))
+    vc = torch.full_like(kc, float("nan"))
+    table = list(range(pages, 0, -1))  # reversed pages; page 0 unused
+    for p in range(kv_len):
+        kc[table[p // page], p % page] = k[p]
+        vc[table[p // page], p % page] = v[p]
+    tuning = {"decode": dict(num_splits=1, decode_block_n=32), "decode-split2": dict(num_splits=2, decode_block_n=16),
+              "decode-split8": dict(num_splits=8, decode_block_n=16),
+              "decode-folded": dict(num_splits=1, decode_block_n=16, decode_tail_stages=0),
+              "unified": dict(unified_block_m=16, unified_block_n=16)}[path]
+    out = torch.full_like(q, 7.0)
+    triton_backend(**tuning).varlen_attention(
+        q, kc, vc, out, torch.tensor([0, q_len], dtype=torch.int32), None, torch.tensor([kv_len], dtype=torch.int32),
+        torch.tensor([table + [0]], dtype=torch.int32), q_len, kv_len, d ** -0.5, True, -1, 0.0)
+    want = naive.attend(q, k, v, scale=d ** -0.5, causal=True)
+    assert torch.equal(out.isnan(), want.isnan()), (out[:, :, 0], want[:, :, 0])
+    torch.testing.assert_close(out[~want.isnan()].double(), want[~want.isnan()], atol=1e-4, rtol=1e-4)

@@ -85,7 +85,14 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, arrivals, 
                                  HEAD_DIM, D_PAD, PAGE, BLOCK_N, True, False, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
                                  PRECISION, NUM_STAGES, TAIL_STAGES, INTERPRET)
 
-    o = finish_rows(acc, l_i, v_scale)
+    # A decode row sees its own position's key whenever it has any (kv_len is 0 without a query).
+    sees = (q_pos * 0 + kv_len) > 0
+    # A split's partial is zero where its keys all scored -inf (or it had none): its weight is 0
+    # either way, and whether the row saw keys is the merge's question (the whole row's).
+    if SPLIT:
+        o = finish_rows(acc, l_i, v_scale, sees & (kv_len < 0))
+    else:
+        o = finish_rows(acc, l_i, v_scale, sees)
     out_rows = out_ptr + tok64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     if SPLIT:
         # A split that saw no key weighs nothing; a NaN sum (a NaN score) gives a NaN lse, which
@@ -97,16 +104,17 @@ def decode_kernel(q_ptr, k_cache, v_cache, out_ptr, o_part, lse_part, arrivals, 
         tl.store(o_part + (rows + split)[:, None] * D_PAD + offs_d[None, :], o, mask=group_ok[:, None])
         if MERGE:
             merge_splits(out_rows, o_part, lse_part, arrivals + seq * tl.num_programs(1) + kvh, rows, num_splits,
-                         group_ok, row_ok[:, None] & d_ok[None, :], offs_d, BLOCK_M, D_PAD)
+                         group_ok, row_ok[:, None] & d_ok[None, :], offs_d, kv_len > 0, BLOCK_M, D_PAD)
     else:
         tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def merge_splits(out_rows, o_part, lse_part, ticket, rows, num_splits, group_ok, out_ok, offs_d,
+def merge_splits(out_rows, o_part, lse_part, ticket, rows, num_splits, group_ok, out_ok, offs_d, sees,
                  BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
     """Called by every split of one (sequence, KV head) after writing its partials; the last one
-    to arrive merges them into ``out_rows``."""
+    to arrive merges them into ``out_rows``. ``sees``: the sequence has keys (then a row whose
+    splits all weigh nothing scored -inf on every key: NaN, as in finish_rows)."""
     # Every thread's partials are written before the ticket (acq_rel, GPU scope) is taken; the
     # last split reads the others' through L2 (.cg), never a stale L1 line.
     tl.debug_barrier()
@@ -135,14 +143,18 @@ def merge_splits(out_rows, o_part, lse_part, ticket, rows, num_splits, group_ok,
                 total = total * alpha + w
                 m = m_new
             s0 += MERGE_UNROLL
-        total = tl.where(total == 0.0, 1.0, total)  # no key in any split: zeros; NaN stays NaN
-        tl.store(out_rows, (merged / total[:, None]).to(out_rows.dtype.element_ty), mask=out_ok)
+        # no key in any split: zeros; keys that all scored -inf: NaN; NaN stays NaN
+        blank = tl.where(sees, float("nan"), 0.0)
+        res = tl.where(total[:, None] == 0.0, blank, merged / tl.where(total == 0.0, 1.0, total)[:, None])
+        tl.store(out_rows, res.to(out_rows.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
-def combine_kernel(out_ptr, o_part, lse_part, cu_q, stride_ot, stride_oh, num_splits,
+def combine_kernel(out_ptr, o_part, lse_part, cu_q, seq_lens, stride_ot, stride_oh, num_splits,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Grid (num_seqs, num_heads): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)."""
+    """Grid (num_seqs, num_heads): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); where
+    every weight is 0, zeros for a sequence without keys and NaN for one with keys (they all
+    scored -inf: see merge_splits)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -158,8 +170,8 @@ def combine_kernel(out_ptr, o_part, lse_part, cu_q, stride_ot, stride_oh, num_sp
         w = tl.exp2(lse - m)
         o = tl.load(o_part + (base + offs_s)[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
         total = tl.sum(w, 0)
-        total = tl.where(total == 0.0, 1.0, total)  # NaN stays NaN
-        res = tl.sum(o * w[:, None], 0) / total
+        blank = tl.where(tl.load(seq_lens + seq) > 0, float("nan"), 0.0)
+        res = tl.where(total == 0.0, blank, tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total))
         tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
                  res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 

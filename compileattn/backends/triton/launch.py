@@ -164,8 +164,8 @@ class DecodeLaunch:
         tail = self._tail(key_cache, cu_q, seq_lens, block_table, q.stride(), out.stride(), alibi, kv_scales)
         self.run(q, key_cache, value_cache, out, *tail, **self.kwargs)
         if self.combine_run is not None:
-            self.combine_run(out, self.o_part, self.lse_part, cu_q, out.stride(0), out.stride(1), self.splits,
-                             **self.combine_kwargs)
+            self.combine_run(out, self.o_part, self.lse_part, cu_q, seq_lens, out.stride(0), out.stride(1),
+                             self.splits, **self.combine_kwargs)
 
     def bind(self, key_cache, value_cache, cu_q, seq_lens, block_table, num_heads: int, head_dim: int,
              alibi=None, kv_scales=None):
@@ -177,7 +177,8 @@ class DecodeLaunch:
         if self.combine_run is None:
             return run  # attend(q, out) itself: no frame in between
         combine = make_launch(decode.combine_kernel, self.combine_kwargs,
-                              (None, self.o_part, self.lse_part, cu_q, strides[0], strides[1], self.splits), (0,),
+                              (None, self.o_part, self.lse_part, cu_q, seq_lens, strides[0], strides[1], self.splits),
+                              (0,),
                               (self.dtype,))
 
         def attend_split(q, out):

@@ -112,12 +112,13 @@ def _tile(acc, m_i, l_i, start, q, q_pos, k_base, v_base, bt_row, kv_first, kv_l
         if HAS_WINDOW:
             visible = visible & (pos[None, :] >= q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps m = -inf; subtracting it would give NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row whose scores so far are all -inf (no key visible yet, or visible keys scoring -inf: an
+    # infinite q or k) keeps m = -inf; subtracting it would give NaN (-inf - -inf), in the body too:
+    # a tile of -inf scores before the row's finite ones would poison a row that SDPA answers.
+    # Its -inf scores weigh nothing (l stays 0); finish_rows tells a row that saw keys (NaN, as
+    # SDPA's softmax of only -inf scores) from one that saw none (zeros).
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -159,16 +160,20 @@ def attend_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_row, kv_first, lo, 
 
 
 @triton.jit
-def finish_rows(acc, l_i, v_scale):
-    """Normalised rows of the online softmax: ``v_scale * acc / l``, and zero where ``l == 0``
-    (``v_scale``: a quantized cache's V scale for this KV head, else 1).
+def finish_rows(acc, l_i, v_scale, sees):
+    """Normalised rows of the online softmax: ``v_scale * acc / l``, and where ``l == 0`` zero for
+    a row that sees no key, NaN for one that does (``v_scale``: a quantized cache's V scale for
+    this KV head, else 1; ``sees``: per row, whether any key is visible to it).
 
-    ``l == 0`` means the row saw no key: its output is zero even when a masked-off value in a
-    loaded tile is NaN or Inf (``p = 0`` times it would be NaN). A NaN ``l`` (a NaN score) is not
+    ``l == 0`` means no visible key had a score above -inf. A row that sees none outputs zeros,
+    even when a masked-off value in a loaded tile is NaN or Inf (``p = 0`` times it would be NaN).
+    A row whose visible keys all score -inf (an infinite q or k) is NaN, as SDPA's softmax of only
+    -inf scores is: an Inf input is never turned into zeros. A NaN ``l`` (a NaN score) is not
     zero, so the row stays NaN: non-finite inputs reach the rows that see them, as in SDPA.
     """
-    seen_nothing = l_i == 0.0
-    return tl.where(seen_nothing[:, None], 0.0, acc * (v_scale / tl.where(seen_nothing, 1.0, l_i))[:, None])
+    l_zero = l_i == 0.0
+    blank = tl.where(sees, float("nan"), 0.0)
+    return tl.where(l_zero[:, None], blank[:, None], acc * (v_scale / tl.where(l_zero, 1.0, l_i))[:, None])
 
 
 @triton.jit

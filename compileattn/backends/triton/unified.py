@@ -90,7 +90,11 @@ def unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q, cu_k, seq_lens, block_tab
                                  cap, window, alibi, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PAGED, CAUSAL, HAS_WINDOW,
                                  HAS_SOFTCAP, HAS_ALIBI, PRECISION, NUM_STAGES, 1, INTERPRET)
 
-    o = finish_rows(acc, l_i, v_scale)
+    # Bottom-right causal: a row at a negative position sees no key; any other row sees its own.
+    sees = (q_pos * 0 + kv_len) > 0
+    if CAUSAL:
+        sees = sees & (q_pos >= 0)
+    o = finish_rows(acc, l_i, v_scale, sees)
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
