@@ -79,10 +79,36 @@ def flash_attn_varlen_func(
     return out
 
 
+def _refuse_unsupported_kvcache_arguments(rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+                                          rotary_interleaved, num_splits, return_softmax_lse) -> None:
+    """flash-attn's arguments this entry point takes in their flash-attn positions (so that a call
+    written for flash-attn, positional or not, binds every value to the argument it meant) but does
+    not implement: refused unless left at flash-attn's default, never ignored."""
+    for name, value, instead in (
+            ("rotary_cos", rotary_cos, "apply the rotary embedding to q and k before the call"),
+            ("rotary_sin", rotary_sin, "apply the rotary embedding to q and k before the call"),
+            ("cache_batch_idx", cache_batch_idx, "gather the cache rows into a block_table instead"),
+            ("cache_leftpad", cache_leftpad, "store each sequence from the start of its cache row")):
+        if value is not None:
+            raise ValueError(f"{name} is not supported by compileattn.flash_attn_with_kvcache ({instead}); "
+                             f"got {type(value).__name__}")
+    if not is_bool(rotary_interleaved):
+        raise TypeError(f"rotary_interleaved must be a bool, got {rotary_interleaved!r}")
+    splits = as_int(num_splits)
+    if splits is None or splits < 0:  # a hint in flash-attn (0: its heuristic); the split count is chosen here
+        raise TypeError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    if not is_bool(return_softmax_lse):
+        raise TypeError(f"return_softmax_lse must be a bool, got {return_softmax_lse!r}")
+    if return_softmax_lse:
+        raise ValueError("return_softmax_lse=True is not supported by compileattn.flash_attn_with_kvcache (it "
+                         "returns the attention output only)")
+
+
 def flash_attn_with_kvcache(
-    q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None, backend="auto", *,
-    k_scale=None, v_scale=None, validate: bool = True,
+    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+    return_softmax_lse=False, *, out=None, backend="auto", k_scale=None, v_scale=None, validate: bool = True,
 ) -> torch.Tensor:
     """Attention of ``q`` over a KV cache, after appending ``k``/``v`` to it in place.
 
@@ -96,13 +122,18 @@ def flash_attn_with_kvcache(
     (query i sits at position ``cache_seqlens + seqlen_new - seqlen_q + i``). Returns ``out``
     (q's shape).
 
-    A contiguous cache is served as a paged one whose page is a whole sequence (page size
-    ``seqlen_cache``, sequence b in page b): one code path, and decode gets the split-KV decode
+    The arguments stand in flash-attn's order, so a call written for flash-attn binds as it meant;
+    its rotary embedding, ``cache_batch_idx``, ``cache_leftpad`` and ``return_softmax_lse=True``
+    are refused (``num_splits`` is a hint there and ignored here: the split count is chosen from the
+    batch shape). A contiguous cache is served as a paged one whose page is a whole sequence (page
+    size ``seqlen_cache``, sequence b in page b): one code path, and decode gets the split-KV decode
     kernel. float8_e4m3fn caches take ``k_scale``/``v_scale`` (float32 (kv_heads,)): ``k``/``v``
     are quantized on the write and the cache is read as ``stored * scale``.
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a tensor, got {type(q).__name__}")
+    _refuse_unsupported_kvcache_arguments(rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, rotary_interleaved,
+                                          num_splits, return_softmax_lse)
     backend = check_backend_name(backend, "backend")
     window_left, causal = _window_and_causal(window_size, causal)
     if not isinstance(cache_seqlens, torch.Tensor):

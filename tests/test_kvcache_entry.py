@@ -322,6 +322,14 @@ BAD = [
     (dict(softcap=-1.0), ValueError, "^softcap must be a finite float >= 0"),
     (dict(out=torch.empty(3, 1, 8, 32)), ValueError, "^out must have q's shape"),
     (dict(k_scale=torch.ones(2), v_scale=torch.ones(2)), ValueError, "^k_scale/v_scale apply to float8_e4m3fn"),
+    (dict(rotary_cos=torch.ones(64, 32), rotary_sin=torch.zeros(64, 32)), ValueError, "^rotary_cos is not supported"),
+    (dict(rotary_sin=torch.zeros(64, 32)), ValueError, "^rotary_sin is not supported"),
+    (dict(cache_batch_idx=torch.arange(3, dtype=torch.int32)), ValueError, "^cache_batch_idx is not supported"),
+    (dict(cache_leftpad=torch.zeros(3, dtype=torch.int32)), ValueError, "^cache_leftpad is not supported"),
+    (dict(return_softmax_lse=True), ValueError, "^return_softmax_lse=True is not supported"),
+    (dict(return_softmax_lse="yes"), TypeError, "^return_softmax_lse must be a bool"),
+    (dict(num_splits=-1), TypeError, r"^num_splits must be an int >= 0"),
+    (dict(rotary_interleaved=None), TypeError, "^rotary_interleaved must be a bool"),
 ]
 
 
@@ -333,6 +341,20 @@ def test_bad_arguments_are_named_before_any_kernel(no_kernels, changes, error, m
         compileattn.flash_attn_with_kvcache(**args)
     if k_before is not None:
         assert torch.equal(args["k_cache"], k_before)
+
+
+def test_arguments_bind_in_flash_attns_positions():
+    """A call written for flash-attn, positionally, means what it meant there: flash-attn's
+    ``(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+    cache_leftpad, block_table, softmax_scale, causal, ...)``. Bound in another order, an int
+    ``cache_seqlens`` was taken for ``softmax_scale`` and every cached token attended, unscaled."""
+    s = make_setup(page=16, new=1)
+    want = compileattn.flash_attn_with_kvcache(s.q, s.k_cache.clone(), s.v_cache.clone(), s.k, s.v,
+                                               cache_seqlens=s.cache_seqlens, block_table=s.block_table,
+                                               softmax_scale=0.5, causal=True, num_splits=4)
+    got = compileattn.flash_attn_with_kvcache(s.q, s.k_cache, s.v_cache, s.k, s.v, None, None, s.cache_seqlens, None,
+                                              None, s.block_table, 0.5, True)
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("validate", [True, False])
