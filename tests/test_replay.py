@@ -425,6 +425,58 @@ def test_a_buffer_replaced_with_the_parameters_is_served(simulated_graphs):
                 assert_matches_eager(s.eager, s.fn, s.builder, s.caches, s.decode(4), s.inputs, pad_to=4)
 
 
+
+class Shifted(OPTForCausalLM):
+    """A forward that reads a tensor held in a plain attribute (neither a parameter nor a buffer)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shift = torch.linspace(-1.0, 1.0, self.config.hidden_size)
+
+    def forward(self, input_ids, positions):
+        return super().forward(input_ids, positions) + self.shift
+
+
+def _rebind_attribute(model, new):
+    model.shift = new
+
+
+def _assign_data(model, new):
+    model.shift.data = new
+
+
+@pytest.mark.parametrize("move", [_rebind_attribute, _assign_data],
+                         ids=["attribute rebound", "attribute.data assigned"])
+def test_a_plain_attribute_tensor_moved_after_capture_raises_on_the_direct_path_too(simulated_graphs, move):
+    """A tensor in a plain attribute is a graph input the full graph reads by address, and no
+    registration tells it moved: the ordinary path raises (``dispatch._check_addresses``), so the
+    direct replay must not return the graph's answer computed from the old tensor."""
+    s = Setup(Shifted, decorate_class=True)
+    s.warm(4)
+    with ca.counters.expect(full_graph_direct_steps=1):
+        s.step(s.decode(4))
+    move(s.model, s.model.shift * 2)
+    for _ in range(2):
+        with pytest.raises(CudaGraphAddressError, match="shift"):
+            s.step(s.decode(4))
+
+
+def test_a_closure_tensor_rebound_after_capture_raises_on_the_direct_path_too(simulated_graphs):
+    s = Setup()
+    model, shift = s.model, [torch.linspace(-1.0, 1.0, s.model.config.hidden_size)]
+
+    def forward(input_ids, positions):
+        return model(input_ids, positions) + shift[0]
+
+    s.fn = ca.compile(forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=s.config)
+    s.warm(4)
+    with ca.counters.expect(full_graph_direct_steps=1):
+        s.step(s.decode(4))
+    shift[0] = shift[0] * 2
+    for _ in range(2):
+        with pytest.raises(CudaGraphAddressError):
+            s.step(s.decode(4))
+
 # -- the bytecode check, on hand-written functions shaped like Dynamo's code ------------------------
 
 class _Utils:

@@ -560,6 +560,12 @@ class ArgChecker:
                 versions.append(None)
         return versions
 
+    @property
+    def other_tensors(self) -> tuple[tuple[str, Callable[[], Any]], ...]:
+        """(where, read) of the tensors the first call reached outside its arguments that are not a
+        model's parameters or buffers (``reach.other_tensors``)."""
+        return self._other_tensors
+
     def strided(self) -> dict[str, int]:
         """name -> ndim of the arguments whose strides the trace may have made symbols (tensors
         traced with a layout rule, ``_TensorSpec.layout``), for ``SizeGuards.from_shape_env``."""

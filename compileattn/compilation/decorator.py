@@ -437,7 +437,7 @@ class _Site:
         """Install ``fast`` and run the first call through it (timed: it includes the first-call
         work of the compiled code, e.g. CUDA-graph capture)."""
         self._total(stats, start)
-        self.direct, stats["direct_replay"] = self._shortcut(fast)
+        self.direct, stats["direct_replay"] = self._shortcut(fast, checker)
         self.checker, self.stats, self.fast = checker, stats, fast
         _log_ready(what, stats)
         t = time.perf_counter()
@@ -446,7 +446,7 @@ class _Site:
         stats["first_call_s"] = time.perf_counter() - t
         return out
 
-    def _shortcut(self, fast: Callable) -> tuple[FullStepShortcut | None, str]:
+    def _shortcut(self, fast: Callable, checker: ArgChecker) -> tuple[FullStepShortcut | None, str]:
         """Full-decode steps skip Dynamo's code where that provably changes nothing (``replay.py``):
         (the shortcut or None, "on" or why not)."""
         runtimes = self.runtimes
@@ -462,7 +462,7 @@ class _Site:
         graph = getattr(graph, "fn", graph)  # _UnsavedCallable wraps a test's backend result
         if getattr(graph, "__self__", graph) is not runtimes[0]:  # or a bound __call__
             return None, "Dynamo's code calls something other than the compileattn dispatcher"
-        return FullStepShortcut(runtimes[0]), "on"
+        return FullStepShortcut(runtimes[0], checker.other_tensors), "on"
 
     def _size_guards(self, timed: _TimedBackend, dynamic: dict[str, tuple[int, ...]],
                      checker: ArgChecker) -> SizeGuards:

@@ -24,7 +24,11 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
    (the one ``CapturedGraph.check`` compared with the capture): every tensor argument has the same
    data pointer, shape and strides (``argcheck`` has already pinned dtypes, devices and every
    non-tensor argument's value). Arguments of other kinds (containers, objects) keep the ordinary
-   path for the site, since Dynamo's code reads through them.
+   path for the site, since Dynamo's code reads through them. So is every other tensor the graph
+   reads that is neither an argument nor a model's parameter or buffer (a plain module attribute,
+   a closure variable, a module global: ``reach.other_tensors``): Dynamo's code gathers it afresh
+   each call, no registration tells that it was rebound or given other storage, and the ordinary
+   path raises for it (``dispatch.py`` compares such graph inputs every graph step).
 4. **The output is the graph's**: learned from an ordinary replay of the same graph, whose result
    must be built only of the graph's static output tensors (tuples as they are; lists rebuilt per
    call, as Dynamo's code would build a new one).
@@ -231,22 +235,27 @@ def _moved(entry, src, ptr: int, now: torch.Tensor) -> CudaGraphAddressError:
 
 
 class _Learned:
-    __slots__ = ("entry", "nargs", "kwkeys", "tensors", "output")
+    __slots__ = ("entry", "nargs", "kwkeys", "tensors", "output", "others")
 
-    def __init__(self, entry, nargs, kwkeys, tensors, output):
+    def __init__(self, entry, nargs, kwkeys, tensors, output, others=()):
         self.entry, self.nargs, self.kwkeys, self.tensors, self.output = entry, nargs, kwkeys, tensors, output
+        #: (read, address) of the tensors outside the arguments the graph reads (``FullStepShortcut.others``)
+        self.others = others
 
 
 class FullStepShortcut:
     """One compile site's direct replays of its dispatcher's full-decode graphs (see the module
     docstring for when ``step`` takes one), learned per size from ordinary replays (``run``)."""
 
-    __slots__ = ("runtime", "learned", "tried")
+    __slots__ = ("runtime", "learned", "tried", "others")
 
-    def __init__(self, runtime):
+    def __init__(self, runtime, others: tuple[tuple[str, Callable[[], Any]], ...] = ()):
         self.runtime = runtime
         self.learned: dict[int, _Learned] = {}
         self.tried = weakref.WeakSet()  # graphs learned from, or found unfit, once each
+        #: (where, read) of the tensors the first call reached outside its arguments that are not
+        #: a model's parameters or buffers (``reach.other_tensors``): condition 3 of the module docstring
+        self.others = others
 
     def step(self, args: tuple, kwargs: dict):
         """Replay and return the step's output, or ``MISS``."""
@@ -268,6 +277,10 @@ class FullStepShortcut:
                 if read and t.data_ptr() != ptr:
                     raise _moved(entry, src, ptr, t)
                 return MISS  # reshaped in place: the ordinary path decides (argcheck, the pinned sizes)
+        for read, ptr in known.others:
+            t = read()
+            if not isinstance(t, torch.Tensor) or t.data_ptr() != ptr:
+                return MISS  # rebound or given other storage: the ordinary path raises, naming it
         counters.cudagraph_replays += 1
         counters.full_graph_steps += 1
         counters.full_graph_direct_steps += 1
@@ -304,4 +317,9 @@ class FullStepShortcut:
                                  else (entry.outputs,))
         if output is None:
             return
-        self.learned[entry.size] = _Learned(entry, len(args), tuple(kwargs), tuple(tensors), output)
+        others = []
+        for _, read in self.others:
+            t = read()
+            if isinstance(t, torch.Tensor) and t.data_ptr() in graph_inputs:
+                others.append((read, t.data_ptr()))
+        self.learned[entry.size] = _Learned(entry, len(args), tuple(kwargs), tuple(tensors), output, tuple(others))
