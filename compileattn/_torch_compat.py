@@ -56,6 +56,9 @@ PRIVATE_APIS = {
     "torch._inductor.custom_graph_pass.CustomGraphPass": "the pieces' post-grad pass (passes/residual_addmm.py)",
     "torch._inductor.custom_graph_pass.get_hash_for_files": "that pass's cache identity (its file's hash)",
     "torch.fx.experimental.symbolic_shapes.statically_known_true": "that pass's shape checks on symbolic sizes",
+    "torch.fx.experimental.symbolic_shapes.free_unbacked_symbols": "graph inputs of data-dependent size, refused "
+                                                                  "by the backend (no example value to pin or "
+                                                                  "capture at)",
     "torch._guards.detect_fake_mode": "the fake mode of the graph's example inputs",
     "torch._guards.tracing": "a tracing context around a worker's dynamic-shape piece compile (as Dynamo's)",
     "torch._guards.TracingContext": "that context, of the fake mode that travelled with the piece; the ShapeEnv "
@@ -530,6 +533,15 @@ def files_hash(paths: tuple[str, ...]) -> bytes:
 def statically_known_true(expr) -> bool:
     """True only if ``expr`` (a bool, or a SymBool over symbolic sizes) holds without a guard."""
     return resolve("torch.fx.experimental.symbolic_shapes.statically_known_true")(expr)
+
+
+def unbacked_sizes(value) -> bool:
+    """Whether a traced tensor's shape, strides or offset hold a data-dependent (unbacked) symbol:
+    one ``torch._dynamo.mark_unbacked`` made, which has no example value."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    find = resolve("torch.fx.experimental.symbolic_shapes.free_unbacked_symbols")
+    return any(find(n) for n in (*value.shape, *value.stride(), value.storage_offset()) if isinstance(n, torch.SymInt))
 
 
 def detect_fake_mode(example_inputs):

@@ -538,3 +538,23 @@ def test_a_write_two_overlapping_inputs_see_is_refused_at_compile():
     buf = torch.arange(8.0)
     reads = torch.compile(summed, backend="compileattn", options={"piece_compiler": "eager"})
     assert torch.equal(reads(buf[:4], buf[2:6]), summed(buf[:4], buf[2:6]))
+
+
+def test_an_input_of_data_dependent_size_is_refused_naming_it():
+    """``mark_unbacked`` leaves a size without an example value, which the backend reads for every
+    dynamic size (pinned sizes, capture sizes, overlap checks): it failed inside with a KeyError or
+    a guard on a data-dependent expression; it is refused naming the input, and a dim marked
+    dynamic compiles."""
+    def doubled_sum(x):
+        return (x * 2).sum(0)
+
+    x = torch.randn(5, 3)
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    compiled = torch.compile(doubled_sum, backend="compileattn", options={"piece_compiler": "eager"})
+    with pytest.raises(Exception, match=r"input L\['x'\] has a data-dependent size \(torch._dynamo.mark_unbacked\)"):
+        compiled(x)
+    torch._dynamo.reset()
+    y = torch.randn(5, 3)
+    torch._dynamo.mark_dynamic(y, 0)
+    assert torch.equal(torch.compile(doubled_sum, backend="compileattn", options={"piece_compiler": "eager"})(y),
+                       doubled_sum(y))

@@ -670,7 +670,8 @@ def refuse_written_overlapping_inputs(gm: torch.fx.GraphModule) -> None:
     inputs: dict[Any, list[tuple[torch.fx.Node, torch.Tensor]]] = {}
     for node in gm.graph.nodes:
         value = _torch_compat.node_example_value(node) if node.op == "placeholder" else None
-        if isinstance(value, torch.Tensor) and value.numel() and (key := _torch_compat.storage_key(value)) is not None:
+        if (isinstance(value, torch.Tensor) and not _torch_compat.statically_known_true(value.numel() == 0)
+                and (key := _torch_compat.storage_key(value)) is not None):
             inputs.setdefault(key, []).append((node, value))
     shared = {key: members for key, members in inputs.items() if len(members) > 1}
     if not shared:
@@ -691,8 +692,21 @@ def refuse_written_overlapping_inputs(gm: torch.fx.GraphModule) -> None:
                                  f"memory (clone one)")
 
 
+def refuse_unbacked_inputs(gm: torch.fx.GraphModule) -> None:
+    """A ``ValueError`` naming a graph input whose size is data-dependent (``mark_unbacked``): the
+    backend reads every dynamic size's example value (the pinned sizes, the CUDA-graph and static
+    capture sizes, the overlap checks), which such a size does not have."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and _torch_compat.unbacked_sizes(_torch_compat.node_example_value(node)):
+            raise ValueError(f"compileattn: input {_torch_compat.input_name(node)} has a data-dependent size "
+                             f"(torch._dynamo.mark_unbacked): compileattn needs each dynamic size's example value "
+                             f"to pin the other sizes and pick capture sizes; mark the dim with "
+                             f"torch._dynamo.mark_dynamic instead")
+
+
 def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig) -> CompiledSplit:
     start = time.perf_counter()
+    refuse_unbacked_inputs(gm)
     # First, and before anything is counted: a graph whose regions cannot be flattened is traced
     # again flat by the decorator.
     gm, region_calls, region_subgraphs = inline_regions(gm, example_inputs, layer_ids.name_of)
