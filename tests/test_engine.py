@@ -415,3 +415,23 @@ def test_add_request_names_a_prompt_or_params_of_the_wrong_kind(llama):
     with pytest.raises(TypeError, match=r"params must be a SamplingParams, got dict"):
         engine.add_request([1, 2], params={"max_new_tokens": 2})
     assert not engine.has_unfinished()
+
+
+def test_engine_sizes_follow_the_int_rule(llama):
+    """``argtypes``' one rule for every public entry: numpy's integers are ints, a bool is not.
+    ``Engine`` refused ``np.int64(4)`` as "must be a positive int" (``LLM`` took it), and took
+    ``max_model_len=True`` as 1."""
+    np = pytest.importorskip("numpy")
+    engine = engine_for(llama, block_size=np.int64(4), num_blocks=np.int32(48), max_num_tokens=np.int64(64),
+                        max_num_seqs=np.int64(8), max_model_len=np.int64(40))
+    assert (engine.block_size, engine.max_model_len) == (4, 40)
+    assert all(type(v) is int for v in (engine.block_size, engine.max_num_tokens, engine.max_num_seqs,
+                                        engine.max_model_len))
+    with pytest.raises(ValueError, match="max_model_len must be in"):
+        engine_for(llama, max_model_len=True)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        engine_for(llama, block_size=True)
+    assert engine.generate(prompts_of([3]), 2, max_tokens_per_step=np.int64(16)) == \
+        engine_for(llama).generate(prompts_of([3]), 2, max_tokens_per_step=16)
+    with pytest.raises(ValueError, match="max_tokens_per_step must be a positive int"):
+        engine.generate(prompts_of([3]), 2, max_tokens_per_step=True)

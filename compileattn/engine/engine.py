@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from ..argtypes import as_int
+from ..argtypes import as_int, integer_as_int, is_bool
 from ..metadata import AttentionMetadata, SequenceStep
 from .block_allocator import BlockAllocator
 from .model_runner import ModelRunner, PreparedStep
@@ -117,6 +117,9 @@ class Engine:
                 raise ValueError(f"attention_backend={attention_backend!r} contradicts "
                                  f"compile_config.attention_backend={compile_config.attention_backend!r}")
             attention_backend = compile_config.attention_backend
+        # numpy's integers as ints (``argtypes``): they size the cache and the steps.
+        block_size, num_blocks, max_num_tokens, max_num_seqs = map(
+            integer_as_int, (block_size, num_blocks, max_num_tokens, max_num_seqs))
         check_positive_ints(block_size=block_size, num_blocks=num_blocks, max_num_tokens=max_num_tokens,
                             max_num_seqs=max_num_seqs)
         param = next(model.parameters())
@@ -131,9 +134,8 @@ class Engine:
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         limit = min(model.max_position, num_blocks * block_size)
-        if max_model_len is None:
-            max_model_len = limit
-        if not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+        max_model_len = limit if max_model_len is None else integer_as_int(max_model_len)
+        if not isinstance(max_model_len, int) or is_bool(max_model_len) or not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position "
                              f"{model.max_position}, and the cache's num_blocks * block_size "
                              f"{num_blocks * block_size}), got {max_model_len!r}")
@@ -398,8 +400,10 @@ class Engine:
                  sampler: Sampler | None = None) -> list[list[int]]:
         """Greedy-decode up to ``max_new_tokens`` for every prompt (stopping at EOS as configured);
         returns the new tokens per prompt."""
-        if not isinstance(max_tokens_per_step, int) or max_tokens_per_step < 1:
+        budget = as_int(max_tokens_per_step)
+        if budget is None or budget < 1:
             raise ValueError(f"max_tokens_per_step must be a positive int, got {max_tokens_per_step!r}")
+        max_tokens_per_step = budget
         ids = self.add_requests([SamplingParams(max_new_tokens=max_new_tokens)] * len(prompts), prompts)
         if sampler is None:
             self.run(max_tokens_per_step=max_tokens_per_step)
