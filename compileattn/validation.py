@@ -468,6 +468,11 @@ def check_kv_write_args(key, value, key_cache, value_cache, slot_mapping, check_
     if key_cache.shape[2:] != key.shape[1:]:
         raise ValueError(f"key_cache (kv_heads, head_dim) {tuple(key_cache.shape[2:])} differs from key's "
                          f"{tuple(key.shape[1:])}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        broadcast = next((d for d, (n, st) in enumerate(zip(t.shape, t.stride())) if n > 1 and st == 0), None)
+        if broadcast is not None:  # every slot of that dim is the same memory: writes would race
+            raise ValueError(f"{name} has stride 0 in dim {broadcast} (a broadcast view, e.g. expand): its slots "
+                             f"share memory; pass a cache with memory of its own")
     check_no_overlap("value_cache", value_cache, (("key_cache", key_cache),),
                      "the write would store values over keys")
     check_kv_scales(key_cache.dtype, k_scale, v_scale, key_cache.shape[2], key_cache.device, cache="caches")

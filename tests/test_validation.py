@@ -319,6 +319,15 @@ def test_write_kv_cache_shapes_disagree():
         compileattn.write_kv_cache(**kv_write(value=torch.randn(2, KVH, D)))
 
 
+@pytest.mark.parametrize("name", ["key_cache", "value_cache"])
+def test_write_kv_cache_into_a_broadcast_cache_is_named(name):
+    """A cache whose dim has stride 0 (``expand``) is one memory for all its slots: the torch writer
+    failed with an unnamed RuntimeError and Triton's would race; refused naming it."""
+    broadcast = torch.zeros(1, BS, KVH, D).expand(NB, BS, KVH, D)
+    with pytest.raises(ValueError, match=rf"^{name} has stride 0 in dim 0 \(a broadcast view"):
+        compileattn.write_kv_cache(**kv_write(**{name: broadcast}))
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_write_kv_cache_into_views_of_a_combined_cache(backend, monkeypatch):
     """(num_blocks, 2, block_size, ...) K/V with key_cache = kv[:, 0] (a FlashInfer-style layout):
