@@ -284,3 +284,45 @@ def test_a_scalar_input_that_keeps_changing_stops_the_captures(simulated_graphs,
         for i in range(limit + 1):
             step(10.0 + i)  # each value answered, none captured
     assert sum("without CUDA graphs" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_one_change_of_a_scalar_input_recaptures_each_size_and_keeps_the_graphs(simulated_graphs):
+    """A scalar graph input that changes once is one change, however many capture sizes catch up
+    with it: each size's graphs are captured again once, and graphs stay on. (Counting each size's
+    recapture as another change, one change seen by more sizes than
+    ``SCALAR_RECAPTURES_BEFORE_EAGER`` turned CUDA graphs off for good.)"""
+    from compileattn.compilation import dispatch
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.scale = inner, 0.0
+
+        def forward(self, ids, pos):
+            return self.inner(ids, pos) * (1.0 + self.scale)
+
+    inner = OPTForCausalLM(OPTConfig.tiny(), seed=0)
+    model = Scaled(inner)
+    caches = ca.allocate_kv_caches(inner.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=16)
+    make_inputs = _mark(PersistentInputs(inner.config.vocab_size, MAX_TOKENS, mark_dynamic=False))
+    compiled = torch.compile(model, backend="compileattn", fullgraph=True,
+                             options=dict(cudagraph_mode="piecewise", cudagraph_capture_sizes=SIZES,
+                                          piece_compiler="eager"))
+    sizes = [2, 4, 8, 16, 24][:dispatch.SCALAR_RECAPTURES_BEFORE_EAGER + 2]
+
+    def steps(value):
+        model.scale = value
+        for n in sizes:
+            decode = [ca.SequenceStep(1, 5 + i % 8, [i]) for i in range(n)]
+            assert_matches_eager(model, compiled, builder, caches, decode, make_inputs, pad_to=n)
+
+    steps(0.0)
+    steps(0.5)  # automatic dynamic: the float becomes a graph input; each size captured with 0.5
+    with ca.counters.expect(scalar_recaptures=len(sizes), scalar_graphs_off=0):
+        steps(1.0)  # one change: each size captures again
+    with ca.counters.expect(scalar_recaptures=0, scalar_graphs_off=0, cudagraph_captures=0,
+                            cudagraph_replays=len(sizes), eager_steps=0):
+        steps(1.0)

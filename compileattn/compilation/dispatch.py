@@ -60,7 +60,8 @@ when the size's graphs were captured; another value drops that size's graphs, wh
 captures again (``scalar_recaptures``), with or without ``check_input_addresses``. A scalar that
 keeps changing (a step counter, two instances of a class stepped in turn) would capture every step,
 a capture costing ms of host time and a replay's worth of graph memory churned; after
-``SCALAR_RECAPTURES_BEFORE_EAGER`` such captures the dispatcher stops capturing and runs its steps
+``SCALAR_RECAPTURES_BEFORE_EAGER`` such changes (one change counts once, however many capture
+sizes then capture again for it) the dispatcher stops capturing and runs its steps
 through the compiled pieces without graphs (``scalar_graphs_off``, a WARNING naming the input), as
 ``torch.compile``'s own CUDA graphs skip a graph with CPU scalar inputs.
 """
@@ -79,7 +80,7 @@ from .piecewise import CompiledSplit
 
 logger = logging.getLogger("compileattn")
 
-#: Captures for a changed scalar input a dispatcher makes before it stops capturing (module docstring).
+#: Changes of a scalar input a dispatcher captures again for before it stops capturing (module docstring).
 SCALAR_RECAPTURES_BEFORE_EAGER = 3
 
 
@@ -144,8 +145,11 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self._captured_at: dict[tuple[int, bool], tuple[tuple[int, int], ...]] = {}
         #: (size, full?) -> (position, value) of its graphs' scalar inputs at their capture
         self._scalars_at: dict[tuple[int, bool], tuple[tuple[int, Any], ...]] = {}
-        #: captures made so far because a scalar input changed; past the bound, no graph steps
+        #: changes of a scalar input so far that graphs were captured again for (a change counts once,
+        #: however many sizes capture again for it); past the bound, no graph steps
         self._scalar_recaptures = 0
+        #: (position, value) of the last change counted there
+        self._last_scalar_change: tuple[int, Any] | None = None
         #: set once a scalar input changed past that bound: every step runs without graphs
         self._graphs_stopped = False
         #: (position, address) of every parameter graph input when the live graphs were captured
@@ -202,16 +206,19 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                 and i not in self._scalar_inputs) if self.config.check_input_addresses else ()
             return True
         for i, value in self._scalars_at[key]:
-            if args[i].item() != value:
+            now = args[i].item()
+            if now != value:
                 self._drop_graphs((size,))
-                if self._scalar_recaptures >= SCALAR_RECAPTURES_BEFORE_EAGER:
-                    self._stop_graphs_for_scalar(self._input_names[i])
-                    return False
-                self._scalar_recaptures += 1
+                if (i, now) != self._last_scalar_change:  # another size catching up with it is not another
+                    if self._scalar_recaptures >= SCALAR_RECAPTURES_BEFORE_EAGER:
+                        self._stop_graphs_for_scalar(self._input_names[i])
+                        return False
+                    self._scalar_recaptures += 1
+                    self._last_scalar_change = (i, now)
                 counters.scalar_recaptures += 1
                 logger.info("compileattn: size %d: scalar graph input %s is %r, its CUDA graphs were captured with "
                             "%r (a replay would compute with that): capturing them again", size,
-                            self._input_names[i], args[i].item(), value)
+                            self._input_names[i], now, value)
                 return self._check_addresses(size, full, args)  # records this step's, whose graphs it captures
         for i, ptr in captured:
             if args[i].data_ptr() != ptr:
@@ -230,7 +237,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self._graphs_stopped = True
         self._drop_graphs(self.capture_sizes)
         counters.scalar_graphs_off += 1
-        logger.warning("compileattn: scalar graph input %s changed after %d captures for it: its steps run "
+        logger.warning("compileattn: scalar graph input %s changed again after %d changes captured: its steps run "
                        "without CUDA graphs from now on (a CUDA graph bakes a Python scalar in at capture). Keep "
                        "the value in a tensor (a buffer) to have graphs again", name, self._scalar_recaptures)
 
