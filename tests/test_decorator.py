@@ -452,6 +452,32 @@ def test_a_written_tensor_may_not_come_to_share_memory_with_a_global_or_closure_
         assert torch.equal(f(old[4:]), torch.arange(4.0, 8.0) + 1 + torch.arange(4.0))
 
 
+class _Staged(nn.Module):
+    """Writes its result into ``out``, a view of a staging buffer it holds in a plain attribute
+    and never reads (the persistent-buffer pattern: slice views of one preallocated tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.staging = torch.zeros(8)
+
+    def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        out.copy_(x * 2)
+        return out
+
+
+def test_a_written_view_of_an_attribute_tensor_passed_so_on_the_first_call_is_served_later():
+    """The written argument shared memory with the plain attribute on the first call too (the
+    compile saw it and had nothing to refuse: the code never reads the attribute), so a later call
+    passing the same kind of view is the first call's case, not a new sharing: served, not refused
+    as "on the first call it shared none"."""
+    m = _Staged()
+    f = compileattn.compile(dynamic_arg_dims={}, backend="eager")(m.forward)
+    x = torch.arange(4.0)
+    for _ in range(3):
+        out = f(m.staging[:4], x)
+        assert torch.equal(out, x * 2) and torch.equal(m.staging[:4], x * 2)
+
+
 def test_the_first_calls_overlaps_are_part_of_the_warm_start_key():
     """A file traced for distinct tensors must not serve a process whose first call overlaps them
     (its own first call sets the overlaps it checks later)."""

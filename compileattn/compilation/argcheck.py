@@ -522,6 +522,10 @@ class ArgChecker:
         #: (no version counter to tell: inference-mode tensors), from the first call (``noting_writes``)
         self._written: frozenset[int] = frozenset()
         self._unknown: frozenset[int] = frozenset()
+        #: (index into ``_tensors``, name) of each tensor outside the arguments (a model's, or one of
+        #: ``_other_tensors``) that the first call's tensor shared memory with (``noting_writes``):
+        #: not a new sharing when a later call's does (``_check_written_shared``)
+        self._shared_at_first: frozenset[tuple[int, str]] = frozenset()
         #: per call layout: (position or keyword, name, spec) of each argument, and the size
         #: guards' check of that layout (None without guards)
         self._plans: dict[Any, tuple[list[tuple[int | str, str, Any]], Any]] = {}
@@ -541,11 +545,33 @@ class ArgChecker:
         version counter (made under ``torch.inference_mode()``) may have been written: it is held
         to the same rule."""
         before = self._tensor_versions(args, kwargs)
+        self._shared_at_first = self._shared_outside(args, kwargs)
         yield
         after = self._tensor_versions(args, kwargs)
         self._unknown = frozenset(i for i, b in enumerate(before) if b is None)
         self._written = self._unknown | frozenset(i for i, (b, a) in enumerate(zip(before, after)) if a != b)
         self._plans.clear()
+
+    def _shared_outside(self, args: tuple, kwargs: dict) -> frozenset[tuple[int, str]]:
+        """(index into ``_tensors``, name) of each pair of a call's tensor and a tensor outside the
+        arguments (a model's parameter or buffer, or one of ``_other_tensors``) that share memory."""
+        where = dict((name, src) for src, name in _argument_names(self._sig, self._bound_self, args, kwargs))
+        storages = self._model_storages() if self._model_storages is not None else {}
+        others = [(name, read()) for name, read in self._other_tensors]
+        shared = set()
+        for i, group in enumerate(self._tensors):
+            t = self._value((where.get(group[0][0]), group[0]), args, kwargs)
+            try:
+                members = storages.get(t.untyped_storage().data_ptr()) if storages else None
+            except RuntimeError:  # no storage (a wrapper subclass): nothing to share
+                continue
+            for device, held, name in members or ():
+                if device == t.device and layouts_overlap(held, byte_layout(t)):
+                    shared.add((i, name))
+            for name, other in others:
+                if isinstance(other, torch.Tensor) and overlaps(other, t):
+                    shared.add((i, name))
+        return frozenset(shared)
 
     def _tensor_versions(self, args: tuple, kwargs: dict) -> list[int | None]:
         """The version counter of each tensor of the call (``_tensors``' order); None where a tensor
@@ -679,7 +705,9 @@ class ArgChecker:
         """A tensor the compiled code writes shares no memory with a model's parameter or buffer
         (``ModelTensors.storages``) or another tensor the first call reached outside its arguments
         (a global, a closure variable: ``_other_tensors``) unless it was that tensor on the first
-        call (``held_elsewhere``: one graph input). Traced as distinct inputs, the compiled code
+        call (``held_elsewhere``: one graph input) or shared memory with it then
+        (``_shared_at_first``: the compile saw that, and refuses it where the code reads that tensor
+        too, so what it compiled does not read it). Traced as distinct inputs, the compiled code
         reads the other tensor as it was before the write: ``w.mul_(2); m(x)`` with
         ``m.lin.weight`` passed as ``w`` returned ``m(x)`` of the old weight (eager: of the doubled
         one). A view of such a tensor written on the first call is refused by the compile
@@ -688,7 +716,7 @@ class ArgChecker:
         (~1.7 µs each on the loaded 2-core CPU box), and a read and a storage address per other
         tensor reached (most models reach none), more only where storages match."""
         storages = self._model_storages() if self._model_storages is not None else None
-        for place in written:
+        for i, place in written:
             t = self._value(place, args, kwargs)
             try:
                 address = t.untyped_storage().data_ptr()
@@ -698,11 +726,11 @@ class ArgChecker:
             if members:
                 layout = byte_layout(t)
                 for device, held, name in members:
-                    if device == t.device and layouts_overlap(held, layout):
+                    if device == t.device and layouts_overlap(held, layout) and (i, name) not in self._shared_at_first:
                         self._refuse_written_shared(place, name)
             for name, read in self._other_tensors:
                 other = read()
-                if isinstance(other, torch.Tensor) and overlaps(other, t):
+                if isinstance(other, torch.Tensor) and overlaps(other, t) and (i, name) not in self._shared_at_first:
                     self._refuse_written_shared(place, name)
 
     @staticmethod
@@ -756,7 +784,7 @@ class ArgChecker:
         # written tensors that were not held outside the arguments on the first call (``_check_written_shared``)
         one_input = {path for path, _, _ in self._held}
         shared = self._model_storages is not None or self._other_tensors
-        written = [groups[i][0] for i in sorted(self._written) if shared and groups[i][0][1] not in one_input]
+        written = [(i, groups[i][0]) for i in sorted(self._written) if shared and groups[i][0][1] not in one_input]
         if self._size_guards is None:
             return plan, None, same, distinct, held, written
         defaults = {name: self._sig.parameters[name].default for name in self._specs if name not in passed}
