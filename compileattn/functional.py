@@ -94,9 +94,11 @@ def _refuse_unsupported_kvcache_arguments(rotary_cos, rotary_sin, cache_batch_id
                              f"got {type(value).__name__}")
     if not is_bool(rotary_interleaved):
         raise TypeError(f"rotary_interleaved must be a bool, got {rotary_interleaved!r}")
-    splits = as_int(num_splits)
-    if splits is None or splits < 0:  # a hint in flash-attn (0: its heuristic); the split count is chosen here
-        raise TypeError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    splits = as_int(num_splits)  # a hint in flash-attn (0: its heuristic); the split count is chosen here
+    if splits is None:
+        raise TypeError(f"num_splits must be an int, got {num_splits!r}")
+    if splits < 0:
+        raise ValueError(f"num_splits must be >= 0, got {splits}")
     if not is_bool(return_softmax_lse):
         raise TypeError(f"return_softmax_lse must be a bool, got {return_softmax_lse!r}")
     if return_softmax_lse:

@@ -1103,3 +1103,20 @@ def test_attention_model_under_forward_context_matches_eager():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_attention_model_cuda_graphs_match_eager(dtype):
     _run_attention_model("cuda", dtype, steps=24)
+
+
+def test_a_plain_attribute_naming_a_models_buffer_is_not_an_other_tensor():
+    """``reach.other_tensors`` lists what ``ModelTensors.storages`` does not cover, and every entry
+    costs a read per call of a function that writes an argument: an attribute that is one of the
+    model's buffers under another name (transformers' rotary ``original_inv_freq``) is covered."""
+    from compileattn.compilation.reach import other_tensors, tensors_reached
+
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.ones(4))
+            self.original_inv_freq = self.inv_freq
+            self.table = torch.zeros(3)  # a plain tensor attribute: another tensor
+
+    assert [where.rpartition(".")[2] for where, _ in other_tensors(tensors_reached([Rotary()], None))] == \
+        ["Rotary's attribute 'table'"]

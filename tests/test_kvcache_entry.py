@@ -328,7 +328,8 @@ BAD = [
     (dict(cache_leftpad=torch.zeros(3, dtype=torch.int32)), ValueError, "^cache_leftpad is not supported"),
     (dict(return_softmax_lse=True), ValueError, "^return_softmax_lse=True is not supported"),
     (dict(return_softmax_lse="yes"), TypeError, "^return_softmax_lse must be a bool"),
-    (dict(num_splits=-1), TypeError, r"^num_splits must be an int >= 0"),
+    (dict(num_splits=-1), ValueError, r"^num_splits must be >= 0"),
+    (dict(num_splits=2.0), TypeError, r"^num_splits must be an int"),
     (dict(rotary_interleaved=None), TypeError, "^rotary_interleaved must be a bool"),
 ]
 

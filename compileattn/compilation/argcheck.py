@@ -716,6 +716,7 @@ class ArgChecker:
         (~1.7 µs each on the loaded 2-core CPU box), and a read and a storage address per other
         tensor reached (most models reach none), more only where storages match."""
         storages = self._model_storages() if self._model_storages is not None else None
+        others = [(name, read()) for name, read in self._other_tensors]  # once per call, not per argument
         for i, place in written:
             t = self._value(place, args, kwargs)
             try:
@@ -728,8 +729,7 @@ class ArgChecker:
                 for device, held, name in members:
                     if device == t.device and layouts_overlap(held, layout) and (i, name) not in self._shared_at_first:
                         self._refuse_written_shared(place, name)
-            for name, read in self._other_tensors:
-                other = read()
+            for name, other in others:
                 if isinstance(other, torch.Tensor) and overlaps(other, t) and (i, name) not in self._shared_at_first:
                     self._refuse_written_shared(place, name)
 

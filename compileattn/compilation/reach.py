@@ -226,10 +226,11 @@ def other_tensors(reached: Iterable[tuple[torch.Tensor, str, Callable[[], Any], 
     model's parameter or buffer (those are ``ModelTensors.storages``): a global, a closure
     variable, a plain tensor attribute. Read again at each check, since rebinding one registers
     nothing."""
-    seen: set[int] = set()
+    reached = list(reached)
+    seen = {id(t) for t, _, _, is_model_tensor in reached if is_model_tensor}  # an attribute naming a buffer
     out = []
     for t, where, read, is_model_tensor in reached:
-        if not is_model_tensor and id(t) not in seen:
+        if id(t) not in seen:
             seen.add(id(t))
             out.append((where, read))
     return tuple(out)
