@@ -242,47 +242,58 @@ def test_a_float_attribute_that_became_a_graph_input_is_compared_by_value(simula
         steps(half)
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
-def test_a_scalar_input_that_keeps_changing_stops_the_captures(simulated_graphs, mode, caplog):
-    """A scalar graph input changing step after step (here a step counter a forward reads) would
-    capture every step; after ``SCALAR_RECAPTURES_BEFORE_EAGER`` captures the dispatcher runs the
-    compiled pieces without graphs, still answering with each step's value, and says so once."""
-    from compileattn.compilation import dispatch
+class _Scaled(torch.nn.Module):
+    """A model whose forward reads a float attribute: set to another value after the first step,
+    Dynamo makes it a graph input (automatic dynamic), a fresh 0-dim CPU tensor every call."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.scale = inner, 0.0
+
+    def forward(self, ids, pos):
+        return self.inner(ids, pos) * (1.0 + self.scale)
+
+
+def _scaled_and_compiled(mode: str):
+    """step(value, seqs, pad_to): sets the float and checks a step of the compiled model against eager."""
     from compileattn.models.opt import OPTConfig, OPTForCausalLM
 
-    class Stepped(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner, self.step = inner, 0.0
-
-        def forward(self, ids, pos):
-            return self.inner(ids, pos) * (1.0 + self.step)
-
     inner = OPTForCausalLM(OPTConfig.tiny(), seed=0)
-    model = Stepped(inner)
+    model = _Scaled(inner)
     caches = ca.allocate_kv_caches(inner.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
     builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
                                           max_blocks_per_seq=16)
     make_inputs = _mark(PersistentInputs(inner.config.vocab_size, MAX_TOKENS, mark_dynamic=False))
     compiled = torch.compile(model, backend="compileattn", fullgraph=True,
                              options=dict(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, piece_compiler="eager"))
+
+    def step(value, seqs, pad_to):
+        model.scale = value
+        assert_matches_eager(model, compiled, builder, caches, seqs, make_inputs, pad_to=pad_to)
+
+    return step
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_a_scalar_input_that_keeps_changing_stops_the_captures(simulated_graphs, mode, caplog):
+    """A scalar graph input changing step after step (a step counter a forward reads) would
+    capture every step; after ``SCALAR_RECAPTURES_BEFORE_EAGER`` changes the dispatcher runs the
+    compiled pieces without graphs, still answering with each step's value, and says so once."""
+    from compileattn.compilation import dispatch
+
+    step = _scaled_and_compiled(mode)
     decode = [ca.SequenceStep(1, 10 + i, [i]) for i in range(4)]
-
-    def step(value):
-        model.step = value
-        assert_matches_eager(model, compiled, builder, caches, decode, make_inputs, pad_to=4)
-
-    step(0.0)
-    step(0.5)  # automatic dynamic: the float becomes a graph input; captured with 0.5
+    step(0.0, decode, 4)
+    step(0.5, decode, 4)  # automatic dynamic: the float becomes a graph input; captured with 0.5
     limit = dispatch.SCALAR_RECAPTURES_BEFORE_EAGER
     with ca.counters.expect(scalar_recaptures=limit, scalar_graphs_off=0):
         for i in range(limit):
-            step(1.0 + i)
+            step(1.0 + i, decode, 4)
     with caplog.at_level(logging.WARNING, logger="compileattn"), \
             ca.counters.expect(scalar_recaptures=0, scalar_graphs_off=1, cudagraph_captures=0, cudagraph_replays=0,
                                eager_steps=limit + 1):
         for i in range(limit + 1):
-            step(10.0 + i)  # each value answered, none captured
+            step(10.0 + i, decode, 4)  # each value answered, none captured
     assert sum("without CUDA graphs" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -292,32 +303,13 @@ def test_one_change_of_a_scalar_input_recaptures_each_size_and_keeps_the_graphs(
     recapture as another change, one change seen by more sizes than
     ``SCALAR_RECAPTURES_BEFORE_EAGER`` turned CUDA graphs off for good.)"""
     from compileattn.compilation import dispatch
-    from compileattn.models.opt import OPTConfig, OPTForCausalLM
 
-    class Scaled(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner, self.scale = inner, 0.0
-
-        def forward(self, ids, pos):
-            return self.inner(ids, pos) * (1.0 + self.scale)
-
-    inner = OPTForCausalLM(OPTConfig.tiny(), seed=0)
-    model = Scaled(inner)
-    caches = ca.allocate_kv_caches(inner.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
-    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
-                                          max_blocks_per_seq=16)
-    make_inputs = _mark(PersistentInputs(inner.config.vocab_size, MAX_TOKENS, mark_dynamic=False))
-    compiled = torch.compile(model, backend="compileattn", fullgraph=True,
-                             options=dict(cudagraph_mode="piecewise", cudagraph_capture_sizes=SIZES,
-                                          piece_compiler="eager"))
+    step = _scaled_and_compiled("piecewise")
     sizes = [2, 4, 8, 16, 24][:dispatch.SCALAR_RECAPTURES_BEFORE_EAGER + 2]
 
     def steps(value):
-        model.scale = value
         for n in sizes:
-            decode = [ca.SequenceStep(1, 5 + i % 8, [i]) for i in range(n)]
-            assert_matches_eager(model, compiled, builder, caches, decode, make_inputs, pad_to=n)
+            step(value, [ca.SequenceStep(1, 5 + i % 8, [i]) for i in range(n)], n)
 
     steps(0.0)
     steps(0.5)  # automatic dynamic: the float becomes a graph input; each size captured with 0.5
