@@ -194,8 +194,46 @@ class CompilePool:
                                           daemon=True) for i in range(workers)]
         self.started = False
         self._fork_server: fork_server.ForkServer | None = None
+        _pools.add(self)
         if start:
             self.start()
+
+    def _forget_after_fork(self) -> None:
+        """In a fork of the process that runs this pool (a pre-forking server forking while static
+        pieces land in the background): the workers, their threads and the fork server are the
+        parent's. The child keeps no copy of what reaches them (a copy of a worker's stdin kept it
+        from seeing EOF, of the server's socket kept the server alive while the child lived), and
+        its own ``close`` at its exit (``StaticLanding.close``) must not kill the parent's workers
+        (a ``ForkedWorker``'s pidfd reaches them from any process) nor shut down the parent's
+        connection to the server. No thread serves the pool here, so every task without an
+        answer is answered with an error: a landing in the child compiles it in-process, as for a
+        worker that died, rather than waiting for an answer that never comes (its exit waited the
+        whole ``EXIT_WAIT_FOR_STATIC_S`` for nothing). Locks are made anew: a thread of the parent
+        may have held them at the fork."""
+        self._cond = threading.Condition()
+        self._closing, self._live, self.started = True, 0, True
+        self._threads = []
+        procs, self._procs, self._proc_of, self._running = self._procs, [], {}, {}
+        for proc in procs:
+            for stream in (getattr(proc, "stdin", None), getattr(proc, "stdout", None)):
+                _orphan_stream(stream)
+            pidfd = getattr(proc, "_pidfd", None)
+            if pidfd is not None:
+                proc._pidfd = None
+                try:
+                    os.close(pidfd)
+                except OSError:
+                    pass
+            proc.kill = lambda: None  # the parent's worker, whatever still holds this handle here
+        server, self._fork_server = self._fork_server, None
+        if server is not None:
+            server.forget()
+        why = "the compile pool belongs to the process this one was forked from"
+        for task in self._submitted:
+            if task.result is None:
+                task.result = ("error", why)
+        self._urgent.clear()
+        self._pending.clear()
 
     def start(self) -> None:
         """Start the worker processes (once)."""
@@ -418,6 +456,22 @@ class CompilePool:
             self._notify()
 
 
+def _orphan_stream(stream) -> None:
+    """Point a file object's descriptor at ``/dev/null`` (in a forked child, for a pipe to a
+    worker of the parent): the pipe's copy is gone at once, and the object's own close later (or a
+    flush of what a parent thread had buffered) touches ``/dev/null``, never a descriptor number
+    the child has reused since."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # None, or closed already
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+
+
 def _exit_note(proc: subprocess.Popen | None, exc: BaseException) -> str:
     code = proc.poll() if proc is not None else None
     note = f"{type(exc).__name__}: {exc}"
@@ -514,6 +568,11 @@ _early: tuple[fork_server.ForkServer, dict[str, str], Any] | None = None
 _early_lock = threading.Lock()
 
 
+#: Every pool not yet collected (the process-wide one, and those handed to a landing): a fork of
+#: this process forgets them (``CompilePool._forget_after_fork``).
+_pools: "weakref.WeakSet[CompilePool]" = weakref.WeakSet()
+
+
 def _forget_inherited_early_server() -> None:
     """In a fork of this process (a pre-forking server's workers, multiprocessing's fork start
     method), the early fork server is the parent's, over a socket the parent shares: requests and
@@ -521,11 +580,17 @@ def _forget_inherited_early_server() -> None:
     other had read, and no static piece landed). The child forgets it, closing only its own copy
     of the socket, and starts its own when it compiles. The lock may have been held by the thread
     that forked."""
-    global _early, _early_lock
+    global _early, _early_lock, _pool, _owner, _lock
     _early_lock = threading.Lock()
     early, _early = _early, None
     if early is not None:
         early[0].forget()
+    # The pools too (a fork while static pieces land in the background): the workers are the
+    # parent's, and so was the compile that claimed the process-wide one.
+    _lock = threading.Lock()
+    _pool, _owner = None, None
+    for pool in list(_pools):
+        pool._forget_after_fork()
 
 
 if hasattr(os, "register_at_fork"):

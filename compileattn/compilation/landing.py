@@ -28,13 +28,28 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from . import compile_pool
 
 logger = logging.getLogger("compileattn")
+
+
+#: Every landing not yet collected: a fork of this process takes its pool's answers anew.
+_landings: "weakref.WeakSet[StaticLanding]" = weakref.WeakSet()
+
+
+def _forget_after_fork() -> None:
+    for landing in list(_landings):
+        landing._forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):  # after compile_pool's own (imported above), which answers the tasks
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 class StaticLanding:
@@ -57,10 +72,19 @@ class StaticLanding:
         self.settled_after: float | None = None
         self._on_settled: list[Callable[[], Any]] = []
         pool.on_result = self._result_arrived
+        _landings.add(self)
         pool.watch()
         # A process that ends with compiles still out must not leave workers behind compiling.
         atexit.register(self.close)
         self._result_arrived()  # results that came before the hand-over
+
+    def _forget_after_fork(self) -> None:
+        """In a fork of the process: its pool's threads are not here, and the pool answered what
+        was out with an error (``CompilePool._forget_after_fork``); the next step here takes those
+        answers (compiling each in-process, as for a worker that died). The lock is made anew: a
+        thread of the parent may have held it at the fork."""
+        self._cond = threading.Condition()
+        self.changed = True
 
     @property
     def pending(self) -> int:
