@@ -10,7 +10,8 @@ Inductor's own compile subprocess does the same (it imports, then forks its pool
 
 - **Where the server comes from**: a fork of this process where that is safe (``why_not_fork_here``:
   one Python thread, CUDA's driver not initialised, at most ``FORK_MAX_RESIDENT_BYTES`` resident,
-  Linux), else a fresh interpreter
+  Linux, not inside a torch.compile trace, whose thread-local tracing state a fork would carry into
+  every worker), else a fresh interpreter
   (``python -c``). The fork has torch imported already, so it is ready one Inductor import after
   its start; a fresh interpreter first imports torch, which took 9-15 s on the H200's host beside
   the model's build and Dynamo's trace (runs S13-1, S13-2, S15-1): later than the compiling process
@@ -329,12 +330,34 @@ def why_not_fork_here() -> str | None:
     if threading.active_count() > 1:
         return (f"{threading.active_count()} Python threads run in this process (a fork would copy locks they "
                 f"may hold)")
+    tracing = _tracing_here()
+    if tracing is not None:
+        return tracing
     resident = resident_bytes()
     if resident is None or resident > FORK_MAX_RESIDENT_BYTES:
         return (f"this process holds {'an unknown amount of' if resident is None else f'{resident >> 20} MiB of'} "
                 f"memory (more than {FORK_MAX_RESIDENT_BYTES >> 20} MiB: what it frees or rewrites after a fork "
                 f"would stay held by the server)")
     return cuda_touched()
+
+
+def _tracing_here() -> str | None:
+    """Why this thread's state would follow a fork into the server and its workers, or None: a
+    pool started while Dynamo traces (``torch.compile(model, backend="compileattn")`` starts it in
+    the backend) forked from the tracing thread, and every worker inherited Dynamo's tracing
+    context, whose fake mode and ShapeEnv (of the moment of the fork) a dynamic-shape compile takes
+    before the graph's own: each failed ("vr must not be None for symbol s7") and was compiled
+    again in-process, or would have been compiled against a stale ShapeEnv. Likewise an active
+    dispatch mode (a fake mode entered around the backend)."""
+    guards = sys.modules.get("torch._guards")
+    context = getattr(guards, "TracingContext", None)
+    if context is not None and context.try_get() is not None:
+        return "this thread is inside a torch.compile trace (a fork would carry its tracing context into the workers)"
+    torch = sys.modules.get("torch")
+    depth = getattr(getattr(torch, "_C", None), "_len_torch_dispatch_stack", None)
+    if depth is not None and depth():
+        return "a torch dispatch mode is active in this thread (a fork would carry it into the workers)"
+    return None
 
 
 def resident_bytes() -> int | None:
