@@ -428,8 +428,18 @@ def _set_flags(flags: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def compile_settings_applied(settings: dict[str, Any]):
     """In a compile worker: the compiling process's ``compile_settings`` around a compile, grad
-    mode off."""
+    mode off, autocast off: the compiling process sends no task under autocast
+    (``compile_pool.unsendable_context``), but a worker forked from a fork server started at
+    decoration inherits the thread state of that moment, and one decorated inside
+    ``torch.autocast`` compiled every piece with autocast's casts (its bf16 outputs then failed the
+    KV-cache write, or ran at the lower precision)."""
     _set_flags(settings["flags"])
+    for device_type in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                torch.set_autocast_enabled(device_type, False)
+        except (RuntimeError, TypeError):  # no such device type in this build
+            continue
     modules = _config_modules()
     with contextlib.ExitStack() as stack:
         for name, changes in settings["configs"].items():
