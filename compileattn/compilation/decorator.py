@@ -514,6 +514,22 @@ def _wait_for_static_pieces(runtimes: list, timeout: float | None) -> bool:
     return True
 
 
+#: ``time.monotonic()`` when the process's exit began waiting for static pieces (None before).
+_exit_wait_started: float | None = None
+
+
+def _exit_wait_left() -> float:
+    """Seconds the exit may still wait for static pieces: ``EXIT_WAIT_FOR_STATIC_S`` for the
+    whole process, not per compiled function (each registers its own wait: two functions with
+    pieces out waited twice as long). The clock starts at the first wait after the last compile
+    registered one."""
+    global _exit_wait_started
+    now = time.monotonic()
+    if _exit_wait_started is None:
+        _exit_wait_started = now
+    return max(0.0, EXIT_WAIT_FOR_STATIC_S - (now - _exit_wait_started))
+
+
 def _when_all_settled(dispatchers: list, start: float, stats: dict[str, Any], save: Callable[[], Any] | None) -> None:
     """Once the static pieces still compiling in the background have all landed (or been given
     up), record when (``static_landed_s``, from the call's start) and save the warm start: a file
@@ -521,13 +537,15 @@ def _when_all_settled(dispatchers: list, start: float, stats: dict[str, Any], sa
     compile the rest. A process that ends first waits for them at exit (at most
     ``EXIT_WAIT_FOR_STATIC_S``) so that its warm start file is written: a short script would
     otherwise never leave one."""
+    global _exit_wait_started
     left = [len(dispatchers)]
 
     def at_exit() -> None:
         pending = sum(d.pending_static_compiles() for d in dispatchers)
+        left = _exit_wait_left()
         log.warning("compileattn: waiting up to %.0f s at exit for %d static-shape compiles, to save the warm start",
-                    EXIT_WAIT_FOR_STATIC_S, pending)
-        _wait_for_static_pieces(dispatchers, EXIT_WAIT_FOR_STATIC_S)
+                    left, pending)
+        _wait_for_static_pieces(dispatchers, left)
 
     def settled() -> None:
         left[0] -= 1
@@ -545,6 +563,7 @@ def _when_all_settled(dispatchers: list, start: float, stats: dict[str, Any], sa
                 stats["late_save_s"] = saved
 
     if save is not None:
+        _exit_wait_started = None  # a compile: the process is not exiting yet
         _at_exit.register(at_exit)
     for d in dispatchers:
         d.when_static_settled(settled)
