@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import io
 import inspect
+import os
 import sys
 import types
 from typing import Any, Callable
@@ -489,6 +490,16 @@ def inductor_triton_cache_dir(device_index: int) -> str | None:
     try:
         return resolve("torch._inductor.runtime.cache_dir_utils.triton_cache_dir")(device_index)
     except (ImportError, AttributeError):
+        return None
+
+
+def inductor_default_cache_dir() -> str | None:
+    """The directory Inductor sets ``TORCHINDUCTOR_CACHE_DIR`` to, when it is unset, at its first
+    cache access in any process (``torch._inductor.runtime.cache_dir_utils.cache_dir``, torch
+    2.11-2.13: the absolute default); None if this torch has no such function."""
+    try:
+        return os.path.abspath(resolve("torch._inductor.runtime.cache_dir_utils.default_cache_dir")())
+    except (ImportError, AttributeError, OSError):
         return None
 
 

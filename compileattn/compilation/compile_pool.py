@@ -549,16 +549,31 @@ def _start_fork_server(workers: int) -> fork_server.ForkServer | None:
     return _new_fork_server(env, fork_server.why_not_fork_here())
 
 
+#: Set by Inductor in every process before it loads a compiled C++ library: an address of this
+#: process's own, which a worker's Inductor sets to its own before using it.
+_INDUCTOR_PROCESS_LOCAL = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"
+
+
 def _changed_since(before: dict[str, str], now: dict[str, str]) -> list[str]:
     """The variables whose change since ``before`` a fork server started under ``before`` would
-    not see. Not one that was unset then and compileattn has since set to what Inductor sets it
-    to in every process at its first Triton kernel (``kernel_warmup.settled_environment``: the
-    first call on a GPU settles ``TRITON_CACHE_DIR``): a worker's Inductor sets it alike."""
+    not see. Not one that was unset then and has since been set to what Inductor sets it to in
+    every process, which a worker's Inductor sets alike: ``TRITON_CACHE_DIR`` as compileattn
+    settles it (``kernel_warmup.settled_environment``: the first call on a GPU), and what any
+    Inductor compile or cache access of this process sets (``TORCHINDUCTOR_CACHE_DIR`` to its
+    default, a process-local address): one compile with ``torch.compile`` between decoration and
+    the first call threw the server made at decoration away."""
     from . import kernel_warmup
 
-    settled = kernel_warmup.settled_environment
-    return sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k)
-                  and not (k not in before and k in settled and now.get(k) == settled[k]))
+    settled = dict(kernel_warmup.settled_environment)
+    if "TORCHINDUCTOR_CACHE_DIR" not in before and "TORCHINDUCTOR_CACHE_DIR" in now:
+        default = _torch_compat.inductor_default_cache_dir()
+        if default is not None:
+            settled["TORCHINDUCTOR_CACHE_DIR"] = default
+
+    def set_by_inductor(k: str) -> bool:
+        return k not in before and (k == _INDUCTOR_PROCESS_LOCAL or (k in settled and now.get(k) == settled[k]))
+
+    return sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k) and not set_by_inductor(k))
 
 
 #: The fork server ``start_fork_server_early`` started before any pool wanted one, with the
