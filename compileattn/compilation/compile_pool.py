@@ -242,8 +242,19 @@ class CompilePool:
         self.started = True
         self._started = time.perf_counter()
         self._fork_server = _start_fork_server(self.size)
-        for t in self._threads:
-            t.start()
+        for index, t in enumerate(self._threads):
+            try:
+                t.start()
+            except RuntimeError as exc:  # "can't start new thread": a thread or memory limit
+                # The threads started serve (with none, everything is compiled in-process); the
+                # pool must not raise with them running, or nobody would close it and its workers.
+                logger.info("compileattn: %d of %d compile workers not started (%s)", self.size - index,
+                            self.size, exc)
+                with self._cond:
+                    self._threads = self._threads[:index]
+                    self._live -= self.size - index
+                    self._cond.notify_all()
+                break
 
     # -- the compiling process's side ------------------------------------------------------------
 
