@@ -393,6 +393,11 @@ def compile_settings() -> dict[str, Any]:
                               torch.is_deterministic_algorithms_warn_only_enabled()),
             "default_dtype": torch.get_default_dtype(),
         },
+        # Inductor's CPU code is generated for this many threads (``#pragma omp parallel
+        # num_threads(N)``, its GEMM templates' blocking): a worker's own count (a fresh
+        # interpreter's default, what a fork server inherited at decoration) would compile a static
+        # piece for another. Not among the flags the cache keys read (``cache.environment_key``).
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -435,6 +440,9 @@ def compile_settings_applied(settings: dict[str, Any]):
     ``torch.autocast`` compiled every piece with autocast's casts (its bf16 outputs then failed the
     KV-cache write, or ran at the lower precision)."""
     _set_flags(settings["flags"])
+    threads = settings.get("threads")
+    if threads and torch.get_num_threads() != threads:  # no parallel region runs in a worker: none starts
+        torch.set_num_threads(threads)
     for device_type in ("cpu", "cuda"):
         try:
             if torch.is_autocast_enabled(device_type):
