@@ -536,7 +536,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         # workers all died waited at exit for every static piece to compile, past the documented
         # bound (``decorator.EXIT_WAIT_FOR_STATIC_S``); the rest land at later steps.
         while True:
-            self._land(max_failed=1)
+            self._land(max_failed=1 if time.monotonic() < deadline else 0)
             if self._landing is None:
                 return True
             if time.monotonic() >= deadline:
