@@ -225,6 +225,9 @@ class CompilePool:
                 except OSError:
                     pass
             proc.kill = lambda: None  # the parent's worker, whatever still holds this handle here
+        # Kept, not collected: closing a buffered pipe whose lock a thread of the parent held at
+        # the fork (in the middle of a message) would block here for good.
+        _inherited_handles.extend(procs)
         server, self._fork_server = self._fork_server, None
         if server is not None:
             server.forget()
@@ -597,6 +600,8 @@ _early_lock = threading.Lock()
 #: Every pool not yet collected (the process-wide one, and those handed to a landing): a fork of
 #: this process forgets them (``CompilePool._forget_after_fork``).
 _pools: "weakref.WeakSet[CompilePool]" = weakref.WeakSet()
+#: In a fork: the handles of the parent's workers, their descriptors pointed at /dev/null.
+_inherited_handles: list = []
 
 
 def _forget_inherited_early_server() -> None:
