@@ -1,16 +1,19 @@
 """Static-shape compiles in worker processes (compilation/compile_pool.py), on the CPU with Inductor:
 the same code and outputs as compiling in-process, a failing or dying worker leaves its compile to
 the compiling process, and no worker outlives the compile."""
+import os
 import random
 import re
+import threading
 import time
 
 import pytest
 import torch
+import torch.fx
 
 import compileattn as ca
 from compileattn import _torch_compat
-from compileattn.compilation import compile_pool
+from compileattn.compilation import compile_pool, fork_server
 from compileattn.compilation.backend import compileattn_backend
 from compileattn.models.opt import OPTConfig, OPTForCausalLM
 from compileattn.testing import assert_matches_eager, random_step
@@ -273,3 +276,211 @@ def test_what_a_compile_assumed_is_said_on_one_line():
     after = shape_env(["Eq(s0, s1)", "s0 < 2**31"], {"s2": 4}, 2)
     assert _torch_compat.size_assumptions_added(after, before) == ("guard s0 < 2**31; replacement s2 -> 4; "
                                                                    "2 deferred runtime assertions")
+
+
+# An Inductor compile between decoration and the first call (another function compiled with
+# ``torch.compile`` first) sets ``TORCHINDUCTOR_CACHE_DIR`` (and a process-local pointer variable),
+# as Inductor does in every process: not a change of environment that throws the fork server made at
+# decoration away (its workers' Inductor sets them alike).
+
+
+_SET_BY_INDUCTOR = ("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+
+
+def test_what_inductor_sets_in_every_process_is_not_a_change():
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    before = {k: v for k, v in compile_pool._worker_env().items() if k not in _SET_BY_INDUCTOR}
+    now = dict(before, TORCHINDUCTOR_CACHE_DIR=os.path.abspath(default_cache_dir()),
+               _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR="140000000000")
+    assert compile_pool._changed_since(before, now) == []
+    # a directory the program chose, or one changed since the server started, is a change
+    assert compile_pool._changed_since(before, dict(now, TORCHINDUCTOR_CACHE_DIR="/elsewhere")) == \
+        ["TORCHINDUCTOR_CACHE_DIR"]
+    assert compile_pool._changed_since(dict(before, TORCHINDUCTOR_CACHE_DIR="/mine"), now) == \
+        ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def test_a_torch_compile_after_decoration_keeps_the_early_server(monkeypatch):
+    compile_pool.drop_early_fork_server()
+    for name in _SET_BY_INDUCTOR:
+        monkeypatch.delenv(name, raising=False)
+    assert compile_pool.start_fork_server_early(2)
+    early = compile_pool._early[0]
+    pool = None
+    try:
+        torch.compile(lambda x: x * 3 + 1)(torch.randn(4))  # Inductor sets its variables here
+        assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
+        pool = compile_pool.CompilePool(2, start=False)
+        pool.start()
+        assert pool._fork_server is early
+    finally:
+        if pool is not None:
+            pool.close(wait=True)
+        compile_pool.drop_early_fork_server()
+        early.close()
+
+
+# A process forked while a compile pool runs (static pieces landing in the background when a pre-
+# forking server forks its workers) must not stop the parent's workers when it ends.
+
+
+def _ready(pool, timeout=120):
+    deadline = time.monotonic() + timeout
+    while any(r is None for r in pool.ready_after) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert all(r is not None for r in pool.ready_after), pool.failures
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["fresh-interpreter", "forked"])
+def test_a_forked_child_closing_its_copy_of_a_pool_leaves_the_parents_workers(workers, monkeypatch):
+    monkeypatch.setattr(compile_pool, "INJECT_FAILURE", "error")
+    pool = compile_pool.CompilePool(workers)
+    try:
+        _ready(pool)
+        pid = os.fork()
+        if pid == 0:  # what a landing's atexit does in the child (StaticLanding.close)
+            code = 1
+            try:
+                pool.close(kill=True)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        time.sleep(0.5)
+        assert all(p.poll() is None for p in pool._procs), "the child killed the parent's workers"
+        task = compile_pool.Task(0, "piece (2 tokens)", {"graph": b"", "inputs": None})
+        pool.submit(task)
+        deadline = time.monotonic() + 60
+        while task.result is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert task.result is not None and "injected failure" in task.result[1], task.result
+    finally:
+        pool.close(wait=True, kill=True)
+
+
+def test_a_landing_forked_into_a_child_settles_there_and_still_lands_in_the_parent(monkeypatch):
+    """Static pieces still out in real workers when the process forks: the child answers them
+    itself (compiled in-process, as for a worker that died) instead of waiting for workers whose
+    answers only the parent gets, and its giving up at exit leaves the parent's workers alone."""
+    from test_static_landing import STATIC, _Compiled
+
+    start_worker = compile_pool._start_worker
+    monkeypatch.setattr(compile_pool, "_start_worker", lambda *a: (time.sleep(5), start_worker(*a))[1])
+    try:
+        run = _Compiled(5, cudagraph_mode="none", compile_workers=2)
+        runtime = run.runtime
+        landing = runtime._landing
+        assert landing is not None and runtime.pending_static_compiles() > 0
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(r)
+                start = time.monotonic()
+                landed = runtime.wait_for_static_pieces(timeout=20)
+                took = time.monotonic() - start
+                landing.close()  # what the child's exit runs
+                os.write(w, f"{landed} {took:.1f}".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        with os.fdopen(r) as f:
+            answer = f.read()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        landed, took = answer.split()
+        assert landed == "True" and float(took) < 20, answer
+        assert runtime.wait_for_static_pieces(timeout=300)
+        assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
+        assert not landing.pool.failures, landing.pool.failures
+    finally:
+        compile_pool.release()
+
+
+# A pool whose worker threads cannot all start (a thread limit) raised from ``start`` with the
+# threads it had started running and their workers started: ``prestart`` then compiled in-process
+# and nobody ever closed that pool, its threads or its worker processes (~1 GB each). Now the
+# threads that started serve, and closing the pool stops them.
+
+
+def test_a_pool_that_cannot_start_all_its_threads_is_still_closed(monkeypatch):
+    real_start = threading.Thread.start
+    started = []
+
+    def limited(thread):
+        if thread.name.startswith("compileattn-compile-worker-"):
+            if started:
+                raise RuntimeError("can't start new thread")
+            started.append(thread)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", limited)
+    monkeypatch.setattr(compile_pool, "FORK_WORKERS", False)  # a fresh interpreter per worker
+    compile_pool.release()
+    pool = compile_pool.prestart(2)
+    try:
+        assert started, "no worker thread started"
+        if pool is not None:
+            assert pool.live_workers == 1
+    finally:
+        compile_pool.release(wait=True)
+    deadline = time.monotonic() + 30
+    while started[0].is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not started[0].is_alive(), "the started worker thread still serves a pool nobody holds"
+
+
+# Inductor's CPU code is generated for ``torch.get_num_threads()`` (``#pragma omp parallel
+# num_threads(N)``, its GEMM templates' blocking): a worker must compile with the compiling
+# process's thread count, not its own (a fresh interpreter's default, what a fork server inherited
+# at decoration), or a static piece ran with another number of threads than the program set
+# (oversubscribing the cores it left to others), and its code differed from an in-process compile's.
+
+
+def _piece(x):
+    return (x * 2.0 + 1.0).sum(dim=1)
+
+
+def _threads_in(data: bytes) -> set[str]:
+    source = _torch_compat.artifact_source(_torch_compat.artifact_from_bytes(data))
+    assert source is not None
+    return set(re.findall(r"num_threads\(\d+\)", source))
+
+
+def test_a_worker_compiles_for_the_compiling_processs_thread_count(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    before = torch.get_num_threads()
+    threads = 3 if before != 3 else 2
+    torch.set_num_threads(threads)
+    pool = None
+    try:
+        gm = torch.fx.symbolic_trace(_piece)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        mode = FakeTensorMode()
+        FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.empty(4096, 512)))
+        for node in gm.graph.nodes:  # as Dynamo's graph has them (a serialisable artifact needs them)
+            if "val" in node.meta:
+                node.meta["example_value"] = node.meta["val"]
+        message = {"graph": _torch_compat.piece_pickle(gm),
+                   "inputs": [("tensor", (4096, 512), (512, 1), torch.float32, "cpu")],
+                   "options": {}, "settings": _torch_compat.compile_settings()}
+        here, _ = compile_pool.compile_message(message)
+        assert _threads_in(here) == {f"num_threads({threads})"}
+        pool = compile_pool.CompilePool(1)
+        task = compile_pool.Task(0, "piece (4096 tokens)", message)
+        pool.submit(task)
+        deadline = time.monotonic() + 240
+        while task.result is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert task.result is not None and task.result[0] == "ok", task.result
+        assert _threads_in(task.result[1]) == {f"num_threads({threads})"}
+    finally:
+        torch.set_num_threads(before)
+        if pool is not None:
+            pool.close(wait=True)

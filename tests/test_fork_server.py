@@ -497,3 +497,90 @@ def test_saved_for_reads_only_this_functions_files(tmp_path):
     (tmp_path / "warm_start" / f"{warm_start.function_tag(first)}-abc.bin").write_bytes(b"")
     assert warm_start.saved_for(config, first) and not warm_start.saved_for(config, second)
     assert not warm_start.saved_for(ca.CompileConfig(), first)
+
+
+# A function decorated inside ``torch.autocast`` starts its fork server then, as a fork of this
+# thread: the workers forked from it inherited autocast, and compiled every piece with its casts
+# (bf16 outputs the KV-cache write refused: a RuntimeError at the first call). A worker compiles
+# with autocast off, as the compiling process does (it sends no task under autocast).
+
+
+_AUTOCAST_SCRIPT = """
+import random, sys
+sys.path.insert(0, "tests")
+import torch
+import compileattn as ca
+from compileattn.compilation import compile_pool
+import test_static_landing as t
+
+compile_pool.COMPILE_UNSTARTED_HERE = False  # the workers compile every piece
+model, caches, builder, make_inputs, cfg = t._setup(compile_workers=2, compile_workers_start="decoration",
+                                                    cudagraph_mode="none")
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    forward = ca.compile(model.forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=cfg)
+assert compile_pool._early is not None and compile_pool._early[0].forked_here
+rng = random.Random(4)
+t._step(rng, model, forward, builder, caches, make_inputs, decode=True)
+assert forward.wait_for_static_pieces(timeout=200)
+t._step(rng, model, forward, builder, caches, make_inputs, decode=True)
+print("in workers:", ca.counters.dynamic_compiles_in_workers, ca.counters.static_compiles_in_workers, flush=True)
+"""
+
+
+def test_workers_forked_from_a_server_started_under_autocast_compile_without_it(tmp_path):
+    env = compile_pool._worker_env()
+    env.pop("TRITON_CACHE_DIR", None)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    out = subprocess.run([sys.executable, "-c", _AUTOCAST_SCRIPT], capture_output=True, text=True, timeout=400, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(line for line in out.stdout.splitlines() if line.startswith("in workers"))
+    dynamic, static = map(int, line.split(":")[1].split())
+    assert dynamic > 0 and static > 0, line
+
+
+# A fork server started from inside a torch.compile trace (``torch.compile(model,
+# backend="compileattn")``: the backend starts the pool while Dynamo traces) must not be a fork of
+# this process: the fork's thread is the tracing one, and every worker forked from it inherited
+# Dynamo's tracing context (its fake mode and ShapeEnv of the moment of the fork), in which each
+# dynamic-shape compile failed ("vr must not be None for symbol s7") and was done again in-process,
+# or would have compiled against a stale ShapeEnv.
+
+
+_TRACE_SCRIPT = """
+import sys
+sys.path.insert(0, "tests")
+import compileattn as ca
+from compileattn.compilation import compile_pool, fork_server
+import test_compile_pool as t
+assert fork_server.why_not_fork_here() is None, fork_server.why_not_fork_here()
+compile_pool.COMPILE_UNSTARTED_HERE = False  # the workers compile every piece
+runtime, _, sources = t._compile_and_run(workers=2)
+distinct = sum(size is not None for _, size in sources)
+print("dynamic in workers:", ca.counters.dynamic_compiles_in_workers, "of", distinct, flush=True)
+"""
+
+
+def test_a_pool_started_inside_a_trace_compiles_the_dynamic_pieces_in_its_workers(tmp_path):
+    env = compile_pool._worker_env()
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    out = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(line for line in out.stdout.splitlines() if line.startswith("dynamic in workers"))
+    _, counts = line.split(":")
+    done, _, distinct = counts.split()
+    assert done == distinct, (line, out.stderr[-3000:])
+
+
+def test_no_fork_here_inside_a_tracing_context():
+    import torch
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tracing(TracingContext(FakeTensorMode())):
+        why = fork_server._tracing_here()  # (why_not_fork_here may name another reason first)
+        assert fork_server.why_not_fork_here() is not None
+    assert why is not None and "trac" in why, why
+    assert fork_server._tracing_here() is None
+    assert torch  # imported for the tracing context's types

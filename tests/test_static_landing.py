@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import compileattn as ca
-from compileattn.compilation import compile_pool
+from compileattn.compilation import compile_pool, decorator
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.testing import PersistentInputs, RecordingBackend, assert_matches_eager, random_step
 
@@ -598,3 +598,53 @@ def test_an_unknown_workers_start_is_refused():
     with pytest.raises(ValueError, match="compile_workers_start"):
         ca.CompileConfig(compile_workers_start="later")
 
+
+# The exit's wait for static pieces still out is bounded for the whole process
+# (``EXIT_WAIT_FOR_STATIC_S``), not once per compiled function.
+
+
+def test_two_functions_waiting_at_exit_share_one_bound(held, monkeypatch, tmp_path):
+    registered = []
+
+    class Exit:
+        register = staticmethod(registered.append)
+        unregister = staticmethod(registered.remove)
+
+    monkeypatch.setattr(decorator, "_at_exit", Exit)
+    monkeypatch.setattr(decorator, "_exit_wait_started", None, raising=False)
+    monkeypatch.setattr(decorator, "EXIT_WAIT_FOR_STATIC_S", 1.0)
+    for seed in (0, 1):
+        model, caches, builder, make_inputs, cfg = _setup(cache_dir=str(tmp_path / f"cache{seed}"),
+                                                          cudagraph_mode="none")
+        forward = ca.compile(model.forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=cfg)
+        _step(random.Random(seed), model, forward, builder, caches, make_inputs, decode=True)
+    assert len(registered) == 2 and len(held) == 2  # nothing answered: both wait
+    start = time.monotonic()
+    for at_exit in reversed(list(registered)):  # what the interpreter runs at exit
+        at_exit()
+    assert time.monotonic() - start < 1.8
+
+
+# ``wait_for_static_pieces(timeout)`` (and the exit's wait, ``EXIT_WAIT_FOR_STATIC_S``) is bounded:
+# static compiles the workers failed are compiled in-process only while time is left.
+
+
+def test_a_timed_wait_compiles_failed_pieces_here_only_while_time_is_left(held):
+    run = _Compiled(3, cudagraph_mode="none")
+    runtime, (pool,) = run.runtime, held
+    assert len(pool.tasks) >= 2
+    for task in pool.tasks:  # every worker died: each piece is compiled here when it lands
+        pool.answer(task, error="worker pid 1 died (EOFError)")
+    start = time.monotonic()
+    with ca.counters.expect(backend_compiles=0):  # no time left: none compiled
+        assert runtime.wait_for_static_pieces(timeout=0) is False
+    compiled = ca.counters.backend_compiles
+    assert runtime.wait_for_static_pieces(timeout=0.001) is False
+    compiled = ca.counters.backend_compiles - compiled  # at most the one started before the deadline
+    assert compiled <= 1 and runtime.pending_static_compiles() == len(pool.tasks) - compiled
+    assert time.monotonic() - start < 60
+    with ca.counters.expect(backend_compiles=len(pool.tasks) - compiled):
+        assert runtime.wait_for_static_pieces(timeout=600) is True
+    assert runtime.pending_static_compiles() == 0
+    assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
+    run.step(decode=True)
