@@ -46,6 +46,8 @@ PRIVATE_APIS = {
                               "(ConfigModule._get_dict(skip_default=True), patch)",
     "torch._inductor.standalone_compile.AOTCompiledArtifact": "a compiled piece as bytes (aot=True) and back",
     "torch._inductor.compile_fx": "imported ahead of a warm start (the first artifact load pays Inductor's import)",
+    "torch._inductor.runtime.cache_dir_utils.default_cache_dir": "the TORCHINDUCTOR_CACHE_DIR Inductor sets where "
+                                                                 "unset, which does not make a fork server stale",
     "torch._inductor.runtime.cache_dir_utils.triton_cache_dir": "the TRITON_CACHE_DIR Inductor sets where unset, "
                                                                 "given to the attention kernels' compiles ahead",
     "torch._dynamo.backends.debugging.aot_eager": "piece_compiler='aot_eager'",
