@@ -457,6 +457,25 @@ def overlapping_tensors(values: Mapping[str, Any], places: tuple[tuple[tuple, ..
                      if overlaps(tensors[i], tensors[j]))
 
 
+def _sharing(t: torch.Tensor, storages: Mapping[int, list] | None, others: list[tuple[str, Any]]) -> Iterator[str]:
+    """The names of the tensors outside the arguments ``t`` shares memory with: the models'
+    parameters and buffers (``storages``: ``ModelTensors.storages``, found by storage address, a
+    dict lookup) and ``others`` ((name, tensor or whatever is there now), compared one by one)."""
+    try:
+        address = t.untyped_storage().data_ptr()
+    except RuntimeError:  # no storage (a wrapper subclass): nothing to share
+        return
+    members = storages.get(address) if storages else None
+    if members:
+        layout = byte_layout(t)
+        for device, held, name in members:
+            if device == t.device and layouts_overlap(held, layout):
+                yield name
+    for name, other in others:
+        if isinstance(other, torch.Tensor) and overlaps(other, t):
+            yield name
+
+
 def leaves(v: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """Every value inside ``v`` that is not one of the containers the check walks item by item
     (``_is_sequence``, ``_is_mapping``), with the keys leading to it from ``path``."""
@@ -556,22 +575,15 @@ class ArgChecker:
         """(index into ``_tensors``, name) of each pair of a call's tensor and a tensor outside the
         arguments (a model's parameter or buffer, or one of ``_other_tensors``) that share memory."""
         where = dict((name, src) for src, name in _argument_names(self._sig, self._bound_self, args, kwargs))
-        storages = self._model_storages() if self._model_storages is not None else {}
-        others = [(name, read()) for name, read in self._other_tensors]
-        shared = set()
-        for i, group in enumerate(self._tensors):
-            t = self._value((where.get(group[0][0]), group[0]), args, kwargs)
-            try:
-                members = storages.get(t.untyped_storage().data_ptr()) if storages else None
-            except RuntimeError:  # no storage (a wrapper subclass): nothing to share
-                continue
-            for device, held, name in members or ():
-                if device == t.device and layouts_overlap(held, byte_layout(t)):
-                    shared.add((i, name))
-            for name, other in others:
-                if isinstance(other, torch.Tensor) and overlaps(other, t):
-                    shared.add((i, name))
-        return frozenset(shared)
+        outside = self._outside_now()
+        return frozenset((i, name) for i, group in enumerate(self._tensors)
+                         for name in _sharing(self._value((where.get(group[0][0]), group[0]), args, kwargs), *outside))
+
+    def _outside_now(self) -> tuple[Mapping[int, list] | None, list[tuple[str, Any]]]:
+        """(the models' tensors by storage, (name, what it holds now) of each other tensor reached):
+        what ``_sharing`` compares a tensor with."""
+        storages = self._model_storages() if self._model_storages is not None else None
+        return storages, [(name, read()) for name, read in self._other_tensors]
 
     def _tensor_versions(self, args: tuple, kwargs: dict) -> list[int | None]:
         """The version counter of each tensor of the call (``_tensors``' order); None where a tensor
@@ -715,22 +727,10 @@ class ArgChecker:
         functions that write an argument: a storage address and a dict lookup per written argument
         (~1.7 µs each on the loaded 2-core CPU box), and a read and a storage address per other
         tensor reached (most models reach none), more only where storages match."""
-        storages = self._model_storages() if self._model_storages is not None else None
-        others = [(name, read()) for name, read in self._other_tensors]  # once per call, not per argument
+        outside = self._outside_now()  # once per call, not per argument
         for i, place in written:
-            t = self._value(place, args, kwargs)
-            try:
-                address = t.untyped_storage().data_ptr()
-            except RuntimeError:  # no storage (a wrapper subclass): nothing to share
-                continue
-            members = storages.get(address) if storages else None
-            if members:
-                layout = byte_layout(t)
-                for device, held, name in members:
-                    if device == t.device and layouts_overlap(held, layout) and (i, name) not in self._shared_at_first:
-                        self._refuse_written_shared(place, name)
-            for name, other in others:
-                if isinstance(other, torch.Tensor) and overlaps(other, t) and (i, name) not in self._shared_at_first:
+            for name in _sharing(self._value(place, args, kwargs), *outside):
+                if (i, name) not in self._shared_at_first:
                     self._refuse_written_shared(place, name)
 
     @staticmethod
