@@ -584,3 +584,29 @@ def test_no_fork_here_inside_a_tracing_context():
     assert why is not None and "trac" in why, why
     assert fork_server._tracing_here() is None
     assert torch  # imported for the tracing context's types
+
+
+def test_a_server_that_stops_answering_fails_the_fork_within_its_bound(monkeypatch):
+    """A ready server answers a fork in milliseconds; one stopped (SIGSTOP) blocked ``fork``, and
+    with it every pool thread waiting on its lock, for good. Past ``FORK_ANSWER_TIMEOUT_S`` the
+    fork fails as for a server that died (the pool then compiles in-process)."""
+    import signal
+
+    monkeypatch.setattr(fork_server, "FORK_ANSWER_TIMEOUT_S", 1.0)
+    server = fork_server.ForkServer(dict(os.environ), 0, 120.0)
+    workers = []
+    try:
+        workers.append(server.fork())  # the handshake, and a fork answered
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(fork_server.ForkError, match="the fork server stopped"):
+            server.fork()
+        assert time.monotonic() - start < 10
+    finally:
+        try:
+            os.kill(server.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        for w in workers:
+            w.stdin.close()
+        server.close()

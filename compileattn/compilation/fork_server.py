@@ -83,6 +83,11 @@ _FORK = b"F"
 #: the CPU machine (not measured on the GPU host, whose CUDA libraries add to it: the limit leaves
 #: room for them), a model of a billion parameters built on the CPU holds 2-4 GiB.
 FORK_MAX_RESIDENT_BYTES = 4 << 30
+#: Seconds a ready server may take to answer a fork with the worker's pid. It answers in
+#: milliseconds (one ``fork``); without a bound, a server stopped or wedged (SIGSTOP, a debugger)
+#: blocked every pool thread on the lock ``fork`` holds, and a landing's wait ran to its exit
+#: bound. Past it the server is given up as one that died: its compiles run in-process.
+FORK_ANSWER_TIMEOUT_S = 30.0
 #: What a CUDA driver call returns before ``cuInit``.
 _CUDA_ERROR_NOT_INITIALIZED = 3
 
@@ -230,7 +235,7 @@ class ForkServer:
             self._fail(f"the fork server did not start ({type(exc).__name__}: {exc}; exit status "
                        f"{self._proc.poll()})")
             return
-        self._sock.settimeout(None)
+        self._sock.settimeout(FORK_ANSWER_TIMEOUT_S)  # every later exchange is a fork's request and answer
         now = time.perf_counter()  # perf_counter is the system-wide monotonic clock: comparable
         self.ready_after = now - self._started
         self.interpreter_seconds = first_statement - self._started
