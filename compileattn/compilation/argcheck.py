@@ -564,20 +564,26 @@ class ArgChecker:
         version counter (made under ``torch.inference_mode()``) may have been written: it is held
         to the same rule."""
         before = self._tensor_versions(args, kwargs)
-        self._shared_at_first = self._shared_outside(args, kwargs)
         yield
         after = self._tensor_versions(args, kwargs)
         self._unknown = frozenset(i for i, b in enumerate(before) if b is None)
         self._written = self._unknown | frozenset(i for i, (b, a) in enumerate(zip(before, after)) if a != b)
+        self._shared_at_first = self._shared_outside(self._written, args, kwargs)
         self._plans.clear()
 
-    def _shared_outside(self, args: tuple, kwargs: dict) -> frozenset[tuple[int, str]]:
-        """(index into ``_tensors``, name) of each pair of a call's tensor and a tensor outside the
-        arguments (a model's parameter or buffer, or one of ``_other_tensors``) that share memory."""
+    def _shared_outside(self, indices: Iterable[int], args: tuple, kwargs: dict) -> frozenset[tuple[int, str]]:
+        """(index into ``_tensors``, name) of each pair of a call's tensor of ``indices`` and a tensor
+        outside the arguments (a model's parameter or buffer, or one of ``_other_tensors``) that
+        share memory. Only for the tensors the first call wrote (the later check's), and after it:
+        the models' storages are looked up only by functions that write an argument."""
+        indices = list(indices)
+        if not indices or (self._model_storages is None and not self._other_tensors):
+            return frozenset()
         where = dict((name, src) for src, name in _argument_names(self._sig, self._bound_self, args, kwargs))
         outside = self._outside_now()
-        return frozenset((i, name) for i, group in enumerate(self._tensors)
-                         for name in _sharing(self._value((where.get(group[0][0]), group[0]), args, kwargs), *outside))
+        return frozenset((i, name) for i in indices
+                         for name in _sharing(self._value((where.get(self._tensors[i][0][0]), self._tensors[i][0]),
+                                                          args, kwargs), *outside))
 
     def _outside_now(self) -> tuple[Mapping[int, list] | None, list[tuple[str, Any]]]:
         """(the models' tensors by storage, (name, what it holds now) of each other tensor reached):
@@ -751,9 +757,7 @@ class ArgChecker:
             v = self._sig.parameters[path[0]].default
         else:
             v = kwargs[src]
-        for key in path[1:]:  # the containers' structure matched the first call's (the specs)
-            v = v[key]
-        return v
+        return value_at(v, path[1:])  # the containers' structure matched the first call's (the specs)
 
     def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, tuple | None, list, list]:
         names = _argument_names(self._sig, self._bound_self, args, kwargs)

@@ -542,10 +542,10 @@ def _when_all_settled(dispatchers: list, start: float, stats: dict[str, Any], sa
 
     def at_exit() -> None:
         pending = sum(d.pending_static_compiles() for d in dispatchers)
-        left = _exit_wait_left()
+        bound = _exit_wait_left()
         log.warning("compileattn: waiting up to %.0f s at exit for %d static-shape compiles, to save the warm start",
-                    left, pending)
-        _wait_for_static_pieces(dispatchers, left)
+                    bound, pending)
+        _wait_for_static_pieces(dispatchers, bound)
 
     def settled() -> None:
         left[0] -= 1

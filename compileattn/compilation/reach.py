@@ -2,9 +2,10 @@
 closure and the module globals its code reads (``modules_in``, ``global_modules``), where it looks a
 model up at each call (``model_bindings``), the tensors it reaches there (``tensors_reached``),
 which of its tensor arguments the first call also held there (``held_elsewhere``) and which other
-tensors a written argument must not come to share memory with (``other_tensors``). Dynamo's trace reads all of these; the decorator skips the guards
-that would have watched them, so it finds them once, at the first call, and checks what they hold
-per call (``model_tensors.py``, ``argcheck.ArgChecker``).
+tensors a written argument must not come to share memory with (``other_tensors``). Dynamo's trace
+reads all of these; the decorator skips the guards that would have watched them, so it finds them
+once, at the first call, and checks what they hold per call (``model_tensors.py``,
+``argcheck.ArgChecker``).
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def model_bindings(fn: Any, instance: tuple = ()) -> list[tuple[str, Callable[[]
     names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
     for name, cell in zip(names, getattr(fn, "__closure__", None) or ()):
         if cell_filled(cell) and isinstance(cell.cell_contents, torch.nn.Module):
-            found.append((f"closure variable {name!r}", functools.partial(_cell_contents, cell), cell.cell_contents))
+            found.append((f"closure variable {name!r}", functools.partial(_cell_path, cell, ()), cell.cell_contents))
     for obj in instance:
         if isinstance(obj, torch.nn.Module):
             continue
@@ -138,20 +139,8 @@ def model_bindings(fn: Any, instance: tuple = ()) -> list[tuple[str, Callable[[]
         for name, value in attributes.items():
             if isinstance(value, torch.nn.Module):
                 found.append((f"{type(obj).__qualname__}'s attribute {name!r}",
-                              functools.partial(_attribute, ref, name), value))
+                              functools.partial(_attribute_path, ref, (name,)), value))
     return found
-
-
-def _cell_contents(cell) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # emptied (``del model``): holds no model
-        return None
-
-
-def _attribute(ref: weakref.ref, name: str) -> Any:
-    obj = ref()
-    return None if obj is None else vars(obj).get(name)
 
 
 def tensors_reached(models: Iterable[torch.nn.Module], fn: Any, instance: tuple = ()
@@ -250,6 +239,8 @@ def _attribute_path(ref: weakref.ref, path: tuple) -> Any:
 
 
 def _cell_path(cell, path: tuple) -> Any:
+    """What a closure cell holds now at ``path``; None where it holds nothing there (emptied by
+    ``del``, or another structure)."""
     try:
         return value_at(cell.cell_contents, path)
     except (ValueError, KeyError, IndexError, TypeError):
