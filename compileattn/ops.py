@@ -76,6 +76,10 @@ def _check_layer_call(ctx: context.ForwardContext, layer_name: str, query, outpu
     if cache is None:
         raise context.missing_layer_error(layer_name)
     md, spec = ctx.metadata, cache.spec
+    for name, t in (("query", query), ("key", key), ("value", value), ("output", output)):
+        if t is not None and t.device != cache.device:
+            raise ValueError(f"compileattn::attention({layer_name!r}): {name} is on {t.device} but the layer's KV "
+                             f"cache is on {cache.device}; run the model on the caches' device")
     if query.shape[0] != md.num_tokens:
         raise ValueError(f"compileattn::attention({layer_name!r}): query has {query.shape[0]} tokens but the step's "
                          f"metadata has num_tokens={md.num_tokens} ({md.num_actual_tokens} real + padding); pass "

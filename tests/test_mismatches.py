@@ -124,6 +124,21 @@ def test_half_activations_into_a_float_cache():
         compiled(*qkv(2, torch.float16))
 
 
+def test_activations_on_another_device_than_the_caches():
+    """eager op (per call) and step (once per set of caches): the model on one device and its
+    caches on another (meta here) is an error naming both, not a failure inside a kernel
+    (``torch.nonzero`` on meta here; a pointer error in a GPU kernel)."""
+    caches = allocate_kv_caches({"layer0": SPEC}, NB, BS, torch.float32, device="meta")
+    md = builder(device="meta").build(TWO_TOKENS)
+    with set_forward_context(md, caches), torch.no_grad():
+        with pytest.raises(ValueError, match="query is on cpu but the layer's KV cache is on meta"):
+            Layer()(*qkv(2))
+    compiled = torch.compile(Layer(), backend="compileattn", options={"piece_compiler": "eager"})
+    with set_forward_context(md, caches), torch.no_grad(), pytest.raises(
+            ValueError, match="attention runs on cpu but its KV cache is on meta"):
+        compiled(*qkv(2))
+
+
 def test_a_cache_smaller_than_the_builder():
     """context: a cache with fewer blocks than the builder hands out (block tables could point
     past it: an IndexError deep in a kernel, or memory corruption on a GPU)."""

@@ -345,6 +345,9 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             cache = caches.get(layer)
             if cache is None:
                 raise context.missing_layer_error(layer)
+            if sig.device is not None and cache.device != sig.device:
+                raise ValueError(f"layer {layer!r}: the model's attention runs on {sig.device} but its KV cache is "
+                                 f"on {cache.device}; allocate caches on the model's device")
             if cache.query_dtype != sig.dtype:
                 raise TypeError(f"layer {layer!r}: the model's attention runs in {sig.dtype} but its KV cache takes "
                                 f"{cache.query_dtype} queries; allocate caches for the model's dtype")

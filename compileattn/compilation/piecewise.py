@@ -56,6 +56,9 @@ class LayerSignature:
     #: The query's token count when the graph has no symbolic token dim (Dynamo specialises a
     #: 1-token first call), else None.
     static_tokens: int | None
+    #: The query's device: the KV caches must be on it (kernels given tensors of two devices fail
+    #: inside, naming neither).
+    device: torch.device | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +230,7 @@ def _splitting_call(piece: Piece) -> tuple[SplittingCall, LayerSignature | None]
     if isinstance(q, torch.Tensor):
         tokens = q.shape[0]
         signature = LayerSignature(q.dtype, int(q.shape[1]), int(q.shape[2]),
-                                   None if isinstance(tokens, torch.SymInt) else int(tokens))
+                                   None if isinstance(tokens, torch.SymInt) else int(tokens), q.device)
     return SplittingCall(kind, name, tuple(position[a] for a in operands), dense), signature
 
 
