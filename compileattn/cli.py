@@ -60,8 +60,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for prompts with a model directory")
     _add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
-    gen.add_argument("--prompt-ids", action="append", default=[], type=_int_list,
+    # One list for both kinds, so the prompts (and the printed [i]) keep the command line's order.
+    gen.add_argument("--prompt", action="append", dest="prompts", default=[], help="a text prompt (repeatable)")
+    gen.add_argument("--prompt-ids", action="append", dest="prompts", default=[], type=_int_list,
                      help="a prompt as token ids, e.g. 1,2,3 (repeatable)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -76,7 +77,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     thr.add_argument("--output-len", type=length_range, default=(128, 512), help="LO:HI output tokens (default 128:512)")
     thr.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.command == "generate" and not (args.prompt or args.prompt_ids):
+    if args.command == "generate" and not args.prompts:
         parser.error("generate needs at least one --prompt or --prompt-ids")
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
@@ -88,8 +89,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def _generate(args) -> int:
     llm = _llm(args)
-    prompts = [*args.prompt, *args.prompt_ids]
-    outputs = llm.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    outputs = llm.generate(args.prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
     for i, out in enumerate(outputs):
         shown = repr(out.prompt) if out.prompt is not None else str(out.prompt_token_ids)

@@ -27,6 +27,18 @@ def test_generate_prints_the_greedy_text_of_each_prompt(model_dir, capsys):
     assert out.count("finish_reason: length") == 2
 
 
+def test_generate_keeps_the_command_lines_order_of_prompts(model_dir, capsys):
+    """Text prompts were served before token-id prompts whatever the order given, so [0] was not
+    the first prompt on the command line."""
+    assert main(["generate", "--model", str(model_dir), "--prompt-ids", "5,6,7", "--prompt", "Hello",
+                 "--prompt-ids", "9", "--max-new-tokens", "2", "--num-blocks", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "[0] prompt: [5, 6, 7]" in out and "[1] prompt: 'Hello'" in out and "[2] prompt: [9]" in out
+    reference = load_reference(model_dir)
+    assert f"[0] token_ids: {hf_greedy(reference, [5, 6, 7], 2)[0]}" in out
+    assert f"[2] token_ids: {hf_greedy(reference, [9], 2)[0]}" in out
+
+
 def test_throughput_reports_tokens_per_second(model_dir, capsys):
     assert main(["throughput", "--model", str(model_dir), "--num-prompts", "6", "--input-len", "4:12",
                  "--output-len", "3:6", "--num-blocks", "64", "--max-num-batched-tokens", "32"]) == 0
