@@ -91,6 +91,8 @@ def test_pickled_weights_need_allow_pickle_and_nothing_is_downloaded(tmp_path):
     (directory / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="allow_pickle=True"):
         ca.LLM(str(directory), compile_config=None, num_blocks=16)
+    with pytest.raises(TypeError, match="allow_pickle must be a bool, got 'False'"):  # was read as a truth value
+        ca.LLM(str(directory), compile_config=None, num_blocks=16, allow_pickle="False")
     # Another safetensors file is not the model's weights (it was taken for them: transformers then
     # refused the directory with an OSError that did not name allow_pickle).
     save_file({"lora_A": torch.zeros(2, 2)}, directory / "adapter_model.safetensors")

@@ -151,6 +151,10 @@ class LLM:
         check_backend_name(attention_backend)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        # Read as a truth value, a string such as "false" would load pickled weights, which can run code.
+        if not is_bool(allow_pickle):
+            raise TypeError(f"allow_pickle must be a bool, got {allow_pickle!r}")
+        allow_pickle = bool(allow_pickle)
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         self.tp = None
