@@ -1,4 +1,6 @@
 """The step driver: block allocator, scheduling, greedy generation eager vs compiled, padding."""
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -172,6 +174,18 @@ def test_llm_serves_an_own_model_too(llama):
     assert out[0].text is None and out[0].prompt_token_ids == prompts[0]
     with pytest.raises(ValueError, match="dtype/device apply to transformers models"):
         ca.LLM(llama, dtype="float16")
+
+
+def test_llm_generates_without_tqdm(llama, monkeypatch):
+    """tqdm comes with the ``hf`` extra only: an own model's generate, which draws a progress bar by
+    default, failed with ModuleNotFoundError on the core install."""
+    import compileattn as ca
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    prompts = prompts_of([5, 9])
+    llm = ca.LLM(llama, compile_config=None, block_size=4, num_blocks=48)
+    assert [o.token_ids for o in llm.generate(prompts, 3)] == engine_for(llama).generate(prompts, 3, 64)
 
 
 def test_reused_blocks_with_stale_kv_do_not_leak(llama):

@@ -496,6 +496,9 @@ def _is_pretrained(model) -> bool:
 
 
 def _progress_bar(total: int):
-    from tqdm.auto import tqdm
-
+    """A tqdm bar, or None without tqdm (the ``hf`` extra's): an own model needs only the core install."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
     return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)
