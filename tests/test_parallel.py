@@ -195,6 +195,22 @@ def test_init_tp_refuses_what_it_cannot_serve(monkeypatch):
         init_tp(device="cpu")
 
 
+@pytest.mark.parametrize("world,rank", [(2, 2), (2, -1), (0, 0), (-1, 0), (1, 1)])
+def test_init_tp_refuses_a_rank_outside_the_world(monkeypatch, world, rank):
+    """Refused before any rendezvous: a rank past the end waited for the group's timeout to connect to
+    a store no rank hosts, then failed with a network error."""
+    import datetime
+
+    monkeypatch.setattr("compileattn.parallel.group._tp", None)  # not one a test before made
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    with pytest.raises(ValueError, match=f"RANK={rank} is not a rank of WORLD_SIZE={world}"):
+        init_tp(device="cpu", timeout=datetime.timedelta(seconds=2))
+    assert not torch.distributed.is_initialized()
+
+
 # -- processes ----------------------------------------------------------------------------------------
 
 

@@ -262,6 +262,10 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
         return _tp
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
+    if world < 1 or not 0 <= rank < world:
+        # Checked here: the rendezvous takes such values and waits for the group's timeout (a rank
+        # past the end connects to a store no rank hosts) before failing with a network error.
+        raise ValueError(f"RANK={rank} is not a rank of WORLD_SIZE={world} (0 <= RANK < WORLD_SIZE, WORLD_SIZE >= 1)")
     if tp_size is not None and tp_size != world:
         raise ValueError(f"tp_size={tp_size} but WORLD_SIZE={world}: tensor parallelism spans the whole world "
                          f"(no pipeline or data parallel groups); launch with torchrun --nproc-per-node {tp_size}")
