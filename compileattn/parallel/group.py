@@ -287,26 +287,36 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
             raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible")
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=dev, timeout=timeout)
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         dev = torch.device("cpu")
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timeout)
-        cpu_group = dist.group.WORLD
-    if dist.get_world_size() != world or dist.get_rank() != rank:
-        raise ValueError(f"the initialised process group ({dist.get_rank()}/{dist.get_world_size()}) disagrees "
-                         f"with RANK/WORLD_SIZE ({rank}/{world})")
-    tp = TPGroup(rank, world, dev, dist.group.WORLD, cpu_group, all_reduce="nccl" if dev.type == "cuda" else "gloo",
-                 store=_torch_compat.default_store())
-    tp = dataclasses.replace(tp, token=tp.broadcast_object(uuid.uuid4().hex if rank == 0 else None))
-    _warm_up(tp)
-    if dev.type == "cuda" and all_reduce != "nccl" and comm.enable_symmetric_memory(tp):
-        tp = dataclasses.replace(tp, all_reduce="symmetric-memory")
-    if all_reduce == "symmetric-memory" and tp.all_reduce != all_reduce:
-        raise ValueError("all_reduce='symmetric-memory' but symmetric memory is not available on every rank "
-                         "(it needs CUDA devices with peer access; the log says why); use 'auto' or 'nccl'")
+    joined = not dist.is_initialized()  # this call makes the process group, and so ends it if it fails
+    if joined:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout,
+                                **({"device_id": dev} if dev.type == "cuda" else {}))
+    cpu_group = None
+    try:
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if dev.type == "cuda" else dist.group.WORLD
+        if dist.get_world_size() != world or dist.get_rank() != rank:
+            raise ValueError(f"the initialised process group ({dist.get_rank()}/{dist.get_world_size()}) disagrees "
+                             f"with RANK/WORLD_SIZE ({rank}/{world})")
+        tp = TPGroup(rank, world, dev, dist.group.WORLD, cpu_group,
+                     all_reduce="nccl" if dev.type == "cuda" else "gloo", store=_torch_compat.default_store())
+        tp = dataclasses.replace(tp, token=tp.broadcast_object(uuid.uuid4().hex if rank == 0 else None))
+        _warm_up(tp)
+        if dev.type == "cuda" and all_reduce != "nccl" and comm.enable_symmetric_memory(tp):
+            tp = dataclasses.replace(tp, all_reduce="symmetric-memory")
+        if all_reduce == "symmetric-memory" and tp.all_reduce != all_reduce:
+            raise ValueError("all_reduce='symmetric-memory' but symmetric memory is not available on every rank "
+                             "(it needs CUDA devices with peer access; the log says why); use 'auto' or 'nccl'")
+    except BaseException:
+        # A refused or failed set-up leaves no group of its making: a live gloo group's threads,
+        # torn down at interpreter exit, abort the process ("terminate called without an active
+        # exception") after the caller handled the error.
+        if joined:
+            dist.destroy_process_group()
+        elif cpu_group is not None and cpu_group is not dist.group.WORLD:
+            dist.destroy_process_group(cpu_group)
+        raise
     _tp = tp
     logger.info("TP group: rank %d of %d on %s (%s, small all-reduces: %s)", rank, world, dev,
                 dist.get_backend(), tp.all_reduce)
