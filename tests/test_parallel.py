@@ -9,6 +9,7 @@ numbers again from its per-rank JSON.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -827,6 +828,36 @@ def test_rank_0_waiting_for_a_step_learns_of_a_peer_failure_from_the_store():
     assert failure_reasons(tp) == {1: "OutOfMemoryError: ..."}
     other = TPGroup(0, 2, torch.device("cpu"), store=store, token="u")  # a later group: not its failure
     assert failure_reasons(other) == {}
+
+
+def test_rank_0_waiting_for_a_step_no_peer_joins_gives_up_after_the_group_timeout():
+    """A peer that ended (or hangs) without publishing a reason never joins the step's collective,
+    and nothing interrupts a wait on a CUDA graph: rank 0's wait polled the store for ever."""
+    import threading
+    import time
+
+    from compileattn.parallel.failure import wait_watching_peers
+
+    class Never:
+        def query(self) -> bool:
+            return False
+
+    tp = TPGroup(0, 2, torch.device("cpu"), store=torch.distributed.HashStore(), token="t")
+    tp = dataclasses.replace(tp, timeout_s=0.2)
+    raised = []
+
+    def wait():
+        try:
+            wait_watching_peers(tp, Never(), poll_s=0.01)
+        except TimeoutError as exc:
+            raised.append(str(exc))
+
+    start = time.monotonic()
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive(), "the wait did not end"
+    assert time.monotonic() - start < 5 and raised and "no rank published a failure" in raised[0], raised
 
 
 @pytest.mark.slow

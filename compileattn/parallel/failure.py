@@ -29,7 +29,8 @@ CUDA graph whose collective kernel spins until every peer joins, and nothing int
 watchdog does not track collectives captured in a graph (pytorch/pytorch#103503) and the
 symmetric-memory all-reduce spins on its peers' flags. So rank 0 waits by polling the step's
 event and, every ``PEER_POLL_S``, the store (``wait_watching_peers``); its GPU work stays stuck,
-but its program gets the reason and can exit. (Not run on two GPUs.)
+but its program gets the reason and can exit; a peer that publishes none (it ended, or hangs)
+ends the wait at the group's timeout. (Not run on two GPUs.)
 """
 from __future__ import annotations
 
@@ -94,16 +95,24 @@ def failure_reasons(tp: TPGroup) -> dict[int, str]:
 
 def wait_watching_peers(tp: TPGroup, event, poll_s: float = PEER_POLL_S) -> None:
     """Wait for ``event`` (a CUDA event) as ``event.synchronize()`` does, but raise ``PeerFailed``
-    if a rank publishes a failure meanwhile. Polls with ``time.sleep(0)`` between queries, so the
-    process's other Python threads (compile workers' readers, landing pieces) keep the GIL."""
+    if a rank publishes a failure meanwhile, and ``TimeoutError`` after the group's timeout
+    (``tp.timeout_s``): a peer that ended or hangs without publishing a reason never joins the
+    step's collectives, and nothing else ends this wait. Polls with ``time.sleep(0)`` between
+    queries, so the process's other Python threads (compile workers' readers, landing pieces) keep
+    the GIL."""
     if tp.store is None:
         event.synchronize()
         return
-    next_look = time.monotonic() + poll_s
+    now = time.monotonic()
+    next_look, deadline = now + poll_s, now + tp.timeout_s
     while not event.query():
         if time.monotonic() >= next_look:
             if failure_reasons(tp):
                 raise PeerFailed("a peer rank failed while this rank waited for its step on the device")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"rank {tp.rank}'s step did not complete on the device in {tp.timeout_s:.0f} s "
+                                   f"(the group's timeout) and no rank published a failure: a peer that ended or "
+                                   f"hangs never joined the step's collectives")
             next_look = time.monotonic() + poll_s
         time.sleep(0)
 

@@ -120,6 +120,9 @@ class TPGroup:
     #: Rank 0's random name for this group, so its store keys are not read by a later group that
     #: the same launcher's store serves.
     token: str = ""
+    #: The process groups' timeout (``init_tp``'s ``timeout``): also the bound of rank 0's wait for a
+    #: step on the device (``failure.wait_watching_peers``), which no collective's timeout covers.
+    timeout_s: float = 600.0
     #: How many agreements this rank has entered (shared by the copies ``dataclasses.replace`` makes).
     agreements: list = dataclasses.field(default_factory=lambda: [0], repr=False, compare=False)
 
@@ -300,7 +303,8 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
             raise ValueError(f"the initialised process group ({dist.get_rank()}/{dist.get_world_size()}) disagrees "
                              f"with RANK/WORLD_SIZE ({rank}/{world})")
         tp = TPGroup(rank, world, dev, dist.group.WORLD, cpu_group,
-                     all_reduce="nccl" if dev.type == "cuda" else "gloo", store=_torch_compat.default_store())
+                     all_reduce="nccl" if dev.type == "cuda" else "gloo", store=_torch_compat.default_store(),
+                     timeout_s=timeout.total_seconds())
         tp = dataclasses.replace(tp, token=tp.broadcast_object(uuid.uuid4().hex if rank == 0 else None))
         _warm_up(tp)
         if dev.type == "cuda" and all_reduce != "nccl" and comm.enable_symmetric_memory(tp):
