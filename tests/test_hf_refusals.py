@@ -52,9 +52,15 @@ def build(config):
     (T.MoshiConfig(sliding_window=6, **TINY),
      r"model\.layers\.0\.self_attn: transformers' cache for this config is a sliding window of 6 keys .*"
      r"window_left=-1\): the model's own generate\(\) applies that window in decode steps only"),
+    # Its NoPE layer's query scale comes from the token's index in the row (and the cache's length),
+    # not from position_ids: served, tokens past floor_scale would get another position's scale
+    (T.Llama4TextConfig(head_dim=32, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1,
+                        no_rope_layers=[1, 0], attention_chunk_size=None, layer_types=["full_attention"] * 2,
+                        floor_scale=8, **TINY),
+     r"Llama4ForCausalLM uses attn_temperature_tuning, .* index in the row"),
 ], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5",
         "window-in-mask-only-qwen2-moe", "window-in-mask-only-phimoe", "mla-value-head-dim",
-        "positions-not-from-position-ids-bart", "window-in-cache-only-moshi"])
+        "positions-not-from-position-ids-bart", "window-in-cache-only-moshi", "attn-temperature-tuning-llama4"])
 def test_unservable_models_are_refused_with_the_reason(config, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
         HFCausalLM(build(config))

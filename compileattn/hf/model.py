@@ -158,6 +158,15 @@ def _refuse_config(model) -> None:
                 f"{name} uses rope_type={rope_type!r}, whose frequencies depend on the longest position in "
                 f"the batch; with every sequence of a step packed into one row that would change each "
                 f"sequence's result")
+    no_rope = getattr(config, "no_rope_layers", None) or ()
+    if getattr(config, "attn_temperature_tuning", False) and not all(no_rope):
+        # Llama-4's NoPE layers (no_rope_layers[i] == 0) scale their queries by a function of the
+        # token's index in the row plus the transformers cache's length, not of position_ids.
+        raise UnsupportedModelError(
+            f"{name} uses attn_temperature_tuning, which scales its NoPE layers' queries by each token's index "
+            f"in the row plus the transformers cache's length rather than by position_ids; with every sequence "
+            f"of a step packed into one row and no transformers cache, tokens would get another position's "
+            f"scale")
 
 
 def _spec_of_call(call: _ProbeCall, layer_name: str) -> AttentionSpec:
