@@ -233,3 +233,23 @@ def test_a_second_process_serves_a_hugging_face_model_from_its_warm_start(checkp
             for _ in range(2)]
     assert [r["warm"] for r in runs] == [False, True]
     assert runs[0]["tokens"] == runs[1]["tokens"]
+
+
+def test_a_causal_lm_whose_base_model_is_itself_serves_its_decoder(tmp_path):
+    """Llama4ForCausalLM's ``base_model_prefix`` ("language_model") names where the multimodal model
+    holds it, so its ``base_model`` is the whole LM, whose output has logits, not hidden states
+    (loading failed on ``last_hidden_state``). Its decoder is ``model.model``."""
+    import transformers as T
+
+    config = T.Llama4TextConfig(vocab_size=160, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=8192,
+                                layer_types=["full_attention"] * 2, no_rope_layers=[1, 1], initializer_range=0.2,
+                                tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama4")
+    reference = load_reference(tmp_path / "llama4")
+    assert reference.base_model is reference
+    llm = ca.LLM(str(tmp_path / "llama4"), compile_config=None, **ENGINE)
+    outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [hf_greedy(reference, p, NEW_TOKENS)[0] for p in prompts()]

@@ -190,6 +190,20 @@ def _spec_of_call(call: _ProbeCall, layer_name: str) -> AttentionSpec:
     return spec
 
 
+def _body(model) -> nn.Module:
+    """The decoder whose hidden states ``lm_head`` reads: ``model.base_model``, or ``model.model``
+    where ``base_model`` is the whole LM. That is a causal LM whose ``base_model_prefix`` names the
+    attribute a multimodal model holds it under ("language_model": Llama-4's and Mllama's text
+    models), which it lacks itself; its own forward runs ``self.model``."""
+    body = model.base_model
+    if body is model:
+        body = getattr(model, "model", None)
+        if not isinstance(body, nn.Module):
+            raise UnsupportedModelError(f"{type(model).__name__} has no decoder apart from its LM head (its "
+                                        f"base_model is the model itself and it has no .model)")
+    return body
+
+
 def bind_layers(model, num_tokens: int = 3) -> dict[str, AttentionSpec]:
     """Probe ``model`` (a transformers causal LM, already on its device and dtype), refuse what
     compileattn cannot serve, and bind every attention module to its layer name and spec.
@@ -198,7 +212,7 @@ def bind_layers(model, num_tokens: int = 3) -> dict[str, AttentionSpec]:
     names = {id(m): n for n, m in model.named_modules()}
     ids, pos = _probe_inputs(model, num_tokens)
     with _probing(model) as calls, torch.no_grad():
-        model.base_model(input_ids=ids, position_ids=pos, use_cache=False)
+        _body(model)(input_ids=ids, position_ids=pos, use_cache=False)
     name = type(model).__name__
     if not calls:
         raise UnsupportedModelError(f"{name} does not route attention through transformers' AttentionInterface "
@@ -269,7 +283,7 @@ def _check_positions(model, ids: torch.Tensor, pos: torch.Tensor, names: dict[in
     cache length and drop ``position_ids``) would serve every token after a step's first sequence,
     and every decode token, at the wrong position."""
     with _probing(model) as calls, torch.no_grad():
-        model.base_model(input_ids=ids.repeat(1, 2), position_ids=pos.repeat(1, 2), use_cache=False)
+        _body(model)(input_ids=ids.repeat(1, 2), position_ids=pos.repeat(1, 2), use_cache=False)
     n = ids.shape[1]
     for call in calls:
         for what, x in (("query", call.query), ("key", call.key)):
@@ -329,8 +343,7 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: int64 (tokens,), every sequence of the step packed -> hidden (tokens, hidden)."""
-        out = self.hf.base_model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
-                                 use_cache=False)
+        out = _body(self.hf)(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
