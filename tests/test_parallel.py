@@ -873,3 +873,13 @@ def test_gpu_tp_script_dry_run_on_cpu(tmp_path):
     assert proc.returncode == 0, log[-4000:]
     assert "smoke: PASSED" in log and "check exit 0 (PASSED)" in log and "bench exit 0" in log
     assert (tmp_path / "latency_tp.json").exists()
+
+
+@pytest.mark.parametrize("modes", ["", ",", " , "])
+def test_the_check_refuses_an_empty_mode_list(modes, capsys):
+    """``--modes ""`` ran no mode and reported PASS: a check that could not fail."""
+    from compileattn.parallel import check
+
+    with pytest.raises(SystemExit):
+        check.parse_args(["--model", "llama", "--modes", modes])
+    assert "--modes names no mode" in capsys.readouterr().err

@@ -73,6 +73,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="exit with every thread's traceback in the rank log after this long")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes:  # no mode run would still report PASS
+        p.error(f"--modes names no mode; choose from {MODES}")
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         p.error(f"unknown mode(s) {unknown}; choose from {MODES}")
