@@ -64,3 +64,28 @@ def test_a_piece_torch_cannot_serialize_costs_the_save_not_the_compile(tmp_path)
     run = _run(tmp_path, inductor_options={"freezing": True})
     assert (run["backend_compiles"], run["cache_hits"]) == (3, 0)
     assert run["max_err"] < 1e-4
+
+
+def test_writers_of_one_pid_and_thread_keep_their_own_temporary_files(tmp_path, monkeypatch):
+    """Writers sharing a cache directory from other PID namespaces or hosts may have the same pid
+    and thread id: a second writer that starts while the first's temporary file is still open (here
+    within the first's rename, in the same thread) must neither truncate nor rename that file
+    away. Both writes land, the last rename wins, nothing is left behind, and the file is no one
+    else's to write."""
+    from compileattn.compilation import cache
+
+    target = tmp_path / "piece.bin"
+    real_replace = os.replace
+    nested = []
+
+    def replace_after_another_writer(src, dst):
+        if not nested:
+            nested.append(True)
+            cache.write_atomic(target, b"the other writer's piece")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(cache.os, "replace", replace_after_another_writer)
+    cache.write_atomic(target, b"this writer's piece")
+    assert target.read_bytes() == b"this writer's piece"
+    assert [p.name for p in tmp_path.iterdir()] == ["piece.bin"]
+    assert target.stat().st_mode & 0o077 == 0

@@ -28,7 +28,7 @@ import pickle
 import platform
 import re
 import stat
-import threading
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -116,11 +116,13 @@ def _check_ancestors(path: Path, uid: int) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """A concurrent reader sees the old file or the new one, never half a file (the temporary
-    name is per process and thread). Raises OSError; the temporary file is removed then."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
+    """A concurrent reader sees the old file or the new one, never half a file. The temporary file
+    is created exclusively (``mkstemp``: O_EXCL, mode 0600) beside ``path``: a name made from the
+    pid and thread alone is not unique, since writers in other PID namespaces or on other hosts
+    sharing the cache directory can have the same ones, and would truncate and rename away each
+    other's half-written file. Raises OSError; the temporary file is removed then."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
