@@ -10,6 +10,7 @@ deep inside a compile.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import io
 import inspect
@@ -379,6 +380,19 @@ def config_changes(module) -> dict[str, Any]:
     return module._get_dict(skip_default=True)
 
 
+def config_resets(module, keep) -> dict[str, Any]:
+    """Each entry of a torch config module changed here (``config_changes``) but not in ``keep``,
+    with its default value: what a process that has ``keep`` as its only changes reads. An entry
+    without a plain default (set from a justknob or the environment alone) is left as it is."""
+    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", object())
+    resets = {}
+    for name in config_changes(module).keys() - keep.keys():
+        entry = getattr(module, "_config", {}).get(name)
+        if entry is not None and getattr(entry, "default", unset) is not unset:
+            resets[name] = copy.deepcopy(entry.default)
+    return resets
+
+
 def compile_settings() -> dict[str, Any]:
     """What steers an Inductor compile beyond its graph, inputs and options, as plain data: the
     non-default Inductor and AOTAutograd config and the global numerics flags (not grad mode:
@@ -454,6 +468,11 @@ def compile_settings_applied(settings: dict[str, Any]):
     modules = _config_modules()
     with contextlib.ExitStack() as stack:
         for name, changes in settings["configs"].items():
+            # The settings name the compiling process's changes only: an entry it has at its
+            # default (never set, or set back since the fork server was forked from it) is absent,
+            # and a worker that inherited it set would compile with a config the compiling
+            # process no longer has.
+            changes = {**config_resets(modules[name], changes), **changes}
             if name == "torch._inductor.config":
                 changes = {**changes, **_WORKER_INDUCTOR}
             if changes:

@@ -484,3 +484,17 @@ def test_a_worker_compiles_for_the_compiling_processs_thread_count(monkeypatch, 
         torch.set_num_threads(before)
         if pool is not None:
             pool.close(wait=True)
+
+
+def test_a_worker_compiles_without_a_config_entry_the_compiling_process_set_back():
+    """The settings a task carries are the compiling process's changed config entries only: one it
+    set back to its default after the fork server was forked from it is absent from them, and a
+    worker forked from that server, which still has it set, must compile with the default."""
+    from torch._inductor import config as inductor_config
+
+    settings = _torch_compat.compile_settings()  # the compiling process: max_autotune at its default
+    assert "max_autotune" not in settings["configs"]["torch._inductor.config"]
+    with inductor_config.patch(max_autotune=True):  # what a worker inherited from the fork
+        with _torch_compat.compile_settings_applied(settings):
+            assert inductor_config.max_autotune is False
+        assert inductor_config.max_autotune is True
