@@ -3,6 +3,7 @@ and serve tasks like fresh ones; a server that cannot fork leaves the pool to fr
 nothing outlives the pool."""
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -610,3 +611,58 @@ def test_a_server_that_stops_answering_fails_the_fork_within_its_bound(monkeypat
         for w in workers:
             w.stdin.close()
         server.close()
+
+
+# A worker busy on a task when the compiling process ends (killed, or a normal exit with the pool
+# still open) sees its task pipe close only at its next read: after a compile of minutes, or never
+# where the compile is stuck (here: the "hang" injection), since the watchdog that would have
+# killed it ended with the compiling process; a fork server waits for it meanwhile.
+
+
+_ORPHANED = """
+import os, signal, sys, time
+from compileattn.compilation import compile_pool
+compile_pool.FORK_WORKERS = sys.argv[1] == "forked"
+compile_pool.INJECT_FAILURE = "hang"
+pool = compile_pool.CompilePool(2)
+deadline = time.monotonic() + 200
+while any(r is None for r in pool.ready_after) and time.monotonic() < deadline:
+    time.sleep(0.05)
+for i in range(2):
+    pool.submit(compile_pool.Task(i, "piece", {"graph": b"", "inputs": None}))
+while any(t.started is None for t in pool._submitted) and time.monotonic() < deadline:
+    time.sleep(0.05)
+server = pool._fork_server
+print("pids", *([server.pid] if server is not None else []), *pool.pids(), flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("workers, end", [("forked", "kill"), ("forked", "exit"), ("fresh", "kill")])
+def test_no_worker_outlives_the_compiling_process(workers, end, tmp_path):
+    env = compile_pool._worker_env()
+    env.pop("TRITON_CACHE_DIR", None)
+    # stderr to a file: the server and workers write theirs there, and outlive the process without the fix
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", _ORPHANED, workers, end], stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert proc.wait(timeout=300) is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+    assert line.startswith("pids"), (tmp_path / "stderr").read_text()[-3000:]
+    pids = [int(p) for p in line.split()[1:]]
+    assert len(pids) == (3 if workers == "forked" else 2), line
+    deadline = time.monotonic() + 30
+    try:
+        while any(fork_server._alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in pids if fork_server._alive(p)], f"still running after the {end}: {line}"
+    finally:
+        for pid in pids:
+            if fork_server._alive(pid):  # the test's own leftovers only (a pid ended may be reused)
+                os.kill(pid, signal.SIGKILL)

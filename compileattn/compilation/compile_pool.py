@@ -71,6 +71,7 @@ import collections
 import dataclasses
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -839,8 +840,11 @@ def serve_tasks(inp: BinaryIO, out: BinaryIO) -> None:
     except EOFError:
         return
     sys.path[:] = init["sys_path"]
+    busy = _exit_when_orphaned_while_busy(inp)
     start = time.perf_counter()
+    busy.set()
     import_for_worker()
+    busy.clear()
     wire.send(out, ("ready", os.getpid(), time.perf_counter() - start))
     while True:
         try:
@@ -848,6 +852,7 @@ def serve_tasks(inp: BinaryIO, out: BinaryIO) -> None:
         except EOFError:
             return
         start = time.perf_counter()
+        busy.set()
         try:
             if message.get("inject") == "exit":
                 os._exit(3)
@@ -860,10 +865,37 @@ def serve_tasks(inp: BinaryIO, out: BinaryIO) -> None:
         except Exception as exc:  # noqa: BLE001 (the compiling process compiles it itself)
             first = str(exc).strip().splitlines()
             reply = ("error", f"{type(exc).__name__}: {first[0] if first else ''}", traceback.format_exc())
+        busy.clear()
         try:
             wire.send(out, reply)
         except (BrokenPipeError, OSError):
             return
+
+
+def _exit_when_orphaned_while_busy(inp: BinaryIO) -> threading.Event:
+    """Exit the worker at once if the write end of its task pipe closes while it imports or
+    compiles (the returned event is set then): the compiling process exited or was killed, and
+    nobody will read the answer. The pipe's end is otherwise seen only at the next read, after a
+    compile that may run for minutes, or for good where it is stuck (no watchdog is left to kill
+    it), with a fork server waiting for it. An idle worker's read sees the end itself. A thread
+    polling for POLLHUP, not a parent-death signal: a forked worker's parent is the fork server,
+    and the signal follows the thread that started a process, not the process."""
+    busy = threading.Event()
+    try:
+        fd = inp.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real pipe (a test's stream)
+        return busy
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, 0)  # POLLHUP and POLLERR are reported whatever the mask
+        while not poller.poll():
+            pass
+        busy.wait()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="compileattn-worker-orphan-watch", daemon=True).start()
+    return busy
 
 
 class SizeAssumptionsAdded(RuntimeError):
