@@ -138,6 +138,36 @@ def test_a_forked_servers_exit_status_is_not_lost_to_a_concurrent_poll():
     assert wrong == 0, f"{wrong} of 300 clean exits recorded as another status"
 
 
+_LOCK_HELD_AT_THE_FORK = """
+import fcntl, sys, time
+from compileattn.compilation import compile_pool
+lock = open(sys.argv[1], "w")
+fcntl.flock(lock, fcntl.LOCK_EX)
+pool = compile_pool.CompilePool(2)
+deadline = time.monotonic() + 120
+while any(r is None for r in pool.ready_after) and time.monotonic() < deadline:
+    time.sleep(0.02)
+assert pool._fork_server.forked_here and all(r is not None for r in pool.ready_after)
+lock.close()  # released by closing its descriptor, as at a process's exit
+other = open(sys.argv[1], "w")
+try:
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("free once closed: True", flush=True)
+except BlockingIOError:
+    print("free once closed: False", flush=True)
+pool.close(wait=True)
+"""
+
+
+def test_a_file_lock_held_at_the_fork_is_not_held_by_the_server(tmp_path):
+    """An ``flock`` belongs to the open file, which a fork shares: one the compiling process held
+    when the server was forked from it, and released by closing its descriptor, stayed held by the
+    server and its workers (a program's lock file, released at its exit, blocked its next start)."""
+    out = _run_forking(_LOCK_HELD_AT_THE_FORK, str(tmp_path / "lock"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "free once closed: True" in out.stdout.splitlines(), out.stdout
+
+
 _USERS_SIGTERM = """
 import os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda signum, frame: open(sys.argv[1], "a").write(f"ran in {os.getpid()}\\n"))

@@ -22,8 +22,9 @@ Inductor's own compile subprocess does the same (it imports, then forks its pool
   ends would keep its reader from ever seeing EOF), freezes the garbage collector (an inherited
   object collected there would close a descriptor number the server has reused) and never returns
   into the code it was forked from (``os._exit``); the user's signal handlers and signal wakeup
-  descriptor are dropped there. Regular files and other descriptors stay open in it. Native thread
-  pools may run beside the one Python thread: numpy's OpenBLAS starts one at import and re-creates
+  descriptor are dropped there. Regular files and other descriptors stay open in it, except those
+  holding a file lock (``_drop_inherited_file_locks``). Native thread pools may run beside the one
+  Python thread: numpy's OpenBLAS starts one at import and re-creates
   its threads in a fork; GNU OpenMP's (torch's CPU kernels, once one ran in parallel) does not, and
   a parallel CPU kernel in the fork would hang. The server and its workers run none: they compile
   on fake tensors (a CPU piece's compile in a worker was checked not to hang after a parallel op
@@ -403,6 +404,7 @@ def _fork_server_here(server_end: socket.socket, env: dict[str, str], niceness: 
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         gc.freeze()
         _close_inherited_pipes_and_sockets(keep=server_end.fileno())
+        _drop_inherited_file_locks()
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -457,6 +459,31 @@ def _close_inherited_pipes_and_sockets(keep: int) -> None:
             continue
         if kind.startswith(("pipe:", "socket:")):
             os.close(fd)
+
+
+def _drop_inherited_file_locks() -> None:
+    """Point at ``/dev/null`` the descriptors a fork inherited that hold an ``flock`` or
+    open-file-description lock (``/proc/self/fdinfo`` lists the locks held through a descriptor):
+    such a lock belongs to the open file, which the fork shares, so the compiling process releasing
+    it by closing its descriptor (or by exiting) left it held by the server and its workers, and
+    whoever waited for it blocked while they lived. The number stays taken, so nothing that still
+    holds it (a file object of this process) reaches another file; the lock stays the compiling
+    process's."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd < 3:
+            continue
+        try:
+            with open(f"/proc/self/fdinfo/{fd}") as info:
+                locked = any(line.startswith("lock:") and ("FLOCK" in line or "OFDLCK" in line) for line in info)
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+        if locked:
+            null = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(null, fd, inheritable=False)
+            finally:
+                os.close(null)
 
 
 def _alive(pid: int) -> bool:
