@@ -107,6 +107,12 @@ def test_pickled_weights_need_allow_pickle_and_nothing_is_downloaded(tmp_path):
     llm = ca.LLM(str(directory), compile_config=None, num_blocks=16, allow_pickle=True)
     assert llm.generate(prompts()[0], 4, use_tqdm=False)[0].token_ids == hf_greedy(
         load_reference(save_family("llama", tmp_path / "safe")), prompts()[0], 4)[0]
+    # An adapter beside the model: with peft installed transformers would load it (pickled weights
+    # too, and the base model its config names) unchecked.
+    adapted = save_family("llama", tmp_path / "adapted")
+    (adapted / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "x"}')
+    with pytest.raises(ValueError, match="holds an adapter .*merge_and_unload"):
+        ca.LLM(str(adapted), compile_config=None, num_blocks=16)
     with pytest.raises(FileNotFoundError, match="does not exist .*nothing is downloaded"):
         ca.LLM("meta-llama/Llama-3-8B", compile_config=None)
     with pytest.raises(FileNotFoundError, match="is a file, not a directory"):

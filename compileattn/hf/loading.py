@@ -29,6 +29,11 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
                                 f"directory written by save_pretrained; nothing is downloaded)")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json")
+    if (path / "adapter_config.json").is_file():
+        # With peft installed, from_pretrained also loads the adapter: its weights (pickled ones
+        # too) and a base model named in its config, none of them checked here.
+        raise ValueError(f"{path} holds an adapter (adapter_config.json), which compileattn does not load; merge "
+                         f"it into the model (peft's merge_and_unload) and save_pretrained the result")
     if any((path / name).is_file() for name in _SAFETENSORS_FILES):
         return
     if any(path.glob("*.bin")):
