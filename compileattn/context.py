@@ -108,7 +108,9 @@ def set_forward_context(metadata: AttentionMetadata, kv_caches: Mapping[str, KVC
         refresh()
     previous = _current
     _current = ForwardContext(metadata, kv_caches, table.attend, table.write, table, key)
+    selector.buffers.in_use += 1
     try:
         yield _current
     finally:
+        selector.buffers.in_use -= 1
         _current = previous

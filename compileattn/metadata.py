@@ -138,7 +138,12 @@ class AttentionMetadataBuilder:
               dummy_writes: bool = False) -> AttentionMetadata:
         """The step's metadata. ``dummy_writes``: the step's K/V writes may land where its
         sequences read context (a CUDA-graph capture's dummy step over shared blocks, whose
-        outputs nobody reads); without it such a step is refused."""
+        outputs nobody reads); without it such a step is refused. Refused inside a forward context
+        of this builder's metadata: the layers still to run there read the buffers a build rewrites."""
+        if self.buffers.in_use:
+            raise RuntimeError("build() inside set_forward_context of a step this builder built: it would overwrite "
+                               "the persistent buffers that step's layers read (its slots, lengths and block "
+                               "tables); build the next step after the context exits")
         if len(seqs) == 0:
             raise ValueError("seqs: a step needs at least one sequence")
         bs = self.block_size

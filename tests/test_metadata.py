@@ -216,6 +216,22 @@ def test_metadata_overwritten_by_a_later_build_is_refused():
         assert get_forward_context().metadata is second
 
 
+def test_a_build_inside_the_context_of_its_builders_step_is_refused():
+    """The step's layers still to run read the builder's persistent buffers: a build there would
+    make them write and read another step's slots (same token count, so no shape check notices)."""
+    b = builder()
+    caches = _caches()
+    q, k, v = torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    out = torch.empty_like(q)
+    with set_forward_context(b.build([SequenceStep(3, 0, [0])]), caches):
+        with pytest.raises(RuntimeError, match=r"build\(\) inside set_forward_context"):
+            b.build([SequenceStep(1, 0, [5]), SequenceStep(2, 0, [6])])
+        torch.ops.compileattn.attention(q, k, v, out, "l0")
+        builder().build(SEQS)  # another builder's buffers: free
+    assert caches["l0"].key_cache[0, :3].equal(k) and not caches["l0"].key_cache[5:7].any()
+    b.build(SEQS)  # after the context: the next step
+
+
 def test_forward_context_restored_after_an_exception():
     with pytest.raises(KeyError):
         with set_forward_context(builder().build(SEQS), _caches()):

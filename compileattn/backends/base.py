@@ -60,6 +60,9 @@ class PersistentBuffers:
         self._memo: dict[tuple, Any] = {}
         #: builds that wrote the buffers so far: the latest metadata's ``generation``
         self.generation = 0
+        #: forward contexts open on a step these buffers hold: while one is, its layers read them
+        #: and the builder refuses to overwrite them
+        self.in_use = 0
 
     def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(name)
