@@ -320,3 +320,23 @@ def test_backward_through_varlen_attention_raises_when_only_the_alibi_slopes_req
             out.sum().backward()
         assert slopes.grad is None
 
+
+
+def test_kv_scales_with_a_cache_that_is_not_float8_are_refused():
+    """The backend is chosen on the cache's dtype, and FlashAttention, which takes any cache in the
+    queries' dtype, has no scale argument: the reference and Triton applied the scales to such a
+    cache (and the write divided by them), FlashAttention's steps dropped them."""
+    tables, t, rand = _step_tensors(torch.float32)
+    q, k, v = rand(3, H, D), rand(3, KVH, D), rand(3, KVH, D)
+    cu = naive.cu_seqlens([3])
+    scales = torch.tensor([4.0, 4.0]), torch.tensor([3.0, 3.0])
+    out = torch.zeros(3, H, D)
+    with pytest.raises(ValueError, match="k_scale/v_scale apply to a float8_e4m3fn K/V cache only"):
+        torch.ops.compileattn.varlen_attention(q, k, v, out, cu, cu, None, None, 3, 3, D ** -0.5, True, -1, 0.0,
+                                               "reference", None, *scales)
+    assert not out.any()
+    key_cache, value_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KVH, D), torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KVH, D)
+    with pytest.raises(ValueError, match="k_scale/v_scale apply to a float8_e4m3fn K/V cache only"):
+        torch.ops.compileattn.write_kv_cache(k, v, key_cache, value_cache, torch.tensor([0, 1, 2]), "reference",
+                                             *scales)
+    assert not key_cache.any() and not value_cache.any()

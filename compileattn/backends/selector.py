@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from ..kv_cache import AttentionSpec
+from ..kv_cache import AttentionSpec, is_fp8
 from .base import AttendCall, AttentionBackend, PersistentBuffers, StepShape, StepTensors
 from .kv_write import StepWriteIndices, prepare_torch_write, write_kv_masked, write_kv_padded
 
@@ -160,6 +160,7 @@ def run_varlen(requested: str, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused
     The slopes stay in their device tensor (reading them would sync the host): the spec the choice
     is made on carries zeros in their place, as support depends on ALiBi being on, not on its values.
     """
+    _check_scaled_cache(k.dtype, k_scale, v_scale)
     alibi = (0.0,) * q.shape[1] if alibi_slopes is not None else None
     spec = AttentionSpec(q.shape[1], k.shape[-2], q.shape[-1], softmax_scale, window_left, softcap, causal, alibi)
     block_size = k.shape[1] if block_table is not None else 0
@@ -172,6 +173,7 @@ def run_varlen(requested: str, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused
 def run_write(requested: str, key, value, key_cache, value_cache, slot_mapping, k_scale=None,
               v_scale=None) -> None:
     """``compileattn::write_kv_cache``: Triton's kernel when the Triton backend runs here, else torch."""
+    _check_scaled_cache(key_cache.dtype, k_scale, v_scale)
     name = check_backend_name(requested)
     if _triton_writes(key.device, key.dtype, key_cache.shape[1], name, name, key_cache.dtype):
         get_backend("triton", key.device).write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
@@ -180,6 +182,14 @@ def run_write(requested: str, key, value, key_cache, value_cache, slot_mapping, 
         write_kv_padded(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     else:
         write_kv_masked(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+def _check_scaled_cache(cache_dtype: torch.dtype, k_scale, v_scale) -> None:
+    """K/V scales belong to a float8 cache only. The choice is made on the cache's dtype, and the
+    FlashAttention backends, which accept any cache in the queries' dtype, have no scale argument:
+    scales given with another cache would be applied by some backends and dropped by others."""
+    if (k_scale is not None or v_scale is not None) and not is_fp8(cache_dtype):
+        raise ValueError(f"k_scale/v_scale apply to a float8_e4m3fn K/V cache only; this one is {cache_dtype}")
 
 
 def _triton_writes(device: torch.device, dtype: torch.dtype, block_size: int, requested: str,
