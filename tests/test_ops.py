@@ -340,3 +340,24 @@ def test_kv_scales_with_a_cache_that_is_not_float8_are_refused():
         torch.ops.compileattn.write_kv_cache(k, v, key_cache, value_cache, torch.tensor([0, 1, 2]), "reference",
                                              *scales)
     assert not key_cache.any() and not value_cache.any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_varlen_attention_refuses_k_lengths_it_has_no_source_for(backend):
+    """Paged K/V take their lengths from seqused_k only (Triton read cu_seqlens_q in its place and
+    answered over the wrong keys; the reference crashed), contiguous K/V their offsets from
+    cu_seqlens_k."""
+    dtype = torch.float16
+    tables, t, rand = _step_tensors(dtype)
+    q, out = rand(5, H, D), torch.zeros(5, H, D, dtype=dtype)
+    k_cache, v_cache = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D), rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D)
+    cu_q, cu_k = naive.cu_seqlens([2, 3]), naive.cu_seqlens([5, 7])
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="seqused_k is required with block_table"):
+        torch.ops.compileattn.varlen_attention(q, k_cache, v_cache, out, cu_q, cu_k, None, bt, 3, 7, D ** -0.5,
+                                               True, -1, 0.0, backend)
+    k, v = rand(12, KVH, D), rand(12, KVH, D)
+    with pytest.raises(ValueError, match="cu_seqlens_k is required when K/V are not paged"):
+        torch.ops.compileattn.varlen_attention(q, k, v, out, cu_q, None, naive.cu_seqlens([5])[1:].repeat(2),
+                                               None, 3, 7, D ** -0.5, True, -1, 0.0, backend)
+    assert not out.any()

@@ -161,6 +161,12 @@ def run_varlen(requested: str, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused
     is made on carries zeros in their place, as support depends on ALiBi being on, not on its values.
     """
     _check_scaled_cache(k.dtype, k_scale, v_scale)
+    # Where the K lengths come from: no backend reads paged lengths from cu_seqlens_k (Triton would read
+    # its placeholder for seqused_k as lengths), and contiguous K/V have no offsets without it.
+    if block_table is not None and seqused_k is None:
+        raise ValueError("seqused_k is required with block_table (the K length of each sequence)")
+    if block_table is None and cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_k is required when K/V are not paged (no block_table)")
     alibi = (0.0,) * q.shape[1] if alibi_slopes is not None else None
     spec = AttentionSpec(q.shape[1], k.shape[-2], q.shape[-1], softmax_scale, window_left, softcap, causal, alibi)
     block_size = k.shape[1] if block_table is not None else 0
