@@ -361,3 +361,21 @@ def test_varlen_attention_refuses_k_lengths_it_has_no_source_for(backend):
         torch.ops.compileattn.varlen_attention(q, k, v, out, cu_q, None, naive.cu_seqlens([5])[1:].repeat(2),
                                                None, 3, 7, D ** -0.5, True, -1, 0.0, backend)
     assert not out.any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("given", ["k_scale", "v_scale"])
+def test_varlen_attention_refuses_one_kv_scale_without_the_other(backend, given):
+    """Triton's kernels are scaled as a whole by whether k_scale is given: a lone v_scale was
+    dropped there and applied by the reference (a lone k_scale crashed Triton)."""
+    tables, t, rand = _step_tensors(torch.float16)
+    q, out = rand(2, H, D), torch.zeros(2, H, D, dtype=torch.float16)
+    k_cache = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D).to(torch.float8_e4m3fn)
+    v_cache = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D).to(torch.float8_e4m3fn)
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    scales = {given: torch.tensor([2.0, 4.0])}
+    with pytest.raises(ValueError, match=f"k_scale and v_scale go together: got only {given}"):
+        torch.ops.compileattn.varlen_attention(q, k_cache, v_cache, out, naive.cu_seqlens([1, 1]), None,
+                                               torch.tensor([5, 7], dtype=torch.int32), bt, 1, 7, D ** -0.5,
+                                               backend=backend, **scales)
+    assert not out.any()

@@ -191,11 +191,16 @@ def run_write(requested: str, key, value, key_cache, value_cache, slot_mapping, 
 
 
 def _check_scaled_cache(cache_dtype: torch.dtype, k_scale, v_scale) -> None:
-    """K/V scales belong to a float8 cache only. The choice is made on the cache's dtype, and the
-    FlashAttention backends, which accept any cache in the queries' dtype, have no scale argument:
-    scales given with another cache would be applied by some backends and dropped by others."""
-    if (k_scale is not None or v_scale is not None) and not is_fp8(cache_dtype):
+    """K/V scales belong to a float8 cache only, and come as a pair. The choice is made on the
+    cache's dtype, and the FlashAttention backends, which accept any cache in the queries' dtype,
+    have no scale argument; Triton's kernels are scaled or not as a whole (by ``k_scale``): scales
+    given otherwise would be applied by some backends and dropped by others."""
+    if k_scale is None and v_scale is None:
+        return
+    if not is_fp8(cache_dtype):
         raise ValueError(f"k_scale/v_scale apply to a float8_e4m3fn K/V cache only; this one is {cache_dtype}")
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"k_scale and v_scale go together: got only {'v_scale' if k_scale is None else 'k_scale'}")
 
 
 def _triton_writes(device: torch.device, dtype: torch.dtype, block_size: int, requested: str,
