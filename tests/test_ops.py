@@ -379,3 +379,26 @@ def test_varlen_attention_refuses_one_kv_scale_without_the_other(backend, given)
                                                torch.tensor([5, 7], dtype=torch.int32), bt, 1, 7, D ** -0.5,
                                                backend=backend, **scales)
     assert not out.any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_ops_refuse_alibi_slopes_and_kv_scales_of_another_shape(backend):
+    """One slope per query head, one scale per KV head: Triton read a single scale or slope for
+    every head past the tensor's end, the reference broadcast it (two answers to one call)."""
+    tables, t, rand = _step_tensors(torch.float16)
+    q, out = rand(2, H, D), torch.zeros(2, H, D, dtype=torch.float16)
+    k_cache = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D).to(torch.float8_e4m3fn)
+    v_cache = rand(NUM_BLOCKS, BLOCK_SIZE, KVH, D).to(torch.float8_e4m3fn)
+    args = (q, k_cache, v_cache, out, naive.cu_seqlens([1, 1]), None, torch.tensor([5, 7], dtype=torch.int32),
+            torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), 1, 7, D ** -0.5)
+    one, per_head = torch.tensor([4.0]), torch.full((KVH,), 4.0)
+    with pytest.raises(ValueError, match=r"k_scale must have shape \(2,\) \(one per KV head\), got \(1,\)"):
+        torch.ops.compileattn.varlen_attention(*args, backend=backend, k_scale=one, v_scale=one)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\) \(one per query head\), got \(1,\)"):
+        torch.ops.compileattn.varlen_attention(*args, backend=backend, alibi_slopes=torch.tensor([0.5]),
+                                               k_scale=per_head, v_scale=per_head)
+    assert not out.any()
+    key = rand(2, KVH, D)
+    with pytest.raises(ValueError, match=r"v_scale must have shape \(2,\) \(one per KV head\), got \(1,\)"):
+        torch.ops.compileattn.write_kv_cache(key, key, k_cache, v_cache, torch.tensor([0, 1]), backend, per_head,
+                                             one)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 
 from ..kv_cache import AttentionSpec, is_fp8
+from ..validation import check_alibi, check_kv_scales
 from .base import AttendCall, AttentionBackend, PersistentBuffers, StepShape, StepTensors
 from .kv_write import StepWriteIndices, prepare_torch_write, write_kv_masked, write_kv_padded
 
@@ -160,7 +161,8 @@ def run_varlen(requested: str, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused
     The slopes stay in their device tensor (reading them would sync the host): the spec the choice
     is made on carries zeros in their place, as support depends on ALiBi being on, not on its values.
     """
-    _check_scaled_cache(k.dtype, k_scale, v_scale)
+    _check_scaled_cache(k.dtype, k_scale, v_scale, k.shape[-2], q.device)
+    check_alibi(alibi_slopes, q.shape[1], q.device)
     # Where the K lengths come from: no backend reads paged lengths from cu_seqlens_k (Triton would read
     # its placeholder for seqused_k as lengths), and contiguous K/V have no offsets without it.
     if block_table is not None and seqused_k is None:
@@ -179,7 +181,7 @@ def run_varlen(requested: str, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused
 def run_write(requested: str, key, value, key_cache, value_cache, slot_mapping, k_scale=None,
               v_scale=None) -> None:
     """``compileattn::write_kv_cache``: Triton's kernel when the Triton backend runs here, else torch."""
-    _check_scaled_cache(key_cache.dtype, k_scale, v_scale)
+    _check_scaled_cache(key_cache.dtype, k_scale, v_scale, key_cache.shape[-2], key_cache.device)
     name = check_backend_name(requested)
     if _triton_writes(key.device, key.dtype, key_cache.shape[1], name, name, key_cache.dtype):
         get_backend("triton", key.device).write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
@@ -190,17 +192,19 @@ def run_write(requested: str, key, value, key_cache, value_cache, slot_mapping, 
         write_kv_masked(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
-def _check_scaled_cache(cache_dtype: torch.dtype, k_scale, v_scale) -> None:
-    """K/V scales belong to a float8 cache only, and come as a pair. The choice is made on the
-    cache's dtype, and the FlashAttention backends, which accept any cache in the queries' dtype,
-    have no scale argument; Triton's kernels are scaled or not as a whole (by ``k_scale``): scales
-    given otherwise would be applied by some backends and dropped by others."""
+def _check_scaled_cache(cache_dtype: torch.dtype, k_scale, v_scale, kv_heads: int, device: torch.device) -> None:
+    """K/V scales belong to a float8 cache only, and come as a pair of float32 (kv_heads,). The
+    choice is made on the cache's dtype, and the FlashAttention backends, which accept any cache in
+    the queries' dtype, have no scale argument; Triton's kernels are scaled or not as a whole (by
+    ``k_scale``) and read one scale per KV head (the reference would broadcast a single one):
+    scales given otherwise would be applied by some backends and dropped or misread by others."""
     if k_scale is None and v_scale is None:
         return
     if not is_fp8(cache_dtype):
         raise ValueError(f"k_scale/v_scale apply to a float8_e4m3fn K/V cache only; this one is {cache_dtype}")
     if k_scale is None or v_scale is None:
         raise ValueError(f"k_scale and v_scale go together: got only {'v_scale' if k_scale is None else 'k_scale'}")
+    check_kv_scales(cache_dtype, k_scale, v_scale, kv_heads, device)
 
 
 def _triton_writes(device: torch.device, dtype: torch.dtype, block_size: int, requested: str,
