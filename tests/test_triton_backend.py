@@ -358,6 +358,33 @@ def test_unified_window_softcap_causal(window, softcap, causal):
 
 
 @cpu_only
+@pytest.mark.parametrize("causal", [True, False])
+def test_unified_window_edge_at_every_tile_offset(causal):
+    """The window's first visible key at every offset within a 16-key tile, with a tile after it
+    that is visible to every row of the query tile (the unmasked body of ``tile.attend_range``).
+
+    ``key_ranges`` starts that body at the first tile whose keys every row may see; one key too
+    early and the key just outside the last row's window is attended unmasked. The fixed windows
+    above never put that key on the first slot of a tile, so only a sweep over all 16 offsets
+    catches it."""
+    for window in range(16, 32):  # rows 40..47 and 48..55: the last row's edge 47 - w covers 16..31
+        spec = AttentionSpec(4, 2, 32, sliding_window=window, causal=causal)
+        check_forward(spec, torch.float32, 16, [(16, 40)], seed=window, unified_block_m=16, unified_block_n=16)
+
+
+@cpu_only
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_window_edge_at_every_tile_offset(splits):
+    """The decode kernel's body is unmasked when its tiles gather several pages (page 5, 16-key
+    tiles); the window's first key at every offset within a tile, as in the unified test above."""
+    for window in range(16, 32):
+        spec = AttentionSpec(4, 2, 32, sliding_window=window)
+        _, md = check_forward(spec, torch.float32, 5, [(1, 69), (1, 50)], seed=window, decode_block_n=16,
+                              num_splits=splits)
+        assert decode_launch(md, spec, torch.float32).kwargs["TAIL_STAGES"] > 0, "the body must be unmasked"
+
+
+@cpu_only
 def test_unified_default_tiles():
     spec = AttentionSpec(4, 2, 64)
     check_forward(spec, torch.float16, 16, [(70, 60), (1, 9)], pad_to=74)
