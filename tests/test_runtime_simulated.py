@@ -318,3 +318,34 @@ def test_one_change_of_a_scalar_input_recaptures_each_size_and_keeps_the_graphs(
     with ca.counters.expect(scalar_recaptures=0, scalar_graphs_off=0, cudagraph_captures=0,
                             cudagraph_replays=len(sizes), eager_steps=0):
         steps(1.0)
+
+
+def test_a_graph_wrappers_first_replay_checks_addresses_shapes_and_scalar_values(simulated_graphs):
+    """``CUDAGraphWrapper``'s own check at a graph's first replay (``CapturedGraph.check``), without the
+    dispatcher in front of it: the tests above go through ``StepDispatcher``, whose comparisons raise
+    or recapture first, so each of the three checks could be deleted with every CPU test passing.
+    Each is broken once here (an input moved, an input reshaped at its address, a 0-dim CPU scalar
+    of another value) and must raise, naming what it compared; an unchanged call replays."""
+    from compileattn.compilation import cudagraph
+
+    def fn(x, s):
+        return x * s
+
+    def wrapper():
+        w = cudagraph.CUDAGraphWrapper("piece", fn, cudagraph.make_pool(torch.device("cpu")))
+        x, s = torch.arange(8.0), torch.tensor(2.0)
+        w.run(8, (x, s))  # capture
+        return w, x, s
+
+    w, x, s = wrapper()
+    out = w.run(8, (x, s))  # first replay: checked, passes
+    assert torch.equal(out, torch.arange(8.0) * 2)
+    w, x, s = wrapper()
+    with pytest.raises(CudaGraphAddressError, match=r"piece, size 8: input 0 was captured at 0x[0-9a-f]+ but is now"):
+        w.run(8, (x.clone(), s))
+    w, x, s = wrapper()
+    with pytest.raises(CudaGraphAddressError, match=r"input 0 was captured with shape \(8,\) but has \(2, 4\)"):
+        w.run(8, (x.view(2, 4), s))
+    w, x, s = wrapper()
+    with pytest.raises(CudaGraphAddressError, match=r"scalar input 1 .* was captured as 2.0 but is now 3.0"):
+        w.run(8, (x, torch.tensor(3.0)))
