@@ -409,6 +409,27 @@ def test_missing_cu_seqlens_q_is_named(make):
         call(make(cu_seqlens_q=None))
 
 
+# Each check of check_varlen_args below could be deleted with every other test here passing: no
+# test gave the entry that argument (a later check or the kernel then fails without naming it).
+@pytest.mark.parametrize("make,over,error,match", [
+    (contiguous, dict(k=[[0.0]]), TypeError, r"^k must be a tensor, got list"),
+    (contiguous, dict(q=torch.randn(4, H * D), out=torch.empty(4, H * D)), ValueError,
+     r"^q must be \(total_q, num_heads, head_dim\), got shape \(4, 256\)"),
+    (contiguous, dict(k=torch.randn(9, 1, KVH, D), v=torch.randn(9, 1, KVH, D)), ValueError,
+     r"^k must be \(total_k, kv_heads, head_dim\), got shape \(9, 1, 2, 64\)"),
+    (contiguous, dict(q=torch.randn(0, H, D), cu_seqlens_q=i32([]), cu_seqlens_k=i32([]), max_seqlen_q=0,
+                      max_seqlen_k=0), ValueError, r"^cu_seqlens_q must have at least one entry"),
+    (paged, dict(seqused_k=i32([5, 4, 1])), ValueError, r"^seqused_k has 3 entries for 2 sequences"),
+    (paged, dict(block_table=i32([[2, 0], [5, 1], [3, 4]])), ValueError, r"^block_table has 3 rows for 2 sequences"),
+    (contiguous, dict(seqused_k=i32([6, 4])), ValueError,
+     r"^seqused_k \[6, 4\] must lie within the cu_seqlens_k lengths \[5, 4\]"),
+], ids=["k-not-a-tensor", "q-2d", "contiguous-k-4d", "cu_seqlens_q-empty", "seqused_k-length", "block_table-rows",
+        "seqused_k-past-cu_seqlens_k"])
+def test_varlen_refusals_named_by_argument(make, over, error, match):
+    with pytest.raises(error, match=match):
+        call(make(**over))
+
+
 @pytest.mark.parametrize("make", [contiguous, paged])
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 def test_varlen_out_sharing_memory_with_an_input(make, name):
@@ -737,3 +758,14 @@ def test_alibi_slope_values_are_checked_like_the_spec_checks_them(entry, bad):
         run(True)
     with pytest.raises(KernelRan):
         run(False)
+
+
+@pytest.mark.parametrize("slopes,match", [
+    (torch.tensor([0.5, 0.0, 0.25, 0.0, 0.125, 0.0, 0.0625, 0.0])[::2], r"^alibi_slopes must be contiguous"),
+    (torch.tensor([0.5, 0.25, 0.125, 0.0625], device="meta"), r"^alibi_slopes is on meta, but q is on cpu"),
+])
+def test_alibi_slopes_layout_and_device_are_checked(slopes, match):
+    """The kernels read the slopes at unit stride, on q's device: a strided view or another device's
+    tensor is refused by name (deleting either check left every other test passing)."""
+    with pytest.raises(ValueError, match=match):
+        call(paged(), alibi_slopes=slopes)
