@@ -124,6 +124,20 @@ def test_half_activations_into_a_float_cache():
         compiled(*qkv(2, torch.float16))
 
 
+@pytest.mark.parametrize("capture_kv_write", [True, False])
+def test_keys_of_other_kv_heads_than_the_cache_compiled(capture_kv_write):
+    """step (once per set of caches): a model writing 2 KV heads into a cache whose spec has 1 (same
+    query heads and head dim) is refused; Triton's prepared write took the key's head count as it
+    came and wrote the second head over the next slot's row, and attention answered for 1 KV head."""
+    caches = allocate_kv_caches({"layer0": AttentionSpec(num_heads=4, num_kv_heads=1, head_dim=32)}, NB, BS,
+                                torch.float32)
+    compiled = torch.compile(Layer(), backend="compileattn",
+                             options={"piece_compiler": "eager", "capture_kv_write": capture_kv_write})
+    with set_forward_context(builder(backend="triton").build(TWO_TOKENS), caches), torch.no_grad(), pytest.raises(
+            ValueError, match="writes keys of 2 KV heads of 32, its KV cache's AttentionSpec has 1 of 32"):
+        compiled(*qkv(2))
+
+
 def test_activations_on_another_device_than_the_caches():
     """eager op (per call) and step (once per set of caches): the model on one device and its
     caches on another (meta here) is an error naming both, not a failure inside a kernel

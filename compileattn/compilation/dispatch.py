@@ -355,6 +355,10 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             if (spec.num_heads, spec.head_dim) != (sig.num_heads, sig.head_dim):
                 raise ValueError(f"layer {layer!r}: the model passes {sig.num_heads} query heads of {sig.head_dim}, "
                                  f"its KV cache's AttentionSpec has {spec.num_heads} of {spec.head_dim}")
+            if sig.key_heads is not None and sig.key_heads != (spec.num_kv_heads, spec.head_dim):
+                raise ValueError(f"layer {layer!r}: the model writes keys of {sig.key_heads[0]} KV heads of "
+                                 f"{sig.key_heads[1]}, its KV cache's AttentionSpec has {spec.num_kv_heads} of "
+                                 f"{spec.head_dim}")
         self._checked_caches = ctx.caches_key
 
     def __call__(self, *args):

@@ -43,6 +43,7 @@ logger = logging.getLogger("compileattn")
 
 _UNIFIED = ("compileattn::attention", "compileattn::attention.default")
 _ATTEND = ("compileattn::attend", "compileattn::attend.default")
+_WRITE_KV = ("compileattn::write_layer_kv", "compileattn::write_layer_kv.default")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,10 @@ class LayerSignature:
     #: The query's device: the KV caches must be on it (kernels given tensors of two devices fail
     #: inside, naming neither).
     device: torch.device | None = None
+    #: (KV heads, head dim) of the key the graph writes into the layer's cache (None: unknown). The
+    #: prepared writes take the key's head count as it comes (Triton's writes every head it is given,
+    #: over the next slots' rows): a model of other KV heads than its cache's spec must be refused.
+    key_heads: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +237,27 @@ def _splitting_call(piece: Piece) -> tuple[SplittingCall, LayerSignature | None]
         signature = LayerSignature(q.dtype, int(q.shape[1]), int(q.shape[2]),
                                    None if isinstance(tokens, torch.SymInt) else int(tokens), q.device)
     return SplittingCall(kind, name, tuple(position[a] for a in operands), dense), signature
+
+
+def _key_heads(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int]]:
+    """layer name -> (KV heads, head dim) of the key the graph writes into its cache (the unified
+    op's, or the captured KV write's), read before the split renames the writes' layers."""
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if is_splitting_node(node, _UNIFIED) and len(node.args) == 5:
+            key, name = node.args[1], node.args[4]
+        elif is_splitting_node(node, _WRITE_KV) and len(node.args) == 3:
+            key, name = node.args[0], node.args[2]
+        else:
+            continue
+        k = _meta(key)
+        if isinstance(name, str) and isinstance(k, torch.Tensor) and k.dim() == 3:
+            heads, dim = k.shape[1], k.shape[2]
+            if not isinstance(heads, torch.SymInt) and not isinstance(dim, torch.SymInt):
+                found[name] = (int(heads), int(dim))
+    return found
 
 
 def _compile_piece(piece: Piece, args: list[Any], config: CompileConfig, static: bool = False) -> PieceCode:
@@ -725,6 +751,7 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
         gm = capture_kv_write(gm)
     if config.hoist_shape_logic:
         gm = hoist_shape_logic(gm, config.splitting_ops)
+    key_heads = _key_heads(gm)
     split_gm, pieces = split_graph(gm, config.splitting_ops)
     layer_slots = {p.name: parametrize_layer_names(p.module) for p in pieces if not p.is_splitting_op}
     counters.pieces += sum(not p.is_splitting_op for p in pieces)
@@ -789,7 +816,8 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
         if piece.is_splitting_op:
             splitting[piece.name], signature = _splitting_call(piece)
             if signature is not None:
-                layers[splitting[piece.name].layer] = signature
+                layer = splitting[piece.name].layer
+                layers[layer] = dataclasses.replace(signature, key_heads=key_heads.get(layer))
     distinct = sum(size is None for _, size in compiler.code)
     logger.info("%d pieces (%d distinct, %d splitting ops, static sizes %s) ready in %.2f s", len(compiler.signatures),
                 distinct, len(splitting), list(static_sizes) or "none", time.perf_counter() - start)
