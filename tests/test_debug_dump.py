@@ -132,6 +132,33 @@ def test_nested_dump_contexts_enter_depyf_once(tmp_path, monkeypatch):
     assert debug._active_dir is None
 
 
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX permissions")
+def test_dump_dir_others_can_write_is_refused_before_depyf(tmp_path, monkeypatch):
+    """Inside the dump depyf copies each Inductor kernel's source into the directory and Inductor
+    imports that copy: a directory group or others can write would run their code here (and a
+    planted symlink would have the dump overwrite a file of the user's). Refused like a compile
+    cache_dir, before depyf is entered; a new directory is made 0700."""
+    import depyf
+
+    entered = []
+    monkeypatch.setattr(depyf, "prepare_debug", lambda d, *a, **k: entered.append(d))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    gm = torch.fx.symbolic_trace(Toy())
+    with pytest.raises(PermissionError, match=r"debug_dump_dir .*shared' is writable by group or others"):
+        with debug.dump_context(str(shared)):
+            pass
+    assert entered == [] and debug._active_dir is None
+    with pytest.raises(PermissionError, match="depyf's dump has Inductor import its compiled kernels from there"):
+        debug.dump_graph(str(shared), "graph", gm)
+    with pytest.raises(PermissionError, match="writable by group or others"):
+        debug.expect_transformed_code(str(shared))
+    assert os.listdir(shared) == []
+    debug.dump_graph(str(tmp_path / "fresh"), "graph", gm)
+    assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o700
+
+
 def test_dump_graph_writes_the_graph_module_code(tmp_path):
     gm = torch.fx.symbolic_trace(Toy())
     path = debug.dump_graph(str(tmp_path), "piece 0/lin", gm)

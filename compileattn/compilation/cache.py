@@ -44,42 +44,48 @@ ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE", "COMPILEATTN_", "TRITON_INTER
 _FILE_RE = re.compile(r'File "([^"]+)", line \d+')
 
 
-def secure_dir(path: str | os.PathLike) -> Path:
+#: What ``secure_dir`` names a compile cache directory, and why its checks matter, in its errors.
+CACHE_DIR = ("compile cache_dir", "loading a compile cache runs code")
+
+
+def secure_dir(path: str | os.PathLike, named: tuple[str, str] = CACHE_DIR) -> Path:
     """``path`` (``~`` expanded) as a directory only this user can write, created (mode 0700) if
     missing, returned resolved: every later read and write goes through a path without symlinks,
     so none can be retargeted between this check and the read.
 
     Raises PermissionError for a directory owned by another user or writable by group or others,
     or reached through a symlink another user owns: a cache entry is a pickle, so whoever can write
-    one runs code in every process that loads it.
+    one runs code in every process that loads it. ``named``: (what the directory is, why code
+    could run from it), for the errors.
     """
+    what, why = named
     path = Path(os.path.expanduser(os.fspath(path)))
     if path.exists() and not path.is_dir():  # mkdir(exist_ok=True) would raise a bare FileExistsError
-        raise NotADirectoryError(f"compile cache_dir {str(path)!r} is not a directory")
+        raise NotADirectoryError(f"{what} {str(path)!r} is not a directory")
     if path.is_symlink() and not path.exists():  # and so would it for a symlink to nothing
-        raise NotADirectoryError(f"compile cache_dir {str(path)!r} is a symlink to {os.readlink(path)!r}, which "
+        raise NotADirectoryError(f"{what} {str(path)!r} is a symlink to {os.readlink(path)!r}, which "
                                  f"does not exist")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     getuid = getattr(os, "getuid", None)
     if getuid is not None:
-        _check_links(path, getuid())
+        _check_links(path, getuid(), named)
     given, path = path, path.resolve()
     st = path.stat()
     if getuid is not None:
-        _check_ancestors(given, getuid())
+        _check_ancestors(given, getuid(), named)
     if getuid is not None and st.st_uid != getuid():
         raise PermissionError(
-            f"compile cache_dir {str(path)!r} is owned by uid {st.st_uid}, not by this user (uid {getuid()}): "
-            f"loading a compile cache runs code, so compileattn only uses a cache directory you own")
+            f"{what} {str(path)!r} is owned by uid {st.st_uid}, not by this user (uid {getuid()}): "
+            f"{why}, so compileattn only uses one you own")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise PermissionError(
-            f"compile cache_dir {str(path)!r} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
-            f"loading a compile cache runs code, so anyone who can write there could run code in your process; "
-            f"chmod 700 {str(path)!r} or choose another cache_dir")
+            f"{what} {str(path)!r} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+            f"{why}, so anyone who can write there could run code in your process; "
+            f"chmod 700 {str(path)!r} or choose another directory")
     return path
 
 
-def _check_links(path: Path, uid: int) -> None:
+def _check_links(path: Path, uid: int, named: tuple[str, str] = CACHE_DIR) -> None:
     """No component of the path as given is a symlink another user owns: its owner can point it at
     their own directory whenever they like (in a sticky ``/tmp`` too, where the link is theirs)."""
     current = Path(os.path.abspath(path))
@@ -87,12 +93,12 @@ def _check_links(path: Path, uid: int) -> None:
         st = os.lstat(link)
         if stat.S_ISLNK(st.st_mode) and st.st_uid not in (uid, 0):
             raise PermissionError(
-                f"compile cache_dir {str(path)!r} goes through {str(link)!r}, a symlink owned by uid {st.st_uid}: "
-                f"its owner can point it at a cache of theirs, and loading a compile cache runs code; choose a "
-                f"cache_dir reached through links you or root own")
+                f"{named[0]} {str(path)!r} goes through {str(link)!r}, a symlink owned by uid {st.st_uid}: "
+                f"its owner can point it at a directory of theirs, and {named[1]}; choose a "
+                f"directory reached through links you or root own")
 
 
-def _check_ancestors(path: Path, uid: int) -> None:
+def _check_ancestors(path: Path, uid: int, named: tuple[str, str] = CACHE_DIR) -> None:
     """Whoever can write a directory above the cache can rename it and put their own in its place
     (or retarget a symlink on the way): every directory above it, on the path as given and as
     resolved, must be owned by this user or root and not writable by others unless sticky (``/tmp``).
@@ -105,14 +111,14 @@ def _check_ancestors(path: Path, uid: int) -> None:
         st = parent.stat()
         if st.st_uid not in (uid, 0):
             raise PermissionError(
-                f"compile cache_dir {str(path)!r} lies under {str(parent)!r}, owned by uid {st.st_uid}: its owner "
-                f"could replace the cache, and loading a compile cache runs code; choose a cache_dir under "
+                f"{named[0]} {str(path)!r} lies under {str(parent)!r}, owned by uid {st.st_uid}: its owner "
+                f"could replace it, and {named[1]}; choose a directory under "
                 f"directories you or root own")
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
             raise PermissionError(
-                f"compile cache_dir {str(path)!r} lies under {str(parent)!r}, writable by anyone (mode "
-                f"{stat.S_IMODE(st.st_mode):o}, not sticky): anyone could replace the cache, and loading a compile "
-                f"cache runs code; choose another cache_dir")
+                f"{named[0]} {str(path)!r} lies under {str(parent)!r}, writable by anyone (mode "
+                f"{stat.S_IMODE(st.st_mode):o}, not sticky): anyone could replace it, and {named[1]}; choose "
+                f"another directory")
 
 
 def write_atomic(path: Path, data: bytes) -> None:

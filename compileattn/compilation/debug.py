@@ -67,6 +67,17 @@ def _dump_dir_of(config_or_dir: Any) -> str | None:
     return os.path.abspath(os.fspath(dump_dir))
 
 
+def _secured(dump_dir: str | os.PathLike) -> str:
+    """``dump_dir`` created, or checked, as a directory only this user can write (``secure_dir``),
+    resolved. Inside ``dump_context`` depyf copies each Inductor kernel's source there and has
+    Inductor import it from that copy, so whoever can write there runs code in this process; and a
+    file another user planted (a symlink to one of yours) would be overwritten by the dump."""
+    from .cache import secure_dir
+
+    return str(secure_dir(dump_dir, ("debug_dump_dir", "depyf's dump has Inductor import its compiled kernels "
+                                                         "from there")))
+
+
 @contextlib.contextmanager
 def dump_context(config_or_dir: Any) -> Iterator[str | None]:
     """Wrap a Dynamo compile: with a dump directory set, depyf writes the decompiled transformed
@@ -93,7 +104,7 @@ def dump_context(config_or_dir: Any) -> Iterator[str | None]:
         yield None
         return
     try:
-        os.makedirs(dump_dir, exist_ok=True)
+        dump_dir = _secured(dump_dir)
         with warnings.catch_warnings():
             # depyf warns on every entry that code should run "multiple times to cover all
             # branches"; a fullgraph compile has no branches to cover.
@@ -162,12 +173,11 @@ def dump_graph(dump_dir: str | os.PathLike | None, name: str, gm: Any) -> str | 
         raise TypeError(f"dump_dir must be a path (str or os.PathLike) or None, got {type(dump_dir).__name__}")
     if not hasattr(gm, "code"):
         raise TypeError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
-    path = os.path.join(os.fspath(dump_dir), _safe_name(name) + ".py")
     try:
         src = gm.print_readable(print_output=False, include_stride=True, include_device=True)
     except Exception:  # noqa: BLE001 (print_readable's options have varied across torch versions)
         src = gm.code
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path = os.path.join(_secured(dump_dir), _safe_name(name) + ".py")
     with open(path, "w", encoding="utf-8") as f:
         f.write(f"# {name}\n{src}")
     log.debug("graph %s dumped to %s", name, path)
@@ -187,6 +197,7 @@ def expect_transformed_code(config_or_dir: Any) -> None:
     if dump_dir is None or _owner is threading.current_thread():
         return
     import_depyf()
+    dump_dir = _secured(dump_dir)
     _ensure_hook()
     _pending.dump_dir = dump_dir
 
@@ -211,7 +222,11 @@ def _transformed_code_hook(code, new_code):
     except Exception as e:  # noqa: BLE001 (decompiling is best effort; never fail a compile for it)
         log.warning("depyf could not decompile the transformed code of %s: %s", code.co_name, e)
         return None
-    os.makedirs(dump_dir, exist_ok=True)
+    try:
+        dump_dir = _secured(dump_dir)  # checked when the dump was asked for; it may have changed since
+    except OSError as e:
+        log.warning("not dumping the transformed code of %s: %s", code.co_name, e)
+        return None
     path = os.path.join(dump_dir, f"transformed_code_{_safe_name(code.co_name)}_{next(_dump_counter)}.py")
     with open(path, "w", encoding="utf-8") as f:
         f.write(f"# Dynamo-transformed code of {code.co_name} ({code.co_filename}:{code.co_firstlineno})\n{src}")
