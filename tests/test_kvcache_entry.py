@@ -331,6 +331,18 @@ BAD = [
     (dict(num_splits=-1), ValueError, r"^num_splits must be >= 0"),
     (dict(num_splits=2.0), TypeError, r"^num_splits must be an int"),
     (dict(rotary_interleaved=None), TypeError, "^rotary_interleaved must be a bool"),
+    # Checks a later one (the append's, with a message of its own) would otherwise have stood in
+    # for: each case leaves check_kvcache_args' own check as the only one naming the argument.
+    (dict(k=None, v=None, k_cache=torch.randn(10, 16, 2, 128), v_cache=torch.randn(10, 16, 2, 128)), ValueError,
+     "^k_cache head_dim 128 differs from q head_dim 64"),
+    (dict(block_table=torch.zeros(3, 0, dtype=torch.int32)), ValueError, "^block_table needs at least one column"),
+    (dict(k_cache=[1.0]), TypeError, "^k_cache must be a tensor"),
+    (dict(v_cache=[1.0]), TypeError, "^v_cache must be a tensor"),
+    (dict(k=[1.0]), TypeError, "^k must be a tensor"),
+    (dict(v=[1.0]), TypeError, "^v must be a tensor"),
+    (dict(out=[1.0]), TypeError, "^out must be a tensor"),
+    (dict(k=None, v=None, k_scale=torch.ones(2), v_scale=torch.ones(2)), ValueError,
+     "^k_scale/v_scale apply to float8_e4m3fn caches only"),
 ]
 
 
@@ -405,6 +417,27 @@ def test_fp8_cache_needs_its_scales(no_kernels):
     with pytest.raises(ValueError, match="^k_scale is required"):
         compileattn.flash_attn_with_kvcache(s.q, s.k_cache, s.v_cache, s.k, s.v, cache_seqlens=s.cache_seqlens,
                                             block_table=s.block_table)
+
+
+@pytest.mark.parametrize("new,validate", [(0, True), (1, False)])
+def test_fp8_cache_needs_its_scales_without_an_append_or_validate_too(no_kernels, new, validate):
+    """The structural check names the missing scale itself: with no k/v there is no append for the
+    write's check to refuse it, and ``validate=False`` skips that check."""
+    s = make_setup(page=16, fp8=True, new=new)
+    with pytest.raises(ValueError, match=r"^k_scale is required with torch\.float8_e4m3fn caches"):
+        compileattn.flash_attn_with_kvcache(s.q, s.k_cache, s.v_cache, s.k, s.v, cache_seqlens=s.cache_seqlens,
+                                            block_table=s.block_table, validate=validate)
+
+
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "k", "v", "out"])
+def test_a_tensor_on_another_device_than_q_is_named(no_kernels, name):
+    """(The meta device stands in for a second one: it has no kernels to run either.)"""
+    args = _bad()
+    other = (args["q"] if name == "out" else args[name]).to("meta")
+    k_before = args["k_cache"].clone()
+    with pytest.raises(ValueError, match=f"^{name} is on meta, but q is on cpu"):
+        compileattn.flash_attn_with_kvcache(**{**args, name: other})
+    assert torch.equal(args["k_cache"], k_before)
 
 
 # ---------------------------------------------------------------------------------------------

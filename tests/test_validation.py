@@ -140,6 +140,24 @@ def test_write_kv_cache_dtype_mismatch(name):
         compileattn.write_kv_cache(**args)
 
 
+@pytest.mark.parametrize("name", ["key", "value", "key_cache", "value_cache", "slot_mapping"])
+def test_write_kv_cache_argument_not_a_tensor(name):
+    with pytest.raises(TypeError, match=f"^{name} must be a tensor, got list"):
+        compileattn.write_kv_cache(**kv_write(**{name: [0]}))
+
+
+def test_write_kv_cache_unsupported_dtypes():
+    """key's dtype is checked against the supported ones, not only against the caches' (all
+    float64 agree with each other); a cache dtype that is neither key's nor float8_e4m3fn is
+    named as unsupported, float8_e5m2 included."""
+    args = {name: t.double() for name, t in kv_write().items() if name != "slot_mapping"}
+    with pytest.raises(TypeError, match=r"^key has dtype torch\.float64; supported"):
+        compileattn.write_kv_cache(**kv_write(**args))
+    e5m2 = torch.zeros(NB, BS, KVH, D, dtype=torch.float8_e5m2)
+    with pytest.raises(TypeError, match=r"^key_cache has dtype torch\.float8_e5m2; supported"):
+        compileattn.write_kv_cache(**kv_write(key_cache=e5m2, value_cache=e5m2.clone()))
+
+
 def test_write_kv_cache_slot_mapping_dtype():
     with pytest.raises(TypeError, match="slot_mapping"):
         compileattn.write_kv_cache(**kv_write(slot_mapping=torch.tensor([0, 7, -1], dtype=torch.int32)))
