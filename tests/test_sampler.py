@@ -90,6 +90,19 @@ def test_a_rows_draw_does_not_depend_on_its_batch():
     assert together == alone == [shuffled[order.index(i)] for i in range(9)]
 
 
+def test_a_full_distribution_row_keeps_its_tail_beside_a_top_p_row():
+    """A top_p=1 row draws from its whole distribution even when another row of the batch has a
+    nucleus: its float32 sorted sum reaches 1.0 after the first token here, which must not drop the
+    tail tokens (of probability ~1e-13) that its top uniform lands on alone."""
+    logits = torch.zeros(1, 8)
+    logits[0, 0] = 30.0
+    top = 1 - 2.0 ** -53  # the largest uniform ``uniform`` gives
+    alone = sample(logits, [1.0], [1.0], [top]).item()
+    assert alone == 7
+    beside = sample(torch.cat([logits, torch.randn(1, 8)]), [1.0, 1.0], [1.0, 0.5], [top, 0.5])
+    assert beside[0].item() == alone
+
+
 def test_sampling_params_are_validated():
     for bad in (dict(max_new_tokens=-1), dict(temperature=-0.1), dict(temperature=float("nan")),
                 dict(top_p=0.0), dict(top_p=1.5)):

@@ -62,8 +62,10 @@ def sample(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence
         top_p = torch.tensor(top_ps, dtype=torch.float32).to(device, non_blocking=True)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep a token while the mass ranked above it is below top_p: the smallest set reaching
-        # top_p, and always the most likely token.
-        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
+        # top_p, and always the most likely token. Only rows with top_p < 1 lose a token: a float32
+        # sum can round up to 1 before the tail, and a top_p=1 row must draw from every token of
+        # its distribution whatever the rows beside it ask for.
+        drop = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     u = torch.tensor(uniforms, dtype=torch.float64).to(device, non_blocking=True)
