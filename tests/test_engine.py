@@ -271,6 +271,9 @@ def test_add_requests_queues_all_or_none(llama):
         engine.add_request([1, 2.7])
     with pytest.raises(TypeError, match=r"^prompts\[1\]: prompt tokens must be ints, got NoneType"):
         engine.add_requests([params] * 2, [[1, 2], [None]])
+    # A bool is no token id (the int rule): True was served as token 1.
+    with pytest.raises(TypeError, match=r"prompt tokens must be ints, got bool True"):
+        engine.add_request([5, True])
     assert not engine.has_unfinished()
 
 

@@ -7,7 +7,6 @@ sizing and result objects on top of it.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -221,11 +220,14 @@ class Engine:
             raise ValueError("pass max_new_tokens inside params, not both")
         if not hasattr(prompt, "__iter__"):
             raise TypeError(f"prompt must be a sequence of token ids, got {prompt!r}")
-        try:  # int() would truncate a float into another token
-            prompt = [operator.index(t) for t in prompt]
-        except TypeError:
-            bad = next(t for t in prompt if not hasattr(type(t), "__index__"))
-            raise TypeError(f"prompt tokens must be ints, got {type(bad).__name__} {bad!r}") from None
+        # The int rule (``argtypes``): int() would truncate a float into another token, and a bool
+        # is no token id.
+        prompt = list(prompt)
+        tokens = [as_int(t) for t in prompt]
+        if None in tokens:
+            bad = prompt[tokens.index(None)]
+            raise TypeError(f"prompt tokens must be ints, got {type(bad).__name__} {bad!r}")
+        prompt = tokens
         if not prompt:
             raise ValueError("prompt must have at least one token")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
