@@ -452,3 +452,14 @@ def test_engine_sizes_follow_the_int_rule(llama):
         engine_for(llama).generate(prompts_of([3]), 2, max_tokens_per_step=16)
     with pytest.raises(ValueError, match="max_tokens_per_step must be a positive int"):
         engine.generate(prompts_of([3]), 2, max_tokens_per_step=True)
+
+
+def test_the_step_history_keeps_the_latest_steps_only(monkeypatch):
+    """A served engine runs steps for its whole life: its per-step record is bounded."""
+    from compileattn.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "HISTORY_STEPS", 2)
+    engine = Engine(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), num_blocks=16, max_num_tokens=16, max_num_seqs=4,
+                    block_size=4)
+    engine.generate([[1, 2, 3]], 5, 16)
+    assert len(engine.history) == 2 and engine.history[-1][:3] == (1, 0, 0)  # the last two: decodes

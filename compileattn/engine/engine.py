@@ -6,6 +6,7 @@ sizing and result objects on top of it.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -22,6 +23,10 @@ from .scheduler import PrefixCacheStats, ScheduledStep, Scheduler
 
 if TYPE_CHECKING:
     from ..config import CompileConfig
+
+#: How many steps ``Engine.history`` keeps (the latest): a record for tests and benchmarks, whose
+#: runs are shorter, that must not grow for a server's whole life.
+HISTORY_STEPS = 100_000
 
 #: sampler(logits fp32 (N, vocab), seq_ids) -> one token per row: a caller's own choice of tokens
 #: (tests and the demo feed fixed streams so two engines see identical inputs).
@@ -158,8 +163,9 @@ class Engine:
         self._next_id = 0
         #: Page-locked host buffer the sampled tokens are copied into (CUDA), made on first use.
         self._pinned: torch.Tensor | None = None
-        #: Per step: (decodes, prefills, chunked prefills, tokens, padded tokens).
-        self.history: list[tuple[int, int, int, int, int]] = []
+        #: Per step, the last ``HISTORY_STEPS``: (decodes, prefills, chunked prefills, tokens,
+        #: padded tokens). Bounded: a served engine runs steps for its whole life.
+        self.history: collections.deque[tuple[int, int, int, int, int]] = collections.deque(maxlen=HISTORY_STEPS)
         self.on_step_done: Callable[[ScheduledStep], None] | None = None
 
     # -- the runner's state, for callers and tests ------------------------------------------------
