@@ -107,6 +107,7 @@ def test_bf16_logits_and_tokens_match_the_models_own_code(family, compiled, tmp_
 
 
 @pytest.mark.cuda
+@pytest.mark.gpu_exclusive  # the budget is the device's: other test workers' memory counts against it
 def test_kv_cache_sized_from_device_memory(tmp_path, caplog):
     """No cache size given: one profiling step measures the activation peak, and the cache takes
     what ``gpu_memory_utilization`` leaves (logged with the blocks and the sequences that fit)."""
