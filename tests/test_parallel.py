@@ -69,7 +69,10 @@ def test_each_rank_keeps_the_alibi_slopes_of_its_query_heads():
 
 
 @pytest.mark.parametrize("heads,kv,tp,match", [(6, 2, 4, "num_heads"), (12, 6, 4, "num_kv_heads"),
-                                               (12, 4, 6, "multiple of num_kv_heads"), (8, 3, 2, "divisible")])
+                                               (12, 4, 6, "multiple of num_kv_heads"), (8, 3, 2, "divisible"),
+                                               # were a ZeroDivisionError
+                                               (8, 0, 2, "num_kv_heads must be a positive int"),
+                                               (8, 2, 0, "tp must be a positive int")])
 def test_head_layouts_that_cannot_be_sharded_are_refused(heads, kv, tp, match):
     with pytest.raises(ValueError, match=match):
         HeadShard(heads, kv, 0, tp)

@@ -32,6 +32,10 @@ class HeadShard:
 
     def __post_init__(self) -> None:
         h, kv, tp = self.num_heads, self.num_kv_heads, self.tp
+        for name in ("num_heads", "num_kv_heads", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not 0 <= self.rank < tp:
             raise ValueError(f"rank {self.rank} is outside a TP group of {tp}")
         if h % kv:
