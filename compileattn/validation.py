@@ -161,6 +161,16 @@ def check_float_values(alibi_slopes=None, k_scale=None, v_scale=None) -> None:
             raise ValueError(f"{name} must hold finite floats > 0 (one per KV head), got {t.tolist()}")
 
 
+def check_k_lengths_given(block_table, seqused_k, cu_seqlens_k) -> None:
+    """Where the K lengths come from: no backend reads paged lengths from ``cu_seqlens_k`` (Triton
+    would read its placeholder for ``seqused_k`` as lengths), and contiguous K/V have no offsets
+    without it."""
+    if block_table is not None and seqused_k is None:
+        raise ValueError("seqused_k is required with block_table (the K length of each sequence)")
+    if block_table is None and cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_k is required when K/V are not paged (no block_table)")
+
+
 def check_varlen_args(
     q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
     window_left: int, softcap: float, check_values: bool = True, alibi_slopes=None, k_scale=None, v_scale=None,
@@ -189,15 +199,13 @@ def check_varlen_args(
         if k.dim() != 4:
             raise ValueError(f"with block_table, k must be (num_blocks, block_size, kv_heads, head_dim), "
                              f"got shape {tuple(k.shape)}")
-        if seqused_k is None:
-            raise ValueError("seqused_k is required with block_table (the K length of each sequence)")
+        check_k_lengths_given(block_table, seqused_k, cu_seqlens_k)
         if k.shape[1] < 1:
             raise ValueError(f"k has block_size {k.shape[1]}: a paged cache needs blocks of at least one token")
     else:
         if k.dim() != 3:
             raise ValueError(f"k must be (total_k, kv_heads, head_dim), got shape {tuple(k.shape)}")
-        if cu_seqlens_k is None:
-            raise ValueError("cu_seqlens_k is required when K/V are not paged (no block_table)")
+        check_k_lengths_given(block_table, seqused_k, cu_seqlens_k)
     head_dim, kv_heads = k.shape[-1], k.shape[-2]
     check_head_dim(q.shape[2], "q head_dim")
     if head_dim != q.shape[2]:

@@ -331,12 +331,12 @@ def test_kv_scales_with_a_cache_that_is_not_float8_are_refused():
     cu = naive.cu_seqlens([3])
     scales = torch.tensor([4.0, 4.0]), torch.tensor([3.0, 3.0])
     out = torch.zeros(3, H, D)
-    with pytest.raises(ValueError, match="k_scale/v_scale apply to a float8_e4m3fn K/V cache only"):
+    with pytest.raises(ValueError, match="k_scale/v_scale apply to float8_e4m3fn caches only"):
         torch.ops.compileattn.varlen_attention(q, k, v, out, cu, cu, None, None, 3, 3, D ** -0.5, True, -1, 0.0,
                                                "reference", None, *scales)
     assert not out.any()
     key_cache, value_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KVH, D), torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KVH, D)
-    with pytest.raises(ValueError, match="k_scale/v_scale apply to a float8_e4m3fn K/V cache only"):
+    with pytest.raises(ValueError, match="k_scale/v_scale apply to float8_e4m3fn caches only"):
         torch.ops.compileattn.write_kv_cache(k, v, key_cache, value_cache, torch.tensor([0, 1, 2]), "reference",
                                              *scales)
     assert not key_cache.any() and not value_cache.any()

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 
 from ..kv_cache import AttentionSpec, is_fp8
-from ..validation import check_alibi, check_kv_scales
+from ..validation import check_alibi, check_k_lengths_given, check_kv_scales
 from .base import AttendCall, AttentionBackend, PersistentBuffers, StepShape, StepTensors
 from .kv_write import StepWriteIndices, prepare_torch_write, write_kv_masked, write_kv_padded
 
@@ -163,12 +163,7 @@ def run_varlen(requested: str, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused
     """
     _check_scaled_cache(k.dtype, k_scale, v_scale, k.shape[-2], q.device)
     check_alibi(alibi_slopes, q.shape[1], q.device)
-    # Where the K lengths come from: no backend reads paged lengths from cu_seqlens_k (Triton would read
-    # its placeholder for seqused_k as lengths), and contiguous K/V have no offsets without it.
-    if block_table is not None and seqused_k is None:
-        raise ValueError("seqused_k is required with block_table (the K length of each sequence)")
-    if block_table is None and cu_seqlens_k is None:
-        raise ValueError("cu_seqlens_k is required when K/V are not paged (no block_table)")
+    check_k_lengths_given(block_table, seqused_k, cu_seqlens_k)
     alibi = (0.0,) * q.shape[1] if alibi_slopes is not None else None
     spec = AttentionSpec(q.shape[1], k.shape[-2], q.shape[-1], softmax_scale, window_left, softcap, causal, alibi)
     block_size = k.shape[1] if block_table is not None else 0
@@ -200,11 +195,9 @@ def _check_scaled_cache(cache_dtype: torch.dtype, k_scale, v_scale, kv_heads: in
     scales given otherwise would be applied by some backends and dropped or misread by others."""
     if k_scale is None and v_scale is None:
         return
-    if not is_fp8(cache_dtype):
-        raise ValueError(f"k_scale/v_scale apply to a float8_e4m3fn K/V cache only; this one is {cache_dtype}")
-    if k_scale is None or v_scale is None:
+    if is_fp8(cache_dtype) and (k_scale is None or v_scale is None):
         raise ValueError(f"k_scale and v_scale go together: got only {'v_scale' if k_scale is None else 'k_scale'}")
-    check_kv_scales(cache_dtype, k_scale, v_scale, kv_heads, device)
+    check_kv_scales(cache_dtype, k_scale, v_scale, kv_heads, device, cache="caches")  # refuses another cache
 
 
 def _triton_writes(device: torch.device, dtype: torch.dtype, block_size: int, requested: str,
