@@ -317,7 +317,7 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
         # torn down at interpreter exit, abort the process ("terminate called without an active
         # exception") after the caller handled the error.
         if joined:
-            dist.destroy_process_group()
+            shutdown_tp()  # NCCL's destroy bounded, as at any shutdown
         elif cpu_group is not None and cpu_group is not dist.group.WORLD:
             dist.destroy_process_group(cpu_group)
         raise
