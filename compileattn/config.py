@@ -63,17 +63,14 @@ def _op_names(name: str, values: Any) -> tuple[str, ...]:
 
 
 def _is_inductor_setting(name: str) -> bool:
-    """``name`` (dotted for nested settings: "triton.cudagraphs") is in ``torch._inductor.config``
-    (imported with compileattn already)."""
+    """``name`` (dotted for nested settings: "triton.cudagraphs") is a setting of
+    ``torch._inductor.config`` (imported with compileattn already): one of its registered entries,
+    which is what its ``patch`` accepts. Any attribute is not enough: the module's methods
+    ("patch"), the modules it imports ("os") and a group of settings ("triton") are attributes too,
+    and patching them fails inside the first compile."""
     from ._torch_compat import resolve
 
-    node: Any = resolve("torch._inductor.config")
-    try:
-        for part in name.split("."):
-            node = getattr(node, part)
-    except AttributeError:
-        return False
-    return True
+    return name in resolve("torch._inductor.config")._config
 
 
 def default_capture_sizes(max_size: int) -> list[int]:

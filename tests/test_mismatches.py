@@ -195,6 +195,11 @@ def test_unknown_attention_backend_in_the_config():
     (dict(disable="false"), TypeError, "disable must be a bool, got 'false'"),
     (dict(background_static_compiles="no"), TypeError, "background_static_compiles must be a bool"),
     (dict(inductor_options={"bogus_knob": 1}), ValueError, r"\['bogus_knob'\] are not torch._inductor.config"),
+    # attributes of torch._inductor.config that are not settings: a method, an imported module, a
+    # group of settings; patching them failed inside the first compile
+    (dict(inductor_options={"patch": 1}), ValueError, r"\['patch'\] are not torch._inductor.config"),
+    (dict(inductor_options={"os": 1}), ValueError, r"\['os'\] are not torch._inductor.config"),
+    (dict(inductor_options={"triton": {}}), ValueError, r"\['triton'\] are not torch._inductor.config"),
     (dict(inductor_options=["max_autotune"]), TypeError, "inductor_options must be a dict"),
     (dict(cache_dir=5), TypeError, "cache_dir must be a path"),
 ])
