@@ -109,16 +109,18 @@ def assert_matches_eager_over_steps(
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """‖a − e‖ / ‖e‖ in fp32 (Frobenius); inf when ``actual`` has a NaN/inf or ‖e‖ = 0 ≠ ‖a‖.
+    """‖a − e‖ / ‖e‖ in fp64 (Frobenius); inf when either holds a NaN/inf or ‖e‖ = 0 ≠ ‖a‖.
 
     A norm-relative error, not an elementwise atol: decode outputs are averages of many values and
     small (~0.03), so an absolute tolerance loose enough for bf16 would pass an all-zero output.
-    Never NaN, so ``max()`` over errors and ``err <= tol`` cannot skip a broken result."""
-    a = actual.detach().float()
-    e = expected.detach().float().to(a.device)
+    Never NaN, so ``max()`` over errors and ``err <= tol`` cannot skip a broken result: a NaN/inf
+    in the reference gave NaN (inf / inf), and ``max`` drops a NaN that is not its first argument.
+    fp64, because the squares of large bf16 or fp32 values overflow fp32's norm into inf / inf too."""
+    a = actual.detach().double()
+    e = expected.detach().double().to(a.device)
     if a.shape != e.shape:
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(e.shape)}")
-    if not torch.isfinite(a).all():
+    if not (torch.isfinite(a).all() and torch.isfinite(e).all()):
         return math.inf
     den = e.norm().item()
     num = (a - e).norm().item()

@@ -18,6 +18,19 @@ def test_rel_error_is_never_nan():
     assert max(rel_error(a, e) for a in (e, torch.tensor([float("nan"), 4.0]), e)) == math.inf
 
 
+def test_rel_error_is_never_nan_for_a_broken_reference_or_large_values():
+    """A NaN/inf in the reference, or values whose squares overflow fp32, gave NaN (inf / inf),
+    which ``max()`` over errors drops unless it comes first: a wrong result then passed."""
+    e = torch.tensor([3.0, 4.0])
+    broken = torch.tensor([float("nan"), 4.0])
+    assert rel_error(e, broken) == math.inf
+    assert rel_error(e, torch.tensor([float("inf"), 4.0])) == math.inf
+    assert max(rel_error(a, r) for a, r in ((e, e), (e, broken))) == math.inf
+    large = torch.tensor([3e38, 3e38])
+    assert rel_error(torch.tensor([3e38, 0.0]), large) == pytest.approx(2 ** -0.5)
+    assert rel_error(large.bfloat16(), large.bfloat16()) == 0.0
+
+
 def test_near_tie_compares_the_reference_margin_with_twice_the_logit_difference():
     reference = torch.tensor([1.0, 0.9, -3.0])
     assert near_tie(reference, reference + torch.tensor([0.0, 0.06, 0.0]), 0, 1) == (True, pytest.approx(0.1))
