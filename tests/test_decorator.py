@@ -956,6 +956,26 @@ def test_env_var_disables_compilation(monkeypatch):
     assert backend.graphs == 0
 
 
+@pytest.mark.parametrize("value, disabled", [("false", False), ("False", False), ("off", False), ("0", False),
+                                             ("true", True), ("yes", True)])
+def test_env_var_reads_false_as_false(monkeypatch, value, disabled):
+    """Every value but "" and "0" disabled: COMPILEATTN_DISABLE=false ran the model eagerly."""
+    monkeypatch.setenv("COMPILEATTN_DISABLE", value)
+    backend = CountingBackend()
+    model, eager = compiled_toy(backend, dynamic_arg_dims={"x": 0, "positions": 0})
+    with torch.no_grad():
+        x, pos = toy_inputs(3)
+        torch.testing.assert_close(model(x, pos), eager(x, pos))
+    assert backend.graphs == (0 if disabled else 1)
+
+
+def test_env_var_that_is_no_switch_raises(monkeypatch):
+    monkeypatch.setenv("COMPILEATTN_DISABLE", "maybe")
+    model, _ = compiled_toy(CountingBackend(), dynamic_arg_dims={"x": 0, "positions": 0})
+    with torch.no_grad(), pytest.raises(ValueError, match="COMPILEATTN_DISABLE='maybe'"):
+        model(*toy_inputs(3))
+
+
 def test_config_disable_runs_eagerly():
     backend = CountingBackend()
     model, eager = compiled_toy(backend, dynamic_arg_dims={"x": 0, "positions": 0},

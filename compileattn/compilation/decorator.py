@@ -92,6 +92,23 @@ log = logging.getLogger("compileattn")
 
 #: Set to 1 to run every ``@compileattn.compile`` function eagerly (read at each site's first call).
 DISABLE_ENV = "COMPILEATTN_DISABLE"
+_ENV_TRUE = ("1", "true", "yes", "on")
+_ENV_FALSE = ("", "0", "false", "no", "off")
+
+
+def _env_disables() -> bool:
+    """``COMPILEATTN_DISABLE`` as a switch: 1/true/yes/on disable, 0/false/no/off (or unset) do
+    not, any case. Anything else raises naming it: every value but "" and "0" used to disable,
+    so "false" quietly ran the model eagerly."""
+    value = os.environ.get(DISABLE_ENV, "").strip().lower()
+    if value in _ENV_TRUE:
+        return True
+    if value in _ENV_FALSE:
+        return False
+    raise ValueError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r}: expected 1/true/yes/on to disable compilation "
+                     f"or 0/false/no/off not to")
+
+
 #: At most this long, a process that ends while static pieces still compile in the background waits
 #: for them to save its warm start file (only with ``cache_dir``).
 EXIT_WAIT_FOR_STATIC_S = 120.0
@@ -697,7 +714,7 @@ class CompiledFunction:
         return _wait_for_static_pieces(site.runtimes, timeout)
 
     def _disabled(self) -> bool:
-        return os.environ.get(DISABLE_ENV, "0") not in ("", "0") or bool(getattr(self._config, "disable", False))
+        return _env_disables() or bool(getattr(self._config, "disable", False))
 
     def __call__(self, *args, **kwargs):
         if _is_compiling():  # traced by an outer torch.compile: let it inline the original
