@@ -176,17 +176,20 @@ def simulated_cuda_graphs(reference_capturable: bool = True) -> Iterator[None]:
     ``reference_capturable``: the reference backend (the CPU's) counts as capturable inside the
     block, so full-graph decode steps happen too. A simulated graph re-runs it, so its host reads
     are harmless; a real graph could not hold it."""
+    from .backends import selector
     from .backends.reference import ReferenceBackend
     from .compilation import cudagraph
 
     previous = cudagraph.simulating(), ReferenceBackend.capturable
     cudagraph.simulate(True)
     ReferenceBackend.capturable = reference_capturable
+    selector.capturable_changed()  # a builder's memoised call tables hold the value they were built with
     try:
         yield
     finally:
         cudagraph.simulate(previous[0])
         ReferenceBackend.capturable = previous[1]
+        selector.capturable_changed()
 
 
 class PersistentInputs:

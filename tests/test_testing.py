@@ -75,3 +75,26 @@ def test_assert_matches_eager_compares_fp8_caches_by_value_and_still_fails_on_a_
         assert_matches_eager(block, block, builder, caches, seqs, lambda n: (x[:n],))
         with pytest.raises(AssertionError):
             assert_matches_eager(block, tripling_v, builder, caches, seqs, lambda n: (x[:n],))
+
+
+def test_simulated_cuda_graphs_reference_capturable_holds_for_a_builder_used_before_and_after():
+    """A builder memoises its step's call table, capturability included: one used before the
+    block kept the reference backend uncapturable inside it (no full-graph decode steps), and one
+    used inside kept it capturable after the block, past the restore of the class attribute."""
+    import compileattn as ca
+    from compileattn import SequenceStep
+    from compileattn.testing import simulated_cuda_graphs
+
+    spec = ca.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32)
+    caches = ca.allocate_kv_caches({"layer": spec}, num_blocks=8, block_size=4, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=4, num_blocks=8, max_num_tokens=16, max_blocks_per_seq=4,
+                                          backend="reference")
+
+    def capturable():
+        with ca.set_forward_context(builder.build([SequenceStep(1, 3, [0])]), caches) as ctx:
+            return ctx.table.capturable
+
+    assert capturable() is False
+    with simulated_cuda_graphs():
+        assert capturable() is True
+    assert capturable() is False

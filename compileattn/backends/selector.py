@@ -49,6 +49,16 @@ AUTO_TABLE = {
 }
 #: Call tables kept per selector (one per step shape seen recently).
 _MAX_TABLES = 64
+#: Part of every memoised call table's key: ``capturable_changed`` bumps it when a backend class's
+#: ``capturable`` is changed (``testing.simulated_cuda_graphs``), since a table holds the value it
+#: was built with and would answer for that backend under the old one.
+_capturable_epoch = 0
+
+
+def capturable_changed() -> None:
+    """A backend class's ``capturable`` changed: call tables built before are not reused."""
+    global _capturable_epoch
+    _capturable_epoch += 1
 
 _CLASSES = {
     "reference": "compileattn.backends.reference:ReferenceBackend",
@@ -265,7 +275,7 @@ class KernelSelector:
                    caches_key: tuple) -> CallTable:
         """``caches_key``: ``context.caches_key(kv_caches)``; a table serves the caches it was built
         for, not whatever its mapping holds now."""
-        key = (shape, id(kv_caches))
+        key = (shape, id(kv_caches), _capturable_epoch)
         table = self._tables.get(key)
         if table is not None and table.kv_caches is kv_caches and (
                 table.caches_key is caches_key or table.caches_key == caches_key):
