@@ -98,8 +98,8 @@ _ENV_FALSE = ("", "0", "false", "no", "off")
 
 def _env_disables() -> bool:
     """``COMPILEATTN_DISABLE`` as a switch: 1/true/yes/on disable, 0/false/no/off (or unset) do
-    not, any case. Anything else raises naming it: every value but "" and "0" used to disable,
-    so "false" quietly ran the model eagerly."""
+    not, any case. Anything else raises naming it: read as "set means disabled", "false" would
+    quietly run the model eagerly."""
     value = os.environ.get(DISABLE_ENV, "").strip().lower()
     if value in _ENV_TRUE:
         return True
