@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from .._torch_compat import call_schema, node_example_value
+from .._torch_compat import call_schema, node_example_value, op_names
 from .split import is_splitting_node, node_storages, torch_call_name, writes_in_place
 
 #: call_method names known not to mutate their receiver.
@@ -53,7 +53,16 @@ def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
+#: Ops whose schema writes nothing but which write state outside the graph: ``write_layer_kv``
+#: writes its layer's KV cache, which a later ``attend`` of that layer reads. A model that runs one
+#: attention layer twice (shared layers) has a second write that does not depend on the first
+#: attention: moved before it, the first attention would read the second call's keys and values.
+_WRITES_HIDDEN_STATE = frozenset({"compileattn::write_layer_kv"})
+
+
 def _is_pure(node: torch.fx.Node) -> bool:
+    if node.op == "call_function" and _WRITES_HIDDEN_STATE.intersection(op_names(node.target)):
+        return False
     if writes_in_place(node):  # also F.relu(h, inplace=True), torch.add(h, 1, out=h)
         return False
     if node.op == "call_method":

@@ -423,6 +423,22 @@ def test_a_read_after_an_in_place_write_after_the_op_is_not_hoisted_before_the_w
     _matches_eager_over_two_steps(_WriteAfterTheOp(write), _WriteAfterTheOp(write), {"piece_compiler": "eager"})
 
 
+class _OneLayerTwice(_OneLayer):
+    """One attention layer run twice (shared layers), the second call on a tensor that does not
+    depend on the first call's output: its KV write must stay after the first attention, which
+    would otherwise read the second call's keys and values from the layer's cache."""
+
+    def forward(self, x):
+        n = x.shape[0]
+        first = self.attend(x)
+        second = self.attend(self.side(x))
+        return self.o(first.view(n, 64)) + self.o(second.view(n, 64))
+
+
+def test_a_layer_run_twice_writes_its_cache_after_its_first_attention():
+    _matches_eager_over_two_steps(_OneLayerTwice(), _OneLayerTwice(), {"piece_compiler": "eager"})
+
+
 class _ReadThenActivateInPlace(_OneLayer):
     """After the op, ``h`` is read by a node that stays there, then activated in place by a module
     that passes ``inplace`` positionally (``F.leaky_relu(h, 0.1, True)``, ``F.hardtanh(h, 0., 6.,
