@@ -18,7 +18,8 @@ told by Dynamo's fake tensors, which share storage as the real ones will), or an
 those, wherever it sits in the graph. A node also stays after a write that stays after the op
 (an in-place op such as ``h.add_(1)`` or ``buf[:, :4].zero_()``, a buffer's counter) if it reads
 a tensor sharing storage with what that write may change: moved before the op, it would read the
-values from before the write.
+values from before the write. Nothing moves across a mode switch (``with torch.autocast(...)``
+entered or left after the op): it would run in the op's mode, not its own.
 """
 from __future__ import annotations
 
@@ -76,6 +77,19 @@ def _is_pure(node: torch.fx.Node) -> bool:
         return not schema.is_mutable
     name = getattr(node.target, "__name__", "")
     return not name.endswith("_") or node.target is operator.getitem
+
+
+#: The calls Dynamo records for a context manager that changes how the ops after it run
+#: (``torch.autocast``, ``torch.no_grad``, ``torch.inference_mode``).
+_MODE_SWITCHES = frozenset({"_enter_autocast", "_exit_autocast", "_set_grad_enabled", "_enter_inference_mode",
+                            "_exit_inference_mode"})
+
+
+def _switches_mode(node: torch.fx.Node) -> bool:
+    """A call entering or leaving a mode (``with torch.autocast(...)``): nothing after it moves
+    before the op, which runs in the mode before the switch (``F.linear`` moved out of an autocast
+    region computes in float32, not bfloat16)."""
+    return node.op == "call_function" and getattr(node.target, "__name__", None) in _MODE_SWITCHES
 
 
 def _inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -172,7 +186,7 @@ def hoist_shape_logic(gm: torch.fx.GraphModule, splitting_ops: Sequence[str]) ->
         stayed: set[torch.fx.Node] = {split}  # nodes after the op that stay there
         written: set[torch.fx.Node] = set()  # nodes sharing storage with what a staying write may change
         node = split.next
-        while node.op != "output" and not is_splitting_node(node, splitting_ops):
+        while node.op != "output" and not is_splitting_node(node, splitting_ops) and not _switches_mode(node):
             following = node.next
             inputs = node.all_input_nodes
             if node not in tainted and _is_pure(node) and not stayed.intersection(inputs) \

@@ -439,6 +439,28 @@ def test_a_layer_run_twice_writes_its_cache_after_its_first_attention():
     _matches_eager_over_two_steps(_OneLayerTwice(), _OneLayerTwice(), {"piece_compiler": "eager"})
 
 
+class _AutocastAfterTheOp(_OneLayer):
+    """A projection independent of the op, after it, in an autocast region that starts after the
+    op (``variant`` True) or ends right after it: moved before the op, it would leave or enter
+    the region and compute in another dtype."""
+
+    def forward(self, x):
+        n = x.shape[0]
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=-1)
+        out = torch.empty(n, 2, 32, dtype=x.dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not self.variant):
+            torch.ops.compileattn.attention(q.view(n, 2, 32), k.view(n, 1, 32), v.view(n, 1, 32), out, "attn")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.variant):
+            h = self.side(x).float()
+        return self.o(out.view(n, 64)) + h
+
+
+@pytest.mark.parametrize("starts_after", [True, False], ids=["enters-after", "exits-after"])
+def test_nothing_moves_before_the_op_across_an_autocast_switch(starts_after):
+    _matches_eager_over_two_steps(_AutocastAfterTheOp(starts_after), _AutocastAfterTheOp(starts_after),
+                                  {"piece_compiler": "eager"})
+
+
 class _ReadThenActivateInPlace(_OneLayer):
     """After the op, ``h`` is read by a node that stays there, then activated in place by a module
     that passes ``inplace`` positionally (``F.leaky_relu(h, 0.1, True)``, ``F.hardtanh(h, 0., 6.,
