@@ -658,9 +658,11 @@ def input_name(node) -> str:
 
 def call_schema(target):
     """The schema of the overload a call of ``target`` runs (a packet's ``default``), or None for a
-    target that is not an op. Dynamo records packets, AOT graphs record overloads."""
+    target that is not an op or a packet without a ``default`` (``torch.ops.aten.add_``: its
+    overloads are ``Tensor`` and ``Scalar``, picked by the arguments). Dynamo records packets, AOT
+    graphs record overloads."""
     if isinstance(target, resolve("torch._ops.OpOverloadPacket")):
-        target = target.default
+        target = getattr(target, "default", None)
     return target._schema if isinstance(target, resolve("torch._ops.OpOverload")) else None
 
 

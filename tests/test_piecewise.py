@@ -394,6 +394,11 @@ def _count(m, h, x):
     return h + m.steps
 
 
+def _aten_add_(m, h, x):
+    torch.ops.aten.add_(h, 1.0)  # a packet without a "default" overload: its schema is the arguments' choice
+    return h
+
+
 def _leaky_relu_module(m, h, x):
     torch.nn.LeakyReLU(0.1, inplace=True)(h)  # F.leaky_relu(h, 0.1, True): inplace passed positionally
     return h
@@ -416,9 +421,10 @@ def _matches_eager_over_two_steps(model, eager, options, steps=(
             assert_matches_eager(eager, compiled, builder, caches, seqs, make)
 
 
-@pytest.mark.parametrize("write", [_add_, _copy_, _zero_a_view, _relu_inplace, _add_out, _count, _leaky_relu_module],
+@pytest.mark.parametrize("write", [_add_, _copy_, _zero_a_view, _relu_inplace, _add_out, _count, _leaky_relu_module,
+                                   _aten_add_],
                          ids=["add_", "copy_", "view.zero_", "relu(inplace=True)", "add(out=)", "buffer",
-                              "LeakyReLU(inplace=True)"])
+                              "LeakyReLU(inplace=True)", "aten.add_"])
 def test_a_read_after_an_in_place_write_after_the_op_is_not_hoisted_before_the_write(write):
     _matches_eager_over_two_steps(_WriteAfterTheOp(write), _WriteAfterTheOp(write), {"piece_compiler": "eager"})
 
