@@ -233,3 +233,24 @@ def test_inference_only_backward_raises_naming_the_op_and_forward_does_not_warn(
     assert out.requires_grad
     with pytest.raises(RuntimeError, match="compileattn::attention is inference-only"):
         out.sum().backward()
+
+
+def test_attention_left_out_of_splitting_ops_under_cuda_graphs_is_refused():
+    """step (at the first call): with ``splitting_ops`` leaving the attention op in a piece, a
+    CUDA-graph mode would capture it with the step it read at capture and replay that step's
+    lengths and launch for later steps of the same size; refused naming the op. Without graphs
+    the same configuration runs (and matches eager)."""
+    from compileattn.testing import simulated_cuda_graphs
+
+    caches = allocate_kv_caches({"layer0": SPEC}, NB, BS, torch.float32)
+    options = {"piece_compiler": "eager", "splitting_ops": []}
+    with simulated_cuda_graphs():
+        compiled = torch.compile(Layer(), backend="compileattn", options=options)
+        with set_forward_context(builder().build(TWO_TOKENS), caches), torch.no_grad(), pytest.raises(
+                Exception, match=r"would capture \['compileattn::attention'\] inside a piece's CUDA graph"):
+            compiled(*qkv(2))
+    torch._dynamo.reset()
+    model, inputs = Layer(), qkv(2)
+    compiled = torch.compile(model, backend="compileattn", options={**options, "cudagraph_mode": "none"})
+    with set_forward_context(builder().build(TWO_TOKENS), caches), torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs))

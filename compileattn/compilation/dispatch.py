@@ -74,10 +74,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import _torch_compat, context
-from ..config import CompileConfig
+from ..config import DEFAULT_SPLITTING_OPS, CompileConfig
 from ..counters import counters
 from . import cudagraph, module_watch
-from .piecewise import CompiledSplit
+from .piecewise import CompiledSplit, attention_inside_pieces
 
 logger = logging.getLogger("compileattn")
 
@@ -98,6 +98,11 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self.mode = config.resolved_cudagraph_mode(graph_device)
         if self.mode != "none" and graph_device != "cuda":
             raise ValueError(f"cudagraph_mode={config.cudagraph_mode!r} needs CUDA, the graph is on {device}")
+        stuck = attention_inside_pieces(compiled.pieces) if self.mode != "none" else []
+        if stuck:
+            raise ValueError(f"cudagraph_mode={self.mode!r} would capture {stuck} inside a piece's CUDA graph, which "
+                             f"freezes the step it reads at capture: keep them in splitting_ops "
+                             f"(default {list(DEFAULT_SPLITTING_OPS)}) or use cudagraph_mode='none'")
         self.capture_sizes = frozenset(config.capture_sizes)
         #: whether a call's other dynamic sizes are those graphs and static pieces hold (None: no
         #: other sizes, or neither graphs nor static pieces to keep them from)

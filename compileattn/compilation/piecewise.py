@@ -44,6 +44,17 @@ logger = logging.getLogger("compileattn")
 _UNIFIED = ("compileattn::attention", "compileattn::attention.default")
 _ATTEND = ("compileattn::attend", "compileattn::attend.default")
 _WRITE_KV = ("compileattn::write_layer_kv", "compileattn::write_layer_kv.default")
+#: The ops that take the step from the forward context at each call: host values a CUDA graph
+#: would freeze at its capture (a later step of the same size would attend with the captured
+#: step's lengths and launch), so they must run between captured pieces, never inside one.
+_PER_STEP_ATTENTION = (*_UNIFIED, *_ATTEND, "compileattn::attention_by_id", "compileattn::attention_by_id.default")
+
+
+def attention_inside_pieces(pieces: Sequence[Piece]) -> list[str]:
+    """The per-step attention ops in compiled (non-splitting) pieces: there when ``splitting_ops``
+    leaves them out."""
+    return sorted({_torch_compat.op_names(node.target)[0] for p in pieces if not p.is_splitting_op and p.module is not None
+                   for node in p.module.graph.nodes if is_splitting_node(node, _PER_STEP_ATTENTION)})
 
 
 @dataclasses.dataclass(frozen=True)
