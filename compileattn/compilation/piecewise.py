@@ -52,9 +52,10 @@ _PER_STEP_ATTENTION = (*_UNIFIED, *_ATTEND, "compileattn::attention_by_id", "com
 
 def attention_inside_pieces(pieces: Sequence[Piece]) -> list[str]:
     """The per-step attention ops in compiled (non-splitting) pieces: there when ``splitting_ops``
-    leaves them out."""
-    return sorted({_torch_compat.op_names(node.target)[0] for p in pieces if not p.is_splitting_op and p.module is not None
-                   for node in p.module.graph.nodes if is_splitting_node(node, _PER_STEP_ATTENTION)})
+    leaves them out. A warm start's pieces have no graph: their compile was checked."""
+    graphs = [p.module.graph for p in pieces if not p.is_splitting_op and hasattr(p.module, "graph")]
+    return sorted({_torch_compat.op_names(node.target)[0] for graph in graphs for node in graph.nodes
+                   if is_splitting_node(node, _PER_STEP_ATTENTION)})
 
 
 @dataclasses.dataclass(frozen=True)
