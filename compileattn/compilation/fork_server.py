@@ -465,8 +465,8 @@ def _drop_inherited_file_locks() -> None:
     """Point at ``/dev/null`` the descriptors a fork inherited that hold an ``flock`` or
     open-file-description lock (``/proc/self/fdinfo`` lists the locks held through a descriptor):
     such a lock belongs to the open file, which the fork shares, so the compiling process releasing
-    it by closing its descriptor (or by exiting) left it held by the server and its workers, and
-    whoever waited for it blocked while they lived. The number stays taken, so nothing that still
+    it by closing its descriptor (or by exiting) would leave it held by the server and its workers,
+    and whoever waits for it blocked while they live. The number stays taken, so nothing that still
     holds it (a file object of this process) reaches another file; the lock stays the compiling
     process's."""
     for name in os.listdir("/proc/self/fd"):
