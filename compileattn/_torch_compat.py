@@ -532,6 +532,24 @@ def inductor_default_cache_dir() -> str | None:
         return None
 
 
+def forget_inductor_compile_pools() -> None:
+    """In a fork's child: Inductor's thread pool and the kernel builds in flight at the fork are
+    the parent's (its ``after_fork`` resets the process pool only). A compile or cache load in the
+    child that reused them waited for good on a future no thread would finish (seen: a forked
+    child's landing loading a CPU piece whose build the parent had in flight). Clears the thread
+    pool's cache and the C++ code caches, whose entries for in-flight builds hold such futures;
+    finished entries are loaded again from disk. Touches only what is already imported."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    pool = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
+    if hasattr(pool, "cache_clear"):
+        pool.cache_clear()
+    codecache = sys.modules.get("torch._inductor.codecache")
+    for name in ("CppCodeCache", "CppPythonBindingsCodeCache", "CppWrapperCodeCache"):
+        cache = getattr(getattr(codecache, name, None), "cache", None)
+        if isinstance(cache, dict):
+            cache.clear()
+
+
 def import_inductor() -> None:
     """Import what the first compiled-artifact load needs (seconds, once per process)."""
     resolve("torch._inductor.compile_fx")

@@ -498,3 +498,35 @@ def test_a_worker_compiles_without_a_config_entry_the_compiling_process_set_back
         with _torch_compat.compile_settings_applied(settings):
             assert inductor_config.max_autotune is False
         assert inductor_config.max_autotune is True
+
+
+def test_a_fork_forgets_inductors_thread_pool_and_the_builds_in_flight():
+    """A forked child's compile reused the parent's Inductor thread pool and the C++ builds it had
+    in flight, whose futures no thread of the child finishes: a landing in the child hung for
+    good (seen in CI). The child starts with neither."""
+    from torch._inductor import codecache
+    from torch._inductor.async_compile import AsyncCompile
+
+    from compileattn.compilation import compile_pool  # noqa: F401 (registers the at-fork handler)
+
+    codecache.CppCodeCache.cache["compileattn-test-in-flight"] = lambda: None
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            pool_cached = AsyncCompile.pool.cache_info().currsize
+            os.write(w, f"{'compileattn-test-in-flight' in codecache.CppCodeCache.cache} {pool_cached}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        os.close(w)
+        with os.fdopen(r) as f:
+            answer = f.read()
+        _, status = os.waitpid(pid, 0)
+    finally:
+        codecache.CppCodeCache.cache.pop("compileattn-test-in-flight", None)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert answer == "False 0"

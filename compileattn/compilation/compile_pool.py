@@ -623,6 +623,7 @@ def _forget_inherited_early_server() -> None:
     _pool, _owner = None, None
     for pool in list(_pools):
         pool._forget_after_fork()
+    _torch_compat.forget_inductor_compile_pools()  # the child compiles what its landings still await
 
 
 if hasattr(os, "register_at_fork"):
