@@ -6,6 +6,7 @@ import random
 import re
 import threading
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -360,6 +361,26 @@ def test_a_forked_child_closing_its_copy_of_a_pool_leaves_the_parents_workers(wo
         pool.close(wait=True, kill=True)
 
 
+def answer_of_a_fork(child: Callable[[], str]) -> str:
+    """What ``child()`` returns when run in a fork of this process (which must exit cleanly)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, child().encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        answer = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, answer
+    return answer
+
+
 def test_a_landing_forked_into_a_child_settles_there_and_still_lands_in_the_parent(monkeypatch):
     """Static pieces still out in real workers when the process forks: the child answers them
     itself (compiled in-process, as for a worker that died) instead of waiting for workers whose
@@ -373,26 +394,15 @@ def test_a_landing_forked_into_a_child_settles_there_and_still_lands_in_the_pare
         runtime = run.runtime
         landing = runtime._landing
         assert landing is not None and runtime.pending_static_compiles() > 0
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(r)
-                start = time.monotonic()
-                landed = runtime.wait_for_static_pieces(timeout=20)
-                took = time.monotonic() - start
-                landing.close()  # what the child's exit runs
-                os.write(w, f"{landed} {took:.1f}".encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(w)
-        with os.fdopen(r) as f:
-            answer = f.read()
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-        landed, took = answer.split()
+
+        def child() -> str:
+            start = time.monotonic()
+            landed = runtime.wait_for_static_pieces(timeout=20)
+            took = time.monotonic() - start
+            landing.close()  # what the child's exit runs
+            return f"{landed} {took:.1f}"
+
+        landed, took = answer_of_a_fork(child).split()
         assert landed == "True" and float(took) < 20, answer
         assert runtime.wait_for_static_pieces(timeout=300)
         assert all(set(by_size) == {STATIC} for by_size in runtime.static.values())
@@ -510,23 +520,9 @@ def test_a_fork_forgets_inductors_thread_pool_and_the_builds_in_flight():
     from compileattn.compilation import compile_pool  # noqa: F401 (registers the at-fork handler)
 
     codecache.CppCodeCache.cache["compileattn-test-in-flight"] = lambda: None
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            pool_cached = AsyncCompile.pool.cache_info().currsize
-            os.write(w, f"{'compileattn-test-in-flight' in codecache.CppCodeCache.cache} {pool_cached}".encode())
-            code = 0
-        finally:
-            os._exit(code)
     try:
-        os.close(w)
-        with os.fdopen(r) as f:
-            answer = f.read()
-        _, status = os.waitpid(pid, 0)
+        answer = answer_of_a_fork(lambda: f"{'compileattn-test-in-flight' in codecache.CppCodeCache.cache} "
+                                          f"{AsyncCompile.pool.cache_info().currsize}")
     finally:
         codecache.CppCodeCache.cache.pop("compileattn-test-in-flight", None)
-    assert os.waitstatus_to_exitcode(status) == 0
     assert answer == "False 0"
