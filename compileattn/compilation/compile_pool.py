@@ -480,11 +480,7 @@ def _orphan_stream(stream) -> None:
         fd = stream.fileno()
     except (AttributeError, OSError, ValueError):  # None, or closed already
         return
-    null = os.open(os.devnull, os.O_RDWR)
-    try:
-        os.dup2(null, fd, inheritable=False)
-    finally:
-        os.close(null)
+    fork_server.point_at_devnull(fd)
 
 
 def _exit_note(proc: subprocess.Popen | None, exc: BaseException) -> str:

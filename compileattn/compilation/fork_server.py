@@ -479,11 +479,18 @@ def _drop_inherited_file_locks() -> None:
         except OSError:  # the listing's own descriptor, closed since
             continue
         if locked:
-            null = os.open(os.devnull, os.O_RDWR)
-            try:
-                os.dup2(null, fd, inheritable=False)
-            finally:
-                os.close(null)
+            point_at_devnull(fd)
+
+
+def point_at_devnull(fd: int) -> None:
+    """Make descriptor ``fd`` refer to ``/dev/null`` (not inheritable): what it referred to is
+    dropped here while the number stays taken, so nothing that still holds the number (a file
+    object) reaches a file opened later under it."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
 
 
 def _alive(pid: int) -> bool:

@@ -125,9 +125,9 @@ class ModelTensors:
     def storages(self) -> dict[int, list[tuple[torch.device, tuple, str]]]:
         """Storage address -> (device, ``byte_layout``, what it is) of each parameter and buffer of
         the models: what a written argument must not come to share (``ArgChecker``). Built when
-        first asked for (only functions that write an argument ask, and a warm start's first call), and again after ``check``
-        found a registration or a watched tensor moved; between, ``param.data = w`` on a tensor
-        that is not watched goes unseen (module docstring)."""
+        first asked for (only functions that write an argument ask, and a warm start's first
+        call), and again after ``check`` found a registration or a watched tensor moved; between,
+        ``param.data = w`` on a tensor that is not watched goes unseen (module docstring)."""
         if self._storages is None:
             found: dict[int, list[tuple[torch.device, tuple, str]]] = {}
             for ref, _ in self._models:
