@@ -99,7 +99,8 @@ def goal_records(payload: dict[str, Any]) -> list[dict[str, Any]]:
     records = []
 
     def check(model, key, limit, what, required=True):
-        vals = [(c, ratios(chosen, c)[key]) for c in cells if c[0] == model]
+        model_cells = [c for c in cells if c[0] == model]
+        vals = [(c, ratios(chosen, c)[key]) for c in model_cells]
         vals = [(c, v) for c, v in vals if v is not None]
         if not vals:
             if required:
@@ -107,9 +108,14 @@ def goal_records(payload: dict[str, Any]) -> list[dict[str, Any]]:
             return
         bad = [(c, v) for c, v in vals if v > limit]
         worst = max(vals, key=lambda cv: cv[1])
+        # "every decode cell": a cell without the ratio (a column FAILED, errored or was skipped) is
+        # not a cell met; with no measured miss the verdict is then "not measured", never MET
+        unmeasured = len(model_cells) - len(vals)
+        met = False if bad else (True if not unmeasured else None)
         records.append(common.goal(
-            what, not bad, f"{len(vals) - len(bad)}/{len(vals)} decode cells ({min(v for _, v in vals):.3f}–{worst[1]:.3f}×); worst at batch "
-            f"{worst[0][2]}, context {worst[0][3]}", model=model, cells=len(vals), cells_met=len(vals) - len(bad),
+            what, met, f"{len(vals) - len(bad)}/{len(vals)} decode cells ({min(v for _, v in vals):.3f}–{worst[1]:.3f}×); worst at batch "
+            f"{worst[0][2]}, context {worst[0][3]}" + (f"; {unmeasured} decode cell(s) not measured" if unmeasured else ""),
+            model=model, cells=len(vals), cells_met=len(vals) - len(bad), cells_unmeasured=unmeasured,
             worst=worst[1], range=[min(v for _, v in vals), worst[1]]))
 
     for m in [m for m in MODELS if any(c[0] == m for c in cells)] + sorted({c[0] for c in cells} - set(MODELS)):

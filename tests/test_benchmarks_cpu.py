@@ -675,6 +675,25 @@ def test_latency_merge_ratios_and_goals(tmp_path):
     assert (tmp_path / "m.md").exists() and len(common.read_json(tmp_path / "m.json")["rows"]) == 8
 
 
+def test_latency_goal_is_not_met_where_a_decode_cell_has_no_ratio():
+    """"Every decode cell": a cell whose compileattn column FAILED (or was skipped) has no ratio;
+    the cells that were measured passing must not make the goal MET."""
+    rows = [_lat_row(0, "opt", "graph-eager", 1, 500), _lat_row(0, "opt", "ca-piecewise", 1, 510),
+            _lat_row(0, "opt", "ca-full", 1, 505),
+            _lat_row(0, "opt", "graph-eager", 8, 600), _lat_row(0, "opt", "ca-piecewise", 8, None, status="FAILED"),
+            _lat_row(0, "opt", "ca-full", 8, None, status="skipped")]
+    payload = {"benchmark": "latency", "config": {}, "runs": [{"label": "opt"}], "stats": [], "probes": [], "rows": rows}
+    got = {g["goal"]: g for g in rep.goal_records(payload)}
+    pw = got["OPT-125m shape: compileattn piecewise ≤ 1.05× the best full graph"]
+    assert pw["met"] is None and "1 decode cell(s) not measured" in pw["measured"]
+    assert got["OPT-125m shape: compileattn full-decode ≤ 1.02× the best full graph"]["met"] is None
+    rows[1] = _lat_row(0, "opt", "ca-piecewise", 1, 560)  # a measured miss stays a miss
+    assert {g["goal"]: g for g in rep.goal_records(payload)}[pw["goal"]]["met"] is False
+    rows[4] = _lat_row(0, "opt", "ca-piecewise", 8, 610)
+    rows[1] = _lat_row(0, "opt", "ca-piecewise", 1, 510)
+    assert {g["goal"]: g for g in rep.goal_records(payload)}[pw["goal"]]["met"] is True
+
+
 def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
     """Bench, metadata per cell, the eager reference, fail-soft columns and the report, on the CPU
     with the reference backend (graph columns are unavailable there: it is not capturable)."""
