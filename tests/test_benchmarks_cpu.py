@@ -252,6 +252,24 @@ def test_decode_merge_prefers_the_run_that_measured_flashinfer():
     assert "NOT MET" in text and "1/2" in text
 
 
+def test_decode_goals_are_not_met_where_a_page16_cell_has_no_compileattn_result():
+    """"Every cell": a cell where every compileattn backend FAILED (FlashInfer measured) is not a
+    cell met; the cells left must not make either goal MET."""
+    rows = [_dec_row(0, "ca-triton", 1024, 64, 16, 50.0), _dec_row(0, "fi-tc", 1024, 64, 16, 60.0),
+            _dec_row(0, "ca-triton", 4096, 64, 16, status="FAILED", reason="rel. error 1 > 0.02"),
+            _dec_row(0, "fi-tc", 4096, 64, 16, 240.0)]
+    kvb = dec.kv_bytes(64, 1024)
+    assert kvb / (50e-6) / 1e12 >= dec.GOAL_TBPS  # the measured cell meets both goals
+    got = {g["goal"]: g for g in dec.shape_goal_records(_dec_payload("x", rows))}
+    time_goal = next(g for name, g in got.items() if "FlashInfer tensor-core" in name)
+    bw_goal = next(g for name, g in got.items() if "TB/s" in name)
+    assert time_goal["met"] is None and "1 cell(s) not measured" in time_goal["measured"]
+    assert bw_goal["met"] is None and "1 cell(s) not measured" in bw_goal["measured"]
+    rows[2] = _dec_row(0, "ca-triton", 4096, 64, 16, 230.0)
+    got = {g["goal"]: g["met"] for g in dec.shape_goal_records(_dec_payload("x", rows))}
+    assert got[time_goal["goal"]] is True and got[bw_goal["goal"]] is True
+
+
 def test_goals_table_gathers_each_scripts_verdicts(tmp_path):
     """goals.py lists every goal the measuring scripts checked, with their verdicts (met, not met,
     not measured) and the file each came from; it decides nothing itself."""
