@@ -985,6 +985,19 @@ def test_op_overhead_merge_old_and_new_layouts_with_ratios():
         opr.merge_payloads([_old_op_payload(), other])
 
 
+def test_op_overhead_goal_counts_a_batch_whose_setup_failed():
+    """A batch whose setup failed leaves no row, only run["skipped"]["batch N"]: the host-cost goal
+    (every batch) is then not measured, not MET on the batches left."""
+    payload = _new_op_payload()
+    payload["rows"] = [r for r in payload["rows"] if r["batch"] == 1]
+    payload["rows"][-2]["cpu_us"] = 9.0  # triton at batch 1, under the goal
+    payload["runs"][0]["skipped"] = {"batch 64": "setup failed: OutOfMemoryError: CUDA out of memory"}
+    (g,) = opr.goal_records(payload)
+    assert g["met"] is None and "1 batch(es) not measured" in g["measured"]
+    payload["runs"][0]["skipped"] = {}
+    assert opr.goal_records(payload)[0]["met"] is True
+
+
 def test_op_overhead_merge_reads_a_cut_short_stdout(tmp_path):
     """The pre-redesign script writes its JSON at the end only; its printed rows stand in for it."""
     log = tmp_path / "before.log"
