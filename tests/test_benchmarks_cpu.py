@@ -270,6 +270,19 @@ def test_decode_goals_are_not_met_where_a_page16_cell_has_no_compileattn_result(
     assert got[time_goal["goal"]] is True and got[bw_goal["goal"]] is True
 
 
+def test_decode_time_goal_divides_by_flashinfer_of_the_same_run():
+    """Two runs measured FlashInfer: the goal's ratio is the table's same-run ratio, not the best
+    compileattn row over the other run's FlashInfer time."""
+    a = _dec_payload("a", [_dec_row(0, "ca-triton", 1024, 64, 16, status="FAILED", reason="wrong"),
+                           _dec_row(0, "fi-tc", 1024, 64, 16, 100.0)])
+    b = _dec_payload("b", [_dec_row(0, "ca-triton", 1024, 64, 16, 90.0), _dec_row(0, "fi-tc", 1024, 64, 16, 80.0)])
+    chosen = dec.select(dec.merge_payloads([a, b])["rows"])
+    tri = chosen[(1024, 64, 16, "ca-triton")]
+    assert tri["run"] == 1 and tri["ratio_fi_tc"] == pytest.approx(90 / 80) and tri["ratio_same_run"]
+    (g,) = dec.goal_check(chosen)
+    assert g["ratio"] == pytest.approx(90 / 80) and g["fi_tc_us"] == 80.0 and g["time_ok"] is False
+
+
 def test_goals_table_gathers_each_scripts_verdicts(tmp_path):
     """goals.py lists every goal the measuring scripts checked, with their verdicts (met, not met,
     not measured) and the file each came from; it decides nothing itself."""
