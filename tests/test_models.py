@@ -65,6 +65,32 @@ def test_bad_configs_raise(make, match):
         make()
 
 
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: LlamaConfig.tiny(rope_theta=0), ValueError, "rope_theta"),  # inv_freq inf: NaN RoPE
+    (lambda: LlamaConfig.tiny(rope_theta=-10000.0), ValueError, "rope_theta"),
+    (lambda: LlamaConfig.tiny(rms_norm_eps=float("nan")), ValueError, "rms_norm_eps"),
+    (lambda: LlamaConfig.tiny(rms_norm_eps=-1.0), ValueError, "rms_norm_eps"),
+    (lambda: LlamaConfig.tiny(rope_theta="1e4"), TypeError, "rope_theta"),
+    (lambda: OPTConfig.tiny(layer_norm_eps=float("inf")), ValueError, "layer_norm_eps"),
+    (lambda: LlamaConfig.tiny(hidden_size=64.5), TypeError, "hidden_size"),  # failed later in nn.Linear
+    (lambda: LlamaConfig.tiny(num_heads=4.0), TypeError, "num_heads"),
+    (lambda: LlamaConfig.tiny(num_layers=True), TypeError, "num_layers"),
+    (lambda: LlamaConfig.tiny(sliding_window=4.0), TypeError, "sliding_window"),
+    (lambda: OPTConfig.tiny(num_heads=2.0), TypeError, "num_heads"),
+])
+def test_configs_refuse_non_int_sizes_and_non_finite_settings(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_configs_take_numpy_sizes_as_ints():
+    np = pytest.importorskip("numpy")
+    c = LlamaConfig.tiny(num_layers=np.int64(1), sliding_window=np.int32(8))
+    assert type(c.num_layers) is int and type(c.sliding_window) is int
+    assert LlamaConfig.tiny(num_layers=np.int64(1)) == LlamaConfig.tiny(num_layers=1)
+    assert type(OPTConfig.tiny(num_heads=np.int64(2)).num_heads) is int
+
+
 def test_model_rejects_foreign_config():
     with pytest.raises(TypeError, match="config"):
         LlamaForCausalLM(OPTConfig.tiny())

@@ -12,12 +12,33 @@ is also its module path. Two constraints shape ``forward``:
 from __future__ import annotations
 
 import dataclasses
+import math
+from numbers import Real
 
 import torch
 from torch import nn
 
+from ..argtypes import as_int, is_bool, positive_int
 from ..kv_cache import AttentionSpec, check_gqa, check_head_dim
 from .attention import Attention, ServedModel
+
+
+def check_config_fields(config, sizes: tuple[str, ...], *, positive: tuple[str, ...] = (),
+                        non_negative: tuple[str, ...] = ()) -> None:
+    """Check a frozen model config's fields in place: ``sizes`` are ints >= 1 by the int rule
+    (``argtypes``: numpy's integers are stored as ints; a float or a bool is no size, and a float
+    would only fail later inside ``nn.Linear``), the float settings finite, ``positive`` ones > 0
+    and ``non_negative`` ones >= 0: a ``rope_theta`` of 0 or below, or a NaN, infinite or negative
+    norm eps, makes every hidden state NaN (or 0) with no error."""
+    for name in sizes:
+        object.__setattr__(config, name, positive_int(getattr(config, name), name))
+    for name in positive + non_negative:
+        value = getattr(config, name)
+        if is_bool(value) or not isinstance(value, Real):
+            raise TypeError(f"{name} must be a float, got {value!r}")
+        strict = name in positive
+        if not (math.isfinite(value) and (value > 0 if strict else value >= 0)):
+            raise ValueError(f"{name} must be a finite float {'> 0' if strict else '>= 0'}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +58,17 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        check_config_fields(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                                   "head_dim", "intermediate_size", "max_position"),
+                            positive=("rope_theta",), non_negative=("rms_norm_eps",))
         check_gqa(self.num_heads, self.num_kv_heads)
         check_head_dim(self.head_dim)
-        for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "max_position"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.sliding_window < -1:
-            raise ValueError(f"sliding_window must be -1 (off) or >= 0, got {self.sliding_window}")
+        window = as_int(self.sliding_window)
+        if window is None:
+            raise TypeError(f"sliding_window must be an int, got {self.sliding_window!r}")
+        if window < -1:
+            raise ValueError(f"sliding_window must be -1 (off) or >= 0, got {window}")
+        object.__setattr__(self, "sliding_window", window)
 
     @classmethod
     def tiny(cls, **overrides) -> "LlamaConfig":

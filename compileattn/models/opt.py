@@ -14,7 +14,7 @@ from torch import nn
 
 from ..kv_cache import AttentionSpec, check_head_dim
 from .attention import Attention, ServedModel
-from .llama import init_random_weights
+from .llama import check_config_fields, init_random_weights
 
 #: OPT's learned-position offset (HF ``OPTLearnedPositionalEmbedding.offset``).
 POSITION_OFFSET = 2
@@ -31,9 +31,8 @@ class OPTConfig:
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_dim", "max_position"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_config_fields(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_dim", "max_position"),
+                            non_negative=("layer_norm_eps",))
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         check_head_dim(self.head_dim)
