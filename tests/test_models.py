@@ -97,6 +97,15 @@ def test_model_rejects_foreign_config():
 
 
 @pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("dtype", ["float16", torch.float64, torch.int32])
+def test_model_refuses_a_dtype_the_attention_op_does_not_run_naming_it(family, dtype):
+    # A string went to nn.Module.to as a device ("Invalid device string: 'float16'").
+    cls, config = (LlamaForCausalLM, LlamaConfig.tiny()) if family == "llama" else (OPTForCausalLM, OPTConfig.tiny())
+    with pytest.raises(TypeError, match="dtype"):
+        cls(config, dtype=dtype)
+
+
+@pytest.mark.parametrize("family", MODELS)
 def test_weights_are_deterministic_in_the_seed(family):
     cfg = LlamaConfig.tiny() if family == "llama" else OPTConfig.tiny()
     cls = LlamaForCausalLM if family == "llama" else OPTForCausalLM

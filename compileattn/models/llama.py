@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..argtypes import as_int, is_bool, positive_int
-from ..kv_cache import AttentionSpec, check_gqa, check_head_dim
+from ..kv_cache import AttentionSpec, check_dtype, check_gqa, check_head_dim
 from .attention import Attention, ServedModel
 
 
@@ -225,6 +225,8 @@ class LlamaForCausalLM(ServedModel):
         super().__init__()
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        # Before nn.Module.to reads a dtype string as a device ("Invalid device string: 'float16'").
+        check_dtype(dtype, "dtype")
         self.config = config
         # Built on the meta device and materialised once: nn.Linear's own init would fill 8B
         # parameters only for init_random_weights to overwrite them.

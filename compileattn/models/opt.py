@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..kv_cache import AttentionSpec, check_head_dim
+from ..kv_cache import AttentionSpec, check_dtype, check_head_dim
 from .attention import Attention, ServedModel
 from .llama import check_config_fields, init_random_weights
 
@@ -113,6 +113,7 @@ class OPTForCausalLM(ServedModel):
         super().__init__()
         if not isinstance(config, OPTConfig):
             raise TypeError(f"config must be an OPTConfig, got {type(config).__name__}")
+        check_dtype(dtype, "dtype")  # see LlamaForCausalLM
         self.config = config
         with torch.device("meta"):
             self.model = OPTModel(config)
