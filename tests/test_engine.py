@@ -59,6 +59,27 @@ def test_allocator_rejects_bad_use():
     assert a.num_free == 4
 
 
+def test_allocator_reads_block_ids_and_counts_by_the_int_rule():
+    np = pytest.importorskip("numpy")
+    a = BlockAllocator(np.int64(4))
+    assert type(a.num_blocks) is int and a.num_free == 4
+    blocks = a.allocate(np.int64(2))
+    assert blocks == [0, 1] and a.can_allocate(np.int64(2)) and not a.can_allocate(3)
+    a.free([np.int64(0)])  # was refused as "block 0 is not allocated"
+    assert a.refcount(np.int64(0)) == 0 and a.refcount(1) == 1
+    with pytest.raises(TypeError, match="block ids must be ints"):
+        a.free([True])  # was block 1, freed
+    with pytest.raises(TypeError, match="block ids must be ints"):
+        a.free([1.0])
+    assert a.refcount(1) == 1
+    with pytest.raises(ValueError, match="not allocated"):
+        a.refcount(-1)  # was the last block's count, through Python's negative indexing
+    with pytest.raises(ValueError, match="n must be"):
+        a.can_allocate(-1)  # was True
+    with pytest.raises(TypeError, match="num_blocks"):
+        BlockAllocator(4.0)
+
+
 # -- scheduling ------------------------------------------------------------------------------------
 
 def test_steps_mix_decodes_prefills_and_chunked_prefills(llama):

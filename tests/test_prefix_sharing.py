@@ -168,6 +168,24 @@ def test_allocator_refuses_bad_use():
         a.set_caching("yes")
 
 
+def test_allocator_refuses_bool_block_ids_and_a_bad_block_size():
+    a = BlockAllocator(4, enable_caching=True)
+    blocks = a.allocate(2)
+    cached(a, list(range(8)), blocks)
+    with pytest.raises(TypeError, match="block ids must be ints"):
+        a.share([True])  # was block 1, held once more
+    assert a.refcount(1) == 1
+    b = a.allocate(1)
+    with pytest.raises(TypeError, match="block ids must be ints"):
+        a.register(True, None, [5, 6, 7, 8])
+    with pytest.raises(ValueError, match="block_size"):
+        a.lookup(list(range(8)), 0)  # was a ZeroDivisionError
+    with pytest.raises(ValueError, match="max_blocks"):
+        a.lookup(list(range(8)), BS, max_blocks=1.5)
+    assert a.lookup(list(range(8)), BS, max_blocks=1) == blocks[:1]
+    assert a.refcount(b[0]) == 1 and not a.is_registered(b[0])
+
+
 def test_switching_caching_empties_the_cache():
     a = BlockAllocator(4, enable_caching=True)
     blocks = a.allocate(2)

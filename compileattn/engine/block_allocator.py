@@ -4,6 +4,8 @@ from __future__ import annotations
 import collections
 from typing import Iterable, Sequence
 
+from ..argtypes import as_int, positive_int
+
 #: A block's content key: (content id of the block before it, or None for a sequence's first
 #: block; the block's token ids). Exact: two keys are equal only for equal token prefixes.
 ContentKey = tuple[int | None, tuple[int, ...]]
@@ -30,8 +32,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = False):
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        num_blocks = positive_int(num_blocks, "num_blocks")
         if not isinstance(enable_caching, bool):
             raise TypeError(f"enable_caching must be a bool, got {enable_caching!r}")
         self.num_blocks = num_blocks
@@ -56,14 +57,31 @@ class BlockAllocator:
     def num_cached_free(self) -> int:
         return len(self._cached_free)
 
+    def _block_id(self, block) -> int:
+        """``block`` as a block id of this allocator: an int by the int rule (``argtypes``: numpy's
+        integers are block ids, a bool or a float is none), in ``[0, num_blocks)``, since a
+        negative id would index the reference counts from the end, another block's."""
+        b = block if type(block) is int else as_int(block)
+        if b is None:
+            raise TypeError(f"block ids must be ints, got {block!r}")
+        if not 0 <= b < self.num_blocks:
+            raise ValueError(f"block {b} is not allocated (not a block of this allocator: 0..{self.num_blocks - 1})")
+        return b
+
+    @staticmethod
+    def _count(n) -> int:
+        count = as_int(n)
+        if count is None or count < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        return count
+
     def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free
+        return self._count(n) <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks, each held once: blocks without content first, then the least recently
         freed cached ones, whose keys are dropped (their K/V is about to be overwritten)."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        n = self._count(n)
         if n > self.num_free:
             raise OutOfBlocksError(
                 f"asked for {n} KV-cache blocks but only {self.num_free} of {self.num_blocks} are free; "
@@ -83,10 +101,10 @@ class BlockAllocator:
         """Drop one hold of each block (a sequence's blocks, in order). A block no one holds any
         more becomes free: into the cached pool if it has a key, its sequence's tail before its
         head (an evicted head would leave the rest unreachable), else into the LIFO pool."""
-        blocks = list(blocks)
+        blocks = [self._block_id(b) for b in blocks]
         counts = collections.Counter(blocks)
         for b, c in counts.items():
-            if not (isinstance(b, int) and 0 <= b < self.num_blocks) or self._refs[b] < c:
+            if self._refs[b] < c:
                 raise ValueError(f"block {b} is not allocated (double free, or not from this allocator)")
         released = []
         for b in blocks:
@@ -101,18 +119,23 @@ class BlockAllocator:
                 self._cached_free[b] = None
 
     def refcount(self, block: int) -> int:
-        return self._refs[block]
+        return self._refs[self._block_id(block)]
 
     # -- the prefix cache ----------------------------------------------------------------------
 
     def lookup(self, token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
         """Blocks holding the longest cached prefix of ``token_ids`` in whole blocks (at most
         ``max_blocks``), first block first; [] without caching. Only reads: ``share`` takes them."""
+        block_size = positive_int(block_size, "block_size")
+        if max_blocks is not None:
+            cap = as_int(max_blocks)
+            if cap is None or cap < 0:
+                raise ValueError(f"max_blocks must be None or an int >= 0, got {max_blocks!r}")
         if not self.enable_caching:
             return []
         n = len(token_ids) // block_size
         if max_blocks is not None:
-            n = min(n, max_blocks)
+            n = min(n, cap)
         blocks: list[int] = []
         parent = None
         for i in range(n):
@@ -125,7 +148,7 @@ class BlockAllocator:
 
     def share(self, blocks: Iterable[int]) -> None:
         """Hold cached blocks once more (out of the free pool if no one held them)."""
-        blocks = list(blocks)
+        blocks = [self._block_id(b) for b in blocks]
         for b in blocks:
             if b not in self._key_of:
                 raise ValueError(f"block {b} holds no cached content; only blocks found by lookup can be shared")
@@ -142,8 +165,9 @@ class BlockAllocator:
         returned, so the caller's chain continues through the registered copy."""
         if not self.enable_caching:
             raise ValueError("register needs an allocator made with enable_caching=True")
-        if not isinstance(block, int) or not 0 <= block < self.num_blocks or self._refs[block] == 0:
-            raise ValueError(f"block {block!r} is not allocated")
+        block = self._block_id(block)
+        if self._refs[block] == 0:
+            raise ValueError(f"block {block} is not allocated")
         if block in self._key_of:
             raise ValueError(f"block {block} is already registered")
         key = (parent, tuple(int(t) for t in token_ids))
