@@ -186,6 +186,21 @@ def test_allocator_refuses_bool_block_ids_and_a_bad_block_size():
     assert a.refcount(b[0]) == 1 and not a.is_registered(b[0])
 
 
+def test_lookup_finds_what_register_keyed_whatever_holds_the_token_ids():
+    np = pytest.importorskip("numpy")
+    a = BlockAllocator(4, enable_caching=True)
+    seq = torch.arange(20, 28)
+    blocks = a.allocate(2)
+    cached(a, seq, blocks)  # registered from tensor slices
+    assert a.lookup(seq, BS) == blocks  # a tensor's elements, looked up raw, hashed by identity: []
+    assert a.lookup(seq.tolist(), BS) == blocks
+    assert a.lookup(np.arange(20, 28), BS) == blocks
+    with pytest.raises(TypeError, match="token_ids"):
+        a.register(a.allocate(1)[0], None, [1.5, 2.0, 3.0, 4.0])  # int() made token 1 of 1.5
+    with pytest.raises(TypeError, match="token_ids"):
+        a.lookup([1.5, 2.0, 3.0, 4.0], BS)
+
+
 def test_switching_caching_empties_the_cache():
     a = BlockAllocator(4, enable_caching=True)
     blocks = a.allocate(2)

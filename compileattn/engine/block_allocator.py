@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import operator
 from typing import Iterable, Sequence
 
 from ..argtypes import as_int, positive_int
@@ -9,6 +10,17 @@ from ..argtypes import as_int, positive_int
 #: A block's content key: (content id of the block before it, or None for a sequence's first
 #: block; the block's token ids). Exact: two keys are equal only for equal token prefixes.
 ContentKey = tuple[int | None, tuple[int, ...]]
+
+
+def token_key(token_ids: Sequence[int]) -> tuple[int, ...]:
+    """A block's token ids as the tuple of ints its content key holds, the same for ``register``
+    and ``lookup``: a tensor's elements hash by identity, so a key of them would never be found
+    again, and ``int()`` would truncate a float into another token (``operator.index`` refuses it
+    with a TypeError)."""
+    try:
+        return tuple(map(operator.index, token_ids))
+    except TypeError:
+        raise TypeError(f"token_ids must be ints, got {list(token_ids)!r}") from None
 
 
 class OutOfBlocksError(RuntimeError):
@@ -139,7 +151,7 @@ class BlockAllocator:
         blocks: list[int] = []
         parent = None
         for i in range(n):
-            hit = self._by_key.get((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+            hit = self._by_key.get((parent, token_key(token_ids[i * block_size:(i + 1) * block_size])))
             if hit is None:
                 break
             blocks.append(hit[0])
@@ -170,7 +182,7 @@ class BlockAllocator:
             raise ValueError(f"block {block} is not allocated")
         if block in self._key_of:
             raise ValueError(f"block {block} is already registered")
-        key = (parent, tuple(int(t) for t in token_ids))
+        key = (parent, token_key(token_ids))
         existing = self._by_key.get(key)
         if existing is not None:
             return existing[1]
