@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from numbers import Real
 from typing import Mapping, Sequence
 
 import torch
@@ -252,8 +253,13 @@ class KVCache:
 
 
 def _head_scales(value, name: str, num_kv_heads: int) -> tuple[float, ...]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = [value] * num_kv_heads
+    """One scale per KV head from one for the layer or one per head. One for the layer is any real
+    scalar: a numpy float or a 0-dim tensor (what ``amax / 448`` computes) too, which as a sequence
+    of one value would fit a one-KV-head layer only."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+        value = value.item()
+    if isinstance(value, Real) and not isinstance(value, bool):
+        value = [float(value)] * num_kv_heads
     return _float_tuple(value, name, num_kv_heads, positive=True)
 
 

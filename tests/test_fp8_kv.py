@@ -81,6 +81,23 @@ def test_quantized_cache_needs_the_query_dtype_and_positive_scales():
     assert not plain.quantized and plain.query_dtype == torch.float16 and plain.kv_scales is None
 
 
+def test_a_per_layer_scale_may_be_any_real_scalar():
+    np = pytest.importorskip("numpy")
+    spec = AttentionSpec(4, 2, 64)
+    z = torch.zeros(3, 16, 2, 64, dtype=FP8)
+    amax = torch.tensor([[3.0, -8.96], [1.0, 2.0]])
+    # A 0-dim tensor was read as a sequence of one scale: refused for two KV heads ("has 1 values").
+    cache = KVCache(z, z.clone(), spec, k_scale=amax.abs().max() / FP8_E4M3_MAX, v_scale=np.float32(0.5),
+                    query_dtype=torch.bfloat16)
+    torch.testing.assert_close(cache.scales, torch.tensor([[0.02, 0.02], [0.5, 0.5]]))
+    assert KVCache(z, z.clone(), spec, k_scale=torch.tensor([0.5, 0.25]), query_dtype=torch.bfloat16
+                   ).scales.tolist() == [[0.5, 0.25], [1.0, 1.0]]  # one per head, as before
+    with pytest.raises(ValueError, match="k_scale"):
+        KVCache(z, z.clone(), spec, k_scale=torch.tensor(0.0), query_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="k_scale"):
+        KVCache(z, z.clone(), spec, k_scale=True, query_dtype=torch.bfloat16)
+
+
 def test_allocate_quantized_caches_with_per_layer_scales():
     specs = {"a": AttentionSpec(4, 2, 64), "b": AttentionSpec(4, 1, 64)}
     caches = allocate_kv_caches(specs, 4, 16, torch.bfloat16, kv_cache_dtype=FP8, k_scale={"a": 0.5, "b": 0.25},
