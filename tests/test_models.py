@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from compileattn import SequenceStep
+from compileattn.kv_cache import AttentionSpec
 from compileattn.models.attention import Attention
 from compileattn.engine import Engine
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
@@ -126,6 +127,17 @@ def test_attention_specs_name_the_attention_modules(family):
     assert list(specs) == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     assert set(specs) == set(modules)  # the cache key is the module path
     assert all(modules[n].spec == s for n, s in specs.items())
+
+
+@pytest.mark.parametrize("q, k", [
+    ((2, 3, 128), (2, 3, 64)),  # a RuntimeError from view()
+    ((128,), (64,)),
+    ((2, 128), (2, 1, 64)),     # k was folded into (2, 2, 32) and attended
+])
+def test_attention_layer_refuses_inputs_not_tokens_by_features(q, k):
+    attn = Attention(AttentionSpec(4, 2, 32), "x.attn")
+    with pytest.raises(ValueError, match=r"x\.attn: expected q \(tokens, 128\) and k/v \(tokens, 64\)"):
+        attn(torch.zeros(q), torch.zeros(k), torch.zeros(k))
 
 
 # -- tracing ---------------------------------------------------------------------------------------

@@ -32,9 +32,12 @@ class Attention(nn.Module):
         """q (tokens, heads*head_dim), k/v (tokens, kv_heads*head_dim) -> (tokens, heads*head_dim)."""
         spec = self.spec
         d = spec.head_dim
-        if q.shape[-1] != spec.num_heads * d or k.shape[-1] != spec.num_kv_heads * d or v.shape != k.shape:
+        # 2-D each: view() below would fold another leading dim into the token or head dims.
+        if (q.dim() != 2 or k.dim() != 2 or q.shape[1] != spec.num_heads * d or k.shape[1] != spec.num_kv_heads * d
+                or v.shape != k.shape):
             raise ValueError(
-                f"{self.layer_name}: expected q (*, {spec.num_heads * d}) and k/v (*, {spec.num_kv_heads * d}); "
+                f"{self.layer_name}: expected q (tokens, {spec.num_heads * d}) and k/v (tokens, "
+                f"{spec.num_kv_heads * d}); "
                 f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
             )
         n = q.shape[0]
