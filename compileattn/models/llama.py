@@ -72,7 +72,7 @@ class LlamaConfig:
 
     @classmethod
     def tiny(cls, **overrides) -> "LlamaConfig":
-        """CPU tests: a few hundred thousand parameters, GQA 4:2, head dim 32."""
+        """CPU tests: about 130 thousand parameters (2 layers, hidden 64), GQA 4:2, head dim 32."""
         return dataclasses.replace(cls(), **overrides)
 
     @classmethod
