@@ -189,6 +189,35 @@ def test_a_one_rank_tp_engine_runs_the_step_it_is_given():
     assert [plan.input_ids for plan in tp.steps_run] == [(1, 2)]
 
 
+@dataclasses.dataclass(frozen=True)
+class BroadcastsRecorded(TPGroup):
+    """Rank 0 of a group whose broadcasts are recorded, not sent."""
+
+    sent: list = dataclasses.field(default_factory=list)
+
+    def broadcast_object(self, obj=None, src=0):
+        self.sent.append(obj)
+        return obj
+
+
+def test_stopping_the_workers_again_broadcasts_nothing_until_they_serve_again():
+    """The other ranks leave ``serve()`` at the first stop; a second stop's broadcast had no peer and
+    waited for the group's timeout. A step broadcast means they serve again, so the next stop ends it."""
+    from compileattn import SequenceStep
+    from compileattn.parallel.driver import StepPlan, TPEngine
+
+    tp = BroadcastsRecorded(0, 2, torch.device("cpu"))
+    engine = TPEngine(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), tp=tp, num_blocks=16, max_num_tokens=16,
+                      max_num_seqs=4, block_size=4)
+    engine.stop_workers()
+    engine.stop_workers()
+    assert tp.sent == [None]
+    engine.run_step([SequenceStep(2, 0, [0])], [1, 2], [0, 1])
+    engine.stop_workers()
+    engine.stop_workers()
+    assert [type(m) for m in tp.sent] == [type(None), StepPlan, type(None)]
+
+
 def test_init_tp_refuses_what_it_cannot_serve(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -731,6 +760,45 @@ def test_a_rank_in_barrier_while_another_is_in_generate_raises_on_both(tmp_path)
         assert result["tokens"] == results[0]["tokens"] and len(result["tokens"]) == 3
     assert any("waited" in w and "rank 1" in w for w in results[0]["warnings"]), results[0]["warnings"]
     assert not results[1]["warnings"], results[1]["warnings"]
+
+
+STOP_TWICE_SCRIPT = r'''
+import datetime, json, sys, time
+import compileattn.parallel
+from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
+from compileattn.parallel import init_tp, shard_model
+from compileattn.parallel.driver import TPEngine
+
+tp = init_tp(device="cpu", timeout=datetime.timedelta(seconds=30))
+engine = TPEngine(shard_model(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), tp=tp), tp=tp, num_blocks=16,
+                  max_num_tokens=16, max_num_seqs=4, block_size=4)
+second_stop_s, served = None, []
+for _ in range(2):  # the other ranks serve again for rank 0's second generate
+    if tp.is_driver:
+        engine.generate([[1, 2, 3]], max_new_tokens=2, max_tokens_per_step=16)
+        engine.stop_workers()
+        start = time.perf_counter()
+        engine.stop_workers()  # they are past serve(): nothing to end
+        second_stop_s = time.perf_counter() - start
+    else:
+        served.append(engine.serve())
+tp.barrier()
+json.dump({"second_stop_s": second_stop_s, "served": served},
+          open(f"{sys.argv[1]}.{tp.rank}.json", "w"))
+compileattn.parallel.shutdown_tp()
+'''
+
+
+def test_rank_0_stopping_the_workers_twice_returns_at_once_and_they_serve_again(tmp_path):
+    """A second ``stop_workers`` broadcast to ranks already past ``serve()``: it waited for the
+    group's timeout, then broke the group (the next barrier failed on every rank)."""
+    script = tmp_path / "stop_twice.py"
+    script.write_text(STOP_TWICE_SCRIPT)
+    rc, log = torchrun(2, [str(script), str(tmp_path / "stopped")], tmp_path, timeout=120)
+    assert rc == 0, log[-4000:]
+    results = [json.loads((tmp_path / f"stopped.{rank}.json").read_text()) for rank in (0, 1)]
+    assert results[0]["second_stop_s"] < 5, results
+    assert results[1]["served"] == [2, 2], results  # a prefill and a decode step per generate
 
 
 EXIT_WITHOUT_SHUTDOWN_SCRIPT = r'''

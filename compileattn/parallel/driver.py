@@ -52,6 +52,9 @@ class TPEngine(Engine):
         #: Rank 0 broadcast a step whose forward it has not run yet: the other ranks are inside that
         #: step's collectives, so a failure now cannot end ``generate`` cleanly (``LLM.generate``).
         self.step_unrun = False
+        #: Rank 0: the other ranks are in ``serve()`` (they enter it with the engine built, and again
+        #: at each ``LLM.generate``), so ``stop_workers`` has a broadcast to end.
+        self.workers_serving = True
         super().__init__(model, **kwargs)
         self._runner_prepare = self.runner.prepare
         self.runner.prepare = self._prepare_step
@@ -102,6 +105,7 @@ class TPEngine(Engine):
         plan = StepPlan(tuple(SequenceStep(int(s[0]), int(s[1]), tuple(s[2])) for s in seqs),
                         tuple(int(t) for t in input_ids), tuple(int(p) for p in positions), self.pad_fn(n))
         with self.group_ends_on_error():
+            self.workers_serving = True  # a step is broadcast only to ranks in serve()
             self.tp.broadcast_object(plan)
             self.step_unrun = True
             return self._prepare_plan(plan)
@@ -139,6 +143,12 @@ class TPEngine(Engine):
             count += 1
 
     def stop_workers(self) -> None:
-        """Rank 0: end the other ranks' ``serve()`` (which a shut-down group has ended already)."""
-        if self.tp.is_driver and self.failure is None:
+        """Rank 0: end the other ranks' ``serve()`` (which a shut-down group has ended already).
+
+        Once they have left it, another call returns at once: they are in no collective that
+        would take the broadcast, which would wait for the group's timeout and then break the
+        group. They serve again (``workers_serving``) when rank 0 broadcasts a step or enters
+        ``LLM.generate``."""
+        if self.tp.is_driver and self.failure is None and self.workers_serving:
             self.tp.broadcast_object(None)
+            self.workers_serving = False
