@@ -228,6 +228,18 @@ def test_init_tp_refuses_what_it_cannot_serve(monkeypatch):
         init_tp(device="cpu")
 
 
+def test_init_tp_refuses_a_device_other_than_its_groups(monkeypatch):
+    """Called again, it returned the group it made whatever ``device`` asked for: a caller asking
+    for CUDA got a CPU group (and the reverse)."""
+    made = TPGroup(0, 2, torch.device("cpu"), all_reduce="gloo")
+    monkeypatch.setattr("compileattn.parallel.group._tp", made)
+    assert init_tp(device="cpu") is made and init_tp() is made
+    with pytest.raises(ValueError, match=r"already initialised on cpu, not device='cuda'"):
+        init_tp(device="cuda")
+    with pytest.raises(ValueError, match=r"device must be 'cuda' or 'cpu', got 'gpu'"):
+        init_tp(device="gpu")
+
+
 @pytest.mark.parametrize("world,rank", [(2, 2), (2, -1), (0, 0), (-1, 0), (1, 1)])
 def test_init_tp_refuses_a_rank_outside_the_world(monkeypatch, world, rank):
     """Refused before any rendezvous: a rank past the end waited for the group's timeout to connect to

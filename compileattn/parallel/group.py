@@ -253,13 +253,21 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
     ``all_reduce``: the algorithms of small all-reduces on GPUs (``comm.py``): "auto" (over
     symmetric memory where every rank can, else NCCL), "symmetric-memory" (an error where it
     cannot) or "nccl".
+
+    Called again, it returns the group it made, and refuses an argument that asks for another one
+    (``tp_size``, ``device``, ``all_reduce``): a process joins one group, whose device every
+    collective and captured graph of it runs on.
     """
     if all_reduce not in ALL_REDUCE_CHOICES:
         raise ValueError(f"all_reduce must be one of {ALL_REDUCE_CHOICES}, got {all_reduce!r}")
+    if device is not None and device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     global _tp
     if _tp is not None:
         if tp_size is not None and tp_size != _tp.world_size:
             raise ValueError(f"the TP group is already initialised with {_tp.world_size} ranks, not {tp_size}")
+        if device is not None and device != _tp.device.type:
+            raise ValueError(f"the TP group is already initialised on {_tp.device}, not device={device!r}")
         if all_reduce != "auto" and (all_reduce == "symmetric-memory") != (_tp.all_reduce == "symmetric-memory"):
             raise ValueError(f"the TP group is already initialised with all_reduce={_tp.all_reduce!r}, "
                              f"not {all_reduce!r}")
@@ -275,8 +283,6 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
                          f"(no pipeline or data parallel groups); launch with torchrun --nproc-per-node {tp_size}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     if world == 1:
         _tp = TPGroup(0, 1, get_tp().device if device == "cuda" else torch.device("cpu"))
         return _tp
