@@ -14,7 +14,7 @@ from typing import Any, Iterable, Literal, Sequence
 
 import torch
 
-from .argtypes import positive_int
+from .argtypes import as_int, positive_int
 from .backends.selector import check_backend_name
 
 PieceCompiler = Literal["inductor", "aot_eager", "eager"]
@@ -203,9 +203,16 @@ class CompileConfig:
         if self.compile_workers_start not in ("auto", "first_call", "decoration", "after_dynamic"):
             raise ValueError(f"compile_workers_start must be 'auto', 'first_call', 'decoration' or 'after_dynamic', "
                              f"got {self.compile_workers_start!r}")
-        if self.compile_workers != "auto" and (isinstance(self.compile_workers, bool)
-                                               or not isinstance(self.compile_workers, int) or self.compile_workers < 0):
-            raise ValueError(f"compile_workers must be 'auto' or an int >= 0, got {self.compile_workers!r}")
+        if isinstance(self.compile_workers, str):
+            if self.compile_workers != "auto":
+                raise ValueError(f"compile_workers must be 'auto' or an int >= 0, got {self.compile_workers!r}")
+        else:  # an int as argtypes counts them (numpy's too); a bool or a float is no count of workers
+            workers = as_int(self.compile_workers)
+            if workers is None:
+                raise TypeError(f"compile_workers must be 'auto' or an int >= 0, got {self.compile_workers!r}")
+            if workers < 0:
+                raise ValueError(f"compile_workers must be 'auto' or an int >= 0, got {workers}")
+            self.compile_workers = workers
         misplaced = sorted(set(self.inductor_options) & COMPILE_FX_ARGUMENTS)
         if misplaced:
             raise ValueError(f"inductor_options holds Inductor config settings (torch._inductor.config names), "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,6 +193,11 @@ def test_unknown_attention_backend_in_the_config():
     (dict(compile_sizes=[2.9]), TypeError, r"compile_sizes\[0\] must be an int, got 2.9"),
     (dict(compile_sizes=8), TypeError, "compile_sizes must be a list of positive ints"),
     (dict(max_capture_size=2.5), TypeError, "max_capture_size must be an int"),
+    (dict(compile_workers=2.0), TypeError, "compile_workers must be 'auto' or an int >= 0, got 2.0"),
+    (dict(compile_workers=True), TypeError, "compile_workers must be 'auto' or an int >= 0, got True"),
+    (dict(compile_workers=np.True_), TypeError, "compile_workers must be 'auto' or an int >= 0, got np.True_"),
+    (dict(compile_workers="4"), ValueError, "compile_workers must be 'auto' or an int >= 0, got '4'"),
+    (dict(compile_workers=-1), ValueError, "compile_workers must be 'auto' or an int >= 0, got -1"),
     (dict(disable="false"), TypeError, "disable must be a bool, got 'false'"),
     (dict(background_static_compiles="no"), TypeError, "background_static_compiles must be a bool"),
     (dict(inductor_options={"bogus_knob": 1}), ValueError, r"\['bogus_knob'\] are not torch._inductor.config"),
@@ -208,6 +214,13 @@ def test_config_values_are_refused_by_type_and_name_at_creation(options, error, 
     object a True), or failed only inside the first compile."""
     with pytest.raises(error, match=match):
         ca.CompileConfig(**options)
+
+
+def test_config_takes_numpy_integers_as_ints():
+    """config: numpy's integers (a count read from an array) and 0-dim integer tensors are ints (argtypes.py)."""
+    workers = ca.CompileConfig(compile_workers=np.int64(2)).compile_workers
+    assert workers == 2 and type(workers) is int
+    assert ca.CompileConfig(compile_workers=torch.tensor(0)).compile_workers == 0
 
 
 def test_config_takes_nested_inductor_settings_and_overload_names():
