@@ -81,12 +81,16 @@ def default_capture_sizes(max_size: int) -> list[int]:
     return sizes
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class CompileConfig:
     """Settings of ``torch.compile(model, backend="compileattn", options=...)``.
 
     Pass either a ``CompileConfig`` as ``options={"config": cfg}`` or its fields directly as
     ``options={...}``; unknown keys raise ``TypeError`` so a typo never silently does nothing.
+
+    Frozen, because its values are checked once, when it is made: a value set afterwards would
+    reach the compile unchecked. ``dataclasses.replace(cfg, ...)`` makes a changed copy, checked
+    again; the lists it is given are kept as tuples, and ``inductor_options`` as a dict of its own.
     """
 
     #: "auto" | "flash" | "triton" | "reference": the attention kernels (chosen per layer by backends/selector.py).
@@ -181,23 +185,24 @@ class CompileConfig:
         for f in dataclasses.fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"{f.name} must be a bool, got {getattr(self, f.name)!r}")
-        self.max_capture_size = positive_int(self.max_capture_size, "max_capture_size")
+        object.__setattr__(self, "max_capture_size", positive_int(self.max_capture_size, "max_capture_size"))
         if not isinstance(self.inductor_options, dict) or not all(isinstance(k, str) for k in self.inductor_options):
             raise TypeError(f"inductor_options must be a dict of torch._inductor.config names, got "
                             f"{self.inductor_options!r}")
+        object.__setattr__(self, "inductor_options", dict(self.inductor_options))  # not the caller's dict
         for name in ("cache_dir", "debug_dump_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{name} must be a path (str or os.PathLike) or None, got {value!r}")
-        self.splitting_ops = _op_names("splitting_ops", self.splitting_ops)
+        object.__setattr__(self, "splitting_ops", _op_names("splitting_ops", self.splitting_ops))
         check_backend_name(self.attention_backend)
         if self.piece_compiler not in ("inductor", "aot_eager", "eager"):
             raise ValueError(f"piece_compiler must be inductor, aot_eager or eager, got {self.piece_compiler!r}")
         if self.cudagraph_mode not in ("auto", "none", "piecewise", "full_and_piecewise"):
             raise ValueError(f"cudagraph_mode: unknown mode {self.cudagraph_mode!r}")
         if self.cudagraph_capture_sizes is not None:
-            self.cudagraph_capture_sizes = sorted(set(_positive_ints("cudagraph_capture_sizes",
-                                                                     self.cudagraph_capture_sizes)))
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(_positive_ints(
+                "cudagraph_capture_sizes", self.cudagraph_capture_sizes)))))
             if not self.cudagraph_capture_sizes:
                 raise ValueError("cudagraph_capture_sizes must hold at least one size (None: the default sizes)")
         if self.compile_workers_start not in ("auto", "first_call", "decoration", "after_dynamic"):
@@ -212,7 +217,7 @@ class CompileConfig:
                 raise TypeError(f"compile_workers must be 'auto' or an int >= 0, got {self.compile_workers!r}")
             if workers < 0:
                 raise ValueError(f"compile_workers must be 'auto' or an int >= 0, got {workers}")
-            self.compile_workers = workers
+            object.__setattr__(self, "compile_workers", workers)
         misplaced = sorted(set(self.inductor_options) & COMPILE_FX_ARGUMENTS)
         if misplaced:
             raise ValueError(f"inductor_options holds Inductor config settings (torch._inductor.config names), "
@@ -225,7 +230,8 @@ class CompileConfig:
             if self.compile_sizes != "auto":
                 raise ValueError(f"compile_sizes must be 'auto' or a list of positive ints, got {self.compile_sizes!r}")
         else:
-            self.compile_sizes = tuple(sorted(set(_positive_ints("compile_sizes", self.compile_sizes))))
+            object.__setattr__(self, "compile_sizes", tuple(sorted(set(_positive_ints("compile_sizes",
+                                                                                      self.compile_sizes)))))
 
     @property
     def capture_sizes(self) -> list[int]:

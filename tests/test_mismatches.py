@@ -12,6 +12,7 @@ that reads values must not run per layer on the hot path:
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -214,6 +215,22 @@ def test_config_values_are_refused_by_type_and_name_at_creation(options, error, 
     object a True), or failed only inside the first compile."""
     with pytest.raises(error, match=match):
         ca.CompileConfig(**options)
+
+
+def test_a_config_is_checked_once_so_it_cannot_change_afterwards():
+    """config: a value set after the check reached the compile unchecked (a negative
+    max_capture_size left no capture sizes); a changed copy is checked again, and a list or dict
+    the caller keeps is not the config's."""
+    options, sizes = {"max_autotune": True}, [4, 2]
+    config = ca.CompileConfig(cudagraph_capture_sizes=sizes, inductor_options=options)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_capture_size = -5
+    with pytest.raises(ValueError, match="max_capture_size must be >= 1"):
+        dataclasses.replace(config, max_capture_size=-5)
+    with pytest.raises(ValueError, match="max_capture_size must be >= 1"):
+        ca.CompileConfig.from_options({"config": config, "max_capture_size": -5})
+    options["bogus_knob"], sizes[0] = 1, 0
+    assert config.inductor_options == {"max_autotune": True} and config.capture_sizes == [2, 4]
 
 
 def test_config_takes_numpy_integers_as_ints():
