@@ -196,6 +196,33 @@ def test_which_tensors_a_model_shares_between_layers_is_in_the_key(tmp_path, tie
     assert _run_stack(tmp_path, tied=tied)["path"] == "warm"
 
 
+class _ByLayout(nn.Module):
+    """Takes another path for a weight stored transposed: Dynamo bakes the branch in, as Inductor's
+    code bakes in the strides it was compiled for."""
+
+    def __init__(self, transposed: bool):
+        super().__init__()
+        w = torch.arange(12.0).reshape(3, 4)
+        self.w = nn.Parameter(w.t().contiguous().t() if transposed else w, requires_grad=False)
+
+    def forward(self, x):
+        return x @ self.w.t() * (2 if self.w.is_contiguous() else 3)
+
+
+def test_how_a_models_weights_are_laid_out_is_in_the_key(tmp_path):
+    """A model whose weight is stored transposed (same shape, dtype and device) loaded the compile
+    of one whose weight is not, and returned its answer."""
+    def run(transposed):
+        cls = ca.compile(type("CompiledByLayout", (_ByLayout,), {}), dynamic_arg_dims={"x": 0},
+                         config=_eager_pieces(tmp_path))
+        model = cls(transposed)
+        with torch.no_grad():
+            assert torch.equal(model(torch.ones(5, 4)), _ByLayout(transposed)(torch.ones(5, 4)))
+        return model.forward.compile_stats["path"]
+
+    assert [run(False), run(True), run(True), run(False)] == ["cold", "cold", "warm", "warm"]
+
+
 def test_a_warm_first_call_settles_the_triton_cache_dir_as_a_cold_one_does(tmp_path, monkeypatch):
     """A cold first call on a GPU launches the attention kernels after ``TRITON_CACHE_DIR`` is set
     (Inductor's rule, ``kernel_warmup``): a warm one must set it before its first launch too, or

@@ -88,7 +88,7 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
     if isinstance(value, _PLAIN):
         return repr(value)
     if isinstance(value, torch.Tensor):
-        return f"Tensor({tuple(value.shape)},{value.dtype},{value.device})"
+        return _tensor_text(value)
     kind = type(value)
     name = f"{kind.__module__}.{kind.__qualname__}"
     if depth == 0 or isinstance(value, (torch.nn.Module, type)):
@@ -141,6 +141,21 @@ def _fingerprint(value: Any, depth: int = 4) -> str:
                         f"one's compile)")
 
 
+def _tensor_text(t: torch.Tensor) -> str:
+    """What the traced code assumes of a tensor it reads (its values are read at each call): shape,
+    dtype, device, requires_grad, and the layout of one that is not contiguous, as the argument
+    check keys an argument (``argcheck._TensorSpec.key``). Dynamo specialises a model's tensors'
+    strides (a branch on ``is_contiguous()`` is baked in) and Inductor's code assumes them
+    (``assert_size_stride``; with ``size_asserts`` off it reads the memory in the compiled order):
+    a model whose weights are stored transposed must not load the compile of one whose are not."""
+    if t.layout != torch.strided:
+        layout = f",{t.layout}"
+    else:
+        layout = "" if t.is_contiguous() else f",strides={tuple(t.stride())}"
+    grad = ",requires_grad" if t.requires_grad else ""
+    return f"Tensor({tuple(t.shape)},{t.dtype},{t.device}{layout}{grad})"
+
+
 def _code_digest(code: types.CodeType) -> str:
     """What a function's code does: two lambdas on one line share their name and line, and which
     one a model holds is compared by identity only (the source check sees one file)."""
@@ -179,8 +194,8 @@ def global_hooks_fingerprint() -> Iterable[str]:
 def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
     """The model's structure as text: every submodule's class, its attributes (``_``-named ones
     too: Dynamo reads them alike), its hooks (which functions, not only how many), and the name,
-    shape, dtype and device of every parameter and buffer (values are read at each call, shapes
-    and attributes are baked into the trace). A tensor the model reaches under two names (tied
+    shape, dtype, device and layout of every parameter and buffer (``_tensor_text``: values are
+    read at each call, shapes, layouts and attributes are baked into the trace). A tensor the model reaches under two names (tied
     weights, a submodule shared by two layers) is marked at its second name with its first: Dynamo
     passes it as one graph input, so the compile of a model that shares it would run a model that
     does not with the first name's tensor in both places."""
@@ -203,8 +218,7 @@ def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
                 yield f" {hooks}=[{', '.join(_fingerprint(h) for h in registered.values())}]"
         for kind, tensors in (("p", mod.named_parameters(recurse=False)), ("b", mod.named_buffers(recurse=False))):
             for pname, t in tensors:
-                yield (f" {kind} {pname} {tuple(t.shape)} {t.dtype} {t.device} {t.requires_grad}"
-                       f"{shared(prefix + pname, t)}")
+                yield f" {kind} {pname} {_tensor_text(t)}{shared(prefix + pname, t)}"
 
 
 def closure_fingerprint(fn: Callable) -> Iterable[str]:
