@@ -223,6 +223,46 @@ def test_how_a_models_weights_are_laid_out_is_in_the_key(tmp_path):
     assert [run(False), run(True), run(True), run(False)] == ["cold", "cold", "warm", "warm"]
 
 
+class _Tenfold(torch.Tensor):
+    """A subclass whose ``__torch_function__`` multiplies every product by 10 (Dynamo traces it in)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func in (torch.Tensor.mul, torch.Tensor.__mul__):
+            return super().__torch_function__(torch.Tensor.mul, types, (out, 10))
+        return out
+
+
+class _SubclassWeighted(nn.Module):
+    def __init__(self, subclass: bool):
+        super().__init__()
+        w = torch.arange(4.0)
+        self.w = nn.Parameter(w.as_subclass(_Tenfold) if subclass else w, requires_grad=False)
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_a_weight_of_a_tensor_subclass_is_in_the_key(tmp_path):
+    """A model whose weight is of a tensor subclass (a quantized weight, a ``__torch_function__``
+    override) of the same shape and dtype as another's plain one loaded that one's compile and
+    returned its answer, and the two overwrote each other's file. Inductor pieces: Dynamo traces the
+    override in, and eager pieces would run it once more on the subclass weight."""
+    config = ca.CompileConfig(piece_compiler="inductor", compile_workers=0, compile_sizes=[], cache_dir=str(tmp_path))
+
+    def run(subclass):
+        cls = ca.compile(type("CompiledSubclassWeighted", (_SubclassWeighted,), {}), dynamic_arg_dims={"x": 0},
+                         config=config)
+        model = cls(subclass)
+        with torch.no_grad():
+            assert torch.equal(model(torch.ones(5, 4)), _SubclassWeighted(subclass)(torch.ones(5, 4)))
+        return model.forward.compile_stats["path"]
+
+    assert [run(True), run(False), run(False), run(True)] == ["cold", "cold", "warm", "warm"]
+    assert len(list((tmp_path / "warm_start").iterdir())) == 2
+
+
 def test_a_warm_first_call_settles_the_triton_cache_dir_as_a_cold_one_does(tmp_path, monkeypatch):
     """A cold first call on a GPU launches the attention kernels after ``TRITON_CACHE_DIR`` is set
     (Inductor's rule, ``kernel_warmup``): a warm one must set it before its first launch too, or

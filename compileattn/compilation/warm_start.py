@@ -147,13 +147,18 @@ def _tensor_text(t: torch.Tensor) -> str:
     check keys an argument (``argcheck._TensorSpec.key``). Dynamo specialises a model's tensors'
     strides (a branch on ``is_contiguous()`` is baked in) and Inductor's code assumes them
     (``assert_size_stride``; with ``size_asserts`` off it reads the memory in the compiled order):
-    a model whose weights are stored transposed must not load the compile of one whose are not."""
+    a model whose weights are stored transposed must not load the compile of one whose are not.
+    A subclass is named: Dynamo traces its ``__torch_function__`` into the graph, and a wrapper
+    subclass (a quantized weight) as the tensors it flattens into, so the compile for a plain
+    weight of the same shape and dtype cannot serve it, nor the other way round."""
+    cls = type(t)
+    kind = "Tensor" if cls in (torch.Tensor, torch.nn.Parameter) else f"{cls.__module__}.{cls.__qualname__}"
     if t.layout != torch.strided:
         layout = f",{t.layout}"
     else:
         layout = "" if t.is_contiguous() else f",strides={tuple(t.stride())}"
     grad = ",requires_grad" if t.requires_grad else ""
-    return f"Tensor({tuple(t.shape)},{t.dtype},{t.device}{layout}{grad})"
+    return f"{kind}({tuple(t.shape)},{t.dtype},{t.device}{layout}{grad})"
 
 
 def _code_digest(code: types.CodeType) -> str:
