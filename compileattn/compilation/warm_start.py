@@ -200,10 +200,10 @@ def module_fingerprint(module: torch.nn.Module) -> Iterable[str]:
     """The model's structure as text: every submodule's class, its attributes (``_``-named ones
     too: Dynamo reads them alike), its hooks (which functions, not only how many), and the name,
     shape, dtype, device and layout of every parameter and buffer (``_tensor_text``: values are
-    read at each call, shapes, layouts and attributes are baked into the trace). A tensor the model reaches under two names (tied
-    weights, a submodule shared by two layers) is marked at its second name with its first: Dynamo
-    passes it as one graph input, so the compile of a model that shares it would run a model that
-    does not with the first name's tensor in both places."""
+    read at each call, shapes, layouts and attributes are baked into the trace). A tensor the
+    model reaches under two names (tied weights, a submodule shared by two layers) is marked at
+    its second name with its first: Dynamo passes it as one graph input, so the compile of a model
+    that shares it would run a model that does not with the first name's tensor in both places."""
     first_name: dict[int, str] = {}
 
     def shared(name: str, t: torch.Tensor) -> str:
