@@ -73,6 +73,16 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert set(draws(2000, 1.0, 0.01).tolist()) == {0}  # the most likely token always stays
 
 
+def test_top_p_breaks_ties_by_token_id():
+    """Among equally likely tokens at the top-p cut, the lower token ids stay: an unstable sort
+    kept whichever tied tokens its implementation put first (torch's CPU sort put token 62 first
+    of 100 equal values), so the kept set, and the draws, depended on the device."""
+    n, vocab = 400, 100
+    uniforms = [uniform(sampling_key(5, i), 0) for i in range(n)]
+    drawn = sample(torch.zeros(n, vocab), [1.0] * n, [0.025] * n, uniforms)  # 0, .01, .02 < .025
+    assert set(drawn.tolist()) == {0, 1, 2}
+
+
 def test_a_seed_repeats_its_draws():
     assert torch.equal(draws(64, 1.0, 0.9, seed=3), draws(64, 1.0, 0.9, seed=3))
     assert not torch.equal(draws(64, 1.0, 0.9, seed=3), draws(64, 1.0, 0.9, seed=4))

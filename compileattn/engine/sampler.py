@@ -60,7 +60,9 @@ def sample(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence
     probs = torch.softmax(logits / temp.clamp_min(1e-6).unsqueeze(1), dim=-1)
     if any(p < 1.0 for p in top_ps):
         top_p = torch.tensor(top_ps, dtype=torch.float32).to(device, non_blocking=True)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Stable: tied tokens rank by token id, so the set kept at the cut is the same on every
+        # device (and its first token is greedy's argmax); an unstable sort's tie order is its own.
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
         # Keep a token while the mass ranked above it is below top_p: the smallest set reaching
         # top_p, and always the most likely token. Only rows with top_p < 1 lose a token: a float32
         # sum can round up to 1 before the tail, and a top_p=1 row must draw from every token of
