@@ -19,6 +19,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -71,11 +72,22 @@ def test_each_rank_keeps_the_alibi_slopes_of_its_query_heads():
 @pytest.mark.parametrize("heads,kv,tp,match", [(6, 2, 4, "num_heads"), (12, 6, 4, "num_kv_heads"),
                                                (12, 4, 6, "multiple of num_kv_heads"), (8, 3, 2, "divisible"),
                                                # were a ZeroDivisionError
-                                               (8, 0, 2, "num_kv_heads must be a positive int"),
-                                               (8, 2, 0, "tp must be a positive int")])
+                                               (8, 0, 2, "num_kv_heads must be >= 1"),
+                                               (8, 2, 0, "tp must be >= 1")])
 def test_head_layouts_that_cannot_be_sharded_are_refused(heads, kv, tp, match):
     with pytest.raises(ValueError, match=match):
         HeadShard(heads, kv, 0, tp)
+
+
+def test_head_counts_follow_the_int_rule():
+    """A count read from a config as a numpy integer is a count; a float or a bool is refused
+    with a TypeError naming it, as every other count of the package is (``argtypes``)."""
+    shard = HeadShard(np.int64(8), np.int64(2), np.int64(1), np.int64(2))
+    assert (shard.num_heads, shard.num_kv_heads, shard.rank, shard.tp) == (8, 2, 1, 2)
+    assert type(shard.num_heads) is int and type(shard.rank) is int
+    for args, name in (((8.0, 2, 0, 2), "num_heads"), ((8, True, 0, 2), "num_kv_heads"), ((8, 2, 0.0, 2), "rank")):
+        with pytest.raises(TypeError, match=name):
+            HeadShard(*args)
 
 
 def test_rank_outside_the_group_is_refused():

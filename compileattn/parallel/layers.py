@@ -17,6 +17,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from ..argtypes import as_int, positive_int
 from ..kv_cache import AttentionSpec
 from .comm import all_reduce
 
@@ -31,11 +32,14 @@ class HeadShard:
     tp: int
 
     def __post_init__(self) -> None:
-        h, kv, tp = self.num_heads, self.num_kv_heads, self.tp
+        # The int rule (argtypes): a config's numpy count is a count, a float or a bool none.
         for name in ("num_heads", "num_kv_heads", "tp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, positive_int(getattr(self, name), name))
+        rank = as_int(self.rank)
+        if rank is None:
+            raise TypeError(f"rank must be an int, got {self.rank!r}")
+        object.__setattr__(self, "rank", rank)
+        h, kv, tp = self.num_heads, self.num_kv_heads, self.tp
         if not 0 <= self.rank < tp:
             raise ValueError(f"rank {self.rank} is outside a TP group of {tp}")
         if h % kv:
