@@ -360,7 +360,7 @@ def build_variants(args, st: Setup, notes: dict[str, str]) -> tuple[list[Variant
         else:
             skipped[FA4_ENTRY] = f"this flash-attn-4 has no _flash_attn_fwd with {fa4.fwd_missing}"
         attend = fa4.prepare_attend(flash_md.shape, flash_md.tensors, spec, dtype, kc, vc, flash_builder.buffers)
-        if fa4._templates.get(fa4.kernel_key(spec, dtype, flash_md.shape)) is None:
+        if fa4._templates.get(fa4.kernel_key(spec, dtype, flash_md.shape, kc.device)) is None:
             notes[FA4_PREPARED] = "FA4's direct call is unavailable for this shape (see the logged warning): " \
                                   "the prepared call is FA4's entry"
 

@@ -152,6 +152,69 @@ def test_fa4_refuses_paged_kv_when_its_tile_choice_is_unknown():
     assert backend.unsupported_reason(AttentionSpec(8, 2, 128), torch.bfloat16, torch.device("cuda", 0), 0) is None
 
 
+def _fa4_entry_on_two_gpus(monkeypatch, archs: dict[int, int]):
+    """A stand-in for FA4's ``_flash_attn_fwd`` on a host whose CUDA device ``i`` is SM ``archs[i]``
+    (current device faked, no GPU): like FA4 it compiles per arch into ``compile_cache`` and calls
+    the kernel with the argument tuple of ``ARG_LAYOUTS``. Returns (entry, the current device as a
+    one-item list, kernel calls as (arch, args))."""
+    current, calls = [0], []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: divmod(archs[current[0] if device is None else device], 10))
+
+    def kernel_for(arch):
+        def kernel(*args):
+            calls.append((arch, args))
+        return kernel
+
+    def _flash_attn_fwd(q, k, v, cu_seqlens_q=None, seqused_k=None, max_seqlen_q=None, page_table=None,
+                        softmax_scale=None, causal=False, softcap=0.0, window_size_left=None,
+                        window_size_right=None, num_splits=1, out=None):
+        arch = archs[current[0]]
+        role = {"q": q, "k": k, "v": v, "out": out, "cu_q": cu_seqlens_q, "used_k": seqused_k,
+                "table": page_table, "max_q": max_seqlen_q, "const": softmax_scale, None: None}
+        args = tuple(role[r] for r in flash_fa4.ARG_LAYOUTS[arch // 10])
+        key = (arch, q.dtype, max_seqlen_q)
+        if key not in _flash_attn_fwd.compile_cache:
+            _flash_attn_fwd.compile_cache[key] = kernel_for(arch)
+        _flash_attn_fwd.compile_cache[key](*args)
+
+    _flash_attn_fwd.compile_cache = {}
+    monkeypatch.setattr(flash_fa4, "load", lambda: types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd))
+    return _flash_attn_fwd, current, calls
+
+
+def test_fa4_templates_are_per_arch_and_hold_no_tensors(monkeypatch):
+    """A process driving an SM90 and an SM100 GPU learns a template per arch (each calls its own
+    arch's kernel with its own layout), and the templates keep no tensor: not the learning step's
+    metadata buffers (each step binds its own), nor the learning call's scratch."""
+    from compileattn.backends.base import PersistentBuffers, StepShape, StepTensors
+
+    _, current, calls = _fa4_entry_on_two_gpus(monkeypatch, {0: 90, 1: 100})
+    backend = flash_fa4.FA4Backend("cuda")
+    spec, shape = AttentionSpec(8, 2, 128), StepShape(2, 2, 16, 1, True)
+    cache = torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16)
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+
+    def step():
+        return StepTensors(torch.arange(3, dtype=torch.int32), torch.tensor([5, 9], dtype=torch.int32),
+                           torch.tensor([[0], [2]], dtype=torch.int32), torch.zeros(2, dtype=torch.int64))
+
+    for device, arch in ((0, 90), (1, 100)):
+        current[0] = device
+        tensors = step()
+        attend = backend.prepare_attend(shape, tensors, spec, torch.bfloat16, cache, cache,
+                                        PersistentBuffers(torch.device("cpu")))
+        calls.clear()
+        attend(q, torch.empty_like(q))
+        (called_arch, args), = calls
+        assert called_arch == arch and len(args) == len(flash_fa4.ARG_LAYOUTS[arch // 10])
+        assert args[6] is tensors.query_start_loc and args[9] is tensors.seq_lens and args[10] is tensors.block_table
+    templates = [t for t in backend._templates.values() if t is not None]
+    assert len(templates) == 2
+    assert not [a for t in templates for a in t.tail if isinstance(a, torch.Tensor)]
+
+
 class _Unsupported(AttentionBackend):
     name = "fake-unsupported"
 

@@ -36,8 +36,9 @@ views and each layer's prepared call is ``fn(q, k_cache, v_cache, out, *tail)``.
 (another FA4 version; more than 256 sequences, where FA4 passes per-call scheduler tensors derived
 from ``cu_seqlens_q``) sends that key to the public entry, logged once: slower, never wrong.
 
-What the kernel key must contain (``FA4Backend.kernel_key``): FA4's compile key depends on host values
-of the step only through ``max_seqlen_q`` (SM100 ``q_stage``; the static-persistent scheduler that
+What the kernel key must contain (``FA4Backend.kernel_key``): the GPU's compute capability (FA4
+compiles per arch, and the argument layout is per arch family); and FA4's compile key depends on host
+values of the step only through ``max_seqlen_q`` (SM100 ``q_stage``; the static-persistent scheduler that
 assumes one M block) and ``batch_size > 256`` (the scheduler hint). ``num_splits`` is pinned to 1,
 so ``max_seqlen_k`` only bounds the grid and FA4 takes it from ``page_table.shape[1] * page_size``.
 On SM90 FA4 has no split-KV at all (l.1631 asserts it), which is why its batch-1 decode is slow.
@@ -141,10 +142,14 @@ def match_layout(args: tuple, layout: tuple, expected: dict) -> str | None:
 
 
 class Template(NamedTuple):
-    """A learned kernel: call ``fn(q, k, v, out, *tail)`` with the step's tensors put into ``tail``."""
+    """A learned kernel: call ``fn(q, k, v, out, *tail)`` with the step's tensors put into ``tail``.
+
+    Holds no tensor: ``tail`` has None in the step's slots (``bind`` fills them). Templates are
+    kept by the backend, which every builder in the process shares, so a tensor here would keep
+    the learning builder's persistent buffers alive for the process's lifetime."""
 
     fn: Any
-    tail: tuple  # args[4:], step tensors of the learning call included (replaced per step)
+    tail: tuple  # args[4:] with None in the step's slots
     slots: tuple  # (index into tail, role) for the step's tensors
 
 
@@ -169,7 +174,8 @@ class FA4Backend(AttentionBackend):
         self.fwd = fwd if fwd is not None and not missing and hasattr(fwd, "compile_cache") else None
         self.fwd_missing = missing
         self._arch: dict[int, int] = {}
-        #: kernel key -> Template, or None where the direct call is unavailable (public entry).
+        #: kernel key (``kernel_key``) -> Template, or None where the direct call is unavailable
+        #: (public entry). No tensors (``Template``); one entry per kernel configuration.
         self._templates: dict[tuple, Template | None] = {}
         self._warned: set[str] = set()
 
@@ -240,12 +246,16 @@ class FA4Backend(AttentionBackend):
 
     # -- prepared calls ------------------------------------------------------------------------
 
-    def kernel_key(self, spec, dtype, shape) -> tuple:
-        return (spec, dtype, shape.block_size, shape.max_query_len, shape.num_seqs > BIG_BATCH)
+    def kernel_key(self, spec, dtype, shape, device: torch.device) -> tuple:
+        """What a learned template depends on (module docstring), with the device's compute
+        capability: FA4 compiles per arch, and the argument layout differs between arch families,
+        so a process driving GPUs of two kinds must not call one's kernel on the other."""
+        return (self.arch(torch.device(device)), spec, dtype, shape.block_size, shape.max_query_len,
+                shape.num_seqs > BIG_BATCH)
 
     def prepare_attend(self, shape, tensors, spec, dtype, key_cache, value_cache, buffers, kv_scales=None):
         step = {"cu_q": tensors.query_start_loc, "used_k": tensors.seq_lens, "table": tensors.block_table}
-        key = self.kernel_key(spec, dtype, shape)
+        key = self.kernel_key(spec, dtype, shape, key_cache.device)
         if key not in self._templates:
             self._templates[key] = self._learn(shape, step, spec, dtype, key_cache, value_cache)
         tpl = self._templates[key]
@@ -318,7 +328,10 @@ class FA4Backend(AttentionBackend):
         if why is not None:
             return None, why
         slots = tuple((i - 4, role) for i, role in enumerate(layout) if role in _STEP_ROLES)
-        return Template(fn, tuple(args[4:]), slots), None
+        tail = list(args[4:])
+        for i, _ in slots:
+            tail[i] = None  # the learning call's step tensors: bound per step, never kept
+        return Template(fn, tuple(tail), slots), None
 
     @staticmethod
     def bind(template: Template, step_tensors: dict) -> tuple:
