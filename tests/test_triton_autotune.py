@@ -315,3 +315,26 @@ def test_the_prepared_decode_call_uses_the_choice_and_leaves_its_counters_at_zer
     ReferenceBackend("cpu").varlen_attention(q, k, v, want, cu, cu, lens, table, 1, int(lens.max()), 32 ** -0.5,
                                              True, -1, 0.0)
     torch.testing.assert_close(out, want, atol=2e-4, rtol=2e-4)
+
+
+def test_prepared_decode_launches_are_planned_per_timed_contexts():
+    """Two layers of one spec whose caches differ in block count are timed at different contexts
+    (``timed_contexts`` caps them at what each cache holds), so each gets the choice made for its
+    own contexts, not the launch planned first for the other."""
+    from compileattn import AttentionMetadataBuilder, AttentionSpec, SequenceStep
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32)
+    q, k, v, cu, lens, table = _paged_decode()
+    small_k, small_v = k[:4].clone(), v[:4].clone()  # 4 blocks: 16 keys for each of 3 sequences
+    backend = TritonBackend("cpu")
+    tuner = backend.enable_autotune(timer=lambda fn: (fn(0), 1.0)[1], contexts=(64,))
+    assert tuner.timed_contexts(3, k.shape[0], 16) == (64,) and tuner.timed_contexts(3, 4, 16) == (16,)
+    splits_for = {(64,): 4, (16,): 1}
+    tuner.cached = lambda shape, contexts=None: dataclasses.replace(shape.base, num_splits=splits_for[contexts])
+    builder = AttentionMetadataBuilder(block_size=16, num_blocks=k.shape[0], max_num_tokens=3,
+                                       max_blocks_per_seq=table.shape[1], backend=backend)
+    md = builder.build([SequenceStep(1, int(n) - 1, row) for n, row in zip(lens.tolist(), table.tolist())])
+    buffers = md.selector.buffers
+    for key_cache, value_cache in ((k, v), (small_k, small_v), (k, v)):
+        backend.prepare_attend(md.shape, md.tensors, spec, q.dtype, key_cache, value_cache, buffers)
+    assert sorted(x.splits for key, x in buffers._memo.items() if key[0] == "triton.decode") == [1, 4]

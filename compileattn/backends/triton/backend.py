@@ -120,8 +120,13 @@ class TritonBackend(AttentionBackend):
         if shape.uniform_decode:
             # Kept with the builder's buffers: the launch holds their split-KV scratch, and this
             # backend instance serves every builder in the process (two engines must not share it).
+            # Keyed by everything ``_decode_launch`` plans from, the autotuner's timed contexts
+            # included: they depend on the layer cache's block count, so layers of one spec whose
+            # caches differ in size may be tuned to different launches.
+            contexts = (self.autotuner.timed_contexts(shape.num_seqs, key_cache.shape[0], shape.block_size)
+                        if self.autotuner is not None else None)
             launch = buffers.memo(("triton.decode", spec, dtype, scaled, shape.num_seqs, shape.block_size,
-                                   key_cache.device, self.tuning, self.autotuner),
+                                   key_cache.device, self.tuning, self.autotuner, contexts),
                                   lambda: self._decode_launch(shape.num_seqs, spec.num_heads, spec.num_kv_heads,
                                                               spec.head_dim, shape.block_size, dtype, _softmax(spec),
                                                               key_cache.device, _PersistentScratch(buffers),
