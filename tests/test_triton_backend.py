@@ -176,6 +176,28 @@ def test_split_heuristic_fills_one_wave():
     assert num_splits(4, 8, sms, Tuning(num_splits=5)) == 5
 
 
+def test_sm_count_is_per_device(monkeypatch):
+    """The multiprocessor count split-KV plans with is each device's own, asked by index or as the
+    current device, in whichever order the devices are first asked."""
+    from types import SimpleNamespace
+
+    from compileattn.backends.triton import config
+
+    sms, current = {0: 132, 1: 20}, [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(multi_processor_count=sms[index]))
+    config._cuda_sm_count.cache_clear()
+    try:
+        assert config.sm_count("cuda") == 132
+        current[0] = 1
+        assert config.sm_count("cuda") == 20 and config.sm_count("cuda", None) == 20
+        assert config.sm_count("cuda", 0) == 132 and config.sm_count("cuda", 1) == 20
+        assert config.sm_count("cpu") == config.INTERPRETER_SM_COUNT
+    finally:
+        config._cuda_sm_count.cache_clear()  # no faked count outlives the test
+
+
 def test_configs_are_tensor_core_shaped():
     for group in (1, 3, 8, 16, 64):
         for d in (32, 64, 80, 128, 256):

@@ -142,12 +142,18 @@ def merges_in_kernel(splits: int) -> bool:
     return 1 < splits <= MAX_SPLITS_MERGED_IN_KERNEL
 
 
-@functools.lru_cache(maxsize=None)
 def sm_count(device_type: str, index: int | None = None) -> int:
+    """Multiprocessors of CUDA device ``index`` (None: the current device), the stand-in count
+    off CUDA. Cached per device index, resolved before the lookup: a process driving GPUs of two
+    kinds must plan each one's split-KV for its own SM count, not for the first one asked."""
     if device_type != "cuda":
         return INTERPRETER_SM_COUNT
-    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
-    return props.multi_processor_count
+    return _cuda_sm_count(index if index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def precision(dtype: torch.dtype) -> str:
