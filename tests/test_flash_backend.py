@@ -215,6 +215,81 @@ def test_fa4_templates_are_per_arch_and_hold_no_tensors(monkeypatch):
     assert not [a for t in templates for a in t.tail if isinstance(a, torch.Tensor)]
 
 
+class _RecordingFA2Extension:
+    def __init__(self):
+        self.calls = []
+
+    def varlen_fwd(self, *args):
+        self.calls.append(args)
+        return (args[3],)
+
+
+def _fa2_visible(args: tuple, seq: int, lq: int, lk: int) -> torch.Tensor:
+    """(lq, lk) bool: the keys each query row of sequence ``seq`` sees in FlashAttention-2 given
+    these ``varlen_fwd`` arguments. Its window handling restated from flash-attn 2.6-2.8
+    (``csrc/flash_attn/flash_api.cpp``: ``mha_varlen_fwd``, ``set_params_fprop``; ``src/mask.h``)."""
+    max_q, max_k, causal, left, right, alibi = args[10], args[11], args[15], args[16], args[17], args[9]
+    if max_q == 1 and alibi is None:
+        causal = False
+    if causal:
+        right = 0
+    left = -1 if left >= max_k else left
+    right = -1 if right >= max_k else right
+    is_causal = left < 0 and right == 0
+    if left < 0 and right >= 0:
+        left = max_k
+    if left >= 0 and right < 0:
+        right = max_k
+    local = (left >= 0 or right >= 0) and not is_causal
+    row = torch.arange(lq).unsqueeze(1)
+    col = torch.arange(lk).unsqueeze(0)
+    if is_causal:
+        return col < torch.clamp(row + 1 + lk - lq, max=lk)
+    if local:
+        return ((col < torch.clamp(row + 1 + lk - lq + right, max=lk))
+                & (col >= torch.clamp(row + lk - lq - left, min=0)))
+    return torch.ones(lq, lk, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("causal,window,lens", [
+    # more queries than max_seqlen_k + 1: the first rows sit far left of the last keys
+    (False, 2, [(6, 4), (3, 3)]), (False, 1, [(8, 2)]),
+    (False, 2, [(3, 5), (1, 4)]),
+    (False, 0, [(4, 4)]),
+    (False, -1, [(6, 4), (2, 3)]),
+    (True, 2, [(3, 5), (2, 2)]),
+    (True, -1, [(6, 4), (3, 5)]),
+    (True, 1, [(1, 4), (1, 2)]),  # decode: FlashAttention-2 drops causal for one query
+])
+def test_fa2_window_arguments_mask_what_the_reference_does(monkeypatch, causal, window, lens):
+    """The window FlashAttention-2 derives from the arguments the backend passes hides exactly the
+    keys the reference hides: with a uniform softmax (zero queries) over one-hot values, a
+    reference output entry is positive where its row sees that key."""
+    from compileattn.backends import flash_fa2
+    from compileattn.backends.reference import ReferenceBackend
+
+    ext = _RecordingFA2Extension()
+    monkeypatch.setattr(flash_fa2, "load", lambda: (ext, "2.7.4"))
+    backend = flash_fa2.FA2Backend("cuda")
+    cu_q = torch.tensor([0] + [sum(q for q, _ in lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+    cu_k = torch.tensor([0] + [sum(k for _, k in lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+    d = 8
+    q = torch.zeros(int(cu_q[-1]), 1, d)
+    k = torch.zeros(int(cu_k[-1]), 1, d)
+    v = torch.zeros_like(k)
+    for i, (_, lk) in enumerate(lens):
+        v[int(cu_k[i]) + torch.arange(lk), 0, torch.arange(lk)] = 1.0
+    args = (cu_q, cu_k, None, None, max(q for q, _ in lens), max(k for _, k in lens), 1.0, causal, window, 0.0)
+    backend.varlen_attention(q, k, v, torch.empty_like(q), *args)
+    sent = ext.calls[-1]
+    assert sent[17] == (0 if causal else -1)
+    want = torch.zeros_like(q)
+    ReferenceBackend("cpu").varlen_attention(q, k, v, want, *args)
+    for i, (lq, lk) in enumerate(lens):
+        sees = want[int(cu_q[i]): int(cu_q[i + 1]), 0, :lk] > 0
+        assert torch.equal(_fa2_visible(sent, i, lq, lk), sees), (i, _fa2_visible(sent, i, lq, lk), sees)
+
+
 class _Unsupported(AttentionBackend):
     name = "fake-unsupported"
 

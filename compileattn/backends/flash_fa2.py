@@ -17,6 +17,12 @@ Constraints that shape the backend:
   and each split covers ``max_seqlen_k / num_splits`` keys: passing the true per-step maximum would
   silently drop keys when a graph is replayed with longer sequences, so the bound passed is the
   block table's capacity (``max_blocks_per_seq * block_size``);
+- a sliding window without causal masking is ``(window_left, -1)``, -1 meaning no right limit, but
+  FlashAttention-2 stands in ``max_seqlen_k`` for that -1 once the left limit is set
+  (``set_params_fprop``): query row r of a sequence of ``lq`` queries and ``lk`` keys then sees
+  keys up to ``r + lk - lq + max_seqlen_k`` only, short of its last keys where ``lq > max_seqlen_k +
+  r + 1``. ``fwd`` passes a ``max_seqlen_k`` of at least ``max_seqlen_q`` there, which reaches
+  every key (a larger ``max_seqlen_k`` is only a looser bound);
 - ALiBi is FlashAttention-2's own ``alibi_slopes`` (float32, (num_heads,)): the same bias,
   ``-slope * |query position - key position|`` after scale and softcap;
 - for decode with GQA it swaps query heads into the sequence dimension and, when ``out`` is given,
@@ -94,6 +100,8 @@ class FA2Backend(AttentionBackend):
 
     def fwd(self, q, k, v, out, cu_q, cu_k, used_k, table, max_q, max_k, scale, causal, window_left,
             softcap, alibi_slopes=None) -> None:
+        if window_left >= 0 and not causal:  # the right window's stand-in reaches every key (module docstring)
+            max_k = max(max_k, max_q)
         res = self.ext.varlen_fwd(q, k, v, out, cu_q, cu_k, used_k, None, table, alibi_slopes, max_q, max_k, 0.0,
                                   scale, False, causal, window_left, 0 if causal else -1, softcap, False,
                                   None)[0]
