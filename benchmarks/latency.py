@@ -346,7 +346,7 @@ def _mark_dynamic(*tensors) -> None:
 
 class _HandGraphs:
     """One ``torch.cuda.graph`` of a whole step per token count (compileattn's GraphPool: warm-up
-    call, capture into one pool, replay), the floor a runtime with no CPU work could reach."""
+    call, capture into one pool), the floor a runtime with no CPU work could reach."""
 
     def __init__(self, fn: Callable, name: str):
         import torch

@@ -349,3 +349,44 @@ def test_a_graph_wrappers_first_replay_checks_addresses_shapes_and_scalar_values
     w, x, s = wrapper()
     with pytest.raises(CudaGraphAddressError, match=r"scalar input 1 .* was captured as 2.0 but is now 3.0"):
         w.run(8, (x, torch.tensor(3.0)))
+
+
+class _Counted(torch.nn.Module):
+    """A forward that updates memory it also reads: a step counter buffer, and the hidden state
+    added to in place after the attention (a piece's input, made by the piece before)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("steps", torch.zeros(1))
+
+    def forward(self, ids, pos):
+        self.steps.add_(1)
+        h = self.inner(ids, pos)
+        h.add_(self.steps)
+        return h * self.steps
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_a_capture_runs_the_step_once(simulated_graphs, mode):
+    """A capture's warm-up is the step's one run: its outputs are the warm-up's results. A replay
+    after the capture to fill them ran the step a second time, so a forward that updates memory it
+    reads (a counter buffer, ``h += ...`` in place) answered the capture step, and left the
+    counter, as after two steps."""
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    model, eager = (_Counted(OPTForCausalLM(OPTConfig.tiny(), seed=0)) for _ in range(2))
+    caches = ca.allocate_kv_caches(model.inner.attention_specs(), NUM_BLOCKS, BLOCK, dtype=torch.float32)
+    builder = ca.AttentionMetadataBuilder(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_tokens=MAX_TOKENS,
+                                          max_blocks_per_seq=16)
+    make_inputs = _mark(PersistentInputs(model.inner.config.vocab_size, MAX_TOKENS, mark_dynamic=False))
+    compiled = torch.compile(model, backend="compileattn", fullgraph=True,
+                             options=dict(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, piece_compiler="eager"))
+    decode = [ca.SequenceStep(1, 10 + i, [i]) for i in range(4)]
+    mixed = [ca.SequenceStep(1, 10, [0]), ca.SequenceStep(3, 0, [1])]
+    captures = ca.counters.cudagraph_captures
+    with torch.no_grad():
+        for seqs in (decode, mixed, decode, mixed):
+            assert_matches_eager(eager, compiled, builder, caches, seqs, make_inputs, pad_to=4)
+            assert model.steps.item() == eager.steps.item()
+    assert ca.counters.cudagraph_captures > captures

@@ -88,6 +88,16 @@ class CapturedGraph:
         self.checked = True
 
 
+def _copy_results(outputs: Any, values: Any) -> None:
+    """Write a run's results ``values`` into a graph's static ``outputs`` (the tensors among them,
+    a tensor or a tuple or list of them, as the pieces and the split graph return)."""
+    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    vals = values if isinstance(values, (tuple, list)) else (values,)
+    for o, v in zip(outs, vals):
+        if isinstance(o, torch.Tensor) and not (o.data_ptr() == v.data_ptr() and o.stride() == v.stride()):
+            o.copy_(v)  # (an output that is a view of an argument is the warm-up's, in place)
+
+
 class GraphPool:
     """One memory pool shared by every graph of one compiled model, and the bookkeeping of it."""
 
@@ -105,18 +115,18 @@ class GraphPool:
         self.inference_outputs = False
 
     def capture(self, fn: Callable[..., Any], args: Sequence[Any], name: str, size: int) -> CapturedGraph:
-        """Warm up once (JIT compiles, allocator settles), capture, then replay so this call's
-        outputs are real: a capture records kernels without running them."""
+        """Run the step once (the warm-up: JIT compiles, allocator settles), capture, and give the
+        capture's outputs the warm-up's results (a capture records kernels without running them).
+
+        The warm-up is the step's only run. Replaying the new graph to make its outputs real would
+        run the step a second time, and a step that updates memory it also reads (a counter buffer,
+        ``h += attn_out`` on the previous piece's output, an argument updated in place) would then
+        answer, and leave that memory, as after two steps."""
         start = time.perf_counter()
-        fn(*args)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        # "thread_local": in the default "global" mode an unsafe CUDA call from any other thread
-        # (the NCCL watchdog polling an eager collective's event, under tensor parallelism)
-        # invalidates this capture; Inductor's CUDA-graph trees capture this way for that reason.
-        with torch.cuda.graph(graph, pool=self.handle, capture_error_mode="thread_local"):
-            outputs = fn(*args)
-        graph.replay()
+        values = fn(*args)
+        graph, outputs = self._record(fn, args, values)
+        _copy_results(outputs, values)
+        del values
         self.retired.clear()  # the new graph keeps the pool alive now (``retire``)
         self.inference_outputs |= torch.is_inference_mode_enabled()
         elapsed = time.perf_counter() - start
@@ -126,6 +136,17 @@ class GraphPool:
                     elapsed * 1e3, self.pool_bytes() / 2**20)
         # Unchecked until its first replay: that is when a caller's moved input would bite.
         return CapturedGraph(graph, outputs, _tensor_layout(args), name, size, _scalar_values(args))
+
+    def _record(self, fn: Callable[..., Any], args: Sequence[Any], values: Any) -> tuple[Any, Any]:
+        """(the graph of ``fn`` on ``args``, its static outputs), recorded, not run."""
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        # "thread_local": in the default "global" mode an unsafe CUDA call from any other thread
+        # (the NCCL watchdog polling an eager collective's event, under tensor parallelism)
+        # invalidates this capture; Inductor's CUDA-graph trees capture this way for that reason.
+        with torch.cuda.graph(graph, pool=self.handle, capture_error_mode="thread_local"):
+            outputs = fn(*args)
+        return graph, outputs
 
     def retire(self, graph) -> None:
         """Keep a graph that will never replay again until the next capture into this pool:
@@ -174,11 +195,12 @@ class SimulatedGraph:
                     o.copy_(f)
 
 
-class SimulatedGraphPool:
+class SimulatedGraphPool(GraphPool):
     """A ``GraphPool`` of ``SimulatedGraph``s: the dispatcher's per-step logic (modes, capture and
     replay counts, padding, address checks) runs on the CPU, in CI (``compileattn.testing
-    .simulated_cuda_graphs``). What it cannot show (kernels really captured, memory really
-    shared) is tested on the GPU."""
+    .simulated_cuda_graphs``), and so does ``GraphPool.capture`` itself, whose recording
+    (``_record``) runs nothing, as a real capture. What it cannot show (kernels really captured,
+    memory really shared) is tested on the GPU."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -186,16 +208,27 @@ class SimulatedGraphPool:
         self.retired: list = []
         self.inference_outputs = False  # as GraphPool's
 
-    def retire(self, graph) -> None:
-        self.retired.append(graph)
+    def _record(self, fn: Callable[..., Any], args: Sequence[Any], values: Any) -> tuple[Any, Any]:
+        """A capture runs nothing: its outputs are the tensors the step makes, unwritten. Those of
+        ``values`` (the warm-up's results) laid out alike: one that is a view of an argument is
+        that view, the others views of the same size, strides and offset into new memory, one
+        block per block of the warm-up's (outputs that shared memory still do)."""
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        blocks: dict[int, Any] = {}
 
-    def capture(self, fn: Callable[..., Any], args: Sequence[Any], name: str, size: int) -> CapturedGraph:
-        outputs = fn(*args)
-        self.retired.clear()  # as GraphPool.capture
-        self.inference_outputs |= torch.is_inference_mode_enabled()
-        counters.cudagraph_captures += 1
-        return CapturedGraph(SimulatedGraph(fn, args, outputs), outputs, _tensor_layout(args), name, size,
-                             _scalar_values(args))
+        def unwritten(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor) or v.untyped_storage().data_ptr() in inputs:
+                return v
+            storage = v.untyped_storage()
+            if storage.data_ptr() not in blocks:
+                blocks[storage.data_ptr()] = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                                         device=v.device).untyped_storage()
+            return torch.empty(0, dtype=v.dtype, device=v.device).set_(
+                blocks[storage.data_ptr()], v.storage_offset(), v.shape, v.stride())
+
+        outputs = (type(values)(unwritten(v) for v in values) if type(values) in (tuple, list)
+                   else unwritten(values))
+        return SimulatedGraph(fn, args, outputs), outputs
 
     def pool_bytes(self) -> int:
         return 0
