@@ -32,7 +32,8 @@ The hooks run just before torch stores the new tensor, so a replacement made on 
 while a step runs can be counted before it lands and missed by that step's comparison; replace
 weights between steps, on the thread that runs them. Under tensor parallelism each rank decides
 alone: replace on every rank before the next step, since a rank that captures again runs its
-collectives once more (the warm-up before capture) than a rank that replays, and both would wait.
+collectives eagerly (the warm-up before capture) while a rank that replays launches them from its
+graph, which NCCL does not pair (``parallel/group.py``, 2), and both would wait.
 
 Installed once, at the first compile of a ``@compileattn.compile`` function (whose per-call look at
 its models reads the count too, ``model_tensors.py``) or the first CUDA-graph step of any compiled

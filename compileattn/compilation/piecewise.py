@@ -810,9 +810,10 @@ def split_and_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], c
     if pool is not None and background and (collectives_in_pieces or collectives_at_splits
                                             or _torch_compat.distributed_world_size() > 1):
         # A landing drops and recaptures a size's graphs at a step that differs from rank to rank
-        # (each rank's workers finish when they do), and a capture runs the forward twice (warm-up,
-        # then the replay that makes its outputs real): its collectives would meet the other
-        # ranks' single replay and hang. Ranks capture in lockstep only if nothing lands late.
+        # (each rank's workers finish when they do): a capturing rank runs the step's collectives
+        # eagerly (the warm-up) and records them, while a replaying rank launches them from its
+        # graph, and NCCL takes "captured or not" as a property every rank's operation shares
+        # (``parallel/group.py``, 2). Ranks capture in lockstep only if nothing lands late.
         logger.info("compileattn: static pieces are waited for, not left to land in the background: the graph "
                     "holds collectives (or runs on several ranks), whose CUDA graphs every rank must capture at the "
                     "same step")
