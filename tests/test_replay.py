@@ -618,6 +618,11 @@ def test_cuda_a_replaced_parameter_is_captured_again(replace):
     key = "model.layers.0.fc1.weight"
     state[key] = torch.randn(state[key].shape, device="cuda", dtype=state[key].dtype) * 0.2
     with torch.no_grad():
+        steps(1)
+        # Landed first: a static piece landing between the steps below recaptures its size's
+        # graph, which starts that size's direct replays anew (with 14 test workers on one H100,
+        # S27-1, five steps held no direct replay).
+        assert fn.wait_for_static_pieces(timeout=300)
         direct = ca.counters.full_graph_direct_steps
         steps(5)
         assert ca.counters.full_graph_direct_steps > direct
