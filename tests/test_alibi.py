@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from fake_flash import RecordingFA2Extension
 
 import compileattn
 from compileattn import AttentionSpec, alibi_slopes
@@ -98,22 +99,13 @@ def test_varlen_refuses_bad_slopes(slopes, error, match):
         compileattn.flash_attn_varlen_func(q, k, k, cu, cu, alibi_slopes=slopes, backend="reference")
 
 
-class _RecordingFA2Extension:
-    def __init__(self):
-        self.calls = []
-
-    def varlen_fwd(self, *args):
-        self.calls.append(args)
-        return (args[3],)
-
-
 def test_flash_attention_2_gets_the_slopes(monkeypatch):
     """FlashAttention-2 takes ALiBi itself (``alibi_slopes``, the 10th argument of ``varlen_fwd``):
     the public path passes the caller's tensor, a prepared call a persistent tensor of the spec's
     slopes (a CUDA graph reads it by address)."""
     from compileattn.backends import flash_fa2
 
-    ext = _RecordingFA2Extension()
+    ext = RecordingFA2Extension()
     monkeypatch.setattr(flash_fa2, "load", lambda: (ext, "2.7.4"))
     be = flash_fa2.FA2Backend("cuda")
     q = torch.randn(2, 4, 64)

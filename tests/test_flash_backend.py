@@ -14,6 +14,7 @@ import random
 import types
 
 import fa4_sm90
+from fake_flash import RecordingFA2Extension
 import pytest
 import torch
 from hypothesis import given, settings
@@ -215,15 +216,6 @@ def test_fa4_templates_are_per_arch_and_hold_no_tensors(monkeypatch):
     assert not [a for t in templates for a in t.tail if isinstance(a, torch.Tensor)]
 
 
-class _RecordingFA2Extension:
-    def __init__(self):
-        self.calls = []
-
-    def varlen_fwd(self, *args):
-        self.calls.append(args)
-        return (args[3],)
-
-
 def _fa2_visible(args: tuple, seq: int, lq: int, lk: int) -> torch.Tensor:
     """(lq, lk) bool: the keys each query row of sequence ``seq`` sees in FlashAttention-2 given
     these ``varlen_fwd`` arguments. Its window handling restated from flash-attn 2.6-2.8
@@ -268,7 +260,7 @@ def test_fa2_window_arguments_mask_what_the_reference_does(monkeypatch, causal, 
     from compileattn.backends import flash_fa2
     from compileattn.backends.reference import ReferenceBackend
 
-    ext = _RecordingFA2Extension()
+    ext = RecordingFA2Extension()
     monkeypatch.setattr(flash_fa2, "load", lambda: (ext, "2.7.4"))
     backend = flash_fa2.FA2Backend("cuda")
     cu_q = torch.tensor([0] + [sum(q for q, _ in lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
