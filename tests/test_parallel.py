@@ -830,10 +830,18 @@ import atexit, json, os, sys
 import torch.distributed as dist
 out, rank = sys.argv[1], os.environ["RANK"]
 # Registered before init_tp's own exit handler, so it runs after it (atexit is last in, first out).
-atexit.register(lambda: json.dump(dist.is_initialized(), open(f"{out}.{rank}.json", "w")))
+atexit.register(lambda pid=os.getpid(): os.getpid() == pid and json.dump(dist.is_initialized(),
+                                                                         open(f"{out}.{rank}.json", "w")))
 import compileattn.parallel
 tp = compileattn.parallel.init_tp(device="cpu")
-tp.broadcast_object({"step": 1} if tp.rank == 0 else None)  # the script's last collective, then it ends
+tp.broadcast_object({"step": 1} if tp.rank == 0 else None)
+child = os.fork()
+if child == 0:  # a forked child ending through sys.exit runs the handlers it inherited: not on its parent's group
+    atexit._run_exitfuncs()
+    json.dump(dist.is_initialized(), open(f"{out}.{rank}.child.json", "w"))
+    os._exit(0)
+os.waitpid(child, 0)
+tp.broadcast_object({"step": 2} if tp.rank == 0 else None)  # the group still serves; the last collective
 '''
 
 
@@ -841,12 +849,14 @@ def test_a_script_ending_without_shutdown_has_its_group_destroyed_before_the_int
     """A script that ends with the group alive left it to interpreter finalisation, where a gloo
     worker still releasing its last work took the GIL of the finalising interpreter and aborted the
     rank ("terminate called without an active exception", 1 run in 7 of a two-rank script):
-    ``init_tp`` destroys the group it made at exit."""
+    ``init_tp`` destroys the group it made at exit, in the process that made it only (a forked
+    child's exit leaves its parent's group alone)."""
     script = tmp_path / "exit_without_shutdown.py"
     script.write_text(EXIT_WITHOUT_SHUTDOWN_SCRIPT)
     rc, log = torchrun(2, [str(script), str(tmp_path / "initialised_at_exit")], tmp_path, timeout=90)
     assert rc == 0, log[-4000:]
     assert [json.loads((tmp_path / f"initialised_at_exit.{rank}.json").read_text()) for rank in (0, 1)] == [False, False]
+    assert [json.loads((tmp_path / f"initialised_at_exit.{rank}.child.json").read_text()) for rank in (0, 1)] == [True, True]
 
 
 BUILD_FAILURE_SCRIPT = r'''

@@ -330,7 +330,7 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
         raise
     _tp = tp
     if joined:
-        atexit.register(_shutdown_at_exit)
+        atexit.register(_shutdown_at_exit, os.getpid())
     logger.info("TP group: rank %d of %d on %s (%s, small all-reduces: %s)", rank, world, dev,
                 dist.get_backend(), tp.all_reduce)
     return tp
@@ -381,11 +381,13 @@ def shutdown_tp(timeout_s: float = 30.0) -> bool:
 EXIT_SHUTDOWN_S = 10.0
 
 
-def _shutdown_at_exit() -> None:
+def _shutdown_at_exit(pid: int) -> None:
     """The group ``init_tp`` made, destroyed before the interpreter finalises (a script that ends
     without ``shutdown_tp``). Left to finalisation, a gloo worker thread still releasing its last
     work (the step's broadcast: its tensors' Python objects) takes the GIL of a finalising
     interpreter, which ends that thread by unwinding through a noexcept destructor: the rank
     aborted ("terminate called without an active exception", 1 run in 7 of a two-rank script on a
-    2-core machine) after its work was done."""
-    shutdown_tp(EXIT_SHUTDOWN_S)
+    2-core machine) after its work was done. Only in the process that made the group: a forked
+    child inherits the handler, but the communicators are its parent's."""
+    if os.getpid() == pid:
+        shutdown_tp(EXIT_SHUTDOWN_S)
