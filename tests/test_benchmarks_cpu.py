@@ -847,6 +847,10 @@ def test_coldwarm_report_marks_failures_and_skips():
     assert "- Llama-3-8B shape, cold start ≤ 15 s: not measured — FAILED: differs from eager" in lines
     assert "- Llama-3-8B shape, warm start ≤ 2 s: NOT MET — 2.50 s" in lines
     assert "| **FAILED** | differs from eager" in coldwarm.render({"rows": rows})
+    # a warm phase that found nothing to load (its cold phase failed) compiled: no warm-start figure
+    rows[1]["path"] = "cold"
+    assert ("- Llama-3-8B shape, warm start ≤ 2 s: not measured — the warm phase compiled instead of loading "
+            "(path 'cold'), 2.50 s") in coldwarm.goal_lines(rows)
 
 
 # -- latency: the report module and the roofline --------------------------------------------------------
