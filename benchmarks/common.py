@@ -541,16 +541,22 @@ def short_error(exc: BaseException, limit: int = 300) -> str:
 
 
 def concat_runs(payloads: Sequence[dict[str, Any]], benchmark: str) -> dict[str, Any]:
-    """Several runs of one benchmark as one report: every run's rows, each run's environment,
-    the last run's config. ValueError for another benchmark's result."""
+    """Several runs of one benchmark as one report: every run's rows, each tagged with its run
+    (``row["run"]``, an index into ``runs``, so figures compared are paired within one run), each
+    run's environment, the last run's config. A merged report merges as its runs. ValueError for
+    another benchmark's result."""
     if not payloads:
         raise ValueError("nothing to merge")
     for i, p in enumerate(payloads):
         if p.get("benchmark") != benchmark:
             raise ValueError(f"input {i} is not a {benchmark}.py result (benchmark={p.get('benchmark')!r})")
     merged = dict(payloads[-1])
-    merged["rows"] = [r for p in payloads for r in p["rows"]]
-    merged["runs"] = [p.get("environment") for p in payloads]
+    merged["rows"], merged["runs"] = [], []
+    for p in payloads:
+        runs = p["runs"] if "runs" in p else [p.get("environment")]
+        merged["rows"] += [{**r, "run": len(merged["runs"]) + (r.get("run", 0) if "runs" in p else 0)}
+                           for r in p["rows"]]
+        merged["runs"] += runs
     return merged
 
 

@@ -1176,9 +1176,28 @@ def test_concat_runs_keeps_every_row_and_refuses_another_benchmark():
     a = {"benchmark": "throughput", "environment": {"run": 1}, "config": {"x": 1}, "rows": [{"r": 1}]}
     b = {"benchmark": "throughput", "environment": {"run": 2}, "config": {"x": 2}, "rows": [{"r": 2}, {"r": 3}]}
     merged = common.concat_runs([a, b], "throughput")
-    assert merged["rows"] == [{"r": 1}, {"r": 2}, {"r": 3}] and merged["runs"] == [{"run": 1}, {"run": 2}]
+    assert merged["rows"] == [{"r": 1, "run": 0}, {"r": 2, "run": 1}, {"r": 3, "run": 1}]
+    assert merged["runs"] == [{"run": 1}, {"run": 2}]
+    again = common.concat_runs([merged, a], "throughput")  # a merged report merges as its runs
+    assert [r["run"] for r in again["rows"]] == [0, 1, 1, 2] and len(again["runs"]) == 3
     with pytest.raises(ValueError, match="input 1 is not a throughput.py result"):
         common.concat_runs([a, {"benchmark": "latency", "rows": []}], "throughput")
+
+
+def test_throughput_goal_pairs_its_columns_within_one_run():
+    """A merged report's speed-up divides one run's compileattn by the same run's transformers:
+    the last row of each column could come from two runs (a later run's skipped column also hid
+    an earlier run's measured pair)."""
+    def run(ca, hf):
+        rows = [{"model": "opt", "column": c, "status": "ok" if tps else "skipped", "output_tokens_per_s": tps}
+                for c, tps in (("ca-full", ca), ("hf-cb", hf)) if tps is not False]
+        return {"benchmark": "throughput", "environment": {}, "config": {}, "rows": rows}
+
+    speedup = [ln for ln in tp.goal_lines(common.concat_runs([run(900, 100), run(None, 100)], "throughput"))
+               if "continuous batching" in ln]
+    assert speedup and "9.0×" in speedup[0], speedup
+    crossed = tp.goal_lines(common.concat_runs([run(900, False), run(False, 10)], "throughput"))
+    assert not any("90.0×" in ln for ln in crossed) and any("not measured" in ln for ln in crossed), crossed
 
 
 def test_bench_commit_names_the_tree(monkeypatch):
