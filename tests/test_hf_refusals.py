@@ -119,6 +119,35 @@ def test_pickled_weights_need_allow_pickle_and_nothing_is_downloaded(tmp_path):
         ca.LLM(str(directory / "config.json"), compile_config=None)
 
 
+def test_a_safetensors_index_naming_pickled_shards_needs_allow_pickle(tmp_path):
+    """transformers reads the shards a ``model.safetensors.index.json`` names by their own suffix:
+    ``use_safetensors=True`` picked the index and a ``*.bin`` shard was unpickled without
+    ``allow_pickle``. A sharded safetensors checkpoint is served."""
+    import json
+
+    from safetensors.torch import load_file
+
+    sharded = tmp_path / "sharded"
+    T.AutoModelForCausalLM.from_pretrained(save_family("llama", tmp_path / "whole")).save_pretrained(
+        sharded, max_shard_size="100KB")
+    assert not (sharded / "model.safetensors").exists() and (sharded / "model.safetensors.index.json").is_file()
+    expected = hf_greedy(load_reference(tmp_path / "whole"), prompts()[0], 4)[0]
+    assert ca.LLM(str(sharded), compile_config=None, num_blocks=16).generate(
+        prompts()[0], 4, use_tqdm=False)[0].token_ids == expected
+
+    directory = save_family("llama", tmp_path / "pickled-shards")
+    weights = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    torch.save(weights, directory / "model-00001-of-00001.bin")
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {name: "model-00001-of-00001.bin" for name in weights}}))
+    with pytest.raises(ValueError, match=r"names shards that are not safetensors \(model-00001-of-00001\.bin\).*"
+                                         r"allow_pickle=True"):
+        ca.LLM(str(directory), compile_config=None, num_blocks=16)
+    llm = ca.LLM(str(directory), compile_config=None, num_blocks=16, allow_pickle=True)
+    assert llm.generate(prompts()[0], 4, use_tqdm=False)[0].token_ids == expected
+
+
 @pytest.mark.parametrize("change, refused", [
     ("drop", r"has no weights for model\.layers\.1\.self_attn\.q_proj\.weight"),
     ("add", r"holds weights the model has no place for: model\.layers\.1\.self_attn\.bogus\.weight"),

@@ -6,6 +6,7 @@ when the caller passes ``allow_pickle=True``.
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -34,7 +35,10 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
         # too) and a base model named in its config, none of them checked here.
         raise ValueError(f"{path} holds an adapter (adapter_config.json), which compileattn does not load; merge "
                          f"it into the model (peft's merge_and_unload) and save_pretrained the result")
-    if any((path / name).is_file() for name in _SAFETENSORS_FILES):
+    if (path / "model.safetensors").is_file():
+        return
+    if (path / "model.safetensors.index.json").is_file():
+        _check_shards(path / "model.safetensors.index.json", allow_pickle)
         return
     if any(path.glob("*.bin")):
         if allow_pickle:
@@ -42,6 +46,21 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
         raise ValueError(f"{path} has only pickled weights (*.bin), which can run code when loaded; pass "
                          f"allow_pickle=True if you trust them, or convert them to safetensors")
     raise FileNotFoundError(f"{path} has no weights ({' or '.join(_SAFETENSORS_FILES)})")
+
+
+def _check_shards(index: Path, allow_pickle: bool) -> None:
+    """The shards a safetensors index names are what transformers reads, by their own suffix:
+    ``use_safetensors=True`` only picks the index, and a shard named ``*.bin`` in its
+    ``weight_map`` is unpickled (``torch.load``) like any ``pytorch_model.bin``."""
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # transformers refuses an index it cannot read, with its own reason
+    pickled = [s for s in shards if isinstance(s, str) and not s.endswith(".safetensors")]
+    if pickled and not allow_pickle:
+        raise ValueError(f"{index} names shards that are not safetensors ({', '.join(pickled[:3])}), "
+                         f"which can run code when loaded; pass allow_pickle=True if you trust them, or convert "
+                         f"them to safetensors")
 
 
 def _check_loaded_keys(path: Path, info: dict) -> None:
