@@ -148,6 +148,38 @@ def test_a_safetensors_index_naming_pickled_shards_needs_allow_pickle(tmp_path):
     assert llm.generate(prompts()[0], 4, use_tqdm=False)[0].token_ids == expected
 
 
+def test_weights_a_config_names_are_the_ones_checked(tmp_path):
+    """``transformers_weights`` in config.json is the one file transformers reads, before
+    ``model.safetensors`` and whatever ``use_safetensors`` says; ``adapter_model.bin`` it unpickles.
+    Named there, pickled weights beside a ``model.safetensors`` were loaded without
+    ``allow_pickle``, and safetensors weights under another name were refused as no weights."""
+    import json
+
+    from safetensors.torch import load_file
+
+    def name_weights(directory, filename):
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "transformers_weights": filename}))
+
+    expected = hf_greedy(load_reference(save_family("llama", tmp_path / "reference")), prompts()[0], 4)[0]
+    directory = save_family("llama", tmp_path / "pickled")
+    torch.save(load_file(directory / "model.safetensors"), directory / "adapter_model.bin")
+    save_family("llama", tmp_path / "other", seed=1)  # other weights in model.safetensors: not the ones read
+    (tmp_path / "other" / "model.safetensors").replace(directory / "model.safetensors")
+    name_weights(directory, "adapter_model.bin")
+    with pytest.raises(ValueError, match=r"names pickled weights \(transformers_weights='adapter_model\.bin'\).*"
+                                         r"allow_pickle=True"):
+        ca.LLM(str(directory), compile_config=None, num_blocks=16)
+    llm = ca.LLM(str(directory), compile_config=None, num_blocks=16, allow_pickle=True)
+    assert llm.generate(prompts()[0], 4, use_tqdm=False)[0].token_ids == expected
+
+    renamed = save_family("llama", tmp_path / "renamed")
+    (renamed / "model.safetensors").replace(renamed / "weights.safetensors")
+    name_weights(renamed, "weights.safetensors")
+    llm = ca.LLM(str(renamed), compile_config=None, num_blocks=16)
+    assert llm.generate(prompts()[0], 4, use_tqdm=False)[0].token_ids == expected
+
+
 @pytest.mark.parametrize("change, refused", [
     ("drop", r"has no weights for model\.layers\.1\.self_attn\.q_proj\.weight"),
     ("add", r"holds weights the model has no place for: model\.layers\.1\.self_attn\.bogus\.weight"),

@@ -35,6 +35,15 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
         # too) and a base model named in its config, none of them checked here.
         raise ValueError(f"{path} holds an adapter (adapter_config.json), which compileattn does not load; merge "
                          f"it into the model (peft's merge_and_unload) and save_pretrained the result")
+    explicit = _config_weights(path)
+    if explicit is not None:
+        if explicit.endswith(".safetensors.index.json"):
+            _check_shards(path / explicit, allow_pickle)
+        elif not explicit.endswith(".safetensors") and not allow_pickle:
+            raise ValueError(f"{path}'s config.json names pickled weights (transformers_weights={explicit!r}), which "
+                             f"can run code when loaded; pass allow_pickle=True if you trust them, or convert them "
+                             f"to safetensors")
+        return  # transformers reads that file alone, and names it if it is missing
     if (path / "model.safetensors").is_file():
         return
     if (path / "model.safetensors.index.json").is_file():
@@ -46,6 +55,19 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
         raise ValueError(f"{path} has only pickled weights (*.bin), which can run code when loaded; pass "
                          f"allow_pickle=True if you trust them, or convert them to safetensors")
     raise FileNotFoundError(f"{path} has no weights ({' or '.join(_SAFETENSORS_FILES)})")
+
+
+def _config_weights(path: Path) -> str | None:
+    """``transformers_weights`` in config.json: the one weights file transformers reads from the
+    directory, before and instead of ``model.safetensors``, whatever ``use_safetensors`` says. It
+    takes ``*.safetensors``, ``*.safetensors.index.json`` and ``adapter_model.bin``, which it
+    unpickles (``torch.load``). None where the config names none, or cannot be read here
+    (transformers then refuses it with its own reason)."""
+    try:
+        value = json.loads((path / "config.json").read_text()).get("transformers_weights")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _check_shards(index: Path, allow_pickle: bool) -> None:
