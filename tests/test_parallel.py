@@ -230,6 +230,27 @@ def test_stopping_the_workers_again_broadcasts_nothing_until_they_serve_again():
     assert [type(m) for m in tp.sent] == [type(None), StepPlan, type(None)]
 
 
+@pytest.mark.parametrize("prompts", [[[1] * 99], []], ids=["refused-prompt", "no-prompts"])
+def test_the_stop_after_a_generate_that_ran_no_step_still_ends_serve(prompts):
+    """Rank 0 calls ``generate`` then ``stop_workers`` while the other ranks ``serve()``. A generate
+    that broadcast no step (its prompt refused before the first one, or no prompts) left the
+    engine thinking the others were past ``serve()`` since the previous stop: that stop broadcast
+    nothing, and they waited in ``serve()`` for the group's timeout."""
+    from compileattn.parallel.driver import TPEngine
+
+    tp = BroadcastsRecorded(0, 2, torch.device("cpu"))
+    engine = TPEngine(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), tp=tp, num_blocks=16, max_num_tokens=16,
+                      max_num_seqs=4, block_size=4, max_model_len=32)
+    engine.stop_workers()  # the first round's serve() ended
+    try:
+        engine.generate(prompts, max_new_tokens=2, max_tokens_per_step=16)
+    except ValueError:
+        assert prompts  # the prompt longer than max_model_len
+    finally:
+        engine.stop_workers()
+    assert tp.sent == [None, None]
+
+
 def test_init_tp_refuses_what_it_cannot_serve(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")

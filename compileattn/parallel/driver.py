@@ -53,7 +53,8 @@ class TPEngine(Engine):
         #: step's collectives, so a failure now cannot end ``generate`` cleanly (``LLM.generate``).
         self.step_unrun = False
         #: Rank 0: the other ranks are in ``serve()`` (they enter it with the engine built, and again
-        #: at each ``LLM.generate``), so ``stop_workers`` has a broadcast to end.
+        #: for each ``generate``/``run`` of rank 0, ``LLM.generate``'s too), so ``stop_workers`` has
+        #: a broadcast to end.
         self.workers_serving = True
         super().__init__(model, **kwargs)
         self._runner_prepare = self.runner.prepare
@@ -115,13 +116,26 @@ class TPEngine(Engine):
             self.steps_run.append(plan)
         return self._runner_prepare(plan.seqs, plan.input_ids, plan.positions)
 
+    def generate(self, *args, **kwargs):
+        """``Engine.generate`` on rank 0, which the other ranks' ``serve()`` answers (rank 0 calls
+        ``generate`` then ``stop_workers``): that stop ends their ``serve()`` even where no step
+        was broadcast (a prompt refused before the first step, no prompts)."""
+        self._workers_serve()
+        return super().generate(*args, **kwargs)
+
     def run(self, on_finished=None, max_tokens_per_step: int | None = None) -> None:
         """Step by step, without ``Engine.run``'s overlap: there a step's inputs are completed at
-        launch (tokens still on the device when it was planned), after rank 0 broadcast them."""
+        launch (tokens still on the device when it was planned), after rank 0 broadcast them. On
+        rank 0 the other ranks are in ``serve()`` for it, as for ``generate``."""
+        self._workers_serve()
         while self.scheduler.has_unfinished():
             result = self.step(max_tokens_per_step)
             if result.finished and on_finished is not None:
                 on_finished(result.finished)
+
+    def _workers_serve(self) -> None:
+        if self.tp.is_driver:
+            self.workers_serving = True
 
     def serve(self) -> int:
         """Ranks other than 0: run rank 0's steps until it calls ``stop_workers``; returns the count."""
@@ -148,7 +162,7 @@ class TPEngine(Engine):
         Once they have left it, another call returns at once: they are in no collective that
         would take the broadcast, which would wait for the group's timeout and then break the
         group. They serve again (``workers_serving``) when rank 0 broadcasts a step or enters
-        ``LLM.generate``."""
+        ``generate``, ``run`` or ``LLM.generate``."""
         if self.tp.is_driver and self.failure is None and self.workers_serving:
             self.tp.broadcast_object(None)
             self.workers_serving = False
