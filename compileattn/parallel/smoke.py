@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     step("capture a graph holding an all-reduce (size 8)")
     g8 = pool.capture(piece, (x,), "smoke piece", 8)
-    expect("capture's own replay", g8.outputs, expected_sum + 1)
+    expect("the capture's outputs (its warm-up's results)", g8.outputs, expected_sum + 1)
 
     for r in range(args.rounds):
         step(f"round {r}: replay, eager dist.all_reduce, replay, gloo broadcast, replay")
