@@ -390,3 +390,23 @@ def test_a_capture_runs_the_step_once(simulated_graphs, mode):
             assert_matches_eager(eager, compiled, builder, caches, seqs, make_inputs, pad_to=4)
             assert model.steps.item() == eager.steps.item()
     assert ca.counters.cudagraph_captures > captures
+
+
+def test_a_capture_fills_outputs_nested_in_tuples_lists_and_dicts():
+    """A capture's outputs take the warm-up's results wherever they sit: only a flat tuple or list
+    was filled (a dict's or an inner tuple's tensors kept the capture's unwritten memory), and a
+    simulated replay refreshed none of those either."""
+    from compileattn.compilation.cudagraph import SimulatedGraphPool, _copy_results
+
+    def step(x):
+        return {"double": x * 2, "more": (x + 1, [x.sum()])}
+
+    x = torch.arange(4.0)
+    captured = SimulatedGraphPool(torch.device("cpu")).capture(step, (x,), "nested", 4)
+    torch.testing.assert_close(captured.outputs, step(x))
+    x.add_(10)
+    captured.graph.replay()
+    torch.testing.assert_close(captured.outputs, step(x))
+    outputs = {"a": (torch.zeros(2),), "b": [torch.zeros(3)]}
+    _copy_results(outputs, {"a": (torch.ones(2),), "b": [torch.full((3,), 2.0)]})
+    torch.testing.assert_close(outputs, {"a": (torch.ones(2),), "b": [torch.full((3,), 2.0)]})

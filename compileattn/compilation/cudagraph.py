@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..counters import counters
 
@@ -89,11 +90,10 @@ class CapturedGraph:
 
 
 def _copy_results(outputs: Any, values: Any) -> None:
-    """Write a run's results ``values`` into a graph's static ``outputs`` (the tensors among them,
-    a tensor or a tuple or list of them, as the pieces and the split graph return)."""
-    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-    vals = values if isinstance(values, (tuple, list)) else (values,)
-    for o, v in zip(outs, vals):
+    """Write a run's results ``values`` into a graph's static ``outputs``: the tensors among them,
+    in a tensor or any nesting of tuples, lists and dicts (pytree leaves; the pieces and the split
+    graph return a flat tuple, a step function may return more)."""
+    for o, v in zip(pytree.tree_leaves(outputs), pytree.tree_leaves(values)):
         if isinstance(o, torch.Tensor) and not (o.data_ptr() == v.data_ptr() and o.stride() == v.stride()):
             o.copy_(v)  # (an output that is a view of an argument is the warm-up's, in place)
 
@@ -185,12 +185,10 @@ class SimulatedGraph:
 
     def replay(self) -> None:
         fresh = self.fn(*self.args)
-        outs = self.outputs if isinstance(self.outputs, (tuple, list)) else (self.outputs,)
-        fresh = fresh if isinstance(fresh, (tuple, list)) else (fresh,)
         # A graph writes its outputs whatever the mode; captured under inference mode they are
         # inference tensors, which refuse a copy outside it.
         with torch.inference_mode():
-            for o, f in zip(outs, fresh):
+            for o, f in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(fresh)):
                 if isinstance(o, torch.Tensor):
                     o.copy_(f)
 
@@ -226,8 +224,7 @@ class SimulatedGraphPool(GraphPool):
             return torch.empty(0, dtype=v.dtype, device=v.device).set_(
                 blocks[storage.data_ptr()], v.storage_offset(), v.shape, v.stride())
 
-        outputs = (type(values)(unwritten(v) for v in values) if type(values) in (tuple, list)
-                   else unwritten(values))
+        outputs = pytree.tree_map(unwritten, values)
         return SimulatedGraph(fn, args, outputs), outputs
 
     def pool_bytes(self) -> int:
