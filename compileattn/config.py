@@ -62,6 +62,21 @@ def _op_names(name: str, values: Any) -> tuple[str, ...]:
     return values
 
 
+class _ReadOnlyDict(dict):
+    """``CompileConfig.inductor_options``: a dict (what Inductor's config patches, ``json`` and
+    ``isinstance`` take) whose entries cannot change after the config's check, as its fields
+    cannot (the config is frozen)."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("CompileConfig.inductor_options cannot change after the config is made (it is checked "
+                        "then); make a changed copy: dataclasses.replace(cfg, inductor_options={...})")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):
+        return type(self), (dict(self),)
+
+
 def _is_inductor_setting(name: str) -> bool:
     """``name`` (dotted for nested settings: "triton.cudagraphs") is a setting of
     ``torch._inductor.config`` (imported with compileattn already): one of its registered entries,
@@ -90,7 +105,8 @@ class CompileConfig:
 
     Frozen, because its values are checked once, when it is made: a value set afterwards would
     reach the compile unchecked. ``dataclasses.replace(cfg, ...)`` makes a changed copy, checked
-    again; the lists it is given are kept as tuples, and ``inductor_options`` as a dict of its own.
+    again; the lists it is given are kept as tuples, and ``inductor_options`` as a read-only dict
+    of its own.
     """
 
     #: "auto" | "flash" | "triton" | "reference": the attention kernels (chosen per layer by backends/selector.py).
@@ -189,7 +205,8 @@ class CompileConfig:
         if not isinstance(self.inductor_options, dict) or not all(isinstance(k, str) for k in self.inductor_options):
             raise TypeError(f"inductor_options must be a dict of torch._inductor.config names, got "
                             f"{self.inductor_options!r}")
-        object.__setattr__(self, "inductor_options", dict(self.inductor_options))  # not the caller's dict
+        # Not the caller's dict, and read-only: a setting added afterwards would escape the check.
+        object.__setattr__(self, "inductor_options", _ReadOnlyDict(self.inductor_options))
         for name in ("cache_dir", "debug_dump_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):

@@ -233,6 +233,30 @@ def test_a_config_is_checked_once_so_it_cannot_change_afterwards():
     assert config.inductor_options == {"max_autotune": True} and config.capture_sizes == [2, 4]
 
 
+def test_a_configs_inductor_options_cannot_change_after_the_check():
+    """The config is frozen, but its ``inductor_options`` dict took a setting added afterwards
+    (``cfg.inductor_options["bogus_knob"] = 1``), which reached the compile unchecked. It is
+    read-only now, and still a dict where it is read: the compile-cache key, a copy, a pickle."""
+    import pickle
+
+    config = ca.CompileConfig(inductor_options={"max_autotune": True})
+    changes = (lambda o: o.__setitem__("bogus_knob", 1), lambda o: o.update(bogus_knob=1),
+               lambda o: o.setdefault("bogus_knob", 1), lambda o: o.pop("max_autotune"),
+               lambda o: o.__delitem__("max_autotune"), lambda o: o.clear(), lambda o: o.popitem())
+    for change in changes:
+        with pytest.raises(TypeError, match="cannot change after the config is made"):
+            change(config.inductor_options)
+    with pytest.raises(TypeError, match="cannot change"):
+        config.inductor_options |= {"bogus_knob": 1}
+    assert config.inductor_options == {"max_autotune": True} and isinstance(config.inductor_options, dict)
+    plain = ca.CompileConfig(inductor_options={"max_autotune": True})
+    object.__setattr__(plain, "inductor_options", {"max_autotune": True})
+    assert config.hash() == plain.hash()  # the compile-cache key of a plain dict
+    loaded = pickle.loads(pickle.dumps(config))
+    assert loaded == config and loaded.hash() == config.hash()
+    assert dataclasses.replace(config, max_capture_size=8).inductor_options == {"max_autotune": True}
+
+
 def test_config_takes_numpy_integers_as_ints():
     """config: numpy's integers (a count read from an array) and 0-dim integer tensors are ints (argtypes.py)."""
     workers = ca.CompileConfig(compile_workers=np.int64(2)).compile_workers
