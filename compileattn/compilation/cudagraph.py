@@ -93,9 +93,10 @@ def _copy_results(outputs: Any, values: Any) -> None:
     """Write a run's results ``values`` into a graph's static ``outputs``: the tensors among them,
     in a tensor or any nesting of tuples, lists and dicts (pytree leaves; the pieces and the split
     graph return a flat tuple, a step function may return more)."""
-    for o, v in zip(pytree.tree_leaves(outputs), pytree.tree_leaves(values)):
-        if isinstance(o, torch.Tensor) and not (o.data_ptr() == v.data_ptr() and o.stride() == v.stride()):
-            o.copy_(v)  # (an output that is a view of an argument is the warm-up's, in place)
+    with torch.no_grad():  # a copy under grad mode would hang the warm-up's autograd graph on the outputs
+        for o, v in zip(pytree.tree_leaves(outputs), pytree.tree_leaves(values)):
+            if isinstance(o, torch.Tensor) and not (o.data_ptr() == v.data_ptr() and o.stride() == v.stride()):
+                o.copy_(v)  # (an output that is a view of an argument is the warm-up's, in place)
 
 
 class GraphPool:
