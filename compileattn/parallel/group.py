@@ -256,7 +256,9 @@ def init_tp(tp_size: int | None = None, *, device: str | None = None, all_reduce
 
     Called again, it returns the group it made, and refuses an argument that asks for another one
     (``tp_size``, ``device``, ``all_reduce``): a process joins one group, whose device every
-    collective and captured graph of it runs on.
+    collective and captured graph of it runs on. A group this call made is destroyed at exit if
+    ``shutdown_tp`` has not run by then (``_shutdown_at_exit``), before the ``atexit`` handlers
+    registered ahead of this call: those must not use it.
     """
     if all_reduce not in ALL_REDUCE_CHOICES:
         raise ValueError(f"all_reduce must be one of {ALL_REDUCE_CHOICES}, got {all_reduce!r}")
