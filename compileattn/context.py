@@ -71,8 +71,6 @@ def missing_layer_error(layer_name: str) -> ValueError:
 
 def _check_caches(metadata: AttentionMetadata, kv_caches: Mapping[str, KVCache]) -> None:
     """Once per (builder, caches) pair: the caches fit the geometry the metadata was built for."""
-    if not isinstance(kv_caches, Mapping):
-        raise TypeError(f"kv_caches must be a mapping of layer name -> KVCache, got {type(kv_caches).__name__}")
     for name, cache in kv_caches.items():
         if not isinstance(cache, KVCache):
             raise TypeError(f"kv_caches[{name!r}] must be a compileattn.KVCache, got {type(cache).__name__}")
@@ -96,6 +94,8 @@ def set_forward_context(metadata: AttentionMetadata, kv_caches: Mapping[str, KVC
     if not metadata.current:
         raise ValueError("metadata: a later build() of the same AttentionMetadataBuilder has overwritten the "
                          "persistent buffers this step's tensors view; build each step right before it runs")
+    if not isinstance(kv_caches, Mapping):  # before ``caches_key``, which iterates it and calls .values()
+        raise TypeError(f"kv_caches must be a mapping of layer name -> KVCache, got {type(kv_caches).__name__}")
     selector = metadata.selector
     key = caches_key(kv_caches)
     if key != selector.checked_caches:  # KVCache compares by identity: a tuple compare of pointers

@@ -261,6 +261,19 @@ def test_forward_context_type_checks():
             pass
 
 
+@pytest.mark.parametrize("kv_caches", [None, "l0", ("l0",), "list", "cache"])
+def test_forward_context_refuses_kv_caches_that_are_not_a_mapping(kv_caches):
+    """A list of caches, a bare KVCache, a tuple of names: a TypeError naming ``kv_caches``, not
+    the AttributeError or "not iterable" of looking its entries up."""
+    cache = _caches()["l0"]
+    kv_caches = {"list": [cache], "cache": cache}.get(kv_caches, kv_caches)
+    b = builder()
+    with pytest.raises(TypeError, match="^kv_caches must be a mapping of layer name -> KVCache"):
+        with set_forward_context(b.build(SEQS), kv_caches):
+            pass
+    assert b.buffers.in_use == 0
+
+
 def test_public_names():
     assert compileattn.AttentionMetadata is AttentionMetadata
     assert isinstance(builder().build(SEQS), AttentionMetadata)
