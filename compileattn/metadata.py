@@ -144,12 +144,20 @@ class AttentionMetadataBuilder:
             raise RuntimeError("build() inside set_forward_context of a step this builder built: it would overwrite "
                                "the persistent buffers that step's layers read (its slots, lengths and block "
                                "tables); build the next step after the context exits")
-        if len(seqs) == 0:
+        try:
+            num_seqs_given = len(seqs)
+        except TypeError:
+            raise TypeError(f"seqs must be a sequence of SequenceStep, got {type(seqs).__name__}") from None
+        if num_seqs_given == 0:
             raise ValueError("seqs: a step needs at least one sequence")
         bs = self.block_size
         query_lens, seq_lens, table_lens, entries = [], [], [], []
         for i, seq in enumerate(seqs):
-            q, ctx, table = seq
+            try:
+                q, ctx, table = seq
+            except (TypeError, ValueError):  # not three items: name the entry, not Python's unpacking
+                raise TypeError(f"seqs[{i}] must be a SequenceStep(query_len, context_len, block_table), got "
+                                f"{_shown(seq)}") from None
             if type(q) is not int:
                 q = _index(q, f"seqs[{i}].query_len")
             if q < 1:
@@ -158,7 +166,12 @@ class AttentionMetadataBuilder:
                 ctx = _index(ctx, f"seqs[{i}].context_len")
             if ctx < 0:
                 raise ValueError(f"seqs[{i}].context_len must be an int >= 0, got {ctx!r}")
-            table = table if isinstance(table, list) else list(table)
+            if not isinstance(table, list):
+                try:
+                    table = list(table)
+                except TypeError:  # None, an int, a 0-dim tensor: no entries to read
+                    raise TypeError(f"seqs[{i}].block_table must be a sequence of block ids, got "
+                                    f"{_shown(table)}") from None
             needed = -(-(ctx + q) // bs)
             if needed > len(table):
                 raise ValueError(

@@ -509,6 +509,23 @@ def test_builder_refuses_lengths_and_block_ids_that_are_not_ints(seqs, match):
         builder().build(seqs)
 
 
+@pytest.mark.parametrize("seqs,match", [
+    (None, r"^seqs must be a sequence of SequenceStep, got NoneType"),
+    ((SequenceStep(1, 0, [i]) for i in range(2)), r"^seqs must be a sequence of SequenceStep, got generator"),
+    ([(1, 0)], r"^seqs\[0\] must be a SequenceStep\(query_len, context_len, block_table\), got tuple \(1, 0\)"),
+    ([SequenceStep(1, 0, [0]), 3], r"^seqs\[1\] must be a SequenceStep"),
+    ([SequenceStep(1, 0, None)], r"^seqs\[0\]\.block_table must be a sequence of block ids, got NoneType None"),
+    ([SequenceStep(1, 0, [0]), SequenceStep(1, 0, 5)], r"^seqs\[1\]\.block_table must be a sequence of block ids"),
+    ([SequenceStep(1, 0, torch.tensor(2))], r"^seqs\[0\]\.block_table must be a sequence of block ids, got "
+                                           r"tensor\(2\)"),
+])
+def test_builder_names_a_step_or_block_table_of_the_wrong_shape(seqs, match):
+    """Not a list of (query_len, context_len, block_table) triples, or a block table that is not a
+    sequence: a TypeError naming it, not Python's unpacking or iteration error."""
+    with pytest.raises(TypeError, match=match):
+        builder().build(seqs)
+
+
 def test_builder_names_a_block_id_past_int64():
     with pytest.raises(ValueError, match=r"seqs\[1\]\.block_table entry 1180591620717411303424 out of range"):
         builder().build([SequenceStep(1, 0, [True]), SequenceStep(1, 0, [2 ** 70])])
