@@ -14,7 +14,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .argtypes import as_int, positive_int
+from .argtypes import as_int, is_bool, positive_int
 from .backends.base import AttentionBackend, PersistentBuffers, StepShape, StepTensors
 from .backends.selector import KernelSelector
 from .validation import context_write_clash
@@ -144,6 +144,8 @@ class AttentionMetadataBuilder:
             raise RuntimeError("build() inside set_forward_context of a step this builder built: it would overwrite "
                                "the persistent buffers that step's layers read (its slots, lengths and block "
                                "tables); build the next step after the context exits")
+        if not is_bool(dummy_writes):  # it lifts a refusal: bool("no") is True
+            raise TypeError(f"dummy_writes must be a bool, got {dummy_writes!r}")
         try:
             num_seqs_given = len(seqs)
         except TypeError:

@@ -526,6 +526,16 @@ def test_builder_names_a_step_or_block_table_of_the_wrong_shape(seqs, match):
         builder().build(seqs)
 
 
+@pytest.mark.parametrize("dummy_writes", ["no", 1, None])
+def test_builder_dummy_writes_must_be_a_bool(dummy_writes):
+    """It lifts the refusal of writes where the step reads context: a truthy non-bool ("no")
+    would lift it silently."""
+    seqs = [SequenceStep(2, 4, [2, 2])]  # refused unless dummy_writes=True
+    with pytest.raises(TypeError, match=r"^dummy_writes must be a bool"):
+        builder().build(seqs, dummy_writes=dummy_writes)
+    builder().build(seqs, dummy_writes=True)
+
+
 def test_builder_names_a_block_id_past_int64():
     with pytest.raises(ValueError, match=r"seqs\[1\]\.block_table entry 1180591620717411303424 out of range"):
         builder().build([SequenceStep(1, 0, [True]), SequenceStep(1, 0, [2 ** 70])])
