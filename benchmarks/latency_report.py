@@ -76,35 +76,70 @@ def select(rows: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
     return chosen
 
 
-def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple) -> dict[str, float | None]:
-    def p50(col):
-        r = chosen.get((*cell, col))
-        return r["p50_us"] if r and r["status"] == "ok" else None
+#: Each ratio of a table row: (numerator column, the columns whose fastest is the denominator).
+RATIOS = {"piecewise_vs_best_graph": ("ca-piecewise", FULL_GRAPHS),
+          "full_vs_best_graph": ("ca-full", FULL_GRAPHS),
+          "piecewise_vs_reduce_overhead": ("ca-piecewise", ("reduce-overhead",))}
 
-    graphs = [v for v in (p50(c) for c in FULL_GRAPHS) if v is not None]
-    best = min(graphs) if graphs else None
-    pw, full, ro = p50("ca-piecewise"), p50("ca-full"), p50("reduce-overhead")
-    return {"best_graph_us": best,
-            "piecewise_vs_best_graph": pw / best if pw and best else None,
-            "full_vs_best_graph": full / best if full and best else None,
-            "piecewise_vs_reduce_overhead": pw / ro if pw and ro else None}
+
+def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple,
+           rows: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The cell's ratios (``RATIOS``), each dividing two p50s of one run: GPU clocks and host load
+    differ between runs by more than the goals' margins. Per ratio: the run of the shown numerator
+    row when that run measured the denominator too, else the earliest run that measured both.
+    Where no run measured both, the shown rows' ratio, its key listed in ``cross_run`` (the table
+    marks it ``*``; a goal does not count it). ``rows``: every row of the report (default: the
+    shown ones, ``chosen``)."""
+    by_run: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in (chosen.values() if rows is None else rows):
+        if row_key(r) == cell and r["status"] == "ok":
+            by_run.setdefault(r.get("run", 0), {}).setdefault(r["column"], r)
+    shown = {c: r for c in COLUMNS if (r := chosen.get((*cell, c))) and r["status"] == "ok"}
+
+    def fastest(cols, names):
+        vals = [cols[c]["p50_us"] for c in names if c in cols]
+        return min(vals) if vals else None
+
+    out: dict[str, Any] = {"best_graph_us": fastest(shown, FULL_GRAPHS), "cross_run": []}
+    for key, (num, dens) in RATIOS.items():
+        paired = [run for run, cols in sorted(by_run.items()) if num in cols and fastest(cols, dens)]
+        own = shown[num].get("run", 0) if num in shown else None
+        if paired:
+            cols = by_run[own if own in paired else paired[0]]
+            out[key] = cols[num]["p50_us"] / fastest(cols, dens)
+        elif num in shown and fastest(shown, dens):
+            out[key] = shown[num]["p50_us"] / fastest(shown, dens)
+            out["cross_run"].append(key)
+        else:
+            out[key] = None
+    return out
+
+
+def ratio_text(rt: dict[str, Any], key: str) -> str:
+    """A ratio for the table, ``*`` after one whose two p50s come from different runs."""
+    return common.fmt_num(rt[key], 2) + ("*" if key in rt["cross_run"] else "")
 
 
 def goal_records(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """Every goal this run measured (``common.goal`` records): per model, piecewise and full-decode
     against the best full graph over the decode cells, issue 5's piecewise against reduce-overhead
-    where that column ran, and the cold/warm starts of the run's subprocesses."""
+    where that column ran, and the cold/warm starts of the run's subprocesses. A cell whose ratio
+    only exists across runs (``ratios``' ``cross_run``) is a cell not measured."""
     chosen = select(payload["rows"])
     cells = sorted({k[:5] for k in chosen if k[1] == "decode"})
     records = []
 
     def check(model, key, limit, what, required=True):
         model_cells = [c for c in cells if c[0] == model]
-        vals = [(c, ratios(chosen, c)[key]) for c in model_cells]
-        vals = [(c, v) for c, v in vals if v is not None]
+        rts = [(c, ratios(chosen, c, payload["rows"])) for c in model_cells]
+        crossed = sum(rt[key] is not None and key in rt["cross_run"] for _, rt in rts)
+        vals = [(c, rt[key]) for c, rt in rts if rt[key] is not None and key not in rt["cross_run"]]
+        across = f"; {crossed} of them only across runs" if crossed else ""
         if not vals:
-            if required:
-                records.append(common.goal(what, None, "missing columns", model=model))
+            if required or crossed:
+                why = (f"no decode cell measured both columns in one run ({crossed} only across runs)" if crossed
+                       else "missing columns")
+                records.append(common.goal(what, None, why, model=model))
             return
         bad = [(c, v) for c, v in vals if v > limit]
         worst = max(vals, key=lambda cv: cv[1])
@@ -114,7 +149,7 @@ def goal_records(payload: dict[str, Any]) -> list[dict[str, Any]]:
         met = False if bad else (True if not unmeasured else None)
         records.append(common.goal(
             what, met, f"{len(vals) - len(bad)}/{len(vals)} decode cells ({min(v for _, v in vals):.3f}–{worst[1]:.3f}×); worst at batch "
-            f"{worst[0][2]}, context {worst[0][3]}" + (f"; {unmeasured} decode cell(s) not measured" if unmeasured else ""),
+            f"{worst[0][2]}, context {worst[0][3]}" + (f"; {unmeasured} decode cell(s) not measured{across}" if unmeasured else ""),
             model=model, cells=len(vals), cells_met=len(vals) - len(bad), cells_unmeasured=unmeasured,
             worst=worst[1], range=[min(v for _, v in vals), worst[1]]))
 
@@ -157,11 +192,19 @@ def floor_us(payload: dict[str, Any], r: dict[str, Any]) -> float | None:
     return step_bytes(counts, r["kind"], r["batch"], r["context"], r["prefill"]) / (bandwidth * 1e9) * 1e6
 
 
-def cell_floor_us(payload: dict[str, Any], chosen: dict[tuple, dict[str, Any]], cell: tuple) -> float | None:
-    """One floor per table row: the lowest of its rows' floors (the highest bandwidth measured),
-    so every column of the row is divided by the same, strictest, number."""
-    floors = [f for f in (floor_us(payload, r) for k, r in chosen.items() if k[:5] == cell) if f is not None]
-    return min(floors) if floors else None
+def cell_floors_us(payload: dict[str, Any], chosen: dict[tuple, dict[str, Any]], cell: tuple) -> list[float]:
+    """The distinct floors of a table row's shown rows, lowest first: one where its columns come
+    from one run (or runs of one bandwidth), more where they come from runs whose measured
+    bandwidths differ (each column is divided by its own run's floor, never another run's)."""
+    return sorted({f for f in (floor_us(payload, r) for k, r in chosen.items() if k[:5] == cell) if f is not None})
+
+
+def floor_text(floors: Sequence[float]) -> str:
+    """'floor µs' of a table row: its one floor, 'lo–hi' where its columns' runs differ, else n/a."""
+    if not floors:
+        return "n/a"
+    lo, hi = common.fmt_num(floors[0], 0), common.fmt_num(floors[-1], 0)
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def cell_text(r: dict[str, Any] | None, floor: float | None = None) -> str:
@@ -244,9 +287,11 @@ def render_markdown(payload: dict[str, Any], baseline: dict[str, Any] | None = N
     out.append(f"Steps per cell: {cfg.get('steps')} timed after {cfg.get('warmup')} warm-up; every column's output "
                f"checked against eager first (norm-relative tolerance {_tolerance_text(cfg.get('tolerance'))}). Decode steps: each "
                f"sequence has `context` tokens cached; the mixed step adds one prefill chunk. Token counts are padded "
-               f"to a capture size. Ratios use p50; 'best graph' = the faster hand-captured full graph. "
-               f"'floor µs' is the roofline: the step's bytes (weights + K/V read) ÷ the copy bandwidth measured in "
-               f"the run; (N×) after a cell is its p50 ÷ floor (n/a: the run did not record them).")
+               f"to a capture size. Ratios use p50s of one run; 'best graph' = the faster hand-captured full graph; "
+               f"* after a ratio: no run measured both of its columns, so it divides two runs' figures (not counted "
+               f"in the goals). 'floor µs' is the roofline: the step's bytes (weights + K/V read) ÷ the copy "
+               f"bandwidth measured in the run (lo–hi where the row's columns come from runs of different "
+               f"bandwidth); (N×) after a cell is its p50 ÷ its own run's floor (n/a: the run did not record them).")
     out.append("")
     columns = [c for c in COLUMNS if any(k[5] == c for k in chosen)]
     present = {k[0] for k in chosen} | {x["model"] for x in payload.get("stats", []) + payload.get("probes", [])}
@@ -262,14 +307,13 @@ def render_markdown(payload: dict[str, Any], baseline: dict[str, Any] | None = N
         table = []
         for cell in cells:
             any_row = next(chosen[(*cell, c)] for c in COLUMNS if (*cell, c) in chosen)
-            rt = ratios(chosen, cell)
-            floor = cell_floor_us(payload, chosen, cell)
+            rt = ratios(chosen, cell, payload["rows"])
             step = "decode" if cell[1] == "decode" else f"mixed (+{cell[4]} prefill)"
             table.append([step, cell[2], cell[3], f"{any_row['tokens']}→{any_row['padded_tokens']}",
-                          common.fmt_num(floor, 0) if floor else "n/a"]
-                         + [cell_text(chosen.get((*cell, c)), floor) for c in columns]
-                         + [common.fmt_num(rt["piecewise_vs_best_graph"], 2), common.fmt_num(rt["full_vs_best_graph"], 2),
-                            common.fmt_num(rt["piecewise_vs_reduce_overhead"], 2)])
+                          floor_text(cell_floors_us(payload, chosen, cell))]
+                         + [cell_text(r, floor_us(payload, r)) if (r := chosen.get((*cell, c))) else cell_text(None)
+                            for c in columns]
+                         + [ratio_text(rt, k) for k in RATIOS])
         if table:
             out.append(common.markdown_table(headers, table))
             out.append("")
@@ -342,8 +386,7 @@ def plot(payload: dict[str, Any]):
                         lo.append(0)
                         hi.append(r["p99_us"] - r["p50_us"])
                 ax.bar(xs, ys, width, yerr=[lo, hi], label=col, capsize=2)
-            floors = [(i, cell_floor_us(payload, chosen, cell)) for i, cell in enumerate(cells)]
-            floors = [(i, f) for i, f in floors if f]
+            floors = [(i, f) for i, cell in enumerate(cells) for f in cell_floors_us(payload, chosen, cell)]
             if floors:
                 ax.scatter([i for i, _ in floors], [f for _, f in floors], marker="_", s=600, color="k", zorder=3,
                            label="floor (bytes ÷ copy bandwidth)")

@@ -725,6 +725,45 @@ def test_latency_goal_is_not_met_where_a_decode_cell_has_no_ratio():
     assert {g["goal"]: g for g in rep.goal_records(payload)}[pw["goal"]]["met"] is True
 
 
+def test_latency_ratios_goals_and_floors_pair_within_one_run():
+    """A merged report's ratio divides two p50s of one run (clocks and host load differ between
+    runs): each column's shown row can come from another run. A ratio no run measured both sides
+    of is marked * and counts toward no goal; each cell's (N×) divides by its own run's floor."""
+    counts = {"weight_bytes": 170_000_000, "kv_bytes_per_token": 36_864, "layers": 12}
+    runs = [{"label": "a", "copy_bandwidth": {"GBps": 4000.0}, "models": {"opt": counts}},
+            {"label": "b", "copy_bandwidth": {"GBps": 2000.0}, "models": {"opt": counts}}]
+    rows = [_lat_row(0, "opt", "graph-eager", 1, 500), _lat_row(0, "opt", "ca-piecewise", 1, 520),
+            _lat_row(0, "opt", "ca-full", 1, None, status="FAILED"),
+            _lat_row(1, "opt", "graph-eager", 1, 400), _lat_row(1, "opt", "graph-inductor", 1, 380),
+            _lat_row(1, "opt", "ca-piecewise", 1, 410), _lat_row(1, "opt", "ca-full", 1, 385)]
+    payload = {"benchmark": "latency", "config": {}, "runs": runs, "rows": rows, "stats": [], "probes": []}
+    cell = ("opt", "decode", 1, 512, 0)
+    got = {g["goal"]: g for g in rep.goal_records(payload)}
+    assert got["OPT-125m shape: compileattn piecewise ≤ 1.05× the best full graph"]["met"] is True
+    md = rep.render_markdown(payload)
+    line = next(ln for ln in md.splitlines() if ln.startswith("| decode | 1 | 512 |"))
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    floor0, floor1 = rep.floor_us(payload, rows[0]), rep.floor_us(payload, rows[3])
+    assert cells[4] == f"{floor0:.0f}–{floor1:.0f}"
+    assert f"520 / 572 / 624 ({520 / floor0:.1f}×)" in cells and f"385 / 424 / 462 ({385 / floor1:.1f}×)" in cells
+    assert cells[-3:-1] == ["1.04", "1.01"]
+    rt = rep.ratios(rep.select(rows), cell, rows)
+    # shown: piecewise 520 (run 0), graph-inductor 380 (run 1); paired: run 0's 520 / 500
+    assert rt["piecewise_vs_best_graph"] == pytest.approx(1.04) and not rt["cross_run"]
+    assert rt["full_vs_best_graph"] == pytest.approx(385 / 380)
+
+    # no run measured both sides: the ratio is shown marked, and the goal is not met by it
+    crossed = [_lat_row(0, "opt", "graph-eager", 1, 600), _lat_row(1, "opt", "ca-full", 1, 500)]
+    payload = {**payload, "rows": crossed}
+    line = next(ln for ln in rep.render_markdown(payload).splitlines() if ln.startswith("| decode | 1 | 512 |"))
+    assert "| 0.83* |" in line
+    full = {g["goal"]: g for g in rep.goal_records(payload)}[
+        "OPT-125m shape: compileattn full-decode ≤ 1.02× the best full graph"]
+    assert full["met"] is None and "only across runs" in full["measured"], full
+    rt = rep.ratios(rep.select(crossed), cell, crossed)
+    assert rt["full_vs_best_graph"] == pytest.approx(500 / 600) and rt["cross_run"] == ["full_vs_best_graph"]
+
+
 def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
     """Bench, metadata per cell, the eager reference, fail-soft columns and the report, on the CPU
     with the reference backend (graph columns are unavailable there: it is not capturable)."""
