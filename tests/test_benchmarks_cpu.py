@@ -1200,8 +1200,9 @@ def test_latency_tp_merge_takes_measured_rows_over_skipped(tmp_path):
     second = {"benchmark": "latency_tp", "config": {}, "checks": [], "stats": [],
               "rows": [_tp_row("llama8b-tp1", "reduce-overhead", 1, 5200.0)]}
     merged = ltp.merge_payloads([first, second])
-    by = {(r["bench"], r["column"]): r for r in merged["rows"]}
-    assert by[("llama8b-tp1", "reduce-overhead")]["p50_us"] == 5200.0 and len(merged["rows"]) == 2
+    by = {k[:2]: r for k, r in ltp.shown(merged["rows"]).items()}
+    assert by[("llama8b-tp1", "reduce-overhead")]["p50_us"] == 5200.0 and len(by) == 2
+    assert [r["run"] for r in merged["rows"]] == [0, 0, 1]  # every run's rows, each with its run
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     common.write_json(pa, first)
     common.write_json(pb, second)
@@ -1209,6 +1210,28 @@ def test_latency_tp_merge_takes_measured_rows_over_skipped(tmp_path):
     assert "5200 / 5200 / 5200" in (tmp_path / "m.md").read_text()
     with pytest.raises(ValueError, match="not a latency_tp result"):
         ltp.merge_payloads([{"benchmark": "latency", "rows": []}])
+
+
+def test_latency_tp_ratio_and_goal_pair_tp1_and_tp2_within_one_run():
+    """TP=2 ÷ TP=1 divides two p50s of one run: the first ok row of each bench can come from two
+    runs (another run's clocks). A ratio no run measured both sides of is marked * and is neither
+    MET nor NOT MET."""
+    def run(*rows):
+        return {"benchmark": "latency_tp", "config": {}, "checks": [], "stats": [], "rows": list(rows)}
+
+    merged = ltp.merge_payloads([run(_tp_row("llama8b-tp1", "ca-full", 1, 5000.0),
+                                     _tp_row("llama8b-tp2", "ca-full", 1, None, status="skipped")),
+                                 run(_tp_row("llama8b-tp1", "ca-full", 1, 4000.0),
+                                     _tp_row("llama8b-tp2", "ca-full", 1, 2800.0))])
+    lines = ltp.goal_lines(merged["rows"])
+    assert "- ca-full: TP=2 2800 µs / TP=1 4000 µs = 0.70× at batch 1 — NOT MET (goal ≤ 0.6×)." in lines, lines
+    md = ltp.render_markdown(merged)
+    assert "| 1 | — | 0.70 | — |" in md and "llama8b-tp2 ca-full — skipped" not in md
+    crossed = ltp.merge_payloads([run(_tp_row("llama8b-tp1", "ca-full", 1, 5000.0)),
+                                  run(_tp_row("llama8b-tp2", "ca-full", 1, 2800.0))])
+    line = next(ln for ln in ltp.goal_lines(crossed["rows"]) if ln.startswith("- ca-full"))
+    assert "0.56×*" in line and "MET" not in line, line
+    assert "| 1 | — | 0.56* | — |" in ltp.render_markdown(crossed)
 
 
 def test_concat_runs_keeps_every_row_and_refuses_another_benchmark():
