@@ -273,6 +273,22 @@ def _ms(summary: dict[str, Any] | None, key: str) -> str:
     return common.fmt_num(summary[key] / 1e3, 2) if summary else "—"
 
 
+def on_off_pair(rows: Sequence[dict[str, Any]]) -> tuple[dict, dict, bool] | None:
+    """(on row, off row, same run) for the on ÷ off ratios: the last run in which both modes are
+    ok (``common.concat_runs`` tags a merged report's rows), since two runs differ in clocks and
+    host load; where no run measured both, the last ok row of each mode, ``same run`` False. None
+    where a mode was never measured."""
+    runs: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        if r["status"] == "ok":
+            runs.setdefault(r.get("run", 0), {})[r["mode"]] = r
+    paired = [modes for _, modes in sorted(runs.items()) if all(m in modes for m in MODES)]
+    if paired:
+        return paired[-1]["on"], paired[-1]["off"], True
+    last = {r["mode"]: r for r in rows if r["status"] == "ok"}
+    return (last["on"], last["off"], False) if all(m in last for m in MODES) else None
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     cfg = payload.get("config", {})
     lines = ["# Prefix sharing: prefix caching off vs on", ""]
@@ -291,7 +307,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
     for r in payload["rows"]:
         ok = r["status"] == "ok"
         step, dec, pre = r.get("step"), r.get("decode_step"), r.get("prefill_step")
-        table.append([r["mode"], r["status"] if ok else common.status_text(r["status"]),
+        table.append([r["mode"] + (f" (run {r.get('run', 0)})" if len(payload.get("runs") or []) > 1 else ""),
+                      r["status"] if ok else common.status_text(r["status"]),
                       common.fmt_num(r.get("output_tokens_per_s")) if ok else "—",
                       common.fmt_num(r.get("elapsed_s"), 2) if ok else "—",
                       common.fmt_num(r.get("steps_per_run"), 0) if ok else "—",
@@ -300,12 +317,16 @@ def render_markdown(payload: dict[str, Any]) -> str:
                       common.fmt_num(r.get("tokens_computed_per_run"), 0) if ok else "—",
                       f"{r['hit_rate']:.1%}" if ok else "—", str(r.get("preemptions", "—")) if ok else "—"])
     lines += [common.markdown_table(headers, table, "ll" + "r" * 12), ""]
-    by = {r["mode"]: r for r in payload["rows"]}
-    if all(by.get(m, {}).get("status") == "ok" for m in MODES):
-        on, off = by["on"], by["off"]
-        lines += [f"Caching on ÷ off: total time {on['elapsed_s'] / off['elapsed_s']:.2f}×, output tokens/s "
-                  f"{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}×, step p99 "
-                  f"{on['step']['p99_us'] / off['step']['p99_us']:.2f}×.", ""]
+    pr = on_off_pair(payload["rows"])
+    if pr is not None:
+        on, off, same_run = pr
+        mark = "" if same_run else "*"
+        which = f" (run {on.get('run', 0)})" if same_run and len(payload.get("runs") or []) > 1 else ""
+        lines += [f"Caching on ÷ off{which}: total time {on['elapsed_s'] / off['elapsed_s']:.2f}×{mark}, output tokens/s "
+                  f"{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}×{mark}, step p99 "
+                  f"{on['step']['p99_us'] / off['step']['p99_us']:.2f}×{mark}."
+                  + ("" if same_run else f" * No run measured both modes: on is run {on.get('run', 0)}'s, off run "
+                                         f"{off.get('run', 0)}'s, whose clocks and host load differ."), ""]
     check = payload.get("check")
     if check:
         lines += [f"Check (greedy, {cfg.get('check_prompts')} prompts × {cfg.get('check_tokens')} tokens, on vs off): "

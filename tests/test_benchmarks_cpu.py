@@ -1262,6 +1262,30 @@ def test_throughput_goal_pairs_its_columns_within_one_run():
     assert not any("90.0×" in ln for ln in crossed) and any("not measured" in ln for ln in crossed), crossed
 
 
+def test_prefix_sharing_on_off_ratio_pairs_one_run():
+    """A merged report's caching on ÷ off divides two modes of one run (the last run that measured
+    both): a later run's skipped mode hid an earlier run's pair. Where no run measured both, the
+    ratio is marked * as across runs."""
+    def mode(name, elapsed, status="ok"):
+        if status != "ok":
+            return {"mode": name, "status": status, "reason": "why"}
+        return {"mode": name, "status": "ok", "reason": None, "elapsed_s": elapsed, "output_tokens_per_s": 1000 / elapsed,
+                "step": {"p50_us": 1e3, "p90_us": 2e3, "p99_us": 100 * elapsed, "max_us": 4e3}, "hit_rate": 0.5}
+
+    def run(off, on):
+        return {"benchmark": "prefix_sharing", "config": {}, "environment": {}, "rows": [off, on]}
+
+    merged = common.concat_runs([run(mode("off", 10.0), mode("on", 5.0)),
+                                 run(mode("off", 12.0), mode("on", None, "skipped"))], "prefix_sharing")
+    md = ps.render_markdown(merged)
+    assert "Caching on ÷ off (run 0): total time 0.50×, output tokens/s 2.00×, step p99 0.50×." in md, md
+    assert "| off (run 1) |" in md
+    crossed = common.concat_runs([run(mode("off", None, "skipped"), mode("on", 5.0)),
+                                  run(mode("off", 20.0), mode("on", None, "FAILED"))], "prefix_sharing")
+    md = ps.render_markdown(crossed)
+    assert "total time 0.25×*" in md and "No run measured both modes: on is run 0's, off run 1's" in md, md
+
+
 def test_bench_commit_names_the_tree(monkeypatch):
     monkeypatch.setenv("BENCH_COMMIT", "abc123")
     assert common.git_commit() == "abc123 (BENCH_COMMIT)"
