@@ -349,6 +349,26 @@ def start_goal_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def phase_pair(rows: Sequence[dict[str, Any]], model: str, phase: str,
+               other: str) -> tuple[dict[str, Any], dict[str, Any], str] | None:
+    """Two phases of ``model`` compared in a line: ok rows of the last run that measured both (a
+    merged report's rows carry ``run``; two runs' machines, clocks and load differ), with "" for a
+    mark; where no run did, each phase's last ok row and a mark naming their runs. None where a
+    phase was never measured ok."""
+    ok: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if r["model"] == model and r["status"] == "ok" and r["phase"] in (phase, other):
+            ok.setdefault(r.get("run", 0), {})[r["phase"]] = r
+    both = [run for run in sorted(ok) if phase in ok[run] and other in ok[run]]
+    if both:
+        return ok[both[-1]][phase], ok[both[-1]][other], ""
+    last = {r["phase"]: r for run in sorted(ok) for r in ok[run].values()}
+    if phase not in last or other not in last:
+        return None
+    a, b = last[phase], last[other]
+    return a, b, f" (* runs {a.get('run', 0)} and {b.get('run', 0)}: not one run)"
+
+
 def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     out = [common.goal_line(g) for g in start_goal_records(rows)]
     for model in MODELS:
@@ -360,23 +380,26 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         if "cold, waiting for static" in cold:
             out.append(f"- {MODELS[model]}: waiting for every static piece (`background_static_compiles=False`), "
                        f"the first call took {cold['cold, waiting for static']['first_call_s']:.2f} s")
-        if "cold" in cold and "cold, dynamic only" in cold:
+        if pr := phase_pair(rows, model, "cold", "cold, dynamic only"):
+            full, dyn, mark = pr
             out.append(f"- {MODELS[model]}: static compiles (compile_sizes='auto') add "
-                       f"{cold['cold']['first_call_s'] - cold['cold, dynamic only']['first_call_s']:.2f} s to the cold "
-                       f"start ({cold['cold'].get('static_s', 0):.2f} s of compiling)")
-        flat = cold.get("cold, layers traced flat")
-        if flat is not None and "cold" in cold and cold["cold"].get("dynamo_s") is not None:
-            out.append(f"- {MODELS[model]}: Dynamo {cold['cold']['dynamo_s']:.2f} s with the layers traced once "
-                       f"(regions {cold['cold'].get('regions')}) against {flat.get('dynamo_s', 0):.2f} s traced flat; "
-                       f"first call {cold['cold']['first_call_s']:.2f} against {flat['first_call_s']:.2f} s")
+                       f"{full['first_call_s'] - dyn['first_call_s']:.2f} s to the cold "
+                       f"start ({full.get('static_s', 0):.2f} s of compiling){mark}")
+        pr = phase_pair(rows, model, "cold", "cold, layers traced flat")
+        if pr is not None and pr[0].get("dynamo_s") is not None:
+            one, flat, mark = pr
+            out.append(f"- {MODELS[model]}: Dynamo {one['dynamo_s']:.2f} s with the layers traced once "
+                       f"(regions {one.get('regions')}) against {flat.get('dynamo_s', 0):.2f} s traced flat; "
+                       f"first call {one['first_call_s']:.2f} against {flat['first_call_s']:.2f} s{mark}")
         for phase, what in (("cold, fork server at first call", "with the fork server a fresh interpreter "
                                                                 "started at the first call rather than a fork "
                                                                 "at decoration"),
                             ("cold, attention kernels at first launch", "with the attention kernels compiled at "
                                                                         "their first launch rather than ahead")):
-            if phase in cold and "cold" in cold:
-                out.append(f"- {MODELS[model]}: {what}, the first call took {cold[phase]['first_call_s']:.2f} s "
-                           f"(default: {cold['cold']['first_call_s']:.2f} s)")
+            if pr := phase_pair(rows, model, phase, "cold"):
+                other, default, mark = pr
+                out.append(f"- {MODELS[model]}: {what}, the first call took {other['first_call_s']:.2f} s "
+                           f"(default: {default['first_call_s']:.2f} s){mark}")
         after = cold.get("cold, workers after dynamic")
         if after is not None:
             landed = (f"; every static piece in place {after['static_landed_s']:.2f} s after it started"
@@ -416,11 +439,12 @@ def render(payload: dict[str, Any]) -> str:
                "rel. err after"]
     table = []
     for r in rows:
+        phase = r["phase"] + (f" (run {r.get('run', 0)})" if len(payload.get("runs") or []) > 1 else "")
         if r["status"] != "ok":
-            table.append([MODELS[r["model"]], "", r["phase"], common.status_text(r["status"]), r["reason"][:100]] + [""] * (len(headers) - 5))
+            table.append([MODELS[r["model"]], "", phase, common.status_text(r["status"]), r["reason"][:100]] + [""] * (len(headers) - 5))
             continue
         c = r.get("counters", {})
-        table.append([MODELS[r["model"]], r["dtype"], r["phase"], r["path"], common.fmt_num(r["first_call_s"], 2),
+        table.append([MODELS[r["model"]], r["dtype"], phase, r["path"], common.fmt_num(r["first_call_s"], 2),
                       *(common.fmt_num(r.get(k), 2) if r.get(k) is not None else "—" for k, _ in BREAKDOWN),
                       common.fmt_num(r["import_s"], 2), common.fmt_num(r["build_s"], 2),
                       common.fmt_num(r.get("process_s"), 1), c.get("backend_compiles", "—"),
@@ -463,8 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = common.Log()
     if args.merge:
         payloads = [common.read_json(p) for p in args.merge]
-        merged = {**payloads[0], "runs": [r for p in payloads for r in p["runs"]],
-                  "rows": [r for p in payloads for r in p["rows"]]}
+        # rows tagged with their run: a line comparing two phases pairs them within one run
+        merged = {**common.concat_runs(payloads, "coldwarm"), "config": payloads[0].get("config", {})}
         prefix = args.output or args.out
         md = render(merged)
         common.write_json(prefix + ".json", merged)

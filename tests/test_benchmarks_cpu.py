@@ -892,6 +892,38 @@ def test_coldwarm_report_marks_failures_and_skips():
             "(path 'cold'), 2.50 s") in coldwarm.goal_lines(rows)
 
 
+def test_coldwarm_merge_compares_two_phases_within_one_run(tmp_path):
+    """A merged report's line comparing two phases takes both from one run (another run's machine
+    and load differ): the last ok row of each phase could come from two runs. Where no run measured
+    both, the line is marked * with the two runs."""
+    def row(phase, first_call_s, status="ok"):
+        r = {"model": "opt", "phase": phase, "status": status, "reason": "" if status == "ok" else "budget"}
+        if status == "ok":
+            r.update(path="cold", first_call_s=first_call_s, static_s=1.5, import_s=1.0, build_s=1.0, process_s=9.0,
+                     rel_err=0.01, dtype="float16", counters={})
+        return r
+
+    def run(name, *rows):
+        path = tmp_path / f"{name}.json"
+        common.write_json(path, {"benchmark": "coldwarm", "config": {}, "runs": [{"env": {}}], "rows": list(rows)})
+        return str(path)
+
+    a = run("a", row("cold", 8.0), row("cold, dynamic only", 5.0), row("cold, fork server at first call", 9.0))
+    b = run("b", row("cold", 6.0), row("cold, dynamic only", None, "skipped"))
+    assert coldwarm.main(["--merge", a, b, "-o", str(tmp_path / "m")]) == 0
+    merged = common.read_json(tmp_path / "m.json")
+    assert [r["run"] for r in merged["rows"]] == [0, 0, 0, 1, 1]
+    lines = coldwarm.goal_lines(merged["rows"])
+    assert "- OPT-125m shape: static compiles (compile_sizes='auto') add 3.00 s to the cold start (1.50 s of compiling)" in lines
+    assert any("the first call took 9.00 s (default: 8.00 s)" in ln and "*" not in ln for ln in lines), lines
+    c = run("c", row("cold, fork server at first call", 9.0), row("cold", None, "skipped"))
+    d = run("d", row("cold", 6.0))
+    assert coldwarm.main(["--merge", c, d, "-o", str(tmp_path / "n")]) == 0
+    lines = coldwarm.goal_lines(common.read_json(tmp_path / "n.json")["rows"])
+    assert any("took 9.00 s (default: 6.00 s) (* runs 0 and 1: not one run)" in ln for ln in lines), lines
+    assert "| cold (run 1) |" in (tmp_path / "n.md").read_text()
+
+
 # -- latency: the report module and the roofline --------------------------------------------------------
 
 
