@@ -283,6 +283,19 @@ def test_decode_time_goal_divides_by_flashinfer_of_the_same_run():
     assert g["ratio"] == pytest.approx(90 / 80) and g["fi_tc_us"] == 80.0 and g["time_ok"] is False
 
 
+def test_decode_time_goal_takes_no_verdict_from_a_ratio_across_runs():
+    """Where only another run measured FlashInfer, the cell's ratio (marked * in the table) is no
+    verdict: the goal reads "not measured" for it, never MET."""
+    a = _dec_payload("a", [_dec_row(0, "fi-tc", 1024, 64, 16, 100.0)])
+    b = _dec_payload("b", [_dec_row(0, "ca-triton", 1024, 64, 16, 90.0)])
+    chosen = dec.select(dec.merge_payloads([a, b])["rows"])
+    assert chosen[(1024, 64, 16, "ca-triton")]["ratio_same_run"] is False
+    (g,) = dec.goal_check(chosen)
+    assert g["ratio"] == pytest.approx(0.9) and g["time_ok"] is None
+    time_goal = dec.goal_records([g])[0]
+    assert time_goal["met"] is None, time_goal
+
+
 def test_goals_table_gathers_each_scripts_verdicts(tmp_path):
     """goals.py lists every goal the measuring scripts checked, with their verdicts (met, not met,
     not measured) and the file each came from; it decides nothing itself."""
