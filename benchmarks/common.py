@@ -551,13 +551,21 @@ def concat_runs(payloads: Sequence[dict[str, Any]], benchmark: str) -> dict[str,
         if p.get("benchmark") != benchmark:
             raise ValueError(f"input {i} is not a {benchmark}.py result (benchmark={p.get('benchmark')!r})")
     merged = dict(payloads[-1])
-    merged["rows"], merged["runs"] = [], []
-    for p in payloads:
-        runs = p["runs"] if "runs" in p else [p.get("environment")]
-        merged["rows"] += [{**r, "run": len(merged["runs"]) + (r.get("run", 0) if "runs" in p else 0)}
-                           for r in p["rows"]]
-        merged["runs"] += runs
+    merged["rows"], merged["runs"] = tag_runs(payloads, "environment")
     return merged
+
+
+def tag_runs(payloads: Sequence[dict[str, Any]], env_key: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(every payload's rows, each tagged with its run, the runs): ``row["run"]`` indexes the runs,
+    each a run's environment (``payload[env_key]``); a payload with ``runs`` of its own (merged
+    before) brings them, its rows keeping their places among them."""
+    rows: list[dict[str, Any]] = []
+    runs: list[Any] = []
+    for p in payloads:
+        own = "runs" in p
+        rows += [{**r, "run": len(runs) + (r.get("run", 0) if own else 0)} for r in p["rows"]]
+        runs += p["runs"] if own else [p.get(env_key)]
+    return rows, runs
 
 
 def write_outputs(payload: dict, prefix: str, no_plot: bool, log, markdown: str, draw, alt: str) -> str:

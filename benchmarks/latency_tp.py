@@ -299,11 +299,7 @@ def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for i, pl in enumerate(payloads):
         if pl.get("benchmark") != "latency_tp":
             raise ValueError(f"input {i} is not a latency_tp result (benchmark={pl.get('benchmark')!r})")
-    rows: list[dict[str, Any]] = []
-    runs: list[Any] = []
-    for pl in payloads:
-        rows += [{**r, "run": len(runs) + r.get("run", 0)} for r in pl["rows"]]
-        runs += pl["runs"] if "runs" in pl else [pl.get("env")]
+    rows, runs = common.tag_runs(payloads, "env")
     merged = {**payloads[0], "rows": rows, "runs": runs,
               "checks": [c for pl in payloads for c in pl.get("checks", [])],
               "stats": [st for pl in payloads for st in pl.get("stats", [])],
