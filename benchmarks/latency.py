@@ -41,8 +41,16 @@ stack's weights, and the K/V bytes per attended token).
 Measuring is this module; merging runs, ratios, goal checks, the roofline, markdown and the plot
 are ``latency_report.py`` (``--merge`` goes straight there, no GPU needed).
 
-Under ``--budget-s`` the column groups run in priority order (eager and its full graph, compileattn
-piecewise, compileattn full-decode, reduce-overhead, Inductor and its full graph), then the
+The goals' ratios (a compileattn column ÷ the faster hand-captured full graph) are measured side by
+side: after a compileattn column's own timed steps, ``--steps`` rounds each run one step of the
+column and one replay of each full graph of the same cell, in rotating order, every step ended by
+a synchronize (``interleaved_steps``), and the row records the p50 of each (``paired``). Timed
+alone, the columns are minutes apart, and on a 0.4-0.9 ms OPT step the host's and GPU's drift
+between them (a few per cent) was larger than the 2 % goal; interleaved, both sides see the same
+drift. So the full graphs are captured first and kept until the compileattn columns are done.
+
+Under ``--budget-s`` the column groups run in priority order (eager and its full graph, Inductor
+and its full graph, compileattn piecewise, compileattn full-decode, reduce-overhead), then the
 cold/warm subprocesses; whatever is past the budget is reported as skipped.
 
 Run: see benchmarks/README.md. On a machine without CUDA it prints why and exits 0.
@@ -79,15 +87,20 @@ DEVICE = "cuda"
 TOLERANCE = {"float16": 5e-2, "bfloat16": 1e-1, "float32": 1e-3}
 
 #: Columns measured together (they share a compiled object); order = priority under the budget.
-#: reduce-overhead before inductor: it is the Llama goal's comparator, while the full-graph floor
-#: already has graph-eager (Llama-8B's whole-model Inductor compiles take minutes each).
+#: The full graphs first: the compileattn columns are timed interleaved with them (module
+#: docstring), so they must exist when those run. reduce-overhead last: the floors are released
+#: before it (its own CUDA-graph trees need the memory more than it needs a pairing).
 GROUPS = [
     ("eager", ("eager", "graph-eager")),
+    ("inductor", ("inductor", "graph-inductor")),
     ("ca-piecewise", ("ca-piecewise",)),
     ("ca-full", ("ca-full",)),
     ("reduce-overhead", ("reduce-overhead",)),
-    ("inductor", ("inductor", "graph-inductor")),
 ]
+#: The groups whose full graphs (``report.FULL_GRAPHS``) the compileattn columns are paired with,
+#: and the columns paired: kept from the end of their own group until every paired column ran.
+FLOOR_GROUPS = ("eager", "inductor")
+PAIRED_COLUMNS = ("ca-piecewise", "ca-full")
 #: Budget seconds a compiled column group needs left to be started at all.
 GROUP_RESERVE_S = 45.0
 
@@ -377,6 +390,19 @@ class _HandGraphs:
 
         return run
 
+    def replay_step(self, ids, pos) -> Callable[[], Any] | None:
+        """A step that only replays the graph already captured for ``ids``' token count (None if
+        there is none): nothing of the compile path (``_mark_dynamic``, capture) runs again."""
+        entry = self.graphs.get(ids.shape[0])
+        if entry is None:
+            return None
+
+        def run():
+            entry.graph.replay()
+            return entry.outputs
+
+        return run
+
     def stats(self) -> dict[str, Any]:
         return {"capture_s": self.pool.capture_seconds, "graph_pool_bytes": self.pool.pool_bytes(),
                 "graphs": len(self.graphs)}
@@ -393,6 +419,11 @@ class Group:
 
     def captured_graph(self, column: str, num_tokens: int):
         """The CUDA graph of a whole step of ``num_tokens`` this column replays, if it has one."""
+        return None
+
+    def floor_step(self, column: str, ids, pos) -> Callable[[], Any] | None:
+        """For a full-graph column (``FLOOR_GROUPS``): a step replaying its graph captured for
+        ``ids``' token count, None if there is none."""
         return None
 
 
@@ -430,6 +461,9 @@ class EagerGroup(Group):
     def captured_graph(self, column, num_tokens):
         return self.graphs.graph(num_tokens) if column == "graph-eager" and self.graphs else None
 
+    def floor_step(self, column, ids, pos):
+        return self.graphs.replay_step(ids, pos) if column == "graph-eager" and self.graphs else None
+
 
 class InductorGroup(Group):
     columns = ("inductor", "graph-inductor")
@@ -438,7 +472,12 @@ class InductorGroup(Group):
         import torch
 
         self.bench = bench
-        self.compiled = torch.compile(bench.model, fullgraph=True)
+        #: every function Inductor compiled for this group: the captured full graphs launch their
+        #: kernels, and Triton unloads a kernel's module when its compiled function is collected,
+        #: which ``torch._dynamo.reset`` (between the later groups) would otherwise let happen
+        #: while this group's graphs are still replayed as the floor.
+        self.kept: list[Callable] = []
+        self.compiled = torch.compile(bench.model, fullgraph=True, backend=_inductor_keeping(self.kept))
         self.graphs = None
 
     def step(self, column, cell, ids, pos):
@@ -456,6 +495,22 @@ class InductorGroup(Group):
 
     def captured_graph(self, column, num_tokens):
         return self.graphs.graph(num_tokens) if column == "graph-inductor" and self.graphs else None
+
+    def floor_step(self, column, ids, pos):
+        return self.graphs.replay_step(ids, pos) if column == "graph-inductor" and self.graphs else None
+
+
+def _inductor_keeping(kept: list) -> Callable:
+    """``torch.compile``'s default backend (Inductor's ``compile_fx``, no options), appending what
+    it compiles to ``kept``."""
+    def backend(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs)
+        kept.append(compiled)
+        return compiled
+
+    return backend
 
 
 class ReduceOverheadGroup(Group):
@@ -599,6 +654,39 @@ def timed_steps(step: Callable[[], Any], steps: int) -> list[float]:
     return samples
 
 
+def interleaved_steps(steps: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Wall seconds per step of each of ``steps``, timed side by side: each round runs every step
+    once, each ended by a device synchronize, in an order rotated by one per round (no step always
+    follows the same one: the step after another inherits its L2 and clock state)."""
+    names = list(steps)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    _sync()
+    for i in range(rounds):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            t = time.perf_counter()
+            steps[name]()
+            _sync()
+            samples[name].append(time.perf_counter() - t)
+    return samples
+
+
+def paired_timing(step: Callable[[], Any], column: str, floors: dict[str, Group], ids, pos,
+                  rounds: int) -> dict[str, Any] | None:
+    """``column``'s step interleaved with a replay of each full graph captured for this cell's
+    token count (``interleaved_steps``): ``{"rounds", "p50_us": {column or floor column: p50}}``,
+    None when no floor has a graph of this size."""
+    steps = {column: step}
+    for floor_column, group in floors.items():
+        floor = group.floor_step(floor_column, ids, pos)
+        if floor is not None:
+            steps[floor_column] = floor
+    if len(steps) < 2:
+        return None
+    samples = interleaved_steps(steps, rounds)
+    return {"rounds": rounds, "p50_us": {name: common.summarize_us(s)["p50_us"] for name, s in samples.items()}}
+
+
 def replay_gpu_us(graph, replays: int = 20) -> float:
     """GPU µs of one replay of a captured step graph (``cudagraph.replay_gpu_us``); a step's p50
     minus this is its host cost."""
@@ -621,10 +709,12 @@ def eager_reference(bench: Bench, cell: Cell) -> Any:
 
 
 def measure_cell(bench: Bench, group: Group, column: str, cell: Cell, row: dict[str, Any], args,
-                 log: common.Log) -> None:
-    """Warm up, compare with eager, time; results go into ``row``. A function of its own so the
-    step closure (which holds the compiled callable) dies on return: compileattn.compile's globals
-    must be collectable before the next group compiles (see _reset_compilers)."""
+                 log: common.Log, floors: dict[str, Group] | None = None) -> None:
+    """Warm up, compare with eager, time; results go into ``row``; with ``floors`` (full-graph
+    column -> its group), also time it interleaved with them (``paired_timing``). A function of its
+    own so the step closure (which holds the compiled callable) dies on return:
+    compileattn.compile's globals must be collectable before the next group compiles (see
+    _reset_compilers)."""
     import torch
 
     import compileattn as ca
@@ -647,6 +737,10 @@ def measure_cell(bench: Bench, group: Group, column: str, cell: Cell, row: dict[
                 graph = group.captured_graph(column, ids.shape[0]) if cell.kind == "decode" or column != "ca-full" else None
                 if graph is not None:
                     row["graph_gpu_us"] = replay_gpu_us(graph)
+                if floors:
+                    paired = paired_timing(step, column, floors, ids, pos, args.steps)
+                    if paired is not None:
+                        row["paired"] = paired
     except Unavailable as exc:
         row.update(status="unavailable", reason=str(exc))
     except Exception as exc:  # noqa: BLE001  (one failing column must not cost the table)
@@ -656,10 +750,12 @@ def measure_cell(bench: Bench, group: Group, column: str, cell: Cell, row: dict[
             _sync()
         except Exception:  # noqa: BLE001
             pass
+    paired = row.get("paired")
     log(f"  {column:16s} {cell.name:34s} " + (
         f"p50 {row['p50_us']:9.1f}  p90 {row['p90_us']:9.1f}  p99 {row['p99_us']:9.1f} µs"
         f"  (first call {row['first_call_s']:.2f} s)" if row["status"] == "ok"
-        else f"{row['status']}: {row['reason']}"))
+        else f"{row['status']}: {row['reason']}")
+        + ("; interleaved p50 " + ", ".join(f"{c} {v:.1f}" for c, v in paired["p50_us"].items()) if paired else ""))
 
 
 def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: list[dict[str, Any]],
@@ -677,10 +773,14 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
         + "; ".join(c.name for c in cells))
     for cell in cells:
         bench.reference[cell] = eager_reference(bench, cell)
+    floors: dict[str, Group] = {}  # full-graph column -> its group, while paired columns are to come
     for group_name, columns in GROUPS:
         wanted = [c for c in columns if c in args.columns]
         if not wanted:
             continue
+        if floors and group_name not in FLOOR_GROUPS and not set(wanted) & set(PAIRED_COLUMNS):
+            floors.clear()  # nothing later is paired with them: their graphs' memory goes back
+            _reset_compilers()
         # A compiled group's first call compiles for tens of seconds (minutes for Llama-8B): do not
         # start one that could only be cut off by the caller's timeout.
         if budget.exceeded(reserve=0.0 if group_name == "eager" else GROUP_RESERVE_S):
@@ -705,7 +805,8 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
                 if budget.exceeded():
                     row.update(status="skipped", reason=budget.reason())
                     continue
-                measure_cell(bench, group, column, cell, row, args, log)
+                measure_cell(bench, group, column, cell, row, args, log,
+                             floors=floors if column in PAIRED_COLUMNS else None)
                 if row.get("first_call_s") is not None:
                     first_seen.setdefault(column, []).append(row["first_call_s"])
         for column in wanted:
@@ -718,10 +819,13 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
                           "later_first_call_max_s": max(firsts[1:]) if len(firsts) > 1 else None, **extra})
             log(f"  {column}: first call {firsts[0] if firsts else 0:.2f} s, "
                 f"later cells' first calls up to {max(firsts[1:]) if len(firsts) > 1 else 0:.2f} s, {extra}")
+        if group_name in FLOOR_GROUPS:
+            floors.update({c: group for c in wanted if c in report.FULL_GRAPHS})
         del group
         _reset_compilers()
         if checkpoint is not None:
             checkpoint()
+    floors.clear()
     bench.close()
     del bench
     _reset_compilers()

@@ -82,9 +82,23 @@ RATIOS = {"piecewise_vs_best_graph": ("ca-piecewise", FULL_GRAPHS),
           "piecewise_vs_reduce_overhead": ("ca-piecewise", ("reduce-overhead",))}
 
 
+def interleaved_ratio(row: dict[str, Any] | None, num: str, dens: Sequence[str]) -> float | None:
+    """``num``'s p50 ÷ the fastest of ``dens`` as timed side by side in ``row`` (its ``paired``
+    record: ``latency.py`` interleaves a compileattn column's steps with the full graphs' replays),
+    None where the row has no such timing of ``num`` and at least one of ``dens``."""
+    p50 = ((row or {}).get("paired") or {}).get("p50_us") or {}
+    floors = [p50[d] for d in dens if p50.get(d)]
+    if not p50.get(num) or not floors:
+        return None
+    return p50[num] / min(floors)
+
+
 def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple,
            rows: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The cell's ratios (``RATIOS``), each dividing two p50s of one run: GPU clocks and host load
+    """The cell's ratios (``RATIOS``). Where the shown numerator row was timed interleaved with the
+    denominator columns (``interleaved_ratio``), that ratio, its key listed in ``interleaved``:
+    timed minutes apart, two columns of a sub-millisecond step differ by the host's and GPU's drift,
+    a few per cent. Else each divides two p50s of one run: GPU clocks and host load
     differ between runs by more than the goals' margins. Per ratio: the run of the shown numerator
     row when that run measured the denominator too, else the earliest run that measured both.
     Where no run measured both, the shown rows' ratio, its key listed in ``cross_run`` (the table
@@ -100,8 +114,13 @@ def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple,
         vals = [cols[c]["p50_us"] for c in names if c in cols]
         return min(vals) if vals else None
 
-    out: dict[str, Any] = {"best_graph_us": fastest(shown, FULL_GRAPHS), "cross_run": []}
+    out: dict[str, Any] = {"best_graph_us": fastest(shown, FULL_GRAPHS), "cross_run": [], "interleaved": []}
     for key, (num, dens) in RATIOS.items():
+        side_by_side = interleaved_ratio(shown.get(num), num, dens)
+        if side_by_side is not None:
+            out[key] = side_by_side
+            out["interleaved"].append(key)
+            continue
         paired = [run for run, cols in sorted(by_run.items()) if num in cols and fastest(cols, dens)]
         own = shown[num].get("run", 0) if num in shown else None
         if paired:
@@ -116,8 +135,34 @@ def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple,
 
 
 def ratio_text(rt: dict[str, Any], key: str) -> str:
-    """A ratio for the table, ``*`` after one whose two p50s come from different runs."""
-    return common.fmt_num(rt[key], 2) + ("*" if key in rt["cross_run"] else "")
+    """A ratio for the table, ``*`` after one whose two p50s come from different runs, ``†`` after
+    one timed interleaved."""
+    return (common.fmt_num(rt[key], 2) + ("*" if key in rt["cross_run"] else "")
+            + ("†" if key in rt.get("interleaved", ()) else ""))
+
+
+def interleaved_table(chosen: dict[tuple, dict[str, Any]], cells: Sequence[tuple]) -> list[str]:
+    """Rows of the side-by-side timings (``paired``): per compileattn column and cell, the p50 of
+    its steps and of each full graph's replays in the same rounds, and its ratio to the faster."""
+    lines = []
+    for cell in cells:
+        for num in ("ca-piecewise", "ca-full"):
+            r = chosen.get((*cell, num)) or {}
+            p50 = (r.get("paired") or {}).get("p50_us") or {}
+            ratio = interleaved_ratio(r, num, FULL_GRAPHS)
+            if ratio is None:
+                continue
+            step = "decode" if cell[1] == "decode" else f"mixed (+{cell[4]} prefill)"
+            lines.append([step, cell[2], cell[3], num, r["paired"].get("rounds", "—"), common.fmt_num(p50[num], 1)]
+                         + [common.fmt_num(p50.get(g), 1) if p50.get(g) else "—" for g in FULL_GRAPHS]
+                         + [f"{ratio:.3f}"])
+    if not lines:
+        return []
+    return ["Side by side († in the table above): each round runs one step of the compileattn column and one "
+            "replay of each full graph of the same cell, in rotating order, each ended by a synchronize; "
+            "p50 µs over the rounds.", "",
+            common.markdown_table(["step", "batch", "context", "column", "rounds", "column p50", *FULL_GRAPHS,
+                                   "÷ faster graph"], lines), ""]
 
 
 def goal_records(payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -288,6 +333,7 @@ def render_markdown(payload: dict[str, Any], baseline: dict[str, Any] | None = N
                f"checked against eager first (norm-relative tolerance {_tolerance_text(cfg.get('tolerance'))}). Decode steps: each "
                f"sequence has `context` tokens cached; the mixed step adds one prefill chunk. Token counts are padded "
                f"to a capture size. Ratios use p50s of one run; 'best graph' = the faster hand-captured full graph; "
+               f"† after a ratio: the two columns were timed side by side, interleaved (the table after); "
                f"* after a ratio: no run measured both of its columns, so it divides two runs' figures (not counted "
                f"in the goals). 'floor µs' is the roofline: the step's bytes (weights + K/V read) ÷ the copy "
                f"bandwidth measured in the run (lo–hi where the row's columns come from runs of different "
@@ -317,6 +363,7 @@ def render_markdown(payload: dict[str, Any], baseline: dict[str, Any] | None = N
         if table:
             out.append(common.markdown_table(headers, table))
             out.append("")
+            out += interleaved_table(chosen, cells)
             out += gpu_host_table(chosen, [c for c in cells if c[1] == "decode"])
         st = [s for s in payload.get("stats", []) if s["model"] == model]
         if st:

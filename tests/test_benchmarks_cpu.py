@@ -777,6 +777,116 @@ def test_latency_ratios_goals_and_floors_pair_within_one_run():
     assert rt["full_vs_best_graph"] == pytest.approx(500 / 600) and rt["cross_run"] == ["full_vs_best_graph"]
 
 
+def test_latency_interleaved_ratio_wins_and_counts_toward_the_goal():
+    """A compileattn row timed side by side with the full graphs (``paired``) gives the goal's
+    ratio from those timings, not from the columns' own p50s taken minutes apart; marked † in the
+    table, with the side-by-side table after it."""
+    full = _lat_row(0, "opt", "ca-full", 8, 560)  # alone: 560 / 500 = 1.12, a miss
+    full["paired"] = {"rounds": 3, "p50_us": {"ca-full": 505.0, "graph-eager": 600.0, "graph-inductor": 500.0}}
+    pw = _lat_row(0, "opt", "ca-piecewise", 8, 600)
+    pw["paired"] = {"rounds": 3, "p50_us": {"ca-piecewise": 540.0, "graph-eager": 610.0}}  # no inductor floor
+    rows = [_lat_row(0, "opt", "graph-eager", 8, 600), _lat_row(0, "opt", "graph-inductor", 8, 500), full, pw]
+    payload = {"benchmark": "latency", "config": {}, "runs": [{"label": "opt"}], "stats": [], "probes": [], "rows": rows}
+    rt = rep.ratios(rep.select(rows), ("opt", "decode", 8, 512, 0), rows)
+    assert rt["full_vs_best_graph"] == pytest.approx(505 / 500)
+    assert rt["piecewise_vs_best_graph"] == pytest.approx(540 / 610)
+    assert sorted(rt["interleaved"]) == ["full_vs_best_graph", "piecewise_vs_best_graph"] and not rt["cross_run"]
+    got = {g["goal"]: g for g in rep.goal_records(payload)}
+    assert got["OPT-125m shape: compileattn full-decode ≤ 1.02× the best full graph"]["met"] is True
+    md = rep.render_markdown(payload)
+    line = next(ln for ln in md.splitlines() if ln.startswith("| decode | 8 | 512 |"))
+    assert "| 0.89† | 1.01† |" in line, line
+    assert "| decode | 8 | 512 | ca-full | 3 | 505.0 | 600.0 | 500.0 | 1.010 |" in md
+    assert "| decode | 8 | 512 | ca-piecewise | 3 | 540.0 | 610.0 | — | 0.885 |" in md
+    # a row without side-by-side timing of a denominator falls back to the run's own p50s
+    full["paired"] = {"rounds": 3, "p50_us": {"ca-full": 505.0}}
+    rt = rep.ratios(rep.select(rows), ("opt", "decode", 8, 512, 0), rows)
+    assert rt["full_vs_best_graph"] == pytest.approx(560 / 500) and "full_vs_best_graph" not in rt["interleaved"]
+
+
+def test_latency_interleaved_steps_rotate_their_order(monkeypatch):
+    """Each round runs every step once; the order rotates, so no step always follows the same one."""
+    monkeypatch.setattr(lat, "DEVICE", "cpu")
+    order = []
+    steps = {name: (lambda name=name: order.append(name)) for name in ("col", "g1", "g2")}
+    samples = lat.interleaved_steps(steps, 4)
+    assert order == ["col", "g1", "g2", "g1", "g2", "col", "g2", "col", "g1", "col", "g1", "g2"]
+    assert {k: len(v) for k, v in samples.items()} == {"col": 4, "g1": 4, "g2": 4}
+
+
+class _FakeFloors(lat.Group):
+    """A full-graph group whose 'graphs' exist for the token counts in ``sizes``."""
+
+    def __init__(self, column, sizes, calls):
+        self.columns, self.sizes, self.calls, self.column = (column,), sizes, calls, column
+
+    def captured_graph(self, column, num_tokens):
+        return object() if column == self.column and num_tokens in self.sizes else None
+
+    def floor_step(self, column, ids, pos):
+        if self.captured_graph(column, ids.shape[0]) is None:
+            return None
+        return lambda: self.calls.append(self.column)
+
+
+def test_latency_paired_timing_uses_the_floors_with_a_graph_of_the_cells_size(monkeypatch):
+    monkeypatch.setattr(lat, "DEVICE", "cpu")
+    calls = []
+    floors = {"graph-eager": _FakeFloors("graph-eager", {8}, calls),
+              "graph-inductor": _FakeFloors("graph-inductor", {16}, calls)}
+    ids = torch.zeros(8, dtype=torch.long)
+    got = lat.paired_timing(lambda: calls.append("ca-full"), "ca-full", floors, ids, ids, 5)
+    assert got["rounds"] == 5 and set(got["p50_us"]) == {"ca-full", "graph-eager"}
+    assert calls.count("ca-full") == 5 and calls.count("graph-eager") == 5 and "graph-inductor" not in calls
+    assert lat.paired_timing(lambda: None, "ca-full", floors, torch.zeros(4, dtype=torch.long), ids, 5) is None
+
+
+def test_latency_keeps_the_full_graphs_for_the_compileattn_columns_only(monkeypatch):
+    """run_model's order: the full graphs' groups first, kept while the compileattn columns are
+    timed side by side with them, released (compilers reset) before reduce-overhead."""
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    monkeypatch.setattr(lat, "DEVICE", "cpu")
+    monkeypatch.setattr(lat, "build_model", lambda name, **kw: OPTForCausalLM(
+        OPTConfig.tiny(), dtype=torch.float32, device="cpu"))
+    events = []
+
+    class Fake(lat.Group):
+        def __init__(self, name, bench):
+            self.name, self.bench = name, bench
+            self.columns = dict(lat.GROUPS)[name]
+
+        def step(self, column, cell, ids, pos):
+            model = self.bench.model
+            return lambda: (events.append(("step", column)), model(ids, pos))[1]
+
+        def captured_graph(self, column, num_tokens):
+            return object() if column.startswith("graph-") else None
+
+        def floor_step(self, column, ids, pos):
+            return (lambda: events.append(("floor", column))) if column.startswith("graph-") else None
+
+    monkeypatch.setattr(lat, "make_group", lambda name, bench: Fake(name, bench))
+    monkeypatch.setattr(lat, "replay_gpu_us", lambda graph, replays=20: 1.0)
+    monkeypatch.setattr(lat, "_reset_compilers", lambda: events.append(("reset",)))
+    args = lat.parse_args(["--models", "opt", "--batches", "3", "--contexts", "20", "--steps", "2", "--warmup", "1",
+                           "--backend", "reference", "--no-mixed", "--no-cold-warm"])
+    rows, stats = [], []
+    lat.run_model("opt", args, common.Budget(0), common.Log(), rows, stats)
+    by = {r["column"]: r for r in rows}
+    for col in ("ca-piecewise", "ca-full"):
+        assert set(by[col]["paired"]["p50_us"]) == {col, "graph-eager", "graph-inductor"}, by[col]
+        assert by[col]["paired"]["rounds"] == 2
+    assert "paired" not in by["reduce-overhead"] and "paired" not in by["eager"]
+    order = [e[1] if e[0] != "reset" else "reset" for e in events if e[0] in ("step", "reset")]
+    first = {c: order.index(c) for c in lat.COLUMNS}
+    assert first["graph-eager"] < first["graph-inductor"] < first["ca-piecewise"] < first["ca-full"] < first["reduce-overhead"]
+    # after ca-full's group: its own reset, then the floors' release (a second reset) before reduce-overhead
+    between = order[max(i for i, c in enumerate(order) if c == "ca-full"):first["reduce-overhead"]]
+    assert between.count("reset") == 2, order
+    assert not [e for e in events[events.index(("step", "reduce-overhead")):] if e[0] == "floor"]
+
+
 def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
     """Bench, metadata per cell, the eager reference, fail-soft columns and the report, on the CPU
     with the reference backend (graph columns are unavailable there: it is not capturable)."""
