@@ -351,22 +351,16 @@ def start_goal_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def phase_pair(rows: Sequence[dict[str, Any]], model: str, phase: str,
                other: str) -> tuple[dict[str, Any], dict[str, Any], str] | None:
-    """Two phases of ``model`` compared in a line: ok rows of the last run that measured both (a
-    merged report's rows carry ``run``; two runs' machines, clocks and load differ), with "" for a
-    mark; where no run did, each phase's last ok row and a mark naming their runs. None where a
-    phase was never measured ok."""
-    ok: dict[int, dict[str, dict[str, Any]]] = {}
-    for r in rows:
-        if r["model"] == model and r["status"] == "ok" and r["phase"] in (phase, other):
-            ok.setdefault(r.get("run", 0), {})[r["phase"]] = r
-    both = [run for run in sorted(ok) if phase in ok[run] and other in ok[run]]
-    if both:
-        return ok[both[-1]][phase], ok[both[-1]][other], ""
-    last = {r["phase"]: r for run in sorted(ok) for r in ok[run].values()}
-    if phase not in last or other not in last:
+    """Two phases of ``model`` compared in a line, picked by ``common.run_pair``: the ok rows of
+    the latest run that measured both, with "" for a mark; where no run did, each phase's latest ok
+    row and a mark naming their runs. None where a phase was never measured ok."""
+    pr = common.run_pair([r for r in rows if r["model"] == model],
+                         {p: (lambda r, p=p: r["phase"] == p) for p in (phase, other)})
+    if pr is None:
         return None
-    a, b = last[phase], last[other]
-    return a, b, f" (* runs {a.get('run', 0)} and {b.get('run', 0)}: not one run)"
+    picked, same_run = pr
+    a, b = picked[phase], picked[other]
+    return a, b, "" if same_run else f" (* runs {a.get('run', 0)} and {b.get('run', 0)}: not one run)"
 
 
 def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:

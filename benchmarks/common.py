@@ -542,9 +542,9 @@ def short_error(exc: BaseException, limit: int = 300) -> str:
 
 def concat_runs(payloads: Sequence[dict[str, Any]], benchmark: str) -> dict[str, Any]:
     """Several runs of one benchmark as one report: every run's rows, each tagged with its run
-    (``row["run"]``, an index into ``runs``, so figures compared are paired within one run), each
-    run's environment, the last run's config. A merged report merges as its runs. ValueError for
-    another benchmark's result."""
+    (``row["run"]``, an index into ``runs``, so that ``run_pair`` pairs figures within one run),
+    each run's environment, the last run's config. A merged report merges as its runs. ValueError
+    for another benchmark's result."""
     if not payloads:
         raise ValueError("nothing to merge")
     for i, p in enumerate(payloads):
@@ -566,6 +566,41 @@ def tag_runs(payloads: Sequence[dict[str, Any]], env_key: str) -> tuple[list[dic
         rows += [{**r, "run": len(runs) + (r.get("run", 0) if own else 0)} for r in p["rows"]]
         runs += p["runs"] if own else [p.get(env_key)]
     return rows, runs
+
+
+def run_pair(rows: Iterable[dict[str, Any]], sides: dict[str, Callable[[dict[str, Any]], bool]],
+             enough: Callable[[set[str]], bool] | None = None) -> tuple[dict[str, dict[str, Any]], bool] | None:
+    """The rows a ratio between measurements divides, and whether they come from one run: every
+    report that compares two measurements of one cell (a merged report's rows carry ``run``, see
+    ``tag_runs``) picks them here, so that all of them pick alike.
+
+    ``sides``: name -> whether a row measures that side; a row counts only when its status is ok.
+    ``enough``: whether a set of side names is enough for the ratio (default: every side; e.g. a
+    numerator and any one of several denominators). Returns ``(picked, same_run)``, ``picked``
+    mapping each side present to its row; None where even the rows of all runs are not enough.
+
+    - The latest run that measured enough sides wins, ``same_run`` True. A ratio divides two
+      figures of one run because GPU clocks, host load and often the machine differ between runs
+      by more than the margins a goal is checked to; of several runs that measured both, the
+      latest measured the newest code (a cell is rerun because something changed).
+    - Within that run, each side's last row: a run that measured a side twice ended on the later
+      figure, so what a run reports is what it finished with.
+    - Where no run measured enough, each side's row from the latest run that measured it (its last
+      row there), ``same_run`` False: a report shows such a ratio marked ``*`` and gives it no
+      verdict, since its two figures are minutes or sessions apart."""
+    by_run: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        for name, measures in sides.items():
+            if measures(r):
+                by_run.setdefault(r.get("run", 0), {})[name] = r
+    enough = enough or (lambda names: names >= set(sides))
+    for run in sorted(by_run, reverse=True):
+        if enough(set(by_run[run])):
+            return dict(by_run[run]), True
+    latest = {name: r for run in sorted(by_run) for name, r in by_run[run].items()}
+    return (latest, False) if enough(set(latest)) else None
 
 
 def write_outputs(payload: dict, prefix: str, no_plot: bool, log, markdown: str, draw, alt: str) -> str:

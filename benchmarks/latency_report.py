@@ -95,19 +95,16 @@ def interleaved_ratio(row: dict[str, Any] | None, num: str, dens: Sequence[str])
 
 def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple,
            rows: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The cell's ratios (``RATIOS``). Where the shown numerator row was timed interleaved with the
-    denominator columns (``interleaved_ratio``), that ratio, its key listed in ``interleaved``:
-    timed minutes apart, two columns of a sub-millisecond step differ by the host's and GPU's drift,
-    a few per cent. Else each divides two p50s of one run: GPU clocks and host load
-    differ between runs by more than the goals' margins. Per ratio: the run of the shown numerator
-    row when that run measured the denominator too, else the earliest run that measured both.
-    Where no run measured both, the shown rows' ratio, its key listed in ``cross_run`` (the table
-    marks it ``*``; a goal does not count it). ``rows``: every row of the report (default: the
-    shown ones, ``chosen``)."""
-    by_run: dict[int, dict[str, dict[str, Any]]] = {}
-    for r in (chosen.values() if rows is None else rows):
-        if row_key(r) == cell and r["status"] == "ok":
-            by_run.setdefault(r.get("run", 0), {}).setdefault(r["column"], r)
+    """The cell's ratios (``RATIOS``). Where an ok numerator row was timed interleaved with the
+    denominator columns (``interleaved_ratio``), that ratio (the latest run's), its key listed in
+    ``interleaved``: timed minutes apart, two columns of a sub-millisecond step differ by the
+    host's and GPU's drift, a few per cent. Else each divides two p50s picked by
+    ``common.run_pair`` (the latest run that measured the numerator and one of the denominator's
+    columns; the fastest of those that run measured is the denominator). Where no run measured
+    both, the latest rows of each, the ratio's key listed in ``cross_run`` (the table marks it
+    ``*``; a goal does not count it). ``rows``: every row of the report (default: the shown ones,
+    ``chosen``)."""
+    in_cell = [r for r in (chosen.values() if rows is None else rows) if row_key(r) == cell]
     shown = {c: r for c in COLUMNS if (r := chosen.get((*cell, c))) and r["status"] == "ok"}
 
     def fastest(cols, names):
@@ -116,21 +113,21 @@ def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple,
 
     out: dict[str, Any] = {"best_graph_us": fastest(shown, FULL_GRAPHS), "cross_run": [], "interleaved": []}
     for key, (num, dens) in RATIOS.items():
-        side_by_side = interleaved_ratio(shown.get(num), num, dens)
-        if side_by_side is not None:
-            out[key] = side_by_side
+        side_by_side = sorted(((r.get("run", 0), v) for r in in_cell if r["column"] == num and r["status"] == "ok"
+                               and (v := interleaved_ratio(r, num, dens)) is not None), key=lambda rv: rv[0])
+        if side_by_side:
+            out[key] = side_by_side[-1][1]  # the latest run's last (sorted() keeps a run's rows in order)
             out["interleaved"].append(key)
             continue
-        paired = [run for run, cols in sorted(by_run.items()) if num in cols and fastest(cols, dens)]
-        own = shown[num].get("run", 0) if num in shown else None
-        if paired:
-            cols = by_run[own if own in paired else paired[0]]
-            out[key] = cols[num]["p50_us"] / fastest(cols, dens)
-        elif num in shown and fastest(shown, dens):
-            out[key] = shown[num]["p50_us"] / fastest(shown, dens)
-            out["cross_run"].append(key)
-        else:
+        pr = common.run_pair(in_cell, {c: (lambda r, c=c: r["column"] == c) for c in (num, *dens)},
+                             lambda names, num=num, dens=dens: num in names and any(d in names for d in dens))
+        if pr is None:
             out[key] = None
+            continue
+        cols, same_run = pr
+        out[key] = cols[num]["p50_us"] / fastest(cols, dens)
+        if not same_run:
+            out["cross_run"].append(key)
     return out
 
 

@@ -326,18 +326,15 @@ def _p50(rows, key, column, batch):
 
 def pair(rows: Sequence[dict[str, Any]], one_key: str, two_key: str, column: str,
          batch: int) -> tuple[float, float, bool] | None:
-    """(TP=1 p50, TP=2 p50, same run) for a ratio: from the earliest run that measured both (a
-    run's clocks and host load are its own, so a ratio divides figures of one run); where no run
-    did, each bench's first ok row, ``same run`` False. None where either was never measured."""
-    ok: dict[int, dict[str, float]] = {}
-    for r in rows:
-        if r["column"] == column and r["batch"] == batch and r["status"] == "ok" and r["bench"] in (one_key, two_key):
-            ok.setdefault(r.get("run", 0), {}).setdefault(r["bench"], r["p50_us"])
-    both = [run for run in sorted(ok) if len(ok[run]) == 2]
-    if both:
-        return ok[both[0]][one_key], ok[both[0]][two_key], True
-    one, two = _p50(rows, one_key, column, batch), _p50(rows, two_key, column, batch)
-    return (one, two, False) if one and two else None
+    """(TP=1 p50, TP=2 p50, same run) for a ratio, picked by ``common.run_pair``: the latest run
+    that measured both; where no run did, each bench's latest row, ``same run`` False. None where
+    either was never measured."""
+    cell = [r for r in rows if r["column"] == column and r["batch"] == batch]
+    pr = common.run_pair(cell, {k: (lambda r, k=k: r["bench"] == k) for k in (one_key, two_key)})
+    if pr is None:
+        return None
+    picked, same_run = pr
+    return picked[one_key]["p50_us"], picked[two_key]["p50_us"], same_run
 
 
 def render_markdown(payload: dict[str, Any]) -> str:

@@ -274,19 +274,14 @@ def _ms(summary: dict[str, Any] | None, key: str) -> str:
 
 
 def on_off_pair(rows: Sequence[dict[str, Any]]) -> tuple[dict, dict, bool] | None:
-    """(on row, off row, same run) for the on ÷ off ratios: the last run in which both modes are
-    ok (``common.concat_runs`` tags a merged report's rows), since two runs differ in clocks and
-    host load; where no run measured both, the last ok row of each mode, ``same run`` False. None
-    where a mode was never measured."""
-    runs: dict[int, dict[str, dict]] = {}
-    for r in rows:
-        if r["status"] == "ok":
-            runs.setdefault(r.get("run", 0), {})[r["mode"]] = r
-    paired = [modes for _, modes in sorted(runs.items()) if all(m in modes for m in MODES)]
-    if paired:
-        return paired[-1]["on"], paired[-1]["off"], True
-    last = {r["mode"]: r for r in rows if r["status"] == "ok"}
-    return (last["on"], last["off"], False) if all(m in last for m in MODES) else None
+    """(on row, off row, same run) for the on ÷ off ratios, picked by ``common.run_pair``: the
+    latest run in which both modes are ok; where no run measured both, each mode's latest ok row,
+    ``same run`` False. None where a mode was never measured."""
+    pr = common.run_pair(rows, {m: (lambda r, m=m: r["mode"] == m) for m in MODES})
+    if pr is None:
+        return None
+    picked, same_run = pr
+    return picked["on"], picked["off"], same_run
 
 
 def render_markdown(payload: dict[str, Any]) -> str:
