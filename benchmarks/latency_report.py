@@ -66,12 +66,13 @@ def row_key(r: dict[str, Any]) -> tuple:
 
 def select(rows: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
     """(model, kind, batch, context, prefill, column) -> the row shown (an ok row over others;
-    among equals the earliest run)."""
+    among equals the latest, as ``common.run_pair`` picks the rows a ratio divides, so a table row
+    shows the p50s its ratios come from)."""
     chosen: dict[tuple, dict[str, Any]] = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r.get("run", 0)):
         key = (*row_key(r), r["column"])
         cur = chosen.get(key)
-        if cur is None or (cur["status"] != "ok" and r["status"] == "ok"):
+        if cur is None or r["status"] == "ok" or cur["status"] != "ok":
             chosen[key] = r
     return chosen
 

@@ -308,20 +308,20 @@ def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def shown(rows: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """(bench, column, batch) -> the row shown: the first ok row, else the first row."""
+    """(bench, column, batch) -> the row shown: the latest ok row, else the latest row (as
+    ``common.run_pair`` picks the rows a ratio divides)."""
     chosen: dict[tuple, dict[str, Any]] = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r.get("run", 0)):
         key = (r["bench"], r["column"], r["batch"])
-        if key not in chosen or (chosen[key]["status"] != "ok" and r["status"] == "ok"):
+        if key not in chosen or r["status"] == "ok" or chosen[key]["status"] != "ok":
             chosen[key] = r
     return chosen
 
 
 def _p50(rows, key, column, batch):
-    for r in rows:
-        if r["bench"] == key and r["column"] == column and r["batch"] == batch and r["status"] == "ok":
-            return r["p50_us"]
-    return None
+    """The p50 the table shows (``shown``), None where that row is not ok."""
+    r = shown(rows).get((key, column, batch))
+    return r["p50_us"] if r is not None and r["status"] == "ok" else None
 
 
 def pair(rows: Sequence[dict[str, Any]], one_key: str, two_key: str, column: str,
