@@ -45,6 +45,18 @@ FP8_E4M3_MAX = 448.0
 #: Norm-relative error of attention over an fp8 cache against the same attention over the bf16
 #: cache it quantizes, on unit-Gaussian data (module docstring: twice the worst measured).
 FP8_REL_ERROR_BOUND = 0.08
+#: The most blocks a paged cache may have: the largest int32. Block tables hold block ids as int32
+#: (the metadata builder's, FlashAttention's ``block_table``), where an id past it would wrap to a
+#: negative one, and FlashAttention reads the cache's block count into a C ``int``.
+MAX_NUM_BLOCKS = 2 ** 31 - 1
+
+
+def check_num_blocks(num_blocks: int, name: str = "num_blocks") -> int:
+    """``num_blocks`` (an int), or a ValueError naming ``name`` if it exceeds ``MAX_NUM_BLOCKS``."""
+    if num_blocks > MAX_NUM_BLOCKS:
+        raise ValueError(f"{name} must be at most {MAX_NUM_BLOCKS} (2**31 - 1), got {num_blocks}: block ids are "
+                         f"int32 in the block tables, and higher ones would wrap to negative ids")
+    return num_blocks
 
 
 def check_head_dim(head_dim: int, name: str = "head_dim") -> None:
@@ -197,6 +209,7 @@ class KVCache:
         check_cache_dtype(k.dtype, "key_cache")
         if k.dim() != 4:
             raise ValueError(f"key_cache must be (num_blocks, block_size, kv_heads, head_dim), got {tuple(k.shape)}")
+        check_num_blocks(k.shape[0], "key_cache's num_blocks (dim 0)")
         if k.shape[2] != spec.num_kv_heads or k.shape[3] != spec.head_dim:
             raise ValueError(
                 f"key_cache shape {tuple(k.shape)} does not match the layer's "
@@ -280,7 +293,8 @@ def allocate_kv_caches(
     same; ``torch.float8_e4m3fn`` for a quantized cache, with ``k_scale``/``v_scale`` per layer:
     one float for every layer or a mapping layer name -> float).
     """
-    num_blocks, block_size = positive_int(num_blocks, "num_blocks"), positive_int(block_size, "block_size")
+    num_blocks = check_num_blocks(positive_int(num_blocks, "num_blocks"))
+    block_size = positive_int(block_size, "block_size")
     check_dtype(dtype, "dtype")
     storage = dtype if kv_cache_dtype is None else kv_cache_dtype
     check_cache_dtype(storage, "kv_cache_dtype")

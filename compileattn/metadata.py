@@ -17,6 +17,7 @@ import torch
 from .argtypes import as_int, is_bool, positive_int
 from .backends.base import AttentionBackend, PersistentBuffers, StepShape, StepTensors
 from .backends.selector import KernelSelector
+from .kv_cache import check_num_blocks
 from .validation import context_write_clash
 
 
@@ -98,7 +99,7 @@ class AttentionMetadataBuilder:
         backend: AttentionBackend | str = "auto",
     ):
         self.block_size = positive_int(block_size, "block_size")
-        self.num_blocks = positive_int(num_blocks, "num_blocks")
+        self.num_blocks = check_num_blocks(positive_int(num_blocks, "num_blocks"))
         self.max_num_tokens = positive_int(max_num_tokens, "max_num_tokens")
         self.max_blocks_per_seq = positive_int(max_blocks_per_seq, "max_blocks_per_seq")
         self.device = torch.device(device)

@@ -80,6 +80,13 @@ def test_allocator_reads_block_ids_and_counts_by_the_int_rule():
         BlockAllocator(4.0)
 
 
+def test_allocator_refuses_more_blocks_than_int32_block_ids_address():
+    """Its block ids go into int32 block tables: with more blocks, ids past 2**31 - 1 would wrap
+    (refused before the per-block lists are made)."""
+    with pytest.raises(ValueError, match="^num_blocks must be at most 2147483647"):
+        BlockAllocator(2**62)
+
+
 # -- scheduling ------------------------------------------------------------------------------------
 
 def test_steps_mix_decodes_prefills_and_chunked_prefills(llama):

@@ -591,6 +591,19 @@ def test_builder_sizes_follow_the_int_rule(name):
             builder(**{name: bad})
 
 
+def test_block_counts_past_int32_are_refused():
+    """Block tables hold block ids as int32: a builder for more blocks wrote block 2**31 + 3 into
+    its table as -2147483645 and a KV cache of that many blocks was taken."""
+    assert builder(num_blocks=2**31 - 1).num_blocks == 2**31 - 1
+    with pytest.raises(ValueError, match=r"^num_blocks must be at most 2147483647 \(2\*\*31 - 1\), got 2147483648"):
+        builder(num_blocks=2**31)
+    with pytest.raises(ValueError, match="^num_blocks must be at most 2147483647"):
+        allocate_kv_caches({"l0": AttentionSpec(H, KVH, D)}, num_blocks=2**31, block_size=BS, dtype=torch.float32)
+    k = torch.empty(2**31, BS, KVH, D, device="meta")  # no memory: the check reads the shape
+    with pytest.raises(ValueError, match="^key_cache's num_blocks \\(dim 0\\) must be at most 2147483647"):
+        KVCache(k, torch.empty_like(k), AttentionSpec(H, KVH, D))
+
+
 def test_builder_rejects_unknown_backend():
     with pytest.raises(ValueError, match="attention_backend='nope'"):
         builder(backend="nope")

@@ -6,6 +6,7 @@ import operator
 from typing import Iterable, Sequence
 
 from ..argtypes import as_int, positive_int
+from ..kv_cache import check_num_blocks
 
 #: A block's content key: (content id of the block before it, or None for a sequence's first
 #: block; the block's token ids). Exact: two keys are equal only for equal token prefixes.
@@ -44,7 +45,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = False):
-        num_blocks = positive_int(num_blocks, "num_blocks")
+        num_blocks = check_num_blocks(positive_int(num_blocks, "num_blocks"))
         if not isinstance(enable_caching, bool):
             raise TypeError(f"enable_caching must be a bool, got {enable_caching!r}")
         self.num_blocks = num_blocks
