@@ -40,9 +40,18 @@ def integer_as_int(value):
 
 def positive_int(value, name: str) -> int:
     """``value`` as an int >= 1 (``as_int``), or a TypeError / ValueError naming ``name``."""
+    return _int_at_least(value, name, 1)
+
+
+def non_negative_int(value, name: str) -> int:
+    """``value`` as an int >= 0 (``as_int``), or a TypeError / ValueError naming ``name``."""
+    return _int_at_least(value, name, 0)
+
+
+def _int_at_least(value, name: str, low: int) -> int:
     index = as_int(value)
     if index is None:
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if index < 1:
-        raise ValueError(f"{name} must be >= 1, got {index}")
+    if index < low:
+        raise ValueError(f"{name} must be >= {low}, got {index}")
     return index

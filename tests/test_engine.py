@@ -74,8 +74,13 @@ def test_allocator_reads_block_ids_and_counts_by_the_int_rule():
     assert a.refcount(1) == 1
     with pytest.raises(ValueError, match="not allocated"):
         a.refcount(-1)  # was the last block's count, through Python's negative indexing
-    with pytest.raises(ValueError, match="n must be"):
+    with pytest.raises(ValueError, match="^n must be >= 0, got -1"):
         a.can_allocate(-1)  # was True
+    for bad in (1.0, True, "1"):  # the int rule's refusals, by type (argtypes.non_negative_int)
+        with pytest.raises(TypeError, match="^n must be an int"):
+            a.allocate(bad)
+        with pytest.raises(TypeError, match="^n must be an int"):
+            a.can_allocate(bad)
     with pytest.raises(TypeError, match="num_blocks"):
         BlockAllocator(4.0)
 

@@ -180,8 +180,12 @@ def test_allocator_refuses_bool_block_ids_and_a_bad_block_size():
         a.register(True, None, [5, 6, 7, 8])
     with pytest.raises(ValueError, match="block_size"):
         a.lookup(list(range(8)), 0)  # was a ZeroDivisionError
-    with pytest.raises(ValueError, match="max_blocks"):
+    with pytest.raises(TypeError, match="^max_blocks must be an int, got 1.5"):
         a.lookup(list(range(8)), BS, max_blocks=1.5)
+    with pytest.raises(TypeError, match="^max_blocks must be an int, got True"):
+        a.lookup(list(range(8)), BS, max_blocks=True)
+    with pytest.raises(ValueError, match="^max_blocks must be >= 0, got -1"):
+        a.lookup(list(range(8)), BS, max_blocks=-1)
     assert a.lookup(list(range(8)), BS, max_blocks=1) == blocks[:1]
     assert a.refcount(b[0]) == 1 and not a.is_registered(b[0])
 

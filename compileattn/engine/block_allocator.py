@@ -5,7 +5,7 @@ import collections
 import operator
 from typing import Iterable, Sequence
 
-from ..argtypes import as_int, positive_int
+from ..argtypes import as_int, non_negative_int, positive_int
 from ..kv_cache import check_num_blocks
 
 #: A block's content key: (content id of the block before it, or None for a sequence's first
@@ -81,20 +81,13 @@ class BlockAllocator:
             raise ValueError(f"block {b} is not allocated (not a block of this allocator: 0..{self.num_blocks - 1})")
         return b
 
-    @staticmethod
-    def _count(n) -> int:
-        count = as_int(n)
-        if count is None or count < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
-        return count
-
     def can_allocate(self, n: int) -> bool:
-        return self._count(n) <= self.num_free
+        return non_negative_int(n, "n") <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks, each held once: blocks without content first, then the least recently
         freed cached ones, whose keys are dropped (their K/V is about to be overwritten)."""
-        n = self._count(n)
+        n = non_negative_int(n, "n")
         if n > self.num_free:
             raise OutOfBlocksError(
                 f"asked for {n} KV-cache blocks but only {self.num_free} of {self.num_blocks} are free; "
@@ -141,14 +134,12 @@ class BlockAllocator:
         ``max_blocks``), first block first; [] without caching. Only reads: ``share`` takes them."""
         block_size = positive_int(block_size, "block_size")
         if max_blocks is not None:
-            cap = as_int(max_blocks)
-            if cap is None or cap < 0:
-                raise ValueError(f"max_blocks must be None or an int >= 0, got {max_blocks!r}")
+            max_blocks = non_negative_int(max_blocks, "max_blocks")
         if not self.enable_caching:
             return []
         n = len(token_ids) // block_size
         if max_blocks is not None:
-            n = min(n, cap)
+            n = min(n, max_blocks)
         blocks: list[int] = []
         parent = None
         for i in range(n):
