@@ -89,3 +89,23 @@ def test_writers_of_one_pid_and_thread_keep_their_own_temporary_files(tmp_path, 
     assert target.read_bytes() == b"this writer's piece"
     assert [p.name for p in tmp_path.iterdir()] == ["piece.bin"]
     assert target.stat().st_mode & 0o077 == 0
+
+
+def test_the_piece_key_changes_with_the_python_version(monkeypatch):
+    """A piece's file is a pickle of code made for one interpreter: the key named the torch version
+    but not Python's, so another Python loaded this one's pieces."""
+    import torch
+    import torch.fx
+
+    from compileattn.compilation.cache import cache_key
+    from compileattn.config import CompileConfig
+
+    gm = torch.fx.symbolic_trace(lambda x: x.relu() + 1)
+    config = CompileConfig()
+    key = cache_key(config, gm)
+    assert cache_key(config, gm) == key
+    major, minor, micro, level, serial = sys.version_info
+    monkeypatch.setattr(sys, "version_info", (major, minor + 1, micro, level, serial))
+    assert cache_key(config, gm) != key
+    monkeypatch.setattr(sys, "version_info", (major, minor, micro + 1, level, serial))
+    assert cache_key(config, gm) != key

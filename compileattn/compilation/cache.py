@@ -6,7 +6,7 @@ Two caches share ``CompileConfig.cache_dir``:
   runs Dynamo in every process, and loads each distinct piece instead of compiling it. The key
   covers the CompileConfig hash (its compile-affecting fields only: kernel choice and CUDA-graph
   settings are run-time), the Dynamo graph's code, the contents of every source file the graph was
-  traced from (found through the nodes' stack traces), the torch version, the machine (CPU
+  traced from (found through the nodes' stack traces), the torch and Python versions, the machine (CPU
   features, GPUs, Triton version: ``machine_key``) and the environment variables that steer
   Inductor or compileattn; a file per distinct piece and size, named by
   its signature (``piece_signature.py``).
@@ -28,6 +28,7 @@ import pickle
 import platform
 import re
 import stat
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -241,9 +242,13 @@ def traced_source_files(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def cache_key(config: CompileConfig, gm: torch.fx.GraphModule) -> str:
+    """The per-piece cache's directory name (module docstring). The Python version is in it: a
+    piece's file is a pickle of code made by and for this interpreter (Inductor's Python wrapper
+    and what it loads), and pickles and bytecode are not kept alike across Python versions."""
     h = hashlib.sha256()
     h.update(config.hash().encode())
     h.update(torch.__version__.encode())
+    h.update(f"python={sys.implementation.name} {tuple(sys.version_info)}".encode())
     h.update(compileattn_source_digest().encode())
     h.update(gm.code.encode())
     for line in environment_key():
