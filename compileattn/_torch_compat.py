@@ -71,7 +71,10 @@ PRIVATE_APIS = {
                                                  "evaluates per call (size_guards.py)",
     "torch._subclasses.fake_tensor.unset_fake_temporarily": "compiling a piece for static shapes",
     "torch._subclasses.fake_tensor.FakeTensorMode": "fake inputs with every size fixed",
-    "torch._subclasses.fake_tensor.FakeTensor": "example values of a piece sent to a compile worker",
+    "torch._subclasses.fake_tensor.FakeTensor": "example values of a piece sent to a compile worker; a plain "
+                                                "tensor's type in a piece signature",
+    "torch.utils._python_dispatch.is_traceable_wrapper_subclass": "a tensor subclass's inner tensors in a piece "
+                                                                  "signature",
     "torch.fx.experimental.symbolic_shapes.ShapeEnv": "the symbolic sizes of a piece a compile worker "
                                                       "unpickles",
     "torch._ops.OpOverload": "matching splitting ops in FX graphs",
@@ -244,6 +247,14 @@ def _without_views(value):
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
                                        requires_grad=value.requires_grad)
     return value
+
+
+def tensor_kind(t: torch.Tensor) -> tuple[type, tuple[list[str], Any] | None]:
+    """(``t``'s type, FakeTensor as Tensor; ``t.__tensor_flatten__()`` for a traceable subclass,
+    else None): what the compiled code sees of a tensor besides its metadata."""
+    kind = torch.Tensor if isinstance(t, resolve("torch._subclasses.fake_tensor.FakeTensor")) else type(t)
+    flat = t.__tensor_flatten__() if resolve("torch.utils._python_dispatch.is_traceable_wrapper_subclass")(t) else None
+    return kind, flat
 
 
 def node_example_value(node):

@@ -100,3 +100,57 @@ def test_kv_write_layer_names_become_slots():
     names = parametrize_layer_names(gm)
     assert names == {"compileattn:piece_layer:0": "model.layers.3.attn"}
     assert "model.layers.3" not in gm.code and "compileattn:piece_layer:0" in gm.code
+
+
+def test_a_tensor_subclass_input_does_not_share_with_a_plain_tensor():
+    """A ``__torch_dispatch__`` subclass (a quantized weight, say) runs other code than a plain
+    tensor of the same dtype, shape and strides: one layer's subclass weight shared the compiled
+    piece of the other layers' plain weights. A Parameter, and the fake tensor Dynamo traces a
+    plain tensor as, are plain tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def a(w, x):
+        return torch.relu(x @ w) + 1
+
+    x = torch.randn(2, 4)
+    w = torch.randn(4, 4)
+    base = piece_signature(_trace(a), [w, x], 0)
+    assert piece_signature(_trace(a), [torch.nn.Parameter(w, requires_grad=False), x], 1) == base
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(w), mode.from_tensor(x)]
+    assert piece_signature(_trace(a), fake, 1) == base
+    two = TwoTensor(torch.randn(4, 4), torch.randn(4, 4))
+    assert piece_signature(_trace(a), [two, x], 1) != base
+    assert piece_signature(_trace(a), [TwoTensor(torch.randn(4, 4), torch.randn(4, 4)), x], 2) == \
+        piece_signature(_trace(a), [two, x], 1)
+    # a subclass is compiled through its inner tensors: other ones (an int8 weight's scales per
+    # row, not one) are other code under the same outer dtype and shape
+    per_tensor = _Quantized(torch.zeros(4, 4, dtype=torch.int8), torch.ones(()))
+    per_row = _Quantized(torch.zeros(4, 4, dtype=torch.int8), torch.ones(4, 1))
+    assert piece_signature(_trace(a), [per_tensor, x], 1) != piece_signature(_trace(a), [per_row, x], 2)
+    assert piece_signature(_trace(a), [per_tensor, x], 1) == \
+        piece_signature(_trace(a), [_Quantized(torch.ones(4, 4, dtype=torch.int8), torch.zeros(())), x], 2)
+
+
+class _Quantized(torch.Tensor):
+    """A float32 tensor held as int8 ``data`` times ``scale``: the shape of a quantized weight
+    subclass (only what a piece signature reads of it)."""
+
+    @staticmethod
+    def __new__(cls, data, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.float32, device=data.device)
+
+    def __init__(self, data, scale):
+        self.data_, self.scale = data, scale
+
+    def __tensor_flatten__(self):
+        return ["data_", "scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return _Quantized(inner["data_"], inner["scale"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return NotImplemented

@@ -22,7 +22,10 @@ Two things make identical pieces print differently, and are taken out:
 
 Two pieces share only if, after that, their canonical code and every input's dtype, device (its
 index too: Inductor's code sets and allocates on the GPU it was compiled for), symbolic shape,
-stride and storage offset match: the compiled code specialises on all of those.
+stride and storage offset match: the compiled code specialises on all of those. And its type: a
+tensor subclass (``__torch_dispatch__``: a quantized weight, say) is compiled through its inner
+tensors, so their description and its flatten context count too; a Parameter, and the fake tensor
+Dynamo traces a tensor as, are plain tensors to the compiled code.
 A piece that text cannot identify shares with no other: one that reads module state
 (``get_attr``), holds a tensor constant in an argument (its repr can be truncated), or calls a
 lambda or closure (one qualified name for different code). The signature of such a piece is its
@@ -99,8 +102,14 @@ def canonical_code(gm: torch.fx.GraphModule) -> str | None:
 
 def _describe(arg: Any) -> str:
     if isinstance(arg, torch.Tensor):
-        return (f"T({arg.dtype},{arg.device},{[str(s) for s in arg.shape]},{[str(s) for s in arg.stride()]},"
-                f"{arg.storage_offset()},{arg.requires_grad})")
+        kind, flat = _torch_compat.tensor_kind(arg)
+        name = "Tensor" if kind in (torch.Tensor, torch.nn.Parameter) else f"{kind.__module__}.{kind.__qualname__}"
+        text = (f"T({name},{arg.dtype},{arg.device},{[str(s) for s in arg.shape]},"
+                f"{[str(s) for s in arg.stride()]},{arg.storage_offset()},{arg.requires_grad})")
+        if flat is not None:  # a context whose repr holds an address costs sharing, never shares wrongly
+            attrs, ctx = flat
+            text += f"[{','.join(f'{a}={_describe(getattr(arg, a))}' for a in attrs)};{ctx!r}]"
+        return text
     if isinstance(arg, torch.SymInt):
         return f"S({_torch_compat.symbol_of(arg)})"
     return f"V({type(arg).__name__},{arg!r})"
