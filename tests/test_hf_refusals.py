@@ -225,12 +225,21 @@ def test_string_prompts_use_the_directory_tokenizer(tmp_path):
     (dict(kv_cache_memory="1GB"), "kv_cache_memory must be a positive number of bytes, got '1GB'"),
     (dict(kv_cache_memory=0), "kv_cache_memory must be a positive number of bytes, got 0"),
     (dict(gpu_memory_utilization=5), r"gpu_memory_utilization must be in \(0, 1\], got 5"),
+    (dict(device="bogus"), r"device='bogus' is not a device"),
+    (dict(device="meta"), r"device='meta': compileattn serves on 'cpu' or 'cuda'"),
 ])
 def test_bad_llm_arguments_are_named_before_the_model_loads(tmp_path, arguments, refused):
     """They divided by zero in the KV budget's log line, or were reported as a model the backends
     cannot serve."""
     with pytest.raises(ValueError, match=refused):
         ca.LLM(str(tmp_path / "not-loaded"), compile_config=None, **arguments)
+
+
+def test_cuda_without_cuda_is_refused_naming_the_device(tmp_path, monkeypatch):
+    """torch's "Torch not compiled with CUDA enabled" came out of the load, naming no argument."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device='cuda': no CUDA device is available"):
+        ca.LLM(str(tmp_path / "not-loaded"), compile_config=None, device="cuda")
 
 
 def test_a_tokenizer_without_encode_and_decode_is_refused_before_the_model_loads(tmp_path):

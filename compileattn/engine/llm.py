@@ -71,6 +71,30 @@ def _dtype(value: torch.dtype | str | None, device: torch.device) -> torch.dtype
     return value
 
 
+def _device(value: torch.device | str | None) -> torch.device | None:
+    """``device`` as a ``torch.device`` the engine can run on, or None (the default). Checked
+    before anything loads: an unparsable string, a device type the engine has no kernels for, or
+    CUDA on a machine without it otherwise surfaced from deep inside the load as torch's own
+    errors ("Torch not compiled with CUDA enabled", "Tensor.item() cannot be called on meta
+    tensors"), none naming the argument."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"device must be a torch.device or a string such as 'cpu' or 'cuda', got {value!r}")
+    try:
+        device = torch.device(value)
+    except RuntimeError as e:
+        raise ValueError(f"device={value!r} is not a device: {e}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={value!r}: compileattn serves on 'cpu' or 'cuda', not {device.type!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={value!r}: no CUDA device is available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def _eos_token_ids(hf_model, tokenizer) -> tuple[int, ...]:
     """EOS ids from the generation config, else the model config, else the tokenizer."""
     candidates = [getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None),
@@ -125,6 +149,7 @@ class LLM:
                  enable_prefix_caching: bool = False):
         if kv_cache_memory is not None and num_blocks is not None:
             raise ValueError("pass kv_cache_memory or num_blocks, not both")
+        device = _device(device)
         # numpy's integers as ints (``argtypes``): the engine takes Python ints only, and they size
         # the cache and the steps.
         block_size, max_num_seqs, max_num_batched_tokens, num_blocks, max_model_len, tensor_parallel_size = map(
