@@ -295,6 +295,14 @@ def allocate_kv_caches(
     """
     num_blocks = check_num_blocks(positive_int(num_blocks, "num_blocks"))
     block_size = positive_int(block_size, "block_size")
+    # Read field by field below, anything else failed as an AttributeError naming no argument.
+    if not isinstance(specs, Mapping):
+        raise TypeError(f"specs must be a mapping of layer name -> AttentionSpec, got {type(specs).__name__}")
+    for name, spec in specs.items():
+        if not isinstance(name, str):
+            raise TypeError(f"specs: layer names must be strings, got {name!r}")
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"specs[{name!r}] must be an AttentionSpec, got {type(spec).__name__}")
     check_dtype(dtype, "dtype")
     storage = dtype if kv_cache_dtype is None else kv_cache_dtype
     check_cache_dtype(storage, "kv_cache_dtype")

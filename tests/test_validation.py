@@ -742,6 +742,17 @@ def test_allocate_refuses_a_storage_dtype_it_would_not_serve_and_sizes_that_are_
         allocate_kv_caches({"l0": AttentionSpec(H, KVH, D)}, **args)
 
 
+@pytest.mark.parametrize("specs,match", [
+    ([AttentionSpec(H, KVH, D)], r"specs must be a mapping of layer name -> AttentionSpec, got list"),
+    ({"l0": (H, KVH, D)}, r"specs\['l0'\] must be an AttentionSpec, got tuple"),
+    ({0: AttentionSpec(H, KVH, D)}, r"specs: layer names must be strings, got 0"),
+])
+def test_allocate_refuses_specs_that_are_not_a_mapping_of_names_to_attention_specs(specs, match):
+    """They failed as an AttributeError ('tuple' object has no attribute 'num_kv_heads')."""
+    with pytest.raises(TypeError, match=match):
+        allocate_kv_caches(specs, NB, BS, torch.float32)
+
+
 @pytest.mark.parametrize("pad_to", [8.0, True, "8"])
 def test_builder_refuses_a_pad_to_that_is_not_an_int(pad_to):
     with pytest.raises(TypeError, match="pad_to must be an int or None"):
