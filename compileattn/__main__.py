@@ -29,6 +29,20 @@ PROMPT_LENS = (48, 9, 100, 3, 27, 64, 15, 5)
 STEP_BUDGET = 64
 
 
+def _device(text: str) -> str:
+    """``auto`` or a CPU/CUDA device: another device type failed deep inside the model's build as
+    a dispatcher error listing every registered kernel."""
+    if text == "auto":
+        return text
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda (cuda:N) or auto, got {text!r}")
+    return text
+
+
 def parse_args(argv):
     from .backends.selector import BACKEND_NAMES
 
@@ -36,7 +50,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m compileattn", description=description,
                                 epilog="Serving a Hugging Face model directory: python -m compileattn generate --help, "
                                        "python -m compileattn throughput --help")
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
+    p.add_argument("--device", default="auto", type=_device, help="cpu | cuda | auto (cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4 on CPU, 8 on CUDA)")
