@@ -203,7 +203,7 @@ def test_a_one_rank_tp_engine_runs_the_step_it_is_given():
 
 @dataclasses.dataclass(frozen=True)
 class BroadcastsRecorded(TPGroup):
-    """Rank 0 of a group whose broadcasts are recorded, not sent."""
+    """Rank 0 of a group whose broadcasts and agreements are recorded, not sent."""
 
     sent: list = dataclasses.field(default_factory=list)
 
@@ -211,36 +211,42 @@ class BroadcastsRecorded(TPGroup):
         self.sent.append(obj)
         return obj
 
+    def agree(self, call, payload=None):
+        self.sent.append(call)
+        return [payload] * self.world_size
 
-def test_stopping_the_workers_again_broadcasts_nothing_until_they_serve_again():
-    """The other ranks leave ``serve()`` at the first stop; a second stop's broadcast had no peer and
-    waited for the group's timeout. A step broadcast means they serve again, so the next stop ends it."""
-    from compileattn import SequenceStep
-    from compileattn.parallel.driver import StepPlan, TPEngine
+
+def recorded_engine(**kwargs):
+    from compileattn.parallel.driver import TPEngine
 
     tp = BroadcastsRecorded(0, 2, torch.device("cpu"))
-    engine = TPEngine(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), tp=tp, num_blocks=16, max_num_tokens=16,
-                      max_num_seqs=4, block_size=4)
+    return tp, TPEngine(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), tp=tp, num_blocks=16, max_num_tokens=16,
+                        max_num_seqs=4, block_size=4, **kwargs)
+
+
+def test_every_stop_ends_one_serve_which_the_first_step_or_stop_meets():
+    """Each ``stop_workers`` ends one ``serve()`` of the others, a step run or not since the last:
+    they cannot see rank 0's requests. Rank 0 meets each ``serve()``'s opening agreement before its
+    first step or stop; the steps after it are plain broadcasts."""
+    from compileattn import SequenceStep
+    from compileattn.parallel.driver import StepPlan
+
+    tp, engine = recorded_engine()
     engine.stop_workers()
     engine.stop_workers()
-    assert tp.sent == [None]
     engine.run_step([SequenceStep(2, 0, [0])], [1, 2], [0, 1])
+    engine.run_step([SequenceStep(1, 2, [0])], [3], [2])
     engine.stop_workers()
-    engine.stop_workers()
-    assert [type(m) for m in tp.sent] == [type(None), StepPlan, type(None)]
+    assert [m if isinstance(m, (str, type(None))) else type(m) for m in tp.sent] == [
+        "TPEngine.serve", None, "TPEngine.serve", None, "TPEngine.serve", StepPlan, StepPlan, None]
 
 
 @pytest.mark.parametrize("prompts", [[[1] * 99], []], ids=["refused-prompt", "no-prompts"])
 def test_the_stop_after_a_generate_that_ran_no_step_still_ends_serve(prompts):
     """Rank 0 calls ``generate`` then ``stop_workers`` while the other ranks ``serve()``. A generate
-    that broadcast no step (its prompt refused before the first one, or no prompts) left the
-    engine thinking the others were past ``serve()`` since the previous stop: that stop broadcast
-    nothing, and they waited in ``serve()`` for the group's timeout."""
-    from compileattn.parallel.driver import TPEngine
-
-    tp = BroadcastsRecorded(0, 2, torch.device("cpu"))
-    engine = TPEngine(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), tp=tp, num_blocks=16, max_num_tokens=16,
-                      max_num_seqs=4, block_size=4, max_model_len=32)
+    that broadcast no step (its prompt refused before the first one, or no prompts) still ends
+    with a stop that meets their ``serve()`` and ends it."""
+    tp, engine = recorded_engine(max_model_len=32)
     engine.stop_workers()  # the first round's serve() ended
     try:
         engine.generate(prompts, max_new_tokens=2, max_tokens_per_step=16)
@@ -248,7 +254,7 @@ def test_the_stop_after_a_generate_that_ran_no_step_still_ends_serve(prompts):
         assert prompts  # the prompt longer than max_model_len
     finally:
         engine.stop_workers()
-    assert tp.sent == [None, None]
+    assert tp.sent == ["TPEngine.serve", None, "TPEngine.serve", None]
 
 
 def test_init_tp_refuses_what_it_cannot_serve(monkeypatch):
@@ -807,43 +813,104 @@ def test_a_rank_in_barrier_while_another_is_in_generate_raises_on_both(tmp_path)
     assert not results[1]["warnings"], results[1]["warnings"]
 
 
-STOP_TWICE_SCRIPT = r'''
+UNMATCHED_SERVE_SCRIPT = r'''
+import datetime, json, sys, time
+import compileattn.parallel
+from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
+from compileattn.parallel import CallMismatch, init_tp, shard_model
+from compileattn.parallel.driver import TPEngine
+
+tp = init_tp(device="cpu", timeout=datetime.timedelta(seconds=30))
+engine = TPEngine(shard_model(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), tp=tp), tp=tp, num_blocks=16,
+                  max_num_tokens=16, max_num_seqs=4, block_size=4)
+# Rank 0's extra call first, then the others' extra call; each raises on both ranks.
+extra = {0: ["stop_workers", "barrier"], 1: ["barrier", "serve"]}[tp.rank]
+mismatches, seconds, served = [], [], []
+for call in extra:
+    if tp.is_driver:
+        engine.generate([[1, 2, 3]], max_new_tokens=2, max_tokens_per_step=16)
+        engine.stop_workers()
+    else:
+        served.append(engine.serve())
+    start = time.perf_counter()
+    try:
+        engine.stop_workers() if call == "stop_workers" else engine.serve() if call == "serve" else tp.barrier()
+    except CallMismatch as exc:
+        mismatches.append(str(exc))
+    seconds.append(time.perf_counter() - start)
+if tp.is_driver:  # the group serves on
+    engine.generate([[1, 2, 3]], max_new_tokens=2, max_tokens_per_step=16)
+    engine.stop_workers()
+else:
+    served.append(engine.serve())
+tp.barrier()
+json.dump({"mismatches": mismatches, "seconds": seconds, "served": served}, open(f"{sys.argv[1]}.{tp.rank}.json", "w"))
+compileattn.parallel.shutdown_tp()
+'''
+
+
+def test_a_stop_without_a_serve_or_a_serve_without_a_stop_raises_on_every_rank(tmp_path):
+    """Each ``stop_workers`` ends one ``serve()``. A second stop while the others were elsewhere (a
+    barrier) waited for the group's timeout, then broke the group; a ``serve()`` that rank 0 never
+    stopped left that rank in its receive. ``serve()`` opens with an agreement that rank 0's next
+    step or stop meets, so both raise ``CallMismatch`` at once on every rank, and the group serves on."""
+    script = tmp_path / "unmatched_serve.py"
+    script.write_text(UNMATCHED_SERVE_SCRIPT)
+    rc, log = torchrun(2, [str(script), str(tmp_path / "unmatched")], tmp_path, timeout=120)
+    assert rc == 0, log[-4000:]
+    results = [json.loads((tmp_path / f"unmatched.{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert [m.split(")")[0] for m in result["mismatches"]] == [
+            "tensor parallel: the ranks are in different calls (rank 0: TPEngine.serve; rank 1: TPGroup.barrier",
+            "tensor parallel: the ranks are in different calls (rank 0: TPGroup.barrier; rank 1: TPEngine.serve"], results
+        assert all(s < 10 for s in result["seconds"]), results
+    assert results[1]["served"] == [2, 2, 2], results  # a prefill and a decode step per generate
+
+
+ROUNDS_SCRIPT = r'''
 import datetime, json, sys, time
 import compileattn.parallel
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.parallel import init_tp, shard_model
 from compileattn.parallel.driver import TPEngine
 
-tp = init_tp(device="cpu", timeout=datetime.timedelta(seconds=30))
+tp = init_tp(device="cpu", timeout=datetime.timedelta(seconds=20))
 engine = TPEngine(shard_model(LlamaForCausalLM(LlamaConfig.tiny(), seed=0), tp=tp), tp=tp, num_blocks=16,
                   max_num_tokens=16, max_num_seqs=4, block_size=4)
-second_stop_s, served = None, []
-for _ in range(2):  # the other ranks serve again for rank 0's second generate
-    if tp.is_driver:
-        engine.generate([[1, 2, 3]], max_new_tokens=2, max_tokens_per_step=16)
-        engine.stop_workers()
-        start = time.perf_counter()
-        engine.stop_workers()  # they are past serve(): nothing to end
-        second_stop_s = time.perf_counter() - start
-    else:
-        served.append(engine.serve())
-tp.barrier()
-json.dump({"second_stop_s": second_stop_s, "served": served},
+rounds = [[[1, 2, 3]], [], [[4, 5]]]  # rank 0's requests per round: the second has none, so it runs no step
+served, error = [], None
+start = time.perf_counter()
+try:
+    for prompts in rounds:
+        if tp.is_driver:  # rank 0 used as an Engine, then stop_workers, once per round
+            for prompt in prompts:
+                engine.add_request(prompt, max_new_tokens=2)
+            while engine.has_unfinished():
+                engine.step(16)
+            engine.stop_workers()
+        else:  # the others cannot see rank 0's requests: one serve() per round
+            served.append(engine.serve())
+    tp.barrier()
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+json.dump({"served": served, "error": error, "seconds": time.perf_counter() - start},
           open(f"{sys.argv[1]}.{tp.rank}.json", "w"))
 compileattn.parallel.shutdown_tp()
 '''
 
 
-def test_rank_0_stopping_the_workers_twice_returns_at_once_and_they_serve_again(tmp_path):
-    """A second ``stop_workers`` broadcast to ranks already past ``serve()``: it waited for the
-    group's timeout, then broke the group (the next barrier failed on every rank)."""
-    script = tmp_path / "stop_twice.py"
-    script.write_text(STOP_TWICE_SCRIPT)
-    rc, log = torchrun(2, [str(script), str(tmp_path / "stopped")], tmp_path, timeout=120)
-    assert rc == 0, log[-4000:]
-    results = [json.loads((tmp_path / f"stopped.{rank}.json").read_text()) for rank in (0, 1)]
-    assert results[0]["second_stop_s"] < 5, results
-    assert results[1]["served"] == [2, 2], results  # a prefill and a decode step per generate
+def test_each_stop_workers_ends_one_serve_even_for_a_round_without_steps(tmp_path):
+    """Rank 0 steps through its requests and calls ``stop_workers`` once per round while the other
+    ranks, which cannot see its requests, call ``serve()`` once per round. A round with no step
+    (no requests, or all refused) made rank 0 take its stop for a repeated one and broadcast
+    nothing: the others waited in ``serve()`` while rank 0 went on."""
+    script = tmp_path / "rounds.py"
+    script.write_text(ROUNDS_SCRIPT)
+    rc, log = torchrun(2, [str(script), str(tmp_path / "rounds")], tmp_path, timeout=120)
+    results = [json.loads((tmp_path / f"rounds.{rank}.json").read_text()) for rank in (0, 1)]
+    assert rc == 0 and not any(r["error"] for r in results), (results, log[-4000:])
+    assert results[1]["served"] == [2, 0, 2], results  # a prefill and a decode step per prompt
+    assert all(r["seconds"] < 15 for r in results), results
 
 
 EXIT_WITHOUT_SHUTDOWN_SCRIPT = r'''

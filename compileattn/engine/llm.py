@@ -368,8 +368,6 @@ class LLM:
             if isinstance(result, BaseException):
                 raise RuntimeError(f"rank 0's generate failed: {result}") from result
             return result
-        if self.tp is not None:
-            engine.workers_serving = True  # the others are in serve() now, until rank 0's stop_workers
         start = time.perf_counter()
         stats = engine.prefix_cache_stats
         looked_up, hit = stats.queried_tokens, stats.hit_tokens

@@ -12,8 +12,13 @@ lets only rank 0 compute logits and sample.
 of the model runner's ``prepare``: every path that runs a step (``step``, ``run``, ``generate``,
 ``run_step``) goes through it. On rank 0 use it as an ``Engine`` and call ``stop_workers()`` at
 the end; on the other ranks call ``serve()``, which runs the broadcast steps until rank 0 stops it.
-Construction (compile, CUDA-graph capture of every size) is the same on every rank, in the same
-order, so the captured collectives pair up too.
+Each ``stop_workers()`` ends one ``serve()``, whatever ran in between: the other ranks cannot see
+rank 0's requests, so whether a step ran (a round with no requests, or all refused) cannot decide
+which calls they make. ``serve()`` opens with an agreement (``TPGroup.agree``) that rank 0 meets
+before its first step or stop after a stop, so a rank in another call (a barrier, ``LLM.generate``,
+a second ``stop_workers`` with no ``serve()`` to end) raises ``CallMismatch`` on every rank instead
+of leaving a peer in a receive. Construction (compile, CUDA-graph capture of every size) is the
+same on every rank, in the same order, so the captured collectives pair up too.
 """
 from __future__ import annotations
 
@@ -27,6 +32,10 @@ from ..metadata import SequenceStep
 from ..engine import Engine
 from .failure import TPGroupFailed, fail_group, wait_watching_peers
 from .group import CallMismatch, TPGroup, get_tp
+
+
+#: The agreement each ``serve()`` opens with; rank 0 makes it too (``TPEngine._meet_serve``).
+SERVE_CALL = "TPEngine.serve"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +61,9 @@ class TPEngine(Engine):
         #: Rank 0 broadcast a step whose forward it has not run yet: the other ranks are inside that
         #: step's collectives, so a failure now cannot end ``generate`` cleanly (``LLM.generate``).
         self.step_unrun = False
-        #: Rank 0: the other ranks are in ``serve()`` (they enter it with the engine built, and again
-        #: for each ``generate``/``run`` of rank 0, ``LLM.generate``'s too), so ``stop_workers`` has
-        #: a broadcast to end.
-        self.workers_serving = True
+        #: Rank 0: it met the other ranks' ``serve()`` (the agreement it opens with) and has not
+        #: stopped it since; the next step or stop meets the next ``serve()`` first.
+        self.workers_serving = False
         super().__init__(model, **kwargs)
         self._runner_prepare = self.runner.prepare
         self.runner.prepare = self._prepare_step
@@ -106,7 +114,7 @@ class TPEngine(Engine):
         plan = StepPlan(tuple(SequenceStep(int(s[0]), int(s[1]), tuple(s[2])) for s in seqs),
                         tuple(int(t) for t in input_ids), tuple(int(p) for p in positions), self.pad_fn(n))
         with self.group_ends_on_error():
-            self.workers_serving = True  # a step is broadcast only to ranks in serve()
+            self._meet_serve()
             self.tp.broadcast_object(plan)
             self.step_unrun = True
             return self._prepare_plan(plan)
@@ -116,31 +124,28 @@ class TPEngine(Engine):
             self.steps_run.append(plan)
         return self._runner_prepare(plan.seqs, plan.input_ids, plan.positions)
 
-    def generate(self, *args, **kwargs):
-        """``Engine.generate`` on rank 0, which the other ranks' ``serve()`` answers (rank 0 calls
-        ``generate`` then ``stop_workers``): that stop ends their ``serve()`` even where no step
-        was broadcast (a prompt refused before the first step, no prompts)."""
-        self._workers_serve()
-        return super().generate(*args, **kwargs)
-
     def run(self, on_finished=None, max_tokens_per_step: int | None = None) -> None:
         """Step by step, without ``Engine.run``'s overlap: there a step's inputs are completed at
         launch (tokens still on the device when it was planned), after rank 0 broadcast them. On
         rank 0 the other ranks are in ``serve()`` for it, as for ``generate``."""
-        self._workers_serve()
         while self.scheduler.has_unfinished():
             result = self.step(max_tokens_per_step)
             if result.finished and on_finished is not None:
                 on_finished(result.finished)
 
-    def _workers_serve(self) -> None:
-        if self.tp.is_driver:
+    def _meet_serve(self) -> None:
+        """Rank 0, before a step or a stop: the other ranks' ``serve()`` opening agreement, once per
+        ``serve()``."""
+        if not self.workers_serving:
+            self.tp.agree(SERVE_CALL)
             self.workers_serving = True
 
     def serve(self) -> int:
         """Ranks other than 0: run rank 0's steps until it calls ``stop_workers``; returns the count."""
         if self.tp.is_driver:
             raise RuntimeError("rank 0 drives; serve() is for the other ranks")
+        with self.group_ends_on_error():
+            self.tp.agree(SERVE_CALL)  # met by rank 0's next step or stop
         count = 0
         while True:
             with self.group_ends_on_error():  # rank 0 shuts the group down when its own step fails
@@ -157,12 +162,9 @@ class TPEngine(Engine):
             count += 1
 
     def stop_workers(self) -> None:
-        """Rank 0: end the other ranks' ``serve()`` (which a shut-down group has ended already).
-
-        Once they have left it, another call returns at once: they are in no collective that
-        would take the broadcast, which would wait for the group's timeout and then break the
-        group. They serve again (``workers_serving``) when rank 0 broadcasts a step or enters
-        ``generate``, ``run`` or ``LLM.generate``."""
-        if self.tp.is_driver and self.failure is None and self.workers_serving:
+        """Rank 0: end the other ranks' ``serve()`` (which a shut-down group has ended already);
+        one call per ``serve()``, even where no step ran since the last one (module docstring)."""
+        if self.tp.is_driver and self.failure is None:
+            self._meet_serve()
             self.tp.broadcast_object(None)
             self.workers_serving = False
