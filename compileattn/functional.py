@@ -13,6 +13,7 @@ them; left out, they are computed from the index tensors, which reads them).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -40,19 +41,44 @@ def _window_and_causal(window_size, causal: bool) -> tuple[int, bool]:
     return window_left, bool(causal) or window_right == 0
 
 
+def _refuse_training_arguments(dropout_p, deterministic, return_attn_probs) -> None:
+    """flash-attn's training arguments, taken in their flash-attn positions so that a call ported
+    from flash-attn binds as it meant: dropout has no place in inference and a dropout that was
+    asked for is never silently skipped; ``deterministic`` picks flash-attn's backward, and the ops
+    here have none; the attention probabilities are not returned."""
+    if is_bool(dropout_p) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a number, got {dropout_p!r}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p!r} is not supported: compileattn is inference-only and applies no "
+                         f"dropout; pass dropout_p=0.0 (flash-attn's value for evaluation)")
+    if not is_bool(deterministic):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if not is_bool(return_attn_probs):
+        raise TypeError(f"return_attn_probs must be a bool, got {return_attn_probs!r}")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs=True is not supported by compileattn.flash_attn_varlen_func (it returns "
+                         "the attention output only, not flash-attn's (out, softmax_lse, S_dmask))")
+
+
 def flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
+    q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p: float = 0.0,
     softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
-    alibi_slopes=None, block_table=None, seqused_k=None, out=None, k_scale=None, v_scale=None,
-    backend: str = "auto", validate: bool = True,
+    alibi_slopes=None, deterministic: bool = False, return_attn_probs: bool = False, block_table=None, *,
+    seqused_k=None, out=None, k_scale=None, v_scale=None, backend: str = "auto", validate: bool = True,
 ) -> torch.Tensor:
     """Attention over ragged sequences; K/V contiguous (``cu_seqlens_k``) or paged (``block_table``).
 
-    ``alibi_slopes``: float32 (num_heads,), FlashAttention's ALiBi. K/V may be float8_e4m3fn with
-    ``k_scale``/``v_scale`` (float32 (kv_heads,)): they are read as ``stored * scale``.
+    The arguments up to ``block_table`` stand in ``flash_attn.flash_attn_varlen_func``'s order, so
+    a call written for flash-attn, positional or not, binds as it meant. Its training arguments are
+    taken at inference's values: ``dropout_p`` must be 0 (any other value is refused, not
+    ignored), ``deterministic`` selects flash-attn's backward and changes nothing here (the ops have
+    no backward), and ``return_attn_probs=True`` is refused. ``alibi_slopes``: float32
+    (num_heads,), FlashAttention's ALiBi. K/V may be float8_e4m3fn with ``k_scale``/``v_scale``
+    (float32 (kv_heads,)): they are read as ``stored * scale``.
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a tensor, got {type(q).__name__}")
+    _refuse_training_arguments(dropout_p, deterministic, return_attn_probs)
     backend = check_backend_name(backend, "backend")
     if out is None:
         out = torch.empty_like(q)

@@ -838,3 +838,34 @@ def test_alibi_slopes_layout_and_device_are_checked(slopes, match):
     tensor is refused by name (deleting either check left every other test passing)."""
     with pytest.raises(ValueError, match=match):
         call(paged(), alibi_slopes=slopes)
+
+
+def test_flash_attn_training_arguments_are_taken_at_inference_values_and_refused_otherwise():
+    """flash-attn's dropout_p, deterministic and return_attn_probs: a call ported with
+    dropout_p=0.0 got an unexpected-keyword TypeError; a dropout asked for is refused, not skipped."""
+    for kw in (dict(dropout_p=0.0), dict(dropout_p=0), dict(deterministic=True), dict(return_attn_probs=False)):
+        with pytest.raises(KernelRan):
+            call(contiguous(), **kw)
+    for kw, error, match in ((dict(dropout_p=0.1), ValueError, "^dropout_p=0.1 is not supported"),
+                             (dict(dropout_p=None), TypeError, "^dropout_p must be a number"),
+                             (dict(deterministic="yes"), TypeError, "^deterministic must be a bool"),
+                             (dict(return_attn_probs=True), ValueError, "^return_attn_probs=True is not supported")):
+        with pytest.raises(error, match=match):
+            call(contiguous(), **kw)
+
+
+def test_flash_attn_varlen_func_binds_flash_attns_positional_order(monkeypatch):
+    """(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+    causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)."""
+    seen = {}
+
+    def record(q, k, v, out, cu_q, cu_k, seqused_k, block_table, max_q, max_k, scale, causal, window_left, softcap,
+               backend, alibi_slopes, k_scale, v_scale):
+        seen.update(scale=scale, causal=causal, window_left=window_left, softcap=softcap, block_table=block_table)
+
+    monkeypatch.setattr(compileattn.functional.ops, "varlen_attention", record)
+    a = paged()
+    compileattn.flash_attn_varlen_func(a["q"], a["k"], a["v"], a["cu_seqlens_q"], None, 3, 5, 0.0, 0.5, True, (2, 0),
+                                       1.5, None, False, False, a["block_table"], seqused_k=a["seqused_k"])
+    assert seen["scale"] == 0.5 and seen["causal"] is True and seen["window_left"] == 2 and seen["softcap"] == 1.5
+    assert seen["block_table"] is a["block_table"]
