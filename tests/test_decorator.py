@@ -135,6 +135,34 @@ def test_backend_by_name():
     assert f._site.fast is not f.__wrapped__
 
 
+class _Base(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_call_the_signature_rejects_names_the_function():
+    """Signature.bind's bare "got an unexpected keyword argument 'extra'" said not whose."""
+    @compileattn.compile(dynamic_arg_dims={"x": 0}, backend="eager")
+    class CompiledBase(_Base):
+        pass
+
+    @compileattn.compile(dynamic_arg_dims={"x": 0}, backend="eager")
+    def f(x):
+        return x + 1
+
+    m = CompiledBase()
+    with pytest.raises(TypeError, match=r"<locals>\.CompiledBase\.forward\(\) got an unexpected keyword argument 'extra'$"):
+        m(torch.ones(3), extra=1)  # the first call: nothing compiled yet
+    m(torch.ones(3))
+    with pytest.raises(TypeError, match=r"<locals>\.CompiledBase\.forward\(\) got an unexpected keyword argument 'extra'$"):
+        m(torch.ones(3), extra=1)  # a later call, checked against the first
+    with pytest.raises(TypeError, match=r"<locals>\.CompiledBase\.forward\(\) missing a required argument: 'x'$"):
+        m()
+    f(torch.ones(3))
+    with pytest.raises(TypeError, match=r"\.f\(\) got an unexpected keyword argument 'extra'$"):
+        f(torch.ones(3), extra=1)
+
+
 def test_method_decorated_in_class_body_compiles_per_instance():
     backend = CountingBackend()
 

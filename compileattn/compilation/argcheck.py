@@ -517,12 +517,14 @@ class ArgChecker:
                  tensors: tuple[tuple[tuple, ...], ...] = (), overlapping: frozenset[tuple[int, int]] = frozenset(),
                  held: tuple[tuple[tuple, str, Callable[[], Any]], ...] = (),
                  model_storages: Callable[[], Mapping[int, list]] | None = None,
-                 other_tensors: tuple[tuple[str, Callable[[], Any]], ...] = ()):
+                 other_tensors: tuple[tuple[str, Callable[[], Any]], ...] = (), name: str | None = None):
         """``model_storages``: the models' parameters and buffers by storage
         (``ModelTensors.storages``); ``other_tensors``: (where, read) of the other tensors the
         first call reached outside its arguments (``reach.other_tensors``): what a written
-        argument must not come to share."""
+        argument must not come to share. ``name``: the function as a call the signature rejects
+        names it (``bind``)."""
         self._sig = sig
+        self._name = name
         self._bound_self = bound_self
         self._specs = specs
         self._grad_enabled = grad_enabled
@@ -760,7 +762,7 @@ class ArgChecker:
         return value_at(v, path[1:])  # the containers' structure matched the first call's (the specs)
 
     def _plan(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, tuple | None, list, list]:
-        names = _argument_names(self._sig, self._bound_self, args, kwargs)
+        names = _argument_names(self._sig, self._bound_self, args, kwargs, self._name)
         plan = [(src, name, self._specs[name]) for src, name in names if name in self._specs]
         where = dict((name, src) for src, name in names)
         # an argument left at its default is read as the default (``_value``'s None)
@@ -809,11 +811,24 @@ class ArgChecker:
                                           f"compiled code iterates it in the first call's order)")
 
 
-def _argument_names(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict):
+def bind(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict,
+         name: str | None = None) -> inspect.BoundArguments:
+    """``sig.bind`` of a call (the instance stood in for when ``bound_self``). A call the signature
+    rejects raises the TypeError Python would, naming the function as ``name()``: ``Signature.bind``
+    alone says "got an unexpected keyword argument 'extra'" without saying whose."""
+    try:
+        return sig.bind(_SELF, *args, **kwargs) if bound_self else sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        if name is None:
+            raise
+        raise TypeError(f"{name}() {exc}") from None
+
+
+def _argument_names(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict, name: str | None = None):
     """(position or keyword, name) of every argument actually passed; raises the usual TypeError
-    for a call the signature rejects. ``*args`` items are named ``args[i]``, ``**kw`` items
-    ``kw['key']``."""
-    bound = sig.bind(_SELF, *args, **kwargs) if bound_self else sig.bind(*args, **kwargs)
+    (``bind``'s, naming ``name``) for a call the signature rejects. ``*args`` items are named
+    ``args[i]``, ``**kw`` items ``kw['key']``."""
+    bound = bind(sig, bound_self, args, kwargs, name)
     names: list[tuple[int | str, str]] = []
     pos = -1 if bound_self else 0  # index into ``args`` of the next positional parameter
     for name, value in bound.arguments.items():
@@ -832,9 +847,11 @@ def _argument_names(sig: inspect.Signature, bound_self: bool, args: tuple, kwarg
     return names
 
 
-def all_arguments(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """name -> value of every parameter (defaults applied; ``*args``/``**kw`` items flattened)."""
-    bound = sig.bind(_SELF, *args, **kwargs) if bound_self else sig.bind(*args, **kwargs)
+def all_arguments(sig: inspect.Signature, bound_self: bool, args: tuple, kwargs: dict,
+                  name: str | None = None) -> dict[str, Any]:
+    """name -> value of every parameter (defaults applied; ``*args``/``**kw`` items flattened); a
+    call the signature rejects raises ``bind``'s TypeError naming ``name``."""
+    bound = bind(sig, bound_self, args, kwargs, name)
     bound.apply_defaults()
     out: dict[str, Any] = {}
     for i, (name, value) in enumerate(bound.arguments.items()):

@@ -307,7 +307,7 @@ class _Site:
             self.fast = fn
             return fn(*full_args, **kwargs)
 
-        values = all_arguments(owner._sig, self.bound, args, kwargs)
+        values = all_arguments(owner._sig, self.bound, args, kwargs, what)
         dynamic = _mark_dynamic(values, owner._dynamic_arg_dims)
         instance = full_args[:1 if self.bound else 0]
         models = list(modules_in((*instance, *values.values(), *closure_values(fn), *global_modules(fn))))
@@ -317,7 +317,7 @@ class _Site:
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
                                                       for name, v in values.items()}, torch.is_grad_enabled(),
                              places, overlapping_tensors(values, places), held_elsewhere(values, places, reached),
-                             self.tensors.storages, other_tensors(reached))
+                             self.tensors.storages, other_tensors(reached), name=what)
         start = time.perf_counter()
         kernel_warmup.settle_cache_dir()
         path = None
