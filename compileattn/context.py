@@ -48,10 +48,13 @@ PIECE_LAYER_PREFIX = "compileattn:piece_layer:"
 piece_layer_names: Mapping[str, str] = {}
 
 
-def no_context_error() -> RuntimeError:
-    """The error for an attention op called outside ``set_forward_context``."""
-    return RuntimeError("no forward context: run the model inside "
-                        "compileattn.set_forward_context(metadata, kv_caches)")
+def no_context_error(why: str | None = None) -> RuntimeError:
+    """The error for an attention op called outside ``set_forward_context``. ``why``: what the
+    caller knows of how the model came to run outside one (a transformers model that ``LLM``
+    switched to compileattn's attention and then ran through its own ``generate``), said instead
+    of the generic advice."""
+    return RuntimeError("no forward context: " + (why or "run the model inside "
+                                                  "compileattn.set_forward_context(metadata, kv_caches)"))
 
 
 def get_forward_context() -> ForwardContext:

@@ -253,3 +253,24 @@ def test_a_causal_lm_whose_base_model_is_itself_serves_its_decoder(tmp_path):
     llm = ca.LLM(str(tmp_path / "llama4"), compile_config=None, **ENGINE)
     outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [hf_greedy(reference, p, NEW_TOKENS)[0] for p in prompts()]
+
+
+def test_the_models_own_generate_after_llm_says_the_llm_switched_it(checkpoint):
+    """An HF user who called model.generate after LLM(model) was told only to use
+    compileattn.set_forward_context, not that LLM had switched the model's attention."""
+    import copy
+
+    from compileattn.hf.model import HFCausalLM
+
+    _, reference, _ = checkpoint("llama")
+    model = copy.deepcopy(reference)
+    ca.LLM(model, compile_config=None, **ENGINE)
+    ids = torch.tensor([prompts()[0]])
+    with pytest.raises(RuntimeError, match=r"^no forward context: this transformers model's attention was switched "
+                                           r"to compileattn's \('compileattn'\) for serving through LLM.*generate "
+                                           r"with LLM\.generate"):
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    own = copy.deepcopy(reference)
+    HFCausalLM(own)  # switched by a caller that runs it in its own forward contexts: the generic advice
+    with pytest.raises(RuntimeError, match=r"^no forward context: run the model inside compileattn\.set_forward_context"):
+        own(ids)

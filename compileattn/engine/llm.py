@@ -292,7 +292,7 @@ class LLM:
                 from ..parallel import shard_model
 
                 shard_model(hf_model.eval(), tp=tp)
-            return HFCausalLM(hf_model), tokenizer, hf_model
+            return HFCausalLM(hf_model, served_by="LLM"), tokenizer, hf_model
         if not all(hasattr(model, a) for a in ("attention_specs", "compute_logits", "vocab_size", "max_position")):
             raise TypeError(f"model must be a directory, a transformers PreTrainedModel or a compileattn model "
                             f"(forward, compute_logits, attention_specs, vocab_size, max_position); got "

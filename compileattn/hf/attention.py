@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .. import layer_ids
+from .. import context, layer_ids
 from ..kv_cache import AttentionSpec
 
 #: The name models are switched to (``model.set_attn_implementation(IMPLEMENTATION)``).
@@ -53,6 +53,10 @@ class LayerBinding:
     #: the repr: the warm-start key prints the binding, and an id's value depends on the order
     #: layers were registered in the process.
     layer_id: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
+    #: Who switched the model to this attention to serve it (``"LLM"``), or None: named by the error
+    #: of a call outside a forward context, such as the model's own ``generate``. Not in the repr
+    #: (the warm-start key prints the binding): it changes nothing the compile sees.
+    served_by: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.settings = settings_of(self.spec)
@@ -125,6 +129,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """transformers' attention-function signature -> ``(output (1, tokens, heads, head_dim), None)``."""
     binding: LayerBinding = getattr(module, BINDING_ATTR)
+    # is_compiling first: under Dynamo the context is never read (a read would guard on it).
+    if not torch.compiler.is_compiling() and context._current is None:
+        raise context.no_context_error(outside_context_reason(binding.served_by))
     if torch.compiler.is_compiling() or not binding.checked:
         check_call(binding, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, kwargs)
         if not torch.compiler.is_compiling():
@@ -137,6 +144,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = torch.empty_like(q)
     layer_ids.call_attention(q, k, v, out, binding)
     return out.unsqueeze(0), None
+
+
+def outside_context_reason(served_by: str | None) -> str | None:
+    """Why a model switched to this attention by ``served_by`` runs only inside it: a transformers
+    user who calls the model's own ``generate`` after handing it to ``LLM`` learns what happened
+    and what to call instead; None (the generic advice) for a model switched otherwise."""
+    if served_by is None:
+        return None
+    return (f"this transformers model's attention was switched to compileattn's ({IMPLEMENTATION!r}) for serving "
+            f"through {served_by}, which sets up every step's context; generate with {served_by}.generate, not "
+            f"the model's own generate or forward")
 
 
 def register() -> None:

@@ -310,9 +310,11 @@ class HFCausalLM(nn.Module):
     Wrapping switches ``model`` to eval mode and to the ``"compileattn"`` attention implementation
     (it then runs only inside ``compileattn.set_forward_context``), and stores a ``LayerBinding``
     on each attention module. Refuses (``UnsupportedModelError``) what it cannot serve.
+    ``served_by``: what serves the wrapper (``"LLM"``), named by the error a call of the model
+    outside a forward context raises (its own ``generate``, say).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, *, served_by: str | None = None):
         super().__init__()
         from transformers import PreTrainedModel
 
@@ -322,6 +324,8 @@ class HFCausalLM(nn.Module):
         hf_attention.register()
         self.hf = model
         self._specs = bind_layers(model)
+        for layer_name in self._specs:
+            getattr(model.get_submodule(layer_name), BINDING_ATTR).served_by = served_by
         text_config = model.config.get_text_config()
         #: Gemma-2/3 cap the final logits in their ``*ForCausalLM.forward``, after ``lm_head``.
         self.final_logit_softcapping = getattr(text_config, "final_logit_softcapping", None)
