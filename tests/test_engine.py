@@ -221,6 +221,19 @@ def test_llm_generates_without_tqdm(llama, monkeypatch):
     assert [o.token_ids for o in llm.generate(prompts, 3)] == engine_for(llama).generate(prompts, 3, 64)
 
 
+def test_llm_logs_counts_in_the_singular_for_one(llama, caplog):
+    """The summary said "for 1 requests"."""
+    import compileattn as ca
+
+    llm = ca.LLM(llama, compile_config=None, block_size=4, num_blocks=48)
+    with caplog.at_level("INFO", logger="compileattn"):
+        llm.generate(prompts_of([5]), 1, use_tqdm=False)
+        llm.generate(prompts_of([5, 9]), 2, use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generated ")]
+    assert lines[0].startswith("generated 1 token for 1 request in ") and lines[0].endswith(", 0 preemptions)")
+    assert lines[1].startswith("generated 4 tokens for 2 requests in ")
+
+
 def test_reused_blocks_with_stale_kv_do_not_leak(llama):
     engine = engine_for(llama, num_blocks=16)
     engine.generate(prompts_of([30], seed=5), 4, 64)  # fills blocks with another sequence's K/V
