@@ -59,3 +59,25 @@ def test_command_line_examples_run_on_the_checkpoint_the_llm_example_writes(tmp_
         argv = [sys.executable if word == "python" else model_dir if word == "DIR" else word
                 for word in shlex.split(line)]
         assert run(argv, tmp_path).strip(), f"{line} printed nothing"
+
+
+@pytest.mark.parametrize("shown, function", [("`LLM(model, ", "LLM"), ("`generate(prompts, ", "LLM.generate")])
+def test_the_signatures_shown_are_the_real_ones(shown, function):
+    """The README's ``LLM(...)`` and ``generate(...)`` lines left out tokenizer,
+    gpu_memory_utilization, attention_backend, allow_pickle, tensor_parallel_size and use_tqdm:
+    every parameter is shown, in order, with its default where one is written as a literal."""
+    import ast
+    import inspect
+
+    import compileattn
+
+    start = README.index(shown) + 1
+    text = " ".join(README[start:README.index("`", start)].split())
+    fn = compileattn.LLM if function == "LLM" else compileattn.LLM.generate
+    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+    names = re.findall(r"(?:\(|, |or )(\w+)(?==|,|\))", text)
+    assert names == [p.name for p in params], text
+    keyword_only = next(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    assert f"*, {keyword_only}=" in text
+    for name, default in re.findall(r"(\w+)=([^,()|]+?)(?=,|\)| or| \()", text):
+        assert ast.literal_eval(default.strip()) == inspect.signature(fn).parameters[name].default, name
