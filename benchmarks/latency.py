@@ -774,6 +774,9 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
     for cell in cells:
         bench.reference[cell] = eager_reference(bench, cell)
     floors: dict[str, Group] = {}  # full-graph column -> its group, while paired columns are to come
+    #: full-graph column -> the cells its own row was ok in: a graph whose output failed the check
+    #: against eager (or was not timed) is no floor for that cell, as in the ratios of ok rows.
+    floor_cells: dict[str, set[Cell]] = {}
     for group_name, columns in GROUPS:
         wanted = [c for c in columns if c in args.columns]
         if not wanted:
@@ -806,7 +809,10 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
                     row.update(status="skipped", reason=budget.reason())
                     continue
                 measure_cell(bench, group, column, cell, row, args, log,
-                             floors=floors if column in PAIRED_COLUMNS else None)
+                             floors={c: g for c, g in floors.items() if cell in floor_cells.get(c, ())}
+                             if column in PAIRED_COLUMNS else None)
+                if row["status"] == "ok" and group_name in FLOOR_GROUPS and column in report.FULL_GRAPHS:
+                    floor_cells.setdefault(column, set()).add(cell)
                 if row.get("first_call_s") is not None:
                     first_seen.setdefault(column, []).append(row["first_call_s"])
         for column in wanted:

@@ -887,6 +887,41 @@ def test_latency_keeps_the_full_graphs_for_the_compileattn_columns_only(monkeypa
     assert not [e for e in events[events.index(("step", "reduce-overhead")):] if e[0] == "floor"]
 
 
+def test_latency_pairs_a_cell_only_with_the_full_graphs_ok_in_it(monkeypatch):
+    """A full graph whose own row of a cell FAILED the check against eager (its graph was captured
+    all the same) is no floor for that cell: the compileattn columns are not timed beside it there,
+    as the ratios of unpaired rows divide ok rows only; in a cell where it was ok, it is."""
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    monkeypatch.setattr(lat, "DEVICE", "cpu")
+    monkeypatch.setattr(lat, "build_model", lambda name, **kw: OPTForCausalLM(
+        OPTConfig.tiny(), dtype=torch.float32, device="cpu"))
+
+    class Fake(lat.Group):
+        def __init__(self, name, bench):
+            self.bench, self.columns = bench, dict(lat.GROUPS)[name]
+
+        def step(self, column, cell, ids, pos):
+            model = self.bench.model
+            wrong = column == "graph-inductor" and cell.batch == 3
+            return lambda: model(ids, pos) * (3.0 if wrong else 1.0)
+
+        def floor_step(self, column, ids, pos):
+            return (lambda: None) if column.startswith("graph-") else None
+
+    monkeypatch.setattr(lat, "make_group", lambda name, bench: Fake(name, bench))
+    monkeypatch.setattr(lat, "_reset_compilers", lambda: None)
+    args = lat.parse_args(["--models", "opt", "--batches", "3,2", "--contexts", "20", "--steps", "2", "--warmup", "1",
+                           "--backend", "reference", "--no-mixed", "--no-cold-warm",
+                           "--columns", "graph-eager,graph-inductor,ca-full"])
+    rows = []
+    lat.run_model("opt", args, common.Budget(0), common.Log(), rows, [])
+    by = {(r["column"], r["batch"]): r for r in rows}
+    assert by[("graph-inductor", 3)]["status"] == "FAILED" and by[("graph-inductor", 2)]["status"] == "ok"
+    assert set(by[("ca-full", 3)]["paired"]["p50_us"]) == {"ca-full", "graph-eager"}
+    assert set(by[("ca-full", 2)]["paired"]["p50_us"]) == {"ca-full", "graph-eager", "graph-inductor"}
+
+
 def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
     """Bench, metadata per cell, the eager reference, fail-soft columns and the report, on the CPU
     with the reference backend (graph columns are unavailable there: it is not capturable)."""
