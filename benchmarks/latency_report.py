@@ -96,9 +96,9 @@ def interleaved_ratio(row: dict[str, Any] | None, num: str, dens: Sequence[str])
 
 def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple,
            rows: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The cell's ratios (``RATIOS``). Where an ok numerator row was timed interleaved with the
-    denominator columns (``interleaved_ratio``), that ratio (the latest run's), its key listed in
-    ``interleaved``: timed minutes apart, two columns of a sub-millisecond step differ by the
+    """The cell's ratios (``RATIOS``). Where the shown numerator row (``select``: the latest ok
+    one) was timed interleaved with the denominator columns (``interleaved_ratio``), that ratio,
+    its key listed in ``interleaved``: timed minutes apart, two columns of a sub-millisecond step differ by the
     host's and GPU's drift, a few per cent. Else each divides two p50s picked by
     ``common.run_pair`` (the latest run that measured the numerator and one of the denominator's
     columns; the fastest of those that run measured is the denominator). Where no run measured
@@ -114,10 +114,9 @@ def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple,
 
     out: dict[str, Any] = {"best_graph_us": fastest(shown, FULL_GRAPHS), "cross_run": [], "interleaved": []}
     for key, (num, dens) in RATIOS.items():
-        side_by_side = sorted(((r.get("run", 0), v) for r in in_cell if r["column"] == num and r["status"] == "ok"
-                               and (v := interleaved_ratio(r, num, dens)) is not None), key=lambda rv: rv[0])
-        if side_by_side:
-            out[key] = side_by_side[-1][1]  # the latest run's last (sorted() keeps a run's rows in order)
+        side_by_side = interleaved_ratio(shown.get(num), num, dens)
+        if side_by_side is not None:
+            out[key] = side_by_side
             out["interleaved"].append(key)
             continue
         pr = common.run_pair(in_cell, {c: (lambda r, c=c: r["column"] == c) for c in (num, *dens)},
