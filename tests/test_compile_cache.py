@@ -109,3 +109,19 @@ def test_the_piece_key_changes_with_the_python_version(monkeypatch):
     assert cache_key(config, gm) != key
     monkeypatch.setattr(sys, "version_info", (major, minor, micro + 1, level, serial))
     assert cache_key(config, gm) != key
+
+
+def test_the_warm_start_key_names_the_interpreter_as_the_piece_cache_does(monkeypatch):
+    """One rule for the Python a saved file was made for (``cache.interpreter_key``), in both keys:
+    the warm start's file holds pickled bytecode too."""
+    from compileattn.compilation import warm_start
+    from compileattn.config import CompileConfig
+
+    def fn(x):
+        return x + 1
+
+    key = warm_start.key_of(fn, CompileConfig(), {}, "x: T", ())
+    assert warm_start.key_of(fn, CompileConfig(), {}, "x: T", ()) == key
+    major, minor, micro, level, serial = sys.version_info
+    monkeypatch.setattr(sys, "version_info", (major, minor, micro + 1, level, serial))
+    assert warm_start.key_of(fn, CompileConfig(), {}, "x: T", ()) != key

@@ -241,14 +241,19 @@ def traced_source_files(gm: torch.fx.GraphModule) -> list[str]:
     return sorted(f for f in files if os.path.isfile(f))
 
 
+def interpreter_key() -> str:
+    """The Python a saved compile was made by and for, in every key of a saved file (the pieces'
+    here, the warm start's): both hold pickles of code objects and Inductor's Python wrappers, and
+    bytecode and pickles are not kept alike across Python implementations, versions or builds."""
+    return f"python={sys.implementation.name} {tuple(sys.version_info)} {sys.version}"
+
+
 def cache_key(config: CompileConfig, gm: torch.fx.GraphModule) -> str:
-    """The per-piece cache's directory name (module docstring). The Python version is in it: a
-    piece's file is a pickle of code made by and for this interpreter (Inductor's Python wrapper
-    and what it loads), and pickles and bytecode are not kept alike across Python versions."""
+    """The per-piece cache's directory name (module docstring), ``interpreter_key`` among it."""
     h = hashlib.sha256()
     h.update(config.hash().encode())
     h.update(torch.__version__.encode())
-    h.update(f"python={sys.implementation.name} {tuple(sys.version_info)}".encode())
+    h.update(interpreter_key().encode())
     h.update(compileattn_source_digest().encode())
     h.update(gm.code.encode())
     for line in environment_key():

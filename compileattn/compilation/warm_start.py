@@ -52,7 +52,7 @@ import torch
 from .. import _torch_compat
 from ..config import CompileConfig
 from . import argcheck, reach
-from .cache import compileattn_source_digest, environment_key, save_or_log, secure_dir
+from .cache import compileattn_source_digest, environment_key, interpreter_key, save_or_log, secure_dir
 from .size_guards import SizeGuards
 
 log = logging.getLogger("compileattn")
@@ -245,7 +245,7 @@ def key_of(fn: Callable, config: CompileConfig, dynamic: dict, arguments: str, v
     all, yet the trace read its attributes and the model it holds)."""
     values = tuple(values)
     parts = [
-        f"format={FORMAT}", f"torch={torch.__version__}", f"python={sys.version}",
+        f"format={FORMAT}", f"torch={torch.__version__}", interpreter_key(),
         f"compileattn={compileattn_source_digest()}",
         f"fn={_function_identity(fn)}",
         f"config={config.hash()}",
