@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from .argtypes import serving_device
 from .testing import near_tie, recording_greedy, rel_error
 
 #: Norm-relative error allowed between compiled and eager outputs. Inductor fuses and reorders
@@ -30,16 +31,13 @@ STEP_BUDGET = 64
 
 
 def _device(text: str) -> str:
-    """``auto`` or a CPU/CUDA device: another device type failed deep inside the model's build as
-    a dispatcher error listing every registered kernel."""
+    """``auto`` or a device compileattn serves on (``argtypes.serving_device``), refused with usage."""
     if text == "auto":
         return text
     try:
-        kind = torch.device(text).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"expected cpu, cuda (cuda:N) or auto, got {text!r}")
+        serving_device(text, "--device")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda (cuda:N) or auto: {exc}") from None
     return text
 
 

@@ -55,3 +55,25 @@ def _int_at_least(value, name: str, low: int) -> int:
     if index < low:
         raise ValueError(f"{name} must be >= {low}, got {index}")
     return index
+
+
+def serving_device(value: torch.device | str, name: str = "device") -> torch.device:
+    """``value`` as a device compileattn serves on: 'cpu' or 'cuda' (with an index this machine
+    has). Checked before anything loads or builds: an unparsable string, a device type with no
+    kernels here, or CUDA on a machine without it otherwise surfaced from deep inside as torch's
+    own errors ("Torch not compiled with CUDA enabled", a dispatcher error listing every kernel),
+    none naming the argument."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"{name} must be a torch.device or a string such as 'cpu' or 'cuda', got {value!r}")
+    try:
+        device = torch.device(value)
+    except RuntimeError as e:
+        raise ValueError(f"{name}={value!r} is not a device: {e}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}={value!r}: compileattn serves on 'cpu' or 'cuda', not {device.type!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={value!r}: no CUDA device is available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device

@@ -358,16 +358,17 @@ def test_demo_rejects_bad_flags():
         main(["--dtype", "float64"])
 
 
-@pytest.mark.parametrize("device", ["mps", "meta", "bogus"])
+@pytest.mark.parametrize("device", ["mps", "meta", "bogus", "cuda:99"])
 def test_demo_refuses_a_device_other_than_cpu_or_cuda_with_usage(device, capsys):
     """``--device mps`` failed inside the model's build with a dispatcher error listing every
-    registered kernel."""
+    registered kernel. The demo and ``LLM`` refuse by one rule (``argtypes.serving_device``)."""
     from compileattn.__main__ import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--device", device, "--layers", "1", "--steps", "1", "--new-tokens", "1"])
     assert exc.value.code == 2
-    assert f"argument --device: expected cpu, cuda (cuda:N) or auto, got '{device}'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument --device: expected cpu, cuda (cuda:N) or auto: --device={device!r}" in err, err
 
 
 # -- CUDA (run on the device) ----------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config import CompileConfig
-from ..argtypes import as_int, integer_as_int, is_bool
+from ..argtypes import as_int, integer_as_int, is_bool, serving_device
 from . import kv_budget
 from .engine import Engine, check_positive_ints
 from .request import FinishReason, Request, SamplingParams
@@ -72,27 +72,9 @@ def _dtype(value: torch.dtype | str | None, device: torch.device) -> torch.dtype
 
 
 def _device(value: torch.device | str | None) -> torch.device | None:
-    """``device`` as a ``torch.device`` the engine can run on, or None (the default). Checked
-    before anything loads: an unparsable string, a device type the engine has no kernels for, or
-    CUDA on a machine without it otherwise surfaced from deep inside the load as torch's own
-    errors ("Torch not compiled with CUDA enabled", "Tensor.item() cannot be called on meta
-    tensors"), none naming the argument."""
-    if value is None:
-        return None
-    if not isinstance(value, (str, torch.device)):
-        raise TypeError(f"device must be a torch.device or a string such as 'cpu' or 'cuda', got {value!r}")
-    try:
-        device = torch.device(value)
-    except RuntimeError as e:
-        raise ValueError(f"device={value!r} is not a device: {e}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={value!r}: compileattn serves on 'cpu' or 'cuda', not {device.type!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={value!r}: no CUDA device is available here")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device={value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
+    """``device`` as a ``torch.device`` the engine can run on (``argtypes.serving_device``), or None
+    (the default)."""
+    return None if value is None else serving_device(value)
 
 
 def _eos_token_ids(hf_model, tokenizer) -> tuple[int, ...]:
