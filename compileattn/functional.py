@@ -53,11 +53,18 @@ def _refuse_training_arguments(dropout_p, deterministic, return_attn_probs) -> N
                          f"dropout; pass dropout_p=0.0 (flash-attn's value for evaluation)")
     if not is_bool(deterministic):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    if not is_bool(return_attn_probs):
-        raise TypeError(f"return_attn_probs must be a bool, got {return_attn_probs!r}")
-    if return_attn_probs:
-        raise ValueError("return_attn_probs=True is not supported by compileattn.flash_attn_varlen_func (it returns "
-                         "the attention output only, not flash-attn's (out, softmax_lse, S_dmask))")
+    _refuse_extra_outputs("return_attn_probs", return_attn_probs, "flash_attn_varlen_func",
+                          "not flash-attn's (out, softmax_lse, S_dmask)")
+
+
+def _refuse_extra_outputs(name: str, value, entry: str, instead: str) -> None:
+    """A flash-attn flag asking ``entry`` for outputs besides the attention's: a bool, and False
+    (the ops return the attention output only)."""
+    if not is_bool(value):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    if value:
+        raise ValueError(f"{name}=True is not supported by compileattn.{entry} (it returns the attention output "
+                         f"only, {instead})")
 
 
 def flash_attn_varlen_func(
@@ -125,11 +132,7 @@ def _refuse_unsupported_kvcache_arguments(rotary_cos, rotary_sin, cache_batch_id
         raise TypeError(f"num_splits must be an int, got {num_splits!r}")
     if splits < 0:
         raise ValueError(f"num_splits must be >= 0, got {splits}")
-    if not is_bool(return_softmax_lse):
-        raise TypeError(f"return_softmax_lse must be a bool, got {return_softmax_lse!r}")
-    if return_softmax_lse:
-        raise ValueError("return_softmax_lse=True is not supported by compileattn.flash_attn_with_kvcache (it "
-                         "returns the attention output only)")
+    _refuse_extra_outputs("return_softmax_lse", return_softmax_lse, "flash_attn_with_kvcache", "not its log-sum-exp")
 
 
 def flash_attn_with_kvcache(
