@@ -75,6 +75,9 @@ PRIVATE_APIS = {
                                                 "tensor's type in a piece signature",
     "torch.utils._python_dispatch.is_traceable_wrapper_subclass": "a tensor subclass's inner tensors in a piece "
                                                                   "signature",
+    "torch.utils._pytree.tree_leaves": "the tensors of a step's nested outputs a capture gives the warm-up's "
+                                       "results",
+    "torch.utils._pytree.tree_map": "a simulated capture's unwritten outputs, laid out as the warm-up's",
     "torch.fx.experimental.symbolic_shapes.ShapeEnv": "the symbolic sizes of a piece a compile worker "
                                                       "unpickles",
     "torch._ops.OpOverload": "matching splitting ops in FX graphs",
@@ -255,6 +258,16 @@ def tensor_kind(t: torch.Tensor) -> tuple[type, tuple[list[str], Any] | None]:
     kind = torch.Tensor if isinstance(t, resolve("torch._subclasses.fake_tensor.FakeTensor")) else type(t)
     flat = t.__tensor_flatten__() if resolve("torch.utils._python_dispatch.is_traceable_wrapper_subclass")(t) else None
     return kind, flat
+
+
+def tree_leaves(tree: Any) -> list:
+    """The leaves of nested tuples, lists and dicts (torch's pytree: what a step function returns)."""
+    return resolve("torch.utils._pytree.tree_leaves")(tree)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with every leaf replaced by ``fn(leaf)`` (torch's pytree)."""
+    return resolve("torch.utils._pytree.tree_map")(fn, tree)
 
 
 def node_example_value(node):

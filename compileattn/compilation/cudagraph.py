@@ -25,8 +25,8 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 
+from .. import _torch_compat
 from ..counters import counters
 
 logger = logging.getLogger("compileattn")
@@ -94,7 +94,7 @@ def _copy_results(outputs: Any, values: Any) -> None:
     in a tensor or any nesting of tuples, lists and dicts (pytree leaves; the pieces and the split
     graph return a flat tuple, a step function may return more)."""
     with torch.no_grad():  # a copy under grad mode would hang the warm-up's autograd graph on the outputs
-        for o, v in zip(pytree.tree_leaves(outputs), pytree.tree_leaves(values)):
+        for o, v in zip(_torch_compat.tree_leaves(outputs), _torch_compat.tree_leaves(values)):
             if isinstance(o, torch.Tensor) and not (o.data_ptr() == v.data_ptr() and o.stride() == v.stride()):
                 o.copy_(v)  # (an output that is a view of an argument is the warm-up's, in place)
 
@@ -189,7 +189,7 @@ class SimulatedGraph:
         # A graph writes its outputs whatever the mode; captured under inference mode they are
         # inference tensors, which refuse a copy outside it.
         with torch.inference_mode():
-            for o, f in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(fresh)):
+            for o, f in zip(_torch_compat.tree_leaves(self.outputs), _torch_compat.tree_leaves(fresh)):
                 if isinstance(o, torch.Tensor):
                     o.copy_(f)
 
@@ -225,7 +225,7 @@ class SimulatedGraphPool(GraphPool):
             return torch.empty(0, dtype=v.dtype, device=v.device).set_(
                 blocks[storage.data_ptr()], v.storage_offset(), v.shape, v.stride())
 
-        outputs = pytree.tree_map(unwritten, values)
+        outputs = _torch_compat.tree_map(unwritten, values)
         return SimulatedGraph(fn, args, outputs), outputs
 
     def pool_bytes(self) -> int:
