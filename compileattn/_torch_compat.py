@@ -252,12 +252,21 @@ def _without_views(value):
     return value
 
 
-def tensor_kind(t: torch.Tensor) -> tuple[type, tuple[list[str], Any] | None]:
-    """(``t``'s type, FakeTensor as Tensor; ``t.__tensor_flatten__()`` for a traceable subclass,
-    else None): what the compiled code sees of a tensor besides its metadata."""
-    kind = torch.Tensor if isinstance(t, resolve("torch._subclasses.fake_tensor.FakeTensor")) else type(t)
-    flat = t.__tensor_flatten__() if resolve("torch.utils._python_dispatch.is_traceable_wrapper_subclass")(t) else None
-    return kind, flat
+def tensor_type_name(t: torch.Tensor) -> str:
+    """The type compiled code sees a tensor as, for keys of saved or shared compiles: "Tensor" for a
+    plain tensor, a Parameter and the fake tensor Dynamo traces one as; a subclass by its module
+    and qualified name (Dynamo traces its ``__torch_function__``, and a wrapper subclass as the
+    tensors it flattens into)."""
+    kind = type(t)
+    if kind in (torch.Tensor, torch.nn.Parameter) or isinstance(t, resolve("torch._subclasses.fake_tensor.FakeTensor")):
+        return "Tensor"
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def tensor_flatten(t: torch.Tensor) -> tuple[list[str], Any] | None:
+    """``t.__tensor_flatten__()`` (its inner tensors' attribute names, its context) for a traceable
+    wrapper subclass, else None."""
+    return t.__tensor_flatten__() if resolve("torch.utils._python_dispatch.is_traceable_wrapper_subclass")(t) else None
 
 
 def tree_leaves(tree: Any) -> list:

@@ -102,10 +102,9 @@ def canonical_code(gm: torch.fx.GraphModule) -> str | None:
 
 def _describe(arg: Any) -> str:
     if isinstance(arg, torch.Tensor):
-        kind, flat = _torch_compat.tensor_kind(arg)
-        name = "Tensor" if kind in (torch.Tensor, torch.nn.Parameter) else f"{kind.__module__}.{kind.__qualname__}"
-        text = (f"T({name},{arg.dtype},{arg.device},{[str(s) for s in arg.shape]},"
+        text = (f"T({_torch_compat.tensor_type_name(arg)},{arg.dtype},{arg.device},{[str(s) for s in arg.shape]},"
                 f"{[str(s) for s in arg.stride()]},{arg.storage_offset()},{arg.requires_grad})")
+        flat = _torch_compat.tensor_flatten(arg)
         if flat is not None:  # a context whose repr holds an address costs sharing, never shares wrongly
             attrs, ctx = flat
             text += f"[{','.join(f'{a}={_describe(getattr(arg, a))}' for a in attrs)};{ctx!r}]"

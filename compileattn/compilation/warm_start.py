@@ -151,8 +151,7 @@ def _tensor_text(t: torch.Tensor) -> str:
     A subclass is named: Dynamo traces its ``__torch_function__`` into the graph, and a wrapper
     subclass (a quantized weight) as the tensors it flattens into, so the compile for a plain
     weight of the same shape and dtype cannot serve it, nor the other way round."""
-    cls = type(t)
-    kind = "Tensor" if cls in (torch.Tensor, torch.nn.Parameter) else f"{cls.__module__}.{cls.__qualname__}"
+    kind = _torch_compat.tensor_type_name(t)
     if t.layout != torch.strided:
         layout = f",{t.layout}"
     else:
