@@ -603,6 +603,18 @@ def run_pair(rows: Iterable[dict[str, Any]], sides: dict[str, Callable[[dict[str
     return (latest, False) if enough(set(latest)) else None
 
 
+def latest_rows(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[str, Any]]:
+    """key -> the row a merged report's table shows for it: the latest ok row, else the latest
+    row; the rows ``run_pair`` divides where that run measured both sides, so a table row shows
+    the figures its ratios come from."""
+    chosen: dict[Any, dict[str, Any]] = {}
+    for r in sorted(rows, key=lambda r: r.get("run", 0)):
+        k = key(r)
+        if k not in chosen or r["status"] == "ok" or chosen[k]["status"] != "ok":
+            chosen[k] = r
+    return chosen
+
+
 def write_outputs(payload: dict, prefix: str, no_plot: bool, log, markdown: str, draw, alt: str) -> str:
     """Write PREFIX.json, PREFIX.md and (matplotlib permitting) PREFIX.png; returns the markdown."""
     paths = output_paths(prefix)

@@ -65,16 +65,8 @@ def row_key(r: dict[str, Any]) -> tuple:
 
 
 def select(rows: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """(model, kind, batch, context, prefill, column) -> the row shown (an ok row over others;
-    among equals the latest, as ``common.run_pair`` picks the rows a ratio divides, so a table row
-    shows the p50s its ratios come from)."""
-    chosen: dict[tuple, dict[str, Any]] = {}
-    for r in sorted(rows, key=lambda r: r.get("run", 0)):
-        key = (*row_key(r), r["column"])
-        cur = chosen.get(key)
-        if cur is None or r["status"] == "ok" or cur["status"] != "ok":
-            chosen[key] = r
-    return chosen
+    """(model, kind, batch, context, prefill, column) -> the row shown (``common.latest_rows``)."""
+    return common.latest_rows(rows, lambda r: (*row_key(r), r["column"]))
 
 
 #: Each ratio of a table row: (numerator column, the columns whose fastest is the denominator).
@@ -98,8 +90,8 @@ def ratios(chosen: dict[tuple, dict[str, Any]], cell: tuple,
            rows: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The cell's ratios (``RATIOS``). Where the shown numerator row (``select``: the latest ok
     one) was timed interleaved with the denominator columns (``interleaved_ratio``), that ratio,
-    its key listed in ``interleaved``: timed minutes apart, two columns of a sub-millisecond step differ by the
-    host's and GPU's drift, a few per cent. Else each divides two p50s picked by
+    its key listed in ``interleaved``: timed minutes apart, two columns of a sub-millisecond step
+    differ by the host's and GPU's drift, a few per cent. Else each divides two p50s picked by
     ``common.run_pair`` (the latest run that measured the numerator and one of the denominator's
     columns; the fastest of those that run measured is the denominator). Where no run measured
     both, the latest rows of each, the ratio's key listed in ``cross_run`` (the table marks it

@@ -308,14 +308,8 @@ def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def shown(rows: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """(bench, column, batch) -> the row shown: the latest ok row, else the latest row (as
-    ``common.run_pair`` picks the rows a ratio divides)."""
-    chosen: dict[tuple, dict[str, Any]] = {}
-    for r in sorted(rows, key=lambda r: r.get("run", 0)):
-        key = (r["bench"], r["column"], r["batch"])
-        if key not in chosen or r["status"] == "ok" or chosen[key]["status"] != "ok":
-            chosen[key] = r
-    return chosen
+    """(bench, column, batch) -> the row shown (``common.latest_rows``)."""
+    return common.latest_rows(rows, lambda r: (r["bench"], r["column"], r["batch"]))
 
 
 def _p50(rows, key, column, batch):
