@@ -439,12 +439,35 @@ def _require_capturable(bench: Bench, what: str) -> None:
             raise Unavailable(f"{what} needs a CUDA-graph-capturable attention backend; {backend.name!r} is not")
 
 
-class EagerGroup(Group):
-    columns = ("eager", "graph-eager")
+class _FullGraphGroup(Group):
+    """A group whose ``graph_column`` replays hand-captured full graphs (``_HandGraphs``) of its
+    other column's step: their stats, graphs and replays as a floor (``FLOOR_GROUPS``)."""
+
+    graph_column = ""
 
     def __init__(self, bench: Bench):
         self.bench = bench
-        self.graphs = None
+        self.graphs: _HandGraphs | None = None
+
+    def _graphs_of(self, column: str) -> _HandGraphs | None:
+        return self.graphs if column == self.graph_column else None
+
+    def stats(self, column):
+        graphs = self._graphs_of(column)
+        return graphs.stats() if graphs else {}
+
+    def captured_graph(self, column, num_tokens):
+        graphs = self._graphs_of(column)
+        return graphs.graph(num_tokens) if graphs else None
+
+    def floor_step(self, column, ids, pos):
+        graphs = self._graphs_of(column)
+        return graphs.replay_step(ids, pos) if graphs else None
+
+
+class EagerGroup(_FullGraphGroup):
+    columns = ("eager", "graph-eager")
+    graph_column = "graph-eager"
 
     def step(self, column, cell, ids, pos):
         model = self.bench.model
@@ -455,30 +478,21 @@ class EagerGroup(Group):
             self.graphs = _HandGraphs(model, "eager full graph")
         return self.graphs.step(ids, pos)
 
-    def stats(self, column):
-        return self.graphs.stats() if column == "graph-eager" and self.graphs else {}
 
-    def captured_graph(self, column, num_tokens):
-        return self.graphs.graph(num_tokens) if column == "graph-eager" and self.graphs else None
-
-    def floor_step(self, column, ids, pos):
-        return self.graphs.replay_step(ids, pos) if column == "graph-eager" and self.graphs else None
-
-
-class InductorGroup(Group):
+class InductorGroup(_FullGraphGroup):
     columns = ("inductor", "graph-inductor")
+    graph_column = "graph-inductor"
 
     def __init__(self, bench: Bench):
         import torch
 
-        self.bench = bench
+        super().__init__(bench)
         #: every function Inductor compiled for this group: the captured full graphs launch their
         #: kernels, and Triton unloads a kernel's module when its compiled function is collected,
         #: which ``torch._dynamo.reset`` (between the later groups) would otherwise let happen
         #: while this group's graphs are still replayed as the floor.
         self.kept: list[Callable] = []
         self.compiled = torch.compile(bench.model, fullgraph=True, backend=_inductor_keeping(self.kept))
-        self.graphs = None
 
     def step(self, column, cell, ids, pos):
         _mark_dynamic(ids, pos)
@@ -489,15 +503,6 @@ class InductorGroup(Group):
         if self.graphs is None:
             self.graphs = _HandGraphs(compiled, "inductor full graph")
         return self.graphs.step(ids, pos)
-
-    def stats(self, column):
-        return self.graphs.stats() if column == "graph-inductor" and self.graphs else {}
-
-    def captured_graph(self, column, num_tokens):
-        return self.graphs.graph(num_tokens) if column == "graph-inductor" and self.graphs else None
-
-    def floor_step(self, column, ids, pos):
-        return self.graphs.replay_step(ids, pos) if column == "graph-inductor" and self.graphs else None
 
 
 def _inductor_keeping(kept: list) -> Callable:
