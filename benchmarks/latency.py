@@ -364,11 +364,13 @@ class _HandGraphs:
     def __init__(self, fn: Callable, name: str):
         import torch
 
-        from compileattn.compilation.cudagraph import GraphPool
+        from compileattn.compilation.cudagraph import make_pool
 
         self.fn = fn
         self.name = name
-        self.pool = GraphPool(torch.device(DEVICE))
+        # make_pool: a GraphPool, or under compileattn.testing.simulated_cuda_graphs (the CPU test of
+        # this module's real groups) a simulated one
+        self.pool = make_pool(torch.device(DEVICE))
         self.graphs: dict[int, Any] = {}
 
     def graph(self, num_tokens: int):

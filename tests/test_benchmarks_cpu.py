@@ -922,6 +922,43 @@ def test_latency_pairs_a_cell_only_with_the_full_graphs_ok_in_it(monkeypatch):
     assert set(by[("ca-full", 2)]["paired"]["p50_us"]) == {"ca-full", "graph-eager", "graph-inductor"}
 
 
+def test_latency_real_groups_time_side_by_side_under_simulated_graphs(monkeypatch):
+    """The GPU command's groups themselves (not fakes): the hand-captured full graphs (eager, and
+    Inductor through _inductor_keeping), kept across the compilers' resets, replayed side by side
+    with the compileattn columns' steps; the report marks the ratios with a dagger and the goals
+    count them. CUDA graphs simulated (the reference backend counts as capturable), pieces eager."""
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+    from compileattn.testing import simulated_cuda_graphs
+
+    monkeypatch.setattr(lat, "DEVICE", "cpu")
+    monkeypatch.setattr(lat, "build_model", lambda name, **kw: OPTForCausalLM(
+        OPTConfig.tiny(), dtype=torch.float32, device="cpu"))
+    monkeypatch.setattr(lat, "replay_gpu_us", lambda graph, replays=20: 1.0)  # CUDA events
+    made = []
+    make_group = lat.make_group
+    monkeypatch.setattr(lat, "make_group", lambda name, bench: made.append(make_group(name, bench)) or made[-1])
+    args = lat.parse_args(["--models", "opt", "--batches", "3", "--contexts", "20", "--steps", "2", "--warmup", "1",
+                           "--backend", "reference", "--no-mixed", "--no-cold-warm",
+                           "--columns", "graph-eager,graph-inductor,ca-piecewise,ca-full"])
+    args.piece_compiler = "eager"
+    rows, stats = [], []
+    with simulated_cuda_graphs():
+        lat.run_model("opt", args, common.Budget(0), common.Log(), rows, stats)
+    by = {r["column"]: r for r in rows}
+    assert {c: r["status"] for c, r in by.items()} == dict.fromkeys(by, "ok"), rows
+    for col in ("ca-piecewise", "ca-full"):
+        assert set(by[col]["paired"]["p50_us"]) == {col, "graph-eager", "graph-inductor"}, by[col]
+    inductor = next(g for g in made if isinstance(g, lat.InductorGroup))
+    assert inductor.kept and inductor.graphs.graphs  # what Inductor compiled, held past the resets
+    payload = {"benchmark": "latency", "config": {}, "runs": [{"label": "cpu"}], "rows": rows, "stats": stats,
+               "probes": []}
+    json.dumps(payload)
+    md = rep.render_markdown(payload)
+    assert "†" in md and "Side by side" in md
+    verdicts = {g["goal"]: g for g in rep.goal_records(payload)}
+    assert all(g["met"] is not None and g["cells"] == 1 for g in verdicts.values()), verdicts
+
+
 def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
     """Bench, metadata per cell, the eager reference, fail-soft columns and the report, on the CPU
     with the reference backend (graph columns are unavailable there: it is not capturable)."""
