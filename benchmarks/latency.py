@@ -745,9 +745,20 @@ def measure_cell(bench: Bench, group: Group, column: str, cell: Cell, row: dict[
                 if graph is not None:
                     row["graph_gpu_us"] = replay_gpu_us(graph)
                 if floors:
-                    paired = paired_timing(step, column, floors, ids, pos, args.steps)
-                    if paired is not None:
-                        row["paired"] = paired
+                    # its own try: the column's row above is measured and ok whatever happens to
+                    # the side-by-side rounds (a floor's replay failing costs the pairing only)
+                    try:
+                        paired = paired_timing(step, column, floors, ids, pos, args.steps)
+                    except Exception as exc:  # noqa: BLE001
+                        row["paired_error"] = common.short_error(exc)
+                        log("".join(traceback.format_exc(limit=8)).rstrip())
+                        try:
+                            _sync()
+                        except Exception:  # noqa: BLE001
+                            pass
+                    else:
+                        if paired is not None:
+                            row["paired"] = paired
     except Unavailable as exc:
         row.update(status="unavailable", reason=str(exc))
     except Exception as exc:  # noqa: BLE001  (one failing column must not cost the table)
@@ -762,7 +773,8 @@ def measure_cell(bench: Bench, group: Group, column: str, cell: Cell, row: dict[
         f"p50 {row['p50_us']:9.1f}  p90 {row['p90_us']:9.1f}  p99 {row['p99_us']:9.1f} µs"
         f"  (first call {row['first_call_s']:.2f} s)" if row["status"] == "ok"
         else f"{row['status']}: {row['reason']}")
-        + ("; interleaved p50 " + ", ".join(f"{c} {v:.1f}" for c, v in paired["p50_us"].items()) if paired else ""))
+        + ("; interleaved p50 " + ", ".join(f"{c} {v:.1f}" for c, v in paired["p50_us"].items()) if paired else "")
+        + (f"; side-by-side timing failed: {row['paired_error']}" if row.get("paired_error") else ""))
 
 
 def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: list[dict[str, Any]],

@@ -395,6 +395,8 @@ def render_markdown(payload: dict[str, Any], baseline: dict[str, Any] | None = N
     for r in payload["rows"]:
         if r["status"] in ("unavailable", "error", "FAILED") and r.get("reason"):
             problems.setdefault((r["column"], r["status"], r["reason"]), []).append(r)
+        if r.get("paired_error"):  # the row stands; only its side-by-side timing is missing
+            problems.setdefault((r["column"], "side-by-side timing failed", r["paired_error"]), []).append(r)
     if problems:
         out += ["", "## Notes", ""]
         for (col, status, reason), rs in sorted(problems.items()):

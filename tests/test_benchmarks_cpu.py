@@ -922,6 +922,47 @@ def test_latency_pairs_a_cell_only_with_the_full_graphs_ok_in_it(monkeypatch):
     assert set(by[("ca-full", 2)]["paired"]["p50_us"]) == {"ca-full", "graph-eager", "graph-inductor"}
 
 
+def test_latency_side_by_side_failure_keeps_the_columns_own_row(monkeypatch):
+    """A floor whose replay raises during the side-by-side rounds (code first run on the GPU there)
+    costs the pairing only: the compileattn column's row stays ok with its own timings, records
+    why (``paired_error``), and its ratio falls back to the run's own p50s, without a dagger."""
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    monkeypatch.setattr(lat, "DEVICE", "cpu")
+    monkeypatch.setattr(lat, "build_model", lambda name, **kw: OPTForCausalLM(
+        OPTConfig.tiny(), dtype=torch.float32, device="cpu"))
+
+    class Fake(lat.Group):
+        def __init__(self, name, bench):
+            self.bench, self.columns = bench, dict(lat.GROUPS)[name]
+
+        def step(self, column, cell, ids, pos):
+            model = self.bench.model
+            return lambda: model(ids, pos)
+
+        def floor_step(self, column, ids, pos):
+            def replay():
+                raise RuntimeError("replay of a kept graph failed")
+
+            return replay if column == "graph-eager" else None
+
+    monkeypatch.setattr(lat, "make_group", lambda name, bench: Fake(name, bench))
+    monkeypatch.setattr(lat, "_reset_compilers", lambda: None)
+    args = lat.parse_args(["--models", "opt", "--batches", "3", "--contexts", "20", "--steps", "2", "--warmup", "1",
+                           "--backend", "reference", "--no-mixed", "--no-cold-warm",
+                           "--columns", "graph-eager,ca-full"])
+    rows = []
+    lat.run_model("opt", args, common.Budget(0), common.Log(), rows, [])
+    full = next(r for r in rows if r["column"] == "ca-full")
+    assert full["status"] == "ok" and full["p50_us"] > 0 and "paired" not in full
+    assert "replay of a kept graph failed" in full["paired_error"]
+    payload = {"benchmark": "latency", "config": {}, "runs": [{"label": "cpu"}], "rows": rows, "stats": [],
+               "probes": []}
+    rt = rep.ratios(rep.select(rows), ("opt", "decode", 3, 20, 0), rows)
+    assert rt["full_vs_best_graph"] is not None and not rt["interleaved"]
+    assert "ca-full — side-by-side timing failed in 1 cell(s): RuntimeError" in rep.render_markdown(payload)
+
+
 def test_latency_real_groups_time_side_by_side_under_simulated_graphs(monkeypatch):
     """The GPU command's groups themselves (not fakes): the hand-captured full graphs (eager, and
     Inductor through _inductor_keeping), kept across the compilers' resets, replayed side by side
