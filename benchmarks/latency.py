@@ -781,7 +781,8 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
               stats: list[dict[str, Any]], checkpoint: Callable[[], None] | None = None,
               byte_counts: dict[str, Any] | None = None) -> None:
     """Every selected column on every cell of one model, appended to ``rows`` / ``stats`` as they
-    finish (so a caller still has them if a later group crashes); ``checkpoint()`` after each group.
+    finish (so a caller still has them if a later group crashes); ``checkpoint()`` after each
+    measured cell and each group (with its stats).
     ``byte_counts[name]`` receives the model's ``step_byte_counts``."""
     cells = make_cells(args)
     bench = Bench(name, cells, args, log)
@@ -834,6 +835,8 @@ def run_model(name: str, args, budget: common.Budget, log: common.Log, rows: lis
                     floor_cells.setdefault(column, set()).add(cell)
                 if row.get("first_call_s") is not None:
                     first_seen.setdefault(column, []).append(row["first_call_s"])
+                if checkpoint is not None:  # a cell can take a minute (a compile): a timeout kill
+                    checkpoint()            # then loses that cell only, not its group's others
         for column in wanted:
             try:
                 extra = group.stats(column)

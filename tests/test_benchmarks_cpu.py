@@ -1013,7 +1013,7 @@ def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
                            "--mixed-decodes", "1", "--mixed-prefill", "4", "--no-cold-warm"])
     rows, stats, saves = [], [], []
     lat.run_model("opt", args, common.Budget(0), common.Log(), rows, stats, checkpoint=lambda: saves.append(len(rows)))
-    assert saves == [6]  # one checkpoint per column group: eager + graph-eager, 3 cells
+    assert saves == [1, 2, 3, 4, 5, 6, 6]  # one checkpoint per measured cell, one per group (eager + graph-eager)
     res = {"rows": rows, "stats": stats}
     by = {(r["column"], r["kind"], r["batch"]): r for r in rows}
     for key in [("eager", "decode", 1), ("eager", "decode", 3), ("eager", "mixed", 1)]:
