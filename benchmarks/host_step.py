@@ -71,7 +71,9 @@ def build(device: str, backend: str, piece_compiler: str, max_tokens: int, conte
     return model, caches, builder, block, per_seq
 
 
-def measure(args) -> dict:
+def measure(args, on_batch=None) -> dict:
+    """Every batch of ``args.batches``; ``on_batch(results so far)`` after each one (the result
+    files are written then, so a run killed at its time limit keeps the batches it finished)."""
     import torch
 
     import compileattn as ca
@@ -181,7 +183,9 @@ def measure(args) -> dict:
                                          "above_bare": {k: round(med[k] - med["bare replay"], 2)
                                                         for k in ("step, direct replay", "step, Dynamo's code")}}
             print(f"batch {batch}: " + ", ".join(f"{k} {v}" for k, v in med.items()), file=sys.stderr, flush=True)
-        results["direct_replay"] = fns[True].compile_stats.get("direct_replay")
+            results["direct_replay"] = fns[True].compile_stats.get("direct_replay")
+            if on_batch is not None:
+                on_batch(results)
         return results
     finally:
         if sim is not None:
@@ -228,14 +232,18 @@ def main(argv=None) -> int:
     if not cuda:
         args.backend = "reference" if args.backend == "triton" else args.backend
         args.context = min(args.context, 64)
-    res = measure(args)
-    md = markdown(res)
-    print(md)
+    env = common.environment() if args.out else None
+
+    def write(res: dict) -> str:
+        md = markdown(res)
+        if args.out:
+            common.write_json(args.out + ".json", {**res, "env": env})
+            common.write_text(args.out + ".md", report(res, env, md))
+        return md
+
+    res = measure(args, on_batch=write)
+    print(write(res))
     print(json.dumps(res))
-    if args.out:
-        env = common.environment()
-        common.write_json(args.out + ".json", {**res, "env": env})
-        common.write_text(args.out + ".md", report(res, env, md))
     return 0
 
 

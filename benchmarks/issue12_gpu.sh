@@ -44,7 +44,9 @@ case "$part" in
         step coldwarm 160 benchmarks/coldwarm.py --budget-s 130 --triton-cache-dir unset --out "$out/coldwarm_$tag"
         step op_overhead 70 benchmarks/op_overhead.py --backends triton --batches 1,16,64 --reps 7 --budget-s 50 \
             --no-plot --label "$tag ($short)" --out "$out/op_overhead_$tag"
-        step host_step 50 benchmarks/host_step.py --batches 1,8 -o "$out/host_step_$tag"
+        # host_step has no --budget-s (compiles two OPT models, then 2 x 7 rounds; README: ~1-2 min); it
+        # writes its files after each batch. 240 + 160 + 70 + 100 s = 570 s at worst.
+        step host_step 100 benchmarks/host_step.py --batches 1,8 -o "$out/host_step_$tag"
         ;;
     b)
         step decode_page16 190 benchmarks/decode_attention.py --impls ca-triton,fi-tc --pages 16 \

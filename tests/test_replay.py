@@ -657,6 +657,37 @@ def test_host_step_benchmark_runs_on_the_cpu(tmp_path, capsys):
         assert row["direct_taken"] and set(row["us"]) == set(module.ROWS)
 
 
+def test_host_step_benchmark_writes_each_batch_as_it_finishes(tmp_path, monkeypatch):
+    """``benchmarks/host_step.py`` has no budget of its own and runs under a timeout in
+    ``issue12_gpu.sh``: its result files are written after each batch, so a run killed during the
+    next one keeps the batches it finished (here: killed right after the first, batch 8)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_step.py"
+    spec = importlib.util.spec_from_file_location("host_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    measure = module.measure
+
+    class Killed(Exception):
+        pass
+
+    def killed_after_first_batch(args, on_batch=None):
+        def then_kill(res):
+            on_batch(res)
+            raise Killed
+
+        return measure(args, on_batch=then_kill)
+
+    monkeypatch.setattr(module, "measure", killed_after_first_batch)
+    with pytest.raises(Killed):
+        module.main(["--device", "cpu", "--calls", "20", "--rounds", "1", "-o", str(tmp_path / "hs")])
+    res = json.loads((tmp_path / "hs.json").read_text())
+    assert set(res["batches"]) == {"8"} and res["direct_replay"] == "on" and "env" in res
+    assert "batch 8" in (tmp_path / "hs.md").read_text()
+
+
 def test_steps_compiled_and_captured_under_inference_mode_replay_under_no_grad(simulated_graphs):
     """A warm-up under ``torch.inference_mode()`` and serving under ``torch.no_grad()`` (grad off
     in both, so one compile): the builder's buffers and what the captures allocated (the full
