@@ -59,7 +59,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _HERE = Path(__file__).resolve().parent
 for _p in (str(_HERE), str(_HERE.parent)):
@@ -309,16 +309,28 @@ def run_phase(model: str, phase: str, dirs: dict[str, Path], args, budget: commo
     return rec
 
 
-def run_benchmark(args, log) -> dict[str, Any]:
+def run_benchmark(args, log, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every phase of ``PHASES`` for ``args.models``; ``checkpoint(payload so far)`` after each one,
+    so a run killed at its time limit keeps the phases it finished."""
     budget = common.Budget(args.budget_s)
     dirs: dict = {}
     env = common.environment()
     log(f"GPU {env.get('gpu')}; versions {env.get('versions')}")
-    rows = [run_phase(m, phase, dirs, args, budget, log) for m, phase in PHASES if m in args.models]
-    return {"benchmark": "coldwarm", "config": {"models": args.models, "backend": args.backend, "device": args.device,
-                                               "llama_layers": args.llama_layers, "tokens": TOKENS,
-                                               "compile_workers": args.compile_workers, "triton_cache_dir": args.triton_cache_dir},
-            "runs": [{"env": env, "budget_s": args.budget_s, "elapsed_s": round(log.elapsed(), 1)}], "rows": rows}
+    rows: list[dict[str, Any]] = []
+    run = {"env": env, "budget_s": args.budget_s}
+    payload = {"benchmark": "coldwarm", "config": {"models": args.models, "backend": args.backend, "device": args.device,
+                                                  "llama_layers": args.llama_layers, "tokens": TOKENS,
+                                                  "compile_workers": args.compile_workers, "triton_cache_dir": args.triton_cache_dir},
+               "runs": [run], "rows": rows}
+    for m, phase in PHASES:
+        if m not in args.models:
+            continue
+        rows.append(run_phase(m, phase, dirs, args, budget, log))
+        run["elapsed_s"] = round(log.elapsed(), 1)
+        if checkpoint is not None:
+            checkpoint(payload)
+    run["elapsed_s"] = round(log.elapsed(), 1)
+    return payload
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,10 +506,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if missing:
             print(missing, flush=True)
             return 0
-    payload = run_benchmark(args, log)
-    md = render(payload)
-    common.write_json(args.out + ".json", payload)
-    common.write_text(args.out + ".md", md)
+    def write(pl: dict[str, Any]) -> str:
+        md = render(pl)
+        common.write_json(args.out + ".json", pl)
+        common.write_text(args.out + ".md", md)
+        return md
+
+    payload = run_benchmark(args, log, checkpoint=write)
+    md = write(payload)
     log(f"wrote {args.out}.json and {args.out}.md")
     print(md, flush=True)
     return 0

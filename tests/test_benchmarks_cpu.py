@@ -1048,6 +1048,27 @@ def test_region_trace_measures_each_row_and_restores_the_model(tmp_path):
 # -- coldwarm.py ------------------------------------------------------------------------------------------
 
 
+def test_coldwarm_writes_its_files_after_each_phase(tmp_path, monkeypatch):
+    """coldwarm.py runs under a timeout in issue12_gpu.sh: its files are written after each phase
+    (the report renders a run cut short), so a kill keeps the phases that finished."""
+    ran = []
+
+    def fake_phase(model, phase, dirs, args, budget, log):
+        ran.append((model, phase))
+        if len(ran) == 3:
+            raise KeyboardInterrupt  # killed during the third phase
+        return {"model": model, "phase": phase, "status": "ok", "reason": "", "first_call_s": 1.0, "path": phase,
+                "process_s": 2.0, "dtype": "float32", "rel_err": 0.0, "import_s": 0.5, "build_s": 0.1}
+
+    monkeypatch.setattr(coldwarm, "run_phase", fake_phase)
+    out = tmp_path / "cw"
+    with pytest.raises(KeyboardInterrupt):
+        coldwarm.main(["--device", "cpu", "--models", "opt,llama", "--out", str(out)])
+    rows = common.read_json(str(out) + ".json")["rows"]
+    assert [(r["model"], r["phase"]) for r in rows] == ran[:2] == [("opt", "cold"), ("opt", "warm")]
+    assert "warm start ≤ 2 s" in (tmp_path / "cw.md").read_text()
+
+
 def test_coldwarm_plumbing_on_the_cpu(tmp_path):
     """The GPU command's code path end to end on tiny CPU configs: fresh processes per phase, the
     warm one loads (no Dynamo, no compile), every row checked against eager, the report's goals."""
