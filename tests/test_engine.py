@@ -234,6 +234,16 @@ def test_llm_logs_counts_in_the_singular_for_one(llama, caplog):
     assert lines[1].startswith("generated 4 tokens for 2 requests in ")
 
 
+def test_throughput_description_counts_in_the_singular_for_one():
+    """``describe`` said "1 requests, 1 prompt + 1 output tokens ... 1 preemptions"."""
+    from compileattn.engine.throughput import ThroughputResult, describe
+
+    one = describe(ThroughputResult(1, 1, 1, 0.5, 2.0, 2.0, None, None, 1))
+    assert one.startswith("1 request, 1 prompt token + 1 output token in 0.50 s: ") and one.endswith(", 1 preemption")
+    two = describe(ThroughputResult(2, 7, 0, 0.5, 0.0, 4.0, None, None, 0))
+    assert two.startswith("2 requests, 7 prompt tokens + 0 output tokens in ") and two.endswith(", 0 preemptions")
+
+
 def test_reused_blocks_with_stale_kv_do_not_leak(llama):
     engine = engine_for(llama, num_blocks=16)
     engine.generate(prompts_of([30], seed=5), 4, 64)  # fills blocks with another sequence's K/V

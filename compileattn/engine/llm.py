@@ -26,6 +26,7 @@ from . import kv_budget
 from .engine import Engine, check_positive_ints
 from .request import FinishReason, Request, SamplingParams
 from .sampler import sampling_key
+from .throughput import counted
 
 logger = logging.getLogger("compileattn")
 
@@ -369,9 +370,9 @@ class LLM:
                 self.tp.broadcast_object(outputs)
         elapsed = time.perf_counter() - start
         num_out = sum(len(o.token_ids) for o in outputs)
-        logger.info("generated %s for %s in %.2f s (%.1f tokens/s, %s)", _count(num_out, "token"),
-                    _count(len(outputs), "request"), elapsed, num_out / elapsed if elapsed > 0 else 0.0,
-                    _count(sum(o.metrics.num_preemptions for o in outputs), "preemption"))
+        logger.info("generated %s for %s in %.2f s (%.1f tokens/s, %s)", counted(num_out, "token"),
+                    counted(len(outputs), "request"), elapsed, num_out / elapsed if elapsed > 0 else 0.0,
+                    counted(sum(o.metrics.num_preemptions for o in outputs), "preemption"))
         if engine.prefix_caching:
             logger.info("prefix cache: %d of %d looked-up tokens hit", stats.hit_tokens - hit,
                         stats.queried_tokens - looked_up)
@@ -492,11 +493,6 @@ def _token_ids(name: str, values) -> tuple[int, ...]:
     if None in tokens:
         raise TypeError(f"{name} must be a list of token ids (ints), got {values!r}")
     return tokens
-
-
-def _count(n: int, noun: str) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1: "1 request", "2 requests", "0 preemptions"."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _is_pretrained(model) -> bool:

@@ -95,10 +95,16 @@ def measure(llm: "LLM", workload: Workload, use_tqdm: bool = False) -> tuple[Thr
     return summarize(outputs, elapsed, workload.input_tokens), outputs
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 request", "2 requests", "0 preemptions"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def describe(r: ThroughputResult) -> str:
     tpot = (f"TPOT p50 {r.tpot_p50_ms:.2f} ms, p99 {r.tpot_p99_ms:.2f} ms" if r.tpot_p50_ms is not None
             else "TPOT n/a")
-    return (f"{r.num_requests} requests, {r.input_tokens} prompt + {r.output_tokens} output tokens in "
-            f"{r.elapsed_s:.2f} s: {r.output_tokens_per_s:,.1f} output tokens/s, {r.requests_per_s:.2f} requests/s, "
-            f"{tpot}, {r.num_preemptions} preemptions")
+    return (f"{counted(r.num_requests, 'request')}, {counted(r.input_tokens, 'prompt token')} + "
+            f"{counted(r.output_tokens, 'output token')} in {r.elapsed_s:.2f} s: "
+            f"{r.output_tokens_per_s:,.1f} output tokens/s, {r.requests_per_s:.2f} requests/s, "
+            f"{tpot}, {counted(r.num_preemptions, 'preemption')}")
 
