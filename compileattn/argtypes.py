@@ -57,16 +57,21 @@ def _int_at_least(value, name: str, low: int) -> int:
     return index
 
 
-def serving_device(value: torch.device | str, name: str = "device") -> torch.device:
+def serving_device(value: torch.device | str | int, name: str = "device") -> torch.device:
     """``value`` as a device compileattn serves on: 'cpu' or 'cuda' (with an index this machine
-    has). Checked before anything loads or builds: an unparsable string, a device type with no
-    kernels here, or CUDA on a machine without it otherwise surfaced from deep inside as torch's
-    own errors ("Torch not compiled with CUDA enabled", a dispatcher error listing every kernel),
-    none naming the argument."""
+    has), or an int (``as_int``), which is a CUDA index as in ``torch.device(0)``. Checked before
+    anything loads or builds: an unparsable string, a device type with no kernels here, or CUDA on
+    a machine without it otherwise surfaced from deep inside as torch's own errors ("Torch not
+    compiled with CUDA enabled", a dispatcher error listing every kernel), none naming the argument."""
+    spec = (value,)
     if not isinstance(value, (str, torch.device)):
-        raise TypeError(f"{name} must be a torch.device or a string such as 'cpu' or 'cuda', got {value!r}")
+        index = as_int(value)
+        if index is None:
+            raise TypeError(f"{name} must be a torch.device, a string such as 'cpu' or 'cuda', or a CUDA device "
+                            f"index, got {value!r}")
+        spec = ("cuda", index)
     try:
-        device = torch.device(value)
+        device = torch.device(*spec)
     except RuntimeError as e:
         raise ValueError(f"{name}={value!r} is not a device: {e}") from None
     if device.type not in ("cpu", "cuda"):

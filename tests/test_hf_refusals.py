@@ -242,6 +242,25 @@ def test_cuda_without_cuda_is_refused_naming_the_device(tmp_path, monkeypatch):
         ca.LLM(str(tmp_path / "not-loaded"), compile_config=None, device="cuda")
 
 
+def test_an_int_device_is_a_cuda_index(tmp_path, monkeypatch):
+    """torch takes ``torch.device(0)`` as cuda:0; ``LLM(device=0)`` raised a TypeError. An int is
+    checked as cuda:N (no CUDA here, an index this machine lacks); a bool is not an index."""
+    from compileattn.argtypes import serving_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device=0: no CUDA device is available"):
+        ca.LLM(str(tmp_path / "not-loaded"), compile_config=None, device=0)
+    with pytest.raises(ValueError, match="device=-1 is not a device"):
+        serving_device(-1)
+    with pytest.raises(TypeError, match="device must be a torch.device"):
+        ca.LLM(str(tmp_path / "not-loaded"), compile_config=None, device=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert serving_device(1) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="device=2: this machine has 2 CUDA device"):
+        serving_device(2)
+
+
 def test_a_tokenizer_without_encode_and_decode_is_refused_before_the_model_loads(tmp_path):
     """It was accepted, and every request ran to its end before decoding the output failed."""
     with pytest.raises(TypeError, match="tokenizer must have encode"):

@@ -72,7 +72,7 @@ def _dtype(value: torch.dtype | str | None, device: torch.device) -> torch.dtype
     return value
 
 
-def _device(value: torch.device | str | None) -> torch.device | None:
+def _device(value: torch.device | str | int | None) -> torch.device | None:
     """``device`` as a ``torch.device`` the engine can run on (``argtypes.serving_device``), or None
     (the default)."""
     return None if value is None else serving_device(value)
@@ -98,7 +98,8 @@ class LLM:
             (``compileattn.models``).
         tokenizer: overrides the directory's tokenizer; needed for string prompts and ``text``.
         dtype, device: where the model runs (default: bfloat16 on CUDA when available, else
-            float32 on the CPU; an in-memory model is moved only when they are given).
+            float32 on the CPU; an in-memory model is moved only when they are given). ``device``
+            is a ``torch.device``, 'cpu', 'cuda', 'cuda:N' or an int N (a CUDA index, as in torch).
         block_size: tokens per KV-cache block.
         max_num_seqs: sequences per step at most.
         max_num_batched_tokens: tokens per step at most (prefill chunks and decodes together).
@@ -124,7 +125,7 @@ class LLM:
     """
 
     def __init__(self, model: Any, *, tokenizer: Any = None, dtype: torch.dtype | str | None = None,
-                 device: torch.device | str | None = None, block_size: int = 16, max_num_seqs: int = 256,
+                 device: torch.device | str | int | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, compile_config: CompileConfig | str | None = "auto",
