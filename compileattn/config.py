@@ -14,7 +14,7 @@ from typing import Any, Iterable, Literal, Sequence
 
 import torch
 
-from .argtypes import as_int, positive_int
+from .argtypes import non_negative_int, positive_int
 from .backends.selector import check_backend_name
 
 PieceCompiler = Literal["inductor", "aot_eager", "eager"]
@@ -229,12 +229,7 @@ class CompileConfig:
             if self.compile_workers != "auto":
                 raise ValueError(f"compile_workers must be 'auto' or an int >= 0, got {self.compile_workers!r}")
         else:  # an int as argtypes counts them (numpy's too); a bool or a float is no count of workers
-            workers = as_int(self.compile_workers)
-            if workers is None:
-                raise TypeError(f"compile_workers must be 'auto' or an int >= 0, got {self.compile_workers!r}")
-            if workers < 0:
-                raise ValueError(f"compile_workers must be 'auto' or an int >= 0, got {workers}")
-            object.__setattr__(self, "compile_workers", workers)
+            object.__setattr__(self, "compile_workers", non_negative_int(self.compile_workers, "compile_workers"))
         misplaced = sorted(set(self.inductor_options) & COMPILE_FX_ARGUMENTS)
         if misplaced:
             raise ValueError(f"inductor_options holds Inductor config settings (torch._inductor.config names), "

@@ -1,4 +1,5 @@
 """The engine's sampler: greedy rows, temperature, top-p, per-request seeded draws, batched in one call."""
+import numpy as np
 import pytest
 import torch
 
@@ -123,6 +124,13 @@ def test_sampling_params_are_validated():
     for bad_seed in (1.5, "3", True):
         with pytest.raises(TypeError, match="seed"):
             SamplingParams(seed=bad_seed)
+    # max_new_tokens by argtypes' rule for a count: 2.0 and True were refused as ValueErrors
+    for bad_length in (2.0, True, "3"):
+        with pytest.raises(TypeError, match=f"max_new_tokens must be an int, got {bad_length!r}"):
+            SamplingParams(max_new_tokens=bad_length)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):
+        SamplingParams(max_new_tokens=-1)
+    assert SamplingParams(max_new_tokens=np.int64(0)).max_new_tokens == 0
 
 
 @pytest.mark.cuda

@@ -7,7 +7,7 @@ import time
 from numbers import Real
 from typing import Literal, Sequence
 
-from ..argtypes import integer_as_int, is_bool
+from ..argtypes import integer_as_int, is_bool, non_negative_int
 from .sampler import sampling_key
 
 FinishReason = Literal["length", "stop"]
@@ -32,8 +32,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # numpy's integers as ints (``argtypes``): they count tokens, seed a generator, name token ids.
-        for name in ("max_new_tokens", "seed"):
-            object.__setattr__(self, name, integer_as_int(getattr(self, name)))
+        object.__setattr__(self, "max_new_tokens", non_negative_int(self.max_new_tokens, "max_new_tokens"))
+        object.__setattr__(self, "seed", integer_as_int(self.seed))
         # A string's characters or a bytes object's values are not token ids, and None or a bare
         # int has no items: refused by name rather than failing inside ``map``.
         stop = self.stop_token_ids
@@ -44,8 +44,6 @@ class SamplingParams:
         if not is_bool(self.ignore_eos):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         # Any real number (numpy's float32 too), as a Python float; a bool is not a number here.
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
