@@ -21,6 +21,19 @@ from .kv_cache import check_num_blocks
 from .validation import context_write_clash
 
 
+#: The most tokens a sequence (``seq_lens``) or a step (``query_start_loc``'s total) may have: both
+#: are int32, the kernels' index type, and a larger count would wrap to a negative length.
+MAX_TOKENS = 2 ** 31 - 1
+
+
+def check_token_count(num_tokens: int, name: str) -> int:
+    """``num_tokens`` (an int), or a ValueError naming ``name`` if it exceeds ``MAX_TOKENS``."""
+    if num_tokens > MAX_TOKENS:
+        raise ValueError(f"{name} must be at most {MAX_TOKENS} (2**31 - 1), got {num_tokens}: token counts are "
+                         f"int32 in seq_lens and query_start_loc, and larger ones would wrap to negative lengths")
+    return num_tokens
+
+
 class SequenceStep(NamedTuple):
     """One sequence's share of a step: ``query_len`` new tokens after ``context_len`` cached ones,
     whose K/V live in the blocks listed by ``block_table`` (covering at least context+query)."""
@@ -100,7 +113,8 @@ class AttentionMetadataBuilder:
     ):
         self.block_size = positive_int(block_size, "block_size")
         self.num_blocks = check_num_blocks(positive_int(num_blocks, "num_blocks"))
-        self.max_num_tokens = positive_int(max_num_tokens, "max_num_tokens")
+        # A step's tokens, and so query_start_loc's total, are at most max_num_tokens: checked once here.
+        self.max_num_tokens = check_token_count(positive_int(max_num_tokens, "max_num_tokens"), "max_num_tokens")
         self.max_blocks_per_seq = positive_int(max_blocks_per_seq, "max_blocks_per_seq")
         self.device = torch.device(device)
         self.buffers = PersistentBuffers(self.device)
@@ -188,6 +202,11 @@ class AttentionMetadataBuilder:
             seq_lens.append(ctx + q)
             table_lens.append(len(table))
             entries += table
+        max_seq_len = max(seq_lens)
+        if max_seq_len > MAX_TOKENS:
+            i = seq_lens.index(max_seq_len)
+            check_token_count(max_seq_len, f"seqs[{i}]: context_len {seq_lens[i] - query_lens[i]} + query_len "
+                                           f"{query_lens[i]}")
         blocks, packed_blocks = self._block_ids(entries, table_lens)
 
         num_actual_tokens = sum(query_lens)
@@ -247,7 +266,7 @@ class AttentionMetadataBuilder:
             num_actual_seqs=num_actual_seqs,
             num_seqs=num_seqs,
             max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            max_seq_len=max_seq_len,
             num_decodes=num_decodes,
             is_uniform_decode=num_decodes == num_actual_seqs,
             query_start_loc=fill("query_start_loc", qsl_cpu, (n + 1,)),

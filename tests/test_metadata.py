@@ -53,6 +53,20 @@ def test_lengths_and_cu_seqlens():
     assert md.block_table[:, :2].tolist() == [[7, 2], [4, 0], [1, 5]]
 
 
+def test_token_counts_past_int32_are_refused_by_name():
+    """seq_lens and query_start_loc are int32: a sequence of 2**31 tokens failed in torch.tensor
+    naming nothing, and a step's cumulative query lengths (bounded by max_num_tokens) wrapped."""
+    assert builder(max_num_tokens=2**31 - 1).max_num_tokens == 2**31 - 1  # buffers are made at the first build
+    with pytest.raises(ValueError, match=r"^max_num_tokens must be at most 2147483647 \(2\*\*31 - 1\), got 2147483648"):
+        builder(max_num_tokens=2**31)
+    big = 2**16  # 2**15 blocks of 2**16 tokens: one sequence of 2**31
+    long = builder(block_size=big, num_blocks=2**15 + 1, max_blocks_per_seq=2**15)
+    with pytest.raises(ValueError, match=r"^seqs\[1\]: context_len 2147483647 \+ query_len 1 must be at most "
+                                         r"2147483647 \(2\*\*31 - 1\), got 2147483648"):
+        long.build([SequenceStep(1, 0, [2**15]), SequenceStep(1, 2**31 - 1, list(range(2**15)))])
+    assert long.build([SequenceStep(1, 2**31 - 2, list(range(2**15)))]).max_seq_len == 2**31 - 1
+
+
 def test_decode_prefill_split():
     md = builder().build([SequenceStep(1, 3, [0]), SequenceStep(1, 0, [3])] + SEQS[1:])
     assert (md.num_decodes, md.is_uniform_decode) == (2, False)
