@@ -51,6 +51,7 @@ config, for tests).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -260,15 +261,37 @@ class TimelineRecorder(logging.Handler):
         self._logger.setLevel(self._level)
 
 
-def run_phase(model: str, phase: str, dirs: dict[str, Path], args, budget: common.Budget, log) -> dict[str, Any]:
+class PhaseDirs:
+    """The phases' cache roots, each made under ``root`` at its first use: a warm phase gets its
+    model's cold phase's (what it loads), every other cold phase empty ones of its own."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._made: dict[tuple[str, str], Path] = {}
+
+    def __call__(self, model: str, phase: str) -> Path:
+        key = (model, phase if phase.startswith("cold, ") else "cold")
+        if key not in self._made:
+            self._made[key] = Path(tempfile.mkdtemp(prefix=f"{model}_", dir=self.root))
+        return self._made[key]
+
+
+@contextlib.contextmanager
+def phase_dirs():
+    """``PhaseDirs`` under one temporary root, removed with everything the phases cached when the
+    run ends, also on an error: nothing reads the caches after their phases."""
+    with tempfile.TemporaryDirectory(prefix="compileattn_coldwarm_", ignore_cleanup_errors=True) as root:
+        yield PhaseDirs(Path(root))
+
+
+def run_phase(model: str, phase: str, dirs: PhaseDirs, args, budget: common.Budget, log) -> dict[str, Any]:
     rec: dict[str, Any] = {"model": model, "phase": phase, "status": None, "reason": ""}
     left = budget.left()
     if left < PHASE_RESERVE_S:
         rec.update(status="skipped", reason=budget.reason())
         log(f"{model} {phase}: skipped")
         return rec
-    root = dirs.setdefault((model, phase if phase.startswith("cold, ") else "cold"),
-                           Path(tempfile.mkdtemp(prefix=f"compileattn_coldwarm_{model}_")))
+    root = dirs(model, phase)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"), TRITON_CACHE_DIR=str(root / "triton"))
     if args.triton_cache_dir == "unset":
         # a program that leaves it unset: the first call sets it (Inductor's rule, under the row's
@@ -313,7 +336,6 @@ def run_benchmark(args, log, checkpoint: Callable[[dict[str, Any]], None] | None
     """Every phase of ``PHASES`` for ``args.models``; ``checkpoint(payload so far)`` after each one,
     so a run killed at its time limit keeps the phases it finished."""
     budget = common.Budget(args.budget_s)
-    dirs: dict = {}
     env = common.environment()
     log(f"GPU {env.get('gpu')}; versions {env.get('versions')}")
     rows: list[dict[str, Any]] = []
@@ -322,13 +344,14 @@ def run_benchmark(args, log, checkpoint: Callable[[dict[str, Any]], None] | None
                                                   "llama_layers": args.llama_layers, "tokens": TOKENS,
                                                   "compile_workers": args.compile_workers, "triton_cache_dir": args.triton_cache_dir},
                "runs": [run], "rows": rows}
-    for m, phase in PHASES:
-        if m not in args.models:
-            continue
-        rows.append(run_phase(m, phase, dirs, args, budget, log))
-        run["elapsed_s"] = round(log.elapsed(), 1)
-        if checkpoint is not None:
-            checkpoint(payload)
+    with phase_dirs() as dirs:
+        for m, phase in PHASES:
+            if m not in args.models:
+                continue
+            rows.append(run_phase(m, phase, dirs, args, budget, log))
+            run["elapsed_s"] = round(log.elapsed(), 1)
+            if checkpoint is not None:
+                checkpoint(payload)
     run["elapsed_s"] = round(log.elapsed(), 1)
     return payload
 

@@ -867,11 +867,11 @@ def run_probes(name: str, args, budget: common.Budget, log: common.Log) -> list[
     """compileattn's cold and warm start for this model: ``coldwarm.py``'s phases (fresh processes)."""
     import coldwarm
 
-    dirs: dict = {}
     # coldwarm's own parser, so each of its options has its default there (workers, ...)
     spec = coldwarm.parse_args(["--device", DEVICE, "--backend", args.backend]
                                + (["--llama-layers", str(args.llama_layers)] if args.llama_layers else []))
-    return [{"run": 0, **coldwarm.run_phase(name, phase, dirs, spec, budget, log)} for phase in ("cold", "warm")]
+    with coldwarm.phase_dirs() as dirs:
+        return [{"run": 0, **coldwarm.run_phase(name, phase, dirs, spec, budget, log)} for phase in ("cold", "warm")]
 
 
 def run_benchmark(args, log: common.Log, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:

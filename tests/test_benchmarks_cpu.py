@@ -1100,6 +1100,41 @@ def test_coldwarm_plumbing_on_the_cpu(tmp_path):
         assert f"## Timeline: OPT-125m shape, {phase}" in md
 
 
+def test_coldwarm_removes_the_phases_caches_also_on_an_error(tmp_path, monkeypatch):
+    """Each cold phase made a compileattn_coldwarm_* dir in the system's temp dir and nothing
+    removed them: every run left its cache trees behind."""
+    import subprocess
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real_run, caches = subprocess.run, []
+
+    def failing_probe(argv, **kwargs):
+        if "--_probe" not in argv:
+            return real_run(argv, **kwargs)
+        cache = Path(json.loads(argv[-1])["cache_dir"])
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / "entry").write_text("cached")
+        caches.append(cache)
+        return subprocess.CompletedProcess(argv, 1, "", "probe failed")
+
+    monkeypatch.setattr(coldwarm.subprocess, "run", failing_probe)
+    args = coldwarm.parse_args(["--device", "cpu", "--models", "opt"])
+    rows = coldwarm.run_benchmark(args, common.Log())["rows"]
+    assert {r["status"] for r in rows} == {"error"} and len(caches) == len(rows) > 2
+    assert caches[0] == caches[1] and len(set(caches)) == len(rows) - 1  # the warm phase reads the cold one's
+    assert all(c.is_relative_to(tmp_path) for c in caches) and not list(tmp_path.iterdir())
+
+    def crashing_probe(argv, **kwargs):
+        failing_probe(argv, **kwargs)
+        raise RuntimeError("probe crashed")
+
+    monkeypatch.setattr(coldwarm.subprocess, "run", crashing_probe)
+    with pytest.raises(RuntimeError, match="probe crashed"):
+        coldwarm.run_benchmark(args, common.Log())
+    assert not list(tmp_path.iterdir())
+
+
 def test_coldwarm_timeline_recorder_takes_debug_and_restores_the_level():
     log = logging.getLogger("compileattn")
     before = log.level
@@ -1123,14 +1158,19 @@ def test_inductor_options_on_the_command_line_must_be_a_json_object():
         common.json_object("{post_grad_custom_post_pass: null}")  # not JSON at all
 
 
-def test_latency_cold_warm_probes_run_coldwarms_phases(monkeypatch):
+def test_latency_cold_warm_probes_run_coldwarms_phases(monkeypatch, tmp_path):
     """latency.py's cold/warm subprocesses go through coldwarm.run_phase with every option it
-    reads (one it lacked would crash the probes after a model's whole column run)."""
+    reads (one it lacked would crash the probes after a model's whole column run), in
+    coldwarm.phase_dirs, which removes their caches."""
+    import tempfile
+
     monkeypatch.setattr(lat, "DEVICE", "cpu")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     args = lat.parse_args(["--models", "opt"])
     rows = lat.run_probes("opt", args, common.Budget(300), common.Log())
     assert [(r["phase"], r["status"]) for r in rows] == [("cold", "ok"), ("warm", "ok")], rows
     assert rows[1]["path"] == "warm" and rows[0]["first_call_s"] > 0
+    assert not list(tmp_path.iterdir())
 
 
 def test_coldwarm_report_marks_failures_and_skips():
