@@ -1246,6 +1246,14 @@ def test_committed_latency_results_render_with_the_report(name):
     assert all(ln.split(" | ")[4] == "n/a" for ln in rows)
 
 
+def test_committed_decode_attention_results_render_with_the_report():
+    """The committed table is what ``render_markdown`` makes of the committed JSON, and the plot's
+    link ``write_outputs`` appends (it was an early renderer's: other goal lines, no kernel table)."""
+    payload = common.read_json(BENCH / "results" / "decode_attention.json")
+    committed = (BENCH / "results" / "decode_attention.md").read_text()
+    assert committed == dec.render_markdown(payload) + "\n![decode attention](decode_attention.png)\n"
+
+
 def _roofline_payload():
     counts = {"weight_bytes": 170_000_000, "kv_bytes_per_token": 36_864, "layers": 12}
     runs = [{"label": "new", "copy_bandwidth": {"GBps": 4000.0}, "models": {"opt": counts}},
