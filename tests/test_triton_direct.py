@@ -536,3 +536,49 @@ def test_torch_compiles_backend_compiles_kernels_ahead_too(monkeypatch):
                                  options={"piece_compiler": "eager", "compile_kernels_ahead": ahead})
         assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
     assert calls == ["start"]
+
+
+# A compile process whose compiling process ends (killed, or exiting before the first launch)
+# compiles for nobody: it must not run on for the rest of its compile, or for good if stuck.
+_AHEAD_ORPHANED = r"""
+import os, signal, sys, time
+from compileattn.compilation import kernel_warmup
+marker = sys.argv[1]
+assert kernel_warmup.launch([{"module": "slow_ahead_kernel", "name": "kernel"}]) == 1
+deadline = time.monotonic() + 60
+while not os.path.exists(marker) and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(open(marker).read(), flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+os._exit(0)  # no wait for the compile (an exit through atexit would do the same)
+"""
+
+
+@pytest.mark.parametrize("end", ["kill", "exit"])
+def test_a_compile_process_ends_with_the_compiling_process(tmp_path, end):
+    import subprocess
+    import sys
+    import time
+
+    from compileattn.compilation import fork_server
+
+    marker = tmp_path / "pid"
+    # the "kernel module": importing it is a compile that takes a minute
+    (tmp_path / "slow_ahead_kernel.py").write_text(
+        f"import os, time\nopen({str(marker) + '.tmp'!r}, 'w').write(str(os.getpid()))\n"
+        f"os.rename({str(marker) + '.tmp'!r}, {str(marker)!r})\ntime.sleep(60)\n")
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(tmp_path)]))
+    proc = subprocess.run([sys.executable, "-c", _AHEAD_ORPHANED, str(marker), end], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.stdout.strip().isdigit(), proc.stderr[-3000:]
+    pid = int(proc.stdout)
+    deadline = time.monotonic() + 5
+    try:
+        while fork_server._alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not fork_server._alive(pid), f"the compile process still runs after the compiling process's {end}"
+    finally:
+        if fork_server._alive(pid):
+            os.kill(pid, 9)

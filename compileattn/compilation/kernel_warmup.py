@@ -12,7 +12,8 @@ modules, a fraction of a second) that compiles it into Triton's disk cache, wher
 launch finds it. A first launch that comes while they still compile waits for them
 (``direct.wait_for_ahead``), at most ``WAIT_S``, rather than compiling the same variant twice:
 any first launch, the first one to come, once (a variant that was not compiled ahead, a
-quantized KV write, say, waits too, as long as they run, about 2 s).
+quantized KV write, say, waits too, as long as they run, about 2 s). A compile process exits as
+soon as the compiling process is gone (killed, or exited first): it compiles for nobody then.
 
 Processes, not a thread: in a thread of the compiling process the compiles held the GIL most of
 the time, and on the H200 they stretched from 1.7 to 6.9 s (OPT) and 9.8 s (Llama) beside Dynamo's
@@ -118,9 +119,10 @@ def launch(specs: list[dict]) -> int:
     for spec in specs:
         try:
             payload = pickle.dumps(spec)
+            # this process's pid: the compile process exits once it is gone (``compile_ahead``)
             proc = subprocess.Popen([sys.executable, "-c", f"import runpy; runpy.run_path({_SCRIPT!r}, "
-                                     "run_name='__main__')"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, env=env, close_fds=True)
+                                     "run_name='__main__')", str(os.getpid())], stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, close_fds=True)
         except Exception as exc:  # noqa: BLE001 (no process: the first launch compiles it)
             log.debug("compileattn: could not start compiling triton %s ahead (%s: %s)", spec["name"],
                       type(exc).__name__, exc)

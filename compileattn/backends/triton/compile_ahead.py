@@ -10,6 +10,8 @@ compiling process's first launch of the variant finds it there and loads it (mil
 instead of compiling it (0.4-1.1 s per kernel on the H200, S12-5).
 It also builds the variant's C launcher, which Triton caches too. Stdout stays empty; a failure
 exits non-zero with its traceback on stderr, and the launch then compiles the variant itself.
+The compiling process's pid comes as the first argument: the process exits as soon as that
+process is gone (``_exit_with_parent``).
 
 The kernel modules import only ``triton`` and each other; their package is registered here as
 an empty stand-in for ``compileattn.backends.triton`` (same module names: a kernel's cache key
@@ -18,8 +20,11 @@ includes its module-qualified name), so importing them runs none of compileattn.
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -60,7 +65,29 @@ def compile_spec(spec: dict) -> None:
         CudaLauncher(kernel.src, kernel.metadata)  # compiles (and caches) the variant's C launcher
 
 
+#: Seconds between two looks at whether the compiling process still runs.
+PARENT_POLL_S = 0.1
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exit at once when the compiling process ``parent`` is gone (killed, or exited before its
+    first launch): nobody reads the cache entry then, and the compile would otherwise run on to
+    its end, or for good where it is stuck. A thread polling ``getppid`` (an orphan is reparented),
+    not a parent-death signal, which follows the *thread* that started the process (the first
+    call's, which may end while the process goes on), nor a pipe's end, which any fork of the
+    compiling process would hold open. A process started after ``parent`` ended sees another
+    parent on its first look."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="compile-ahead-parent-watch", daemon=True).start()
+
+
 def main() -> int:
+    if len(sys.argv) > 1:
+        _exit_with_parent(int(sys.argv[1]))
     spec = pickle.load(sys.stdin.buffer)
     if spec["module"].startswith(_PACKAGE + "."):
         _stand_in_packages()
