@@ -696,3 +696,54 @@ def test_no_worker_outlives_the_compiling_process(workers, end, tmp_path):
         for pid in pids:
             if fork_server._alive(pid):  # the test's own leftovers only (a pid ended may be reused)
                 os.kill(pid, signal.SIGKILL)
+
+
+# A fresh-interpreter server (the compiling process had threads or CUDA when it started one) whose
+# compiling process ends while the server imports: it saw the end only at its "ready" answer, and
+# so outlived the process by its imports (seconds; 9-15 s on the H200's host). Here its import of
+# Inductor is made to take two minutes (a sitecustomize's import hook) so the two are told apart.
+
+_SLOW_INDUCTOR = """
+import sys, time
+
+class _Slow:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._inductor.compile_fx":
+            sys.meta_path.remove(self)
+            time.sleep(120)
+        return None
+
+sys.meta_path.insert(0, _Slow())
+"""
+
+_SERVER_ORPHANED = """
+import os, signal, sys
+from compileattn.compilation import compile_pool, fork_server
+env = compile_pool._worker_env()
+env["PYTHONPATH"] = os.pathsep.join([sys.argv[1], env["PYTHONPATH"]])
+server = fork_server.ForkServer(env, 10, 300, fork_here=False)
+print(server.pid, flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("end", ["kill", "exit"])
+def test_a_server_still_importing_does_not_outlive_the_compiling_process(end, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_INDUCTOR)
+    # stderr to a file: the server writes its own there, and would hold a pipe open while it lives
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.run([sys.executable, "-c", _SERVER_ORPHANED, str(tmp_path), end], stdout=subprocess.PIPE,
+                              stderr=err, text=True, timeout=120)
+    assert proc.stdout.strip().isdigit(), (tmp_path / "stderr").read_text()[-3000:]
+    pid = int(proc.stdout)
+    # its interpreter's start and torch's import come first (the watch starts with the imports it serves for)
+    deadline = time.monotonic() + 30
+    try:
+        while fork_server._alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not fork_server._alive(pid), f"the fork server still runs after the compiling process's {end}"
+    finally:
+        if fork_server._alive(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -49,10 +49,12 @@ Inductor's own compile subprocess does the same (it imports, then forks its pool
 - **Children**: the server ignores SIGCHLD, so the kernel reaps its exited workers (no zombies);
   a worker restores the default at once (its compiles run ``ptxas`` and ``subprocess`` must see
   their exit status). A worker exits when its stdin closes, as a fresh one does; the server exits
-  when its socket closes (the pool's ``close``, or the compiling process's exit).
+  when its socket closes (the pool's ``close``, or the compiling process's exit), also while it
+  still imports (``_exit_if_closed_meanwhile``).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
@@ -549,7 +551,8 @@ def serve(sock_fd: int, worker_niceness: int, started: float) -> None:
 def _serve_on(sock: socket.socket, worker_niceness: int, started: float) -> None:
     from .compile_pool import import_for_worker
 
-    import_for_worker()
+    with _exit_if_closed_meanwhile(sock):
+        import_for_worker()
     why_not = cuda_touched()
     if why_not is None and threading.active_count() > 1:
         why_not = f"{threading.active_count()} Python threads run after the imports"
@@ -580,6 +583,32 @@ def _serve_on(sock: socket.socket, worker_niceness: int, started: float) -> None
         except OSError:  # the pool closed meanwhile
             _outlive_workers()
             return
+
+
+@contextlib.contextmanager
+def _exit_if_closed_meanwhile(sock: socket.socket):
+    """Exit the server at once if the compiling process closes its end of ``sock`` while the
+    block runs (the imports: seconds for a fresh interpreter, 9-15 s on the H200's host): it
+    exited or was killed, or the pool closed, and nobody will ask for a worker. The end is seen
+    otherwise only at the "ready" answer, after the imports. Nothing arrives on the socket before
+    that answer, so anything it reports (data, hang-up) means the end. A thread that stops
+    with the block: the server forks only while it runs a single Python thread."""
+    stop = threading.Event()
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+
+    def watch() -> None:
+        while not stop.is_set():
+            if poller.poll(100):
+                os._exit(0)
+
+    watcher = threading.Thread(target=watch, name="compileattn-fork-server-parent-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
 
 
 def _outlive_workers() -> None:
