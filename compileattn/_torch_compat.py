@@ -58,6 +58,10 @@ PRIVATE_APIS = {
     "torch._dynamo.lookup_backend": "@compileattn.compile(backend='inductor') and the like",
     "torch._inductor.standalone_compile": "compiling one piece with Inductor outside Dynamo",
     "torch._inductor.custom_graph_pass.CustomGraphPass": "the pieces' post-grad pass (passes/residual_addmm.py)",
+    "torch.autograd.grad_mode._enter_inference_mode": "how Dynamo records entering torch.inference_mode(): "
+                                                      "kept by the clean-up, which FX does not count impure",
+    "torch.autograd.grad_mode._exit_inference_mode": "how Dynamo records leaving torch.inference_mode() (its "
+                                                     "result unused): kept by the clean-up, as the entry",
     "torch._inductor.custom_graph_pass.get_hash_for_files": "that pass's cache identity (its file's hash)",
     "torch.fx.experimental.symbolic_shapes.statically_known_true": "that pass's shape checks on symbolic sizes",
     "torch.fx.experimental.symbolic_shapes.free_unbacked_symbols": "graph inputs of data-dependent size, refused "
@@ -581,6 +585,14 @@ def forget_inductor_compile_pools() -> None:
         cache = getattr(getattr(codecache, name, None), "cache", None)
         if isinstance(cache, dict):
             cache.clear()
+
+
+def switches_inference_mode(target: Any) -> bool:
+    """Whether a graph's call of ``target`` enters or leaves ``torch.inference_mode()``, as Dynamo
+    records it: state for the nodes that follow, which FX's ``is_impure`` does not see (its list
+    has ``torch._C._set_grad_enabled``, not these)."""
+    return any(target is resolve(name) for name in ("torch.autograd.grad_mode._enter_inference_mode",
+                                                     "torch.autograd.grad_mode._exit_inference_mode"))
 
 
 def import_inductor() -> None:

@@ -9,13 +9,16 @@ call of an OpOverloadPacket (how Dynamo records custom ops) as pure, so it delet
 op (it returns nothing; its effect is the write into ``output``). Here a node with a mutable schema
 is never removed, whatever torch version decides about packets, nor a torch function that writes
 in place (``torch.relu_(h)``, ``F.relu(h, inplace=True)``, ``torch.add(h, 1, out=h)``), whose
-result Dynamo's later code does not read (it reads ``h``) and which FX does not count impure.
+result Dynamo's later code does not read (it reads ``h``) and which FX does not count impure, nor
+the entry into and exit from ``torch.inference_mode()`` (the exit's result is unused, and FX's
+impure list has ``_set_grad_enabled`` but not these): dropped, the region ran outside inference
+mode and its results recorded autograd.
 """
 from __future__ import annotations
 
 import torch.fx
 
-from .._torch_compat import op_schemas
+from .._torch_compat import op_schemas, switches_inference_mode
 from .split import writes_in_place
 
 
@@ -26,7 +29,7 @@ def _has_side_effects(node: torch.fx.Node) -> bool:
         return True  # torch.relu_(h), torch.add(h, 1, out=h): Dynamo's later code reads h, not the result
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.endswith("__")  # in-place: add_, copy_, ...
-    return node.is_impure()
+    return node.is_impure() or switches_inference_mode(node.target)
 
 
 def cleanup(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

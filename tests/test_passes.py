@@ -273,3 +273,31 @@ def test_hoist_knows_the_base_of_an_output_made_by_any_view_op(make_view):
     gm = hoist_shape_logic(torch.fx.GraphModule(torch.nn.Module(), g), ATTN)
     order = list(gm.graph.nodes)
     assert order.index(read) > order.index(attn)
+
+
+def _inference_region(x):
+    y = x * 2
+    with torch.inference_mode():
+        z = y + 1
+    return y, z
+
+
+def test_cleanup_keeps_an_inference_mode_region():
+    """Dynamo records ``with torch.inference_mode()`` as ``_enter_inference_mode`` and an
+    ``_exit_inference_mode`` whose result nobody reads, which FX does not count impure: dropped,
+    the region ran outside inference mode, and its result was a normal tensor recording autograd."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    x = torch.ones(3, requires_grad=True)
+    torch._dynamo.reset()
+    torch.compile(_inference_region, backend=backend, fullgraph=True)(x)
+    gm = cleanup(graphs[0])
+    _, z = gm(x)
+    _, expected = _inference_region(x)
+    assert expected.is_inference() and not expected.requires_grad
+    assert z.is_inference() and not z.requires_grad
+    torch.testing.assert_close(z, expected)
