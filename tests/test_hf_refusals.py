@@ -267,6 +267,20 @@ def test_a_tokenizer_without_encode_and_decode_is_refused_before_the_model_loads
         ca.LLM(str(tmp_path / "not-loaded"), compile_config=None, tokenizer="not a tokenizer")
 
 
+def test_check_requests_raises_what_generate_raises_and_runs_nothing(tmp_path, monkeypatch):
+    llm = ca.LLM(str(save_family("qwen3", tmp_path / "q")), compile_config=None, num_blocks=16, block_size=4)
+    monkeypatch.setattr(Engine, "run", lambda *a, **k: pytest.fail("check_requests ran the engine"))
+    for call in (llm.check_requests, llm.generate):
+        with pytest.raises(ValueError, match=rf"^prompts\[1\]: prompt token {VOCAB} out of range"):
+            call([[1, 2], [3, VOCAB]], 2)
+        with pytest.raises(ValueError, match=r"^prompts\[0\]: .*needs 65 positions > max_model_len 64"):
+            call([[1] * 60], 6)
+        with pytest.raises(ValueError, match="temperature"):
+            call([1, 2], 2, temperature=-1.0)
+    assert llm.check_requests([[1, 2], [3]], [4, 1], temperature=0.5, seed=3) is None
+    assert not llm.engine.has_unfinished()
+
+
 def test_bad_generate_arguments_raise_before_running(tmp_path):
     llm = ca.LLM(str(save_family("qwen3", tmp_path / "q")), compile_config=None, num_blocks=16, block_size=4)
     with pytest.raises(ValueError, match="temperature"):

@@ -224,6 +224,18 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         elif max_new_tokens is not None:
             raise ValueError("pass max_new_tokens inside params, not both")
+        req = Request.create(self._next_id, self.check_prompt(prompt, params), params, self.eos_token_ids)
+        self._next_id += 1
+        self._requests[req.seq_id] = req
+        if not req.finished:
+            self.scheduler.add(req)
+        return req.seq_id
+
+    def check_prompt(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """``prompt`` as a list of ints, or the TypeError or ValueError ``add_request`` raises for it:
+        token ids of this engine's vocabulary, and room within ``max_model_len`` for the prompt and
+        ``params.max_new_tokens``. Public so that a caller can refuse its requests before it runs
+        anything (``LLM.check_requests``)."""
         if not hasattr(prompt, "__iter__"):
             raise TypeError(f"prompt must be a sequence of token ids, got {prompt!r}")
         # The int rule (``argtypes``): int() would truncate a float into another token, and a bool
@@ -244,12 +256,7 @@ class Engine:
         if kv_len > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) needs {kv_len} "
                              f"positions > max_model_len {self.max_model_len}")
-        req = Request.create(self._next_id, prompt, params, self.eos_token_ids)
-        self._next_id += 1
-        self._requests[req.seq_id] = req
-        if not req.finished:
-            self.scheduler.add(req)
-        return req.seq_id
+        return prompt
 
     def request(self, seq_id: int) -> Request:
         return self._requests[seq_id]

@@ -379,9 +379,20 @@ class LLM:
                         stats.queried_tokens - looked_up)
         return outputs
 
+    def check_requests(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                       max_new_tokens: int | Sequence[int] = 16, *, temperature: float = 0.0, top_p: float = 1.0,
+                       seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
+                       ignore_eos: bool = False) -> None:
+        """Raise the TypeError or ValueError that ``generate`` raises for these arguments, running
+        nothing (an iterator of prompts is read up): ``generate`` makes the same checks before its
+        first step, so a caller that must tell the user's mistakes from failures of the run (the
+        command line) checks first and then generates."""
+        self._requests(prompts, max_new_tokens, temperature, top_p, seed, stop_token_ids, ignore_eos)
+
     def _requests(self, prompts, max_new_tokens, temperature, top_p, seed, stop_token_ids, ignore_eos):
         """``generate``'s arguments checked and converted: (prompts as a list, their token ids, one
-        ``SamplingParams`` each); a TypeError or ValueError naming the argument."""
+        ``SamplingParams`` each); a TypeError or ValueError naming the argument, or the prompt whose
+        tokens this engine cannot serve (``Engine.check_prompt``)."""
         if isinstance(prompts, torch.Tensor):
             raise TypeError("prompts must be a string, a list of token ids or a list of those, got a Tensor "
                             "(pass tensor.tolist())")
@@ -418,7 +429,13 @@ class LLM:
                                  stop_token_ids=stop, ignore_eos=ignore_eos,
                                  seed=None if seed is None else sampling_key(seed, i))
                   for i, n in enumerate(lengths)]
-        return prompts, [self._encode(p, i) for i, p in enumerate(prompts)], params
+        token_prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
+        for i, (tokens, p) in enumerate(zip(token_prompts, params)):
+            try:
+                self.engine.check_prompt(tokens, p)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
+        return prompts, token_prompts, params
 
     def _agree_across_ranks(self, digest: str | None, refused: BaseException | None = None) -> None:
         """Under tensor parallelism every rank must call ``generate`` with the same arguments: rank 0
