@@ -3,13 +3,20 @@
 generate    load a model directory, generate for each --prompt (text, needs the directory's
             tokenizer) or --prompt-ids, print the results
 throughput  offline throughput on random prompts (see compileattn/engine/throughput.py)
+
+A mistake in the user's input is refused as argparse refuses a bad flag: ``<prog> <command>:
+error: <message>``, exit status 2, no traceback. Each command checks everything it can before
+anything runs (the sampling parameters, the LLM's arguments and model directory, the prompts
+against the loaded model), each check in its own ``_refused`` block; the run comes after them,
+outside any, so what fails while it runs keeps its traceback.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 
 def _int_list(text: str) -> list[int]:
@@ -46,16 +53,32 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share the KV-cache blocks of prompts that start alike (LLM's enable_prefix_caching)")
 
 
-def _llm(args):
+@contextlib.contextmanager
+def _refused(parser: argparse.ArgumentParser, what: str = "") -> Iterator[None]:
+    """Around a check of the user's input: its TypeError, ValueError or FileNotFoundError is the
+    input's mistake, refused with ``parser``'s usage and exit status 2 (``what`` prefixes the
+    message where the exception's own words do not name the flags)."""
+    try:
+        yield
+    except (TypeError, ValueError, FileNotFoundError) as exc:
+        parser.error(f"{what}{exc}")
+
+
+def _llm(parser: argparse.ArgumentParser, args):
+    """The LLM of the engine flags. Its constructor checks its arguments and the model directory
+    before it loads or sizes anything, and refuses a model no attention backend serves."""
     from .engine.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               num_blocks=args.num_blocks, compile_config=None if args.eager else "auto", attention_backend=args.attention_backend,
-               allow_pickle=args.allow_pickle, enable_prefix_caching=args.enable_prefix_caching)
+    with _refused(parser):
+        return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                   num_blocks=args.num_blocks, compile_config=None if args.eager else "auto",
+                   attention_backend=args.attention_backend, allow_pickle=args.allow_pickle,
+                   enable_prefix_caching=args.enable_prefix_caching)
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command's parser (whose ``error`` refuses a mistake found after parsing) and the arguments."""
     parser = argparse.ArgumentParser(prog="python -m compileattn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for prompts with a model directory")
@@ -77,20 +100,29 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     thr.add_argument("--output-len", type=length_range, default=(128, 512), help="LO:HI output tokens (default 128:512)")
     thr.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    command = gen if args.command == "generate" else thr
     if args.command == "generate" and not args.prompts:
-        parser.error("generate needs at least one --prompt or --prompt-ids")
+        command.error("generate needs at least one --prompt or --prompt-ids")
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            command.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.command == "throughput" and args.num_prompts < 1:
-        parser.error("--num-prompts must be >= 1")
-    return args
+        command.error("--num-prompts must be >= 1")
+    return command, args
 
 
-def _generate(args) -> int:
-    llm = _llm(args)
-    outputs = llm.generate(args.prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=args.seed, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+def _generate(parser: argparse.ArgumentParser, args) -> int:
+    from .engine.request import SamplingParams
+
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                    stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+    with _refused(parser):  # the sampling flags, before the model loads
+        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       stop_token_ids=args.stop_token_ids or (), ignore_eos=args.ignore_eos, seed=args.seed)
+    llm = _llm(parser, args)
+    with _refused(parser):  # the prompts against the model: its vocabulary, max_model_len, a tokenizer for text
+        llm.check_requests(args.prompts, args.max_new_tokens, **sampling)
+    outputs = llm.generate(args.prompts, args.max_new_tokens, **sampling)
     for i, out in enumerate(outputs):
         shown = repr(out.prompt) if out.prompt is not None else str(out.prompt_token_ids)
         print(f"[{i}] prompt: {shown}")
@@ -101,10 +133,10 @@ def _generate(args) -> int:
     return 0
 
 
-def _throughput(args) -> int:
+def _throughput(parser: argparse.ArgumentParser, args) -> int:
     from .engine import throughput
 
-    llm = _llm(args)
+    llm = _llm(parser, args)
     workload = throughput.random_workload(args.num_prompts, args.input_len, args.output_len, llm.engine.vocab_size,
                                           args.seed)
     # A few short requests inside the user's own bounds (a fixed 4 new tokens could overrun a
@@ -112,6 +144,9 @@ def _throughput(args) -> int:
     warm_out = min(4, args.output_len[0])
     warm = throughput.random_workload(min(8, args.num_prompts), args.input_len, (warm_out, warm_out),
                                       llm.engine.vocab_size, args.seed + 1)
+    with _refused(parser, "--input-len/--output-len: "):  # the prompts' names are the workload's, not the user's
+        throughput.check(llm, workload)
+        throughput.check(llm, warm)
     throughput.measure(llm, warm)  # compile-time captures and allocator warm-up stay out of the timing
     result, _ = throughput.measure(llm, workload, use_tqdm=True)
     print(throughput.describe(result))
@@ -119,7 +154,7 @@ def _throughput(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    parser, args = parse_args(sys.argv[1:] if argv is None else argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("compileattn")
@@ -127,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = logger.level
     logger.setLevel(logging.INFO)
     try:
-        return _generate(args) if args.command == "generate" else _throughput(args)
+        return (_generate if args.command == "generate" else _throughput)(parser, args)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(previous)

@@ -71,3 +71,91 @@ def test_bad_flags_exit_with_usage(model_dir):
         main(["generate", "--model", str(model_dir)])  # no prompt
     with pytest.raises(SystemExit):
         main(["throughput", "--model", str(model_dir), "--input-len", "9:3"])
+
+
+def _refused(argv, capsys) -> str:
+    """``main(argv)`` refused as argparse refuses a bad flag: exit status 2, the command's usage,
+    no traceback; the stderr."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "usage: python -m compileattn" in err
+    return err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
+    (["--top-p", "2"], "top_p must be in (0, 1], got 2.0"),
+    (["--max-new-tokens", "-1"], "max_new_tokens must be an int >= 0, got -1"),
+    (["--prompt-ids", "5,300"], "prompts[1]: prompt token 300 out of range [0, 256)"),
+    (["--max-model-len", "4"], "prompts[0]: prompt (3) + max_new_tokens (3) needs 5 positions > max_model_len 4"),
+    (["--max-model-len", "0"], "max_model_len must be a positive int, got 0"),
+    (["--num-blocks", "0"], "num_blocks must be a positive int, got 0"),
+    (["--attention-backend", "nope"], "attention_backend='nope' is unknown"),
+    (["--device", "meta"], "device='meta': compileattn serves on 'cpu' or 'cuda', not 'meta'"),
+], ids=["temperature", "top-p", "max-new-tokens", "vocab", "max-model-len", "max-model-len-0", "num-blocks",
+        "attention-backend", "device"])
+def test_generate_refuses_input_mistakes_with_usage_not_a_traceback(model_dir, capsys, flags, message):
+    """Each was a traceback ending in the message: the CLI checks the flags, the LLM's arguments and
+    the prompts against the loaded model before it generates, and refuses what they refuse."""
+    argv = ["generate", "--model", str(model_dir), "--prompt-ids", "5,6,7", "--max-new-tokens", "3",
+            "--num-blocks", "32", *flags]
+    assert f"python -m compileattn generate: error: {message}" in _refused(argv, capsys)
+
+
+def test_generate_refuses_a_missing_model_directory_or_config(tmp_path, capsys):
+    argv = ["generate", "--prompt-ids", "1", "--model"]
+    err = _refused(argv + [str(tmp_path / "missing")], capsys)
+    assert f"python -m compileattn generate: error: model directory '{tmp_path / 'missing'}' does not exist" in err
+    assert f"error: {tmp_path} has no config.json" in _refused(argv + [str(tmp_path)], capsys)
+
+
+def test_generate_refuses_the_sampling_flags_before_the_model_loads(tmp_path, capsys):
+    err = _refused(["generate", "--model", str(tmp_path / "missing"), "--prompt-ids", "1", "--top-p", "0"], capsys)
+    assert "error: top_p must be in (0, 1], got 0.0" in err
+
+
+def test_generate_refuses_a_text_prompt_without_a_tokenizer(tmp_path, capsys):
+    directory = save_family("llama", tmp_path / "no-tokenizer", vocab_size=256)
+    err = _refused(["generate", "--model", str(directory), "--prompt", "Hello", "--num-blocks", "32"], capsys)
+    assert "error: prompts[0] is a string but this LLM has no tokenizer" in err
+
+
+def test_throughput_refuses_a_workload_longer_than_max_model_len(model_dir, capsys):
+    err = _refused(["throughput", "--model", str(model_dir), "--num-prompts", "2", "--input-len", "60:60",
+                    "--output-len", "8:8", "--num-blocks", "4"], capsys)  # max_model_len 64
+    assert ("python -m compileattn throughput: error: --input-len/--output-len: prompts[0]: prompt (60) + "
+            "max_new_tokens (8) needs 67 positions > max_model_len 64") in err
+
+
+def test_the_command_line_refuses_with_status_2_and_no_traceback(tmp_path):
+    """What ``python -m compileattn`` prints, from a process of its own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", "compileattn", "generate", "--model", str(tmp_path / "missing"),
+                           "--prompt-ids", "1"], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("python -m compileattn generate: error: model directory ")
+
+
+@pytest.mark.parametrize("command", ["generate", "throughput"])
+@pytest.mark.parametrize("error", [RuntimeError, ValueError])
+def test_an_error_of_the_run_keeps_its_traceback(model_dir, monkeypatch, command, error):
+    """Only the checks before the run are refused as usage: what the run raises propagates as it
+    is, a ValueError too (a kernel's or the engine's own)."""
+    from compileattn.engine.engine import Engine
+
+    def fail(self, *args, **kwargs):
+        raise error("the step failed")
+
+    monkeypatch.setattr(Engine, "run", fail)
+    argv = ([command, "--model", str(model_dir), "--num-blocks", "32"] +
+            (["--prompt-ids", "5,6,7"] if command == "generate" else ["--num-prompts", "2", "--input-len", "4:8",
+                                                                        "--output-len", "2:3"]))
+    with pytest.raises(error, match="the step failed"):
+        main(argv)

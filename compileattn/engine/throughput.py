@@ -87,6 +87,12 @@ def summarize(outputs: Sequence["RequestOutput"], elapsed_s: float, input_tokens
                             sum(o.metrics.num_preemptions for o in outputs))
 
 
+def check(llm: "LLM", workload: Workload) -> None:
+    """The TypeError or ValueError ``measure`` raises for ``workload`` (a prompt and output longer
+    than the LLM's max_model_len), raised before anything runs (``LLM.check_requests``)."""
+    llm.check_requests(workload.prompts, workload.output_lens, ignore_eos=True)
+
+
 def measure(llm: "LLM", workload: Workload, use_tqdm: bool = False) -> tuple[ThroughputResult, list["RequestOutput"]]:
     """One timed ``generate`` of the whole workload (the caller warms up first)."""
     start = time.perf_counter()
