@@ -235,6 +235,72 @@ def test_bad_llm_arguments_are_named_before_the_model_loads(tmp_path, arguments,
         ca.LLM(str(tmp_path / "not-loaded"), compile_config=None, **arguments)
 
 
+def test_check_arguments_is_the_constructors_check_and_loads_nothing(tmp_path):
+    """``LLM.check_arguments`` makes the constructor's checks of the arguments that need no model
+    (the constructor calls it), so a caller can refuse them before anything loads; its defaults are
+    the constructor's, and it returns the arguments normalized."""
+    import inspect
+
+    import numpy as np
+
+    init = inspect.signature(ca.LLM.__init__).parameters
+    for name, parameter in inspect.signature(ca.LLM.check_arguments).parameters.items():
+        assert parameter.default == init[name].default, name
+    with pytest.raises(ValueError, match="num_blocks must be a positive int, got 0"):
+        ca.LLM.check_arguments(num_blocks=0)
+    with pytest.raises(ValueError, match="pass kv_cache_memory or num_blocks, not both"):
+        ca.LLM.check_arguments(num_blocks=4, kv_cache_memory=2**20)
+    checked = ca.LLM.check_arguments(device="cpu", num_blocks=np.int64(8), max_model_len=np.int32(64),
+                                     kv_cache_memory=None, allow_pickle=np.bool_(True))
+    assert checked["device"] == torch.device("cpu")
+    assert type(checked["num_blocks"]) is int and checked["num_blocks"] == 8
+    assert type(checked["max_model_len"]) is int and checked["allow_pickle"] is True
+    assert checked["block_size"] == 16 and checked["tensor_parallel_size"] == 1
+
+
+def test_check_model_directory_refuses_what_load_model_refuses_without_loading(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from compileattn.hf.loading import check_model_directory
+
+    directory = save_family("llama", tmp_path / "bin")
+    torch.save(load_file(directory / "model.safetensors"), directory / "pytorch_model.bin")
+    (directory / "model.safetensors").unlink()
+    monkeypatch.setattr(T.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("check_model_directory loaded the model"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_model_directory(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        check_model_directory(str(tmp_path))
+    with pytest.raises(ValueError, match="only pickled weights .*allow_pickle=True"):
+        check_model_directory(directory)
+    check_model_directory(directory, allow_pickle=True)
+    with pytest.raises(ValueError, match="only pickled weights .*allow_pickle=True"):  # load_model's own check
+        ca.LLM(str(directory), compile_config=None, num_blocks=16)
+
+
+def test_only_the_selectors_refusal_is_reported_as_an_unsupported_model(tmp_path, monkeypatch):
+    """Every ValueError out of the backend selection was an ``UnsupportedModelError``: a bug in a
+    backend's check read as a model compileattn cannot serve. Only the selector's typed refusal is."""
+    from compileattn.backends.reference import ReferenceBackend
+    from compileattn.backends.selector import UnsupportedConfigurationError
+
+    directory = save_family("llama", tmp_path / "m")
+    monkeypatch.setattr(ReferenceBackend, "unsupported_reason", lambda self, *a, **k: "not this one")
+    with pytest.raises(UnsupportedModelError, match=r"^model\.layers\.0\.self_attn: no attention backend runs "
+                                                    r".*reference: not this one"):
+        ca.LLM(str(directory), compile_config=None, num_blocks=16)
+    assert issubclass(UnsupportedConfigurationError, ValueError)
+
+    def bug(self, *args, **kwargs):
+        raise ValueError("internal")
+
+    monkeypatch.setattr(ReferenceBackend, "unsupported_reason", bug)
+    with pytest.raises(ValueError, match="^internal$") as raised:
+        ca.LLM(str(directory), compile_config=None, num_blocks=16)
+    assert not isinstance(raised.value, UnsupportedModelError)
+
+
 def test_cuda_without_cuda_is_refused_naming_the_device(tmp_path, monkeypatch):
     """torch's "Torch not compiled with CUDA enabled" came out of the load, naming no argument."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -72,6 +72,14 @@ _logged: set[tuple[str, str]] = set()
 WriteCall = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+class UnsupportedConfigurationError(ValueError):
+    """No attention backend runs a layer's configuration (its spec, dtype, device, block size) for
+    the backend asked for: ``choose``'s refusal, the message naming the first candidate's reason. A
+    type of its own so that a caller refusing the configuration (``LLM`` refuses the model, the
+    command line the user's input) catches this and not any ValueError, which a backend's own bug
+    raises too."""
+
+
 def check_backend_name(name: Any, argument: str = "attention_backend") -> str:
     if isinstance(name, AttentionBackend):
         return name.name
@@ -132,7 +140,8 @@ def _candidates(requested: str | AttentionBackend, regime: str) -> list[str | At
 def choose(requested: str | AttentionBackend, spec, dtype: torch.dtype, device: torch.device, block_size: int,
            regime: str, cache_dtype: torch.dtype | None = None) -> AttentionBackend:
     """The backend that runs a layer of ``spec`` when ``requested`` was asked for (see module doc);
-    ``dtype`` is the queries', ``cache_dtype`` the K/V storage dtype (None: the same)."""
+    ``dtype`` is the queries', ``cache_dtype`` the K/V storage dtype (None: the same).
+    ``UnsupportedConfigurationError`` where none does."""
     device = torch.device(device)
     first_reason = None
     for cand in _candidates(requested, regime):
@@ -151,8 +160,9 @@ def choose(requested: str | AttentionBackend, spec, dtype: torch.dtype, device: 
             first_reason = (name, reason)
     requested_name = requested.name if isinstance(requested, AttentionBackend) else requested
     kv = "" if cache_dtype in (None, dtype) else f", K/V stored as {cache_dtype}"
-    raise ValueError(f"no attention backend runs {spec} with dtype {dtype}{kv} on {device} (block size {block_size}) "
-                     f"for attention_backend={requested_name!r}; {first_reason[0]}: {first_reason[1]}")
+    raise UnsupportedConfigurationError(f"no attention backend runs {spec} with dtype {dtype}{kv} on {device} (block "
+                                        f"size {block_size}) for attention_backend={requested_name!r}; "
+                                        f"{first_reason[0]}: {first_reason[1]}")
 
 
 def regime_of(device: torch.device, uniform_decode: bool) -> str:

@@ -131,41 +131,16 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, compile_config: CompileConfig | str | None = "auto",
                  attention_backend: str = "auto", allow_pickle: bool = False, tensor_parallel_size: int = 1,
                  enable_prefix_caching: bool = False):
-        if kv_cache_memory is not None and num_blocks is not None:
-            raise ValueError("pass kv_cache_memory or num_blocks, not both")
-        device = _device(device)
-        # numpy's integers as ints (``argtypes``): the engine takes Python ints only, and they size
-        # the cache and the steps.
-        block_size, max_num_seqs, max_num_batched_tokens, num_blocks, max_model_len, tensor_parallel_size = map(
-            integer_as_int, (block_size, max_num_seqs, max_num_batched_tokens, num_blocks, max_model_len,
-                             tensor_parallel_size))
-        # Before anything is loaded or sized with them (a 0 divided the KV budget's log line).
-        check_positive_ints(block_size=block_size, max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=max_num_batched_tokens,
-                            **{k: v for k, v in (("num_blocks", num_blocks), ("max_model_len", max_model_len))
-                               if v is not None})
-        if kv_cache_memory is not None:
-            memory = as_int(kv_cache_memory)  # an int, numpy's, a 0-dim integer tensor; or a float
-            if memory is None and isinstance(kv_cache_memory, Real) and not is_bool(kv_cache_memory):
-                memory = kv_cache_memory
-            if memory is None or not 0 < memory < math.inf:
-                raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
-            kv_cache_memory = memory
-        kv_budget.check_utilization(gpu_memory_utilization)
-        if tokenizer is not None and not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
-            raise TypeError(f"tokenizer must have encode() and decode() (a transformers tokenizer), got "
-                            f"{type(tokenizer).__name__}")
-        from ..backends.selector import check_backend_name
-
-        check_backend_name(attention_backend)
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        # Read as a truth value, a string such as "false" would load pickled weights, which can run code.
-        if not is_bool(allow_pickle):
-            raise TypeError(f"allow_pickle must be a bool, got {allow_pickle!r}")
-        allow_pickle = bool(allow_pickle)
-        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+        checked = self.check_arguments(
+            tokenizer=tokenizer, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            attention_backend=attention_backend, allow_pickle=allow_pickle, tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=enable_prefix_caching)
+        device, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_memory, num_blocks = (
+            checked[k] for k in ("device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                 "kv_cache_memory", "num_blocks"))
+        allow_pickle, tensor_parallel_size = checked["allow_pickle"], checked["tensor_parallel_size"]
         self.tp = None
         building = contextlib.nullcontext()
         if tensor_parallel_size > 1:
@@ -220,6 +195,63 @@ class LLM:
                 self.engine = TPEngine(self.model, tp=self.tp, **engine_args)
 
     # -- construction --------------------------------------------------------------------------
+
+    @staticmethod
+    def check_arguments(*, tokenizer: Any = None, device: torch.device | str | None = None, block_size: int = 16,
+                        max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                        kv_cache_memory: int | None = None, num_blocks: int | None = None,
+                        gpu_memory_utilization: float = 0.9, attention_backend: str = "auto",
+                        allow_pickle: bool = False, tensor_parallel_size: int = 1,
+                        enable_prefix_caching: bool = False) -> dict[str, Any]:
+        """The constructor's arguments that need no model, checked as the constructor checks them
+        (it calls this first): the TypeError or ValueError naming the argument, or the arguments by
+        name, normalized (``device`` a ``torch.device`` or None, numpy's integers as ints,
+        ``kv_cache_memory`` a number, ``allow_pickle`` a bool). Nothing is loaded, sized or
+        initialized; so a caller that must tell a mistake in its arguments from a failure of the
+        build (the command line: the build also profiles memory on CUDA and compiles, whose own
+        ValueErrors are not the user's) checks them first. The model directory's own checks are
+        ``hf.loading.check_model_directory``. Defaults are the constructor's."""
+        if kv_cache_memory is not None and num_blocks is not None:
+            raise ValueError("pass kv_cache_memory or num_blocks, not both")
+        device = _device(device)
+        # numpy's integers as ints (``argtypes``): the engine takes Python ints only, and they size
+        # the cache and the steps.
+        block_size, max_num_seqs, max_num_batched_tokens, num_blocks, max_model_len, tensor_parallel_size = map(
+            integer_as_int, (block_size, max_num_seqs, max_num_batched_tokens, num_blocks, max_model_len,
+                             tensor_parallel_size))
+        # Before anything is loaded or sized with them (a 0 divided the KV budget's log line).
+        check_positive_ints(block_size=block_size, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            **{k: v for k, v in (("num_blocks", num_blocks), ("max_model_len", max_model_len))
+                               if v is not None})
+        if kv_cache_memory is not None:
+            memory = as_int(kv_cache_memory)  # an int, numpy's, a 0-dim integer tensor; or a float
+            if memory is None and isinstance(kv_cache_memory, Real) and not is_bool(kv_cache_memory):
+                memory = kv_cache_memory
+            if memory is None or not 0 < memory < math.inf:
+                raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
+            kv_cache_memory = memory
+        kv_budget.check_utilization(gpu_memory_utilization)
+        if tokenizer is not None and not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
+            raise TypeError(f"tokenizer must have encode() and decode() (a transformers tokenizer), got "
+                            f"{type(tokenizer).__name__}")
+        from ..backends.selector import check_backend_name
+
+        check_backend_name(attention_backend)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        # Read as a truth value, a string such as "false" would load pickled weights, which can run code.
+        if not is_bool(allow_pickle):
+            raise TypeError(f"allow_pickle must be a bool, got {allow_pickle!r}")
+        allow_pickle = bool(allow_pickle)
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+        return dict(tokenizer=tokenizer, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                    kv_cache_memory=kv_cache_memory, num_blocks=num_blocks,
+                    gpu_memory_utilization=gpu_memory_utilization, attention_backend=attention_backend,
+                    allow_pickle=allow_pickle, tensor_parallel_size=tensor_parallel_size,
+                    enable_prefix_caching=enable_prefix_caching)
 
     @staticmethod
     def _agree_on_build(tp, model, dtype, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -307,14 +339,17 @@ class LLM:
 
     def _check_backends(self, attention_backend: str, dtype: torch.dtype, device: torch.device,
                         block_size: int) -> None:
-        """Refuse, before any cache is allocated, a layer no attention backend runs."""
-        from ..backends.selector import choose, regime_of
+        """Refuse, before any cache is allocated, a layer no attention backend runs: the selector's
+        ``UnsupportedConfigurationError`` becomes an ``UnsupportedModelError`` naming the layer. Only
+        that refusal: another ValueError out of the selection (a backend's own bug) propagates as
+        it is, not reported as a model compileattn cannot serve."""
+        from ..backends.selector import UnsupportedConfigurationError, choose, regime_of
 
         for name, spec in self.model.attention_specs().items():
             try:
                 for uniform_decode in (True, False):
                     choose(attention_backend, spec, dtype, device, block_size, regime_of(device, uniform_decode))
-            except ValueError as exc:
+            except UnsupportedConfigurationError as exc:
                 from ..hf.model import UnsupportedModelError
 
                 raise UnsupportedModelError(f"{name}: {exc}") from None

@@ -23,6 +23,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
+def check_model_directory(path: str | Path, allow_pickle: bool = False) -> None:
+    """Raise what ``load_model`` raises for the directory itself, loading nothing: a
+    FileNotFoundError where it does not exist, is a file or has no config.json or weights, a
+    ValueError where it holds an adapter or pickled weights without ``allow_pickle``. ``load_model``
+    makes these checks first; public so that a caller can refuse a wrong directory as the user's
+    mistake before anything loads (the command line), and tell it from a failure of the load."""
+    _check_directory(Path(path), allow_pickle)
+
+
 def _check_directory(path: Path, allow_pickle: bool) -> None:
     if not path.is_dir():
         what = "is a file, not a directory" if path.exists() else "does not exist"
@@ -104,7 +113,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype, device: torch.device, al
     from transformers.utils import is_accelerate_available
 
     path = Path(path)
-    _check_directory(path, allow_pickle)
+    check_model_directory(path, allow_pickle)
     # transformers places weights on a device while loading only through accelerate; without it
     # they are loaded into CPU memory and moved once.
     direct = device.type == "cpu" or is_accelerate_available()
