@@ -7,8 +7,10 @@ throughput  offline throughput on random prompts (see compileattn/engine/through
 A mistake in the user's input is refused as argparse refuses a bad flag: ``<prog> <command>:
 error: <message>``, exit status 2, no traceback. Each command checks everything it can before
 anything runs (the sampling parameters, the LLM's arguments and model directory, the prompts
-against the loaded model), each check in its own ``_refused`` block; the run comes after them,
-outside any, so what fails while it runs keeps its traceback.
+against the loaded model), each check in its own ``_refused`` block; the build of the LLM and the
+run come after them, outside any, so what fails while they run keeps its traceback (a ValueError
+too: a TypeError or ValueError is the user's only where it comes from a check of the input). The
+one refusal out of the build is typed: the model itself cannot be served (``UnsupportedModelError``).
 """
 from __future__ import annotations
 
@@ -65,16 +67,29 @@ def _refused(parser: argparse.ArgumentParser, what: str = "") -> Iterator[None]:
 
 
 def _llm(parser: argparse.ArgumentParser, args):
-    """The LLM of the engine flags. Its constructor checks its arguments and the model directory
-    before it loads or sizes anything, and refuses a model no attention backend serves."""
+    """The LLM of the engine flags. The user's mistakes are refused before anything loads: the
+    LLM's arguments (``LLM.check_arguments``, the checks its constructor makes first) and the model
+    directory (``check_model_directory``, the checks ``load_model`` makes first). The constructor
+    itself runs outside ``_refused``: it also loads the model, profiles memory on CUDA and builds
+    the engine, whose TypeError or ValueError is a failure, not the user's, and keeps its traceback.
+    Only its typed refusal of the model is the user's: ``UnsupportedModelError`` (a model, or a
+    layer of it, compileattn cannot serve, no attention backend running it included: ``LLM``
+    raises it for the selector's ``UnsupportedConfigurationError``), refused with the reason."""
     from .engine.llm import LLM
+    from .hf.loading import check_model_directory
+    from .hf.model import UnsupportedModelError
 
+    arguments = dict(device=args.device, max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                     num_blocks=args.num_blocks, attention_backend=args.attention_backend,
+                     allow_pickle=args.allow_pickle, enable_prefix_caching=args.enable_prefix_caching)
     with _refused(parser):
-        return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                   num_blocks=args.num_blocks, compile_config=None if args.eager else "auto",
-                   attention_backend=args.attention_backend, allow_pickle=args.allow_pickle,
-                   enable_prefix_caching=args.enable_prefix_caching)
+        LLM.check_arguments(**arguments)
+        check_model_directory(args.model, args.allow_pickle)
+    try:
+        return LLM(args.model, dtype=args.dtype, compile_config=None if args.eager else "auto", **arguments)
+    except UnsupportedModelError as exc:
+        parser.error(f"{args.model} cannot be served: {exc}")
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:

@@ -159,3 +159,49 @@ def test_an_error_of_the_run_keeps_its_traceback(model_dir, monkeypatch, command
                                                                         "--output-len", "2:3"]))
     with pytest.raises(error, match="the step failed"):
         main(argv)
+
+
+@pytest.mark.parametrize("where", ["engine", "kv-budget"])
+def test_a_value_error_of_the_llms_build_keeps_its_traceback(model_dir, monkeypatch, where):
+    """The LLM's constructor ran inside the refusal of the user's input, so a ValueError of its
+    build (the engine's, the KV budget's; on CUDA the memory profile's and the compile's) was
+    shown as a usage error without its traceback: only the checks of the input are refused."""
+    from compileattn.engine import kv_budget
+    from compileattn.engine.engine import Engine
+
+    def fail(*args, **kwargs):
+        raise ValueError("internal")
+
+    monkeypatch.setattr(*((Engine, "__init__") if where == "engine" else (kv_budget, "blocks_for_memory")), fail)
+    argv = ["generate", "--model", str(model_dir), "--prompt-ids", "5,6,7", "--max-new-tokens", "2"]
+    with pytest.raises(ValueError, match="^internal$"):
+        main(argv + (["--num-blocks", "32"] if where == "engine" else []))  # blocks_for_memory sizes the cache
+
+
+def test_an_unsupported_model_is_refused_with_the_reason(tmp_path, capsys):
+    """``UnsupportedModelError``, the build's typed refusal of the model itself, is the user's input."""
+    directory = save_family("llama", tmp_path / "head-dim-16", head_dim=16)
+    err = _refused(["generate", "--model", str(directory), "--prompt-ids", "1", "--num-blocks", "32"], capsys)
+    assert f"python -m compileattn generate: error: {directory} cannot be served: " in err
+    assert "head_dim=16 is not supported" in err
+
+
+def test_a_configuration_no_backend_runs_is_refused_and_a_backends_own_error_is_not(model_dir, monkeypatch, capsys):
+    """The selector's refusal (``UnsupportedConfigurationError``, which ``LLM`` reports as an
+    ``UnsupportedModelError`` naming the layer) is refused with the reason; a plain ValueError out
+    of a backend's check is a bug, and propagates."""
+    from compileattn.backends.reference import ReferenceBackend
+
+    argv = ["throughput", "--model", str(model_dir), "--num-prompts", "2", "--input-len", "4:4", "--output-len",
+            "2:2", "--num-blocks", "32"]
+    monkeypatch.setattr(ReferenceBackend, "unsupported_reason", lambda self, *a, **k: "not this one")
+    err = _refused(argv, capsys)
+    assert f"error: {model_dir} cannot be served: model.layers.0.self_attn: no attention backend runs" in err
+    assert "reference: not this one" in err
+
+    def bug(self, *args, **kwargs):
+        raise ValueError("internal")
+
+    monkeypatch.setattr(ReferenceBackend, "unsupported_reason", bug)
+    with pytest.raises(ValueError, match="^internal$"):
+        main(argv)
