@@ -9,8 +9,11 @@ error: <message>``, exit status 2, no traceback. Each command checks everything 
 anything runs (the sampling parameters, the LLM's arguments and model directory, the prompts
 against the loaded model), each check in its own ``_refused`` block; the build of the LLM and the
 run come after them, outside any, so what fails while they run keeps its traceback (a ValueError
-too: a TypeError or ValueError is the user's only where it comes from a check of the input). The
-one refusal out of the build is typed: the model itself cannot be served (``UnsupportedModelError``).
+too: a TypeError or ValueError is the user's only where it comes from a check of the input). What
+only the build can refuse is told by its type, ``compileattn.refusals.ServingRefused``: the
+arguments against the model and the cache (``--max-model-len`` beyond what ``--num-blocks`` hold,
+a KV-cache budget holding no block), a checkpoint that does not match its config.json or a config
+transformers refuses, a model compileattn cannot serve (``UnsupportedModelError``).
 """
 from __future__ import annotations
 
@@ -72,12 +75,15 @@ def _llm(parser: argparse.ArgumentParser, args):
     directory (``check_model_directory``, the checks ``load_model`` makes first). The constructor
     itself runs outside ``_refused``: it also loads the model, profiles memory on CUDA and builds
     the engine, whose TypeError or ValueError is a failure, not the user's, and keeps its traceback.
-    Only its typed refusal of the model is the user's: ``UnsupportedModelError`` (a model, or a
-    layer of it, compileattn cannot serve, no attention backend running it included: ``LLM``
-    raises it for the selector's ``UnsupportedConfigurationError``), refused with the reason."""
+    Only its typed refusals are the user's: a ``ServingRefused`` (the arguments against the model
+    and the cache they size, the checkpoint against its config, a config transformers refuses),
+    refused with the reason; its subclass ``UnsupportedModelError`` (a model, or a layer of it,
+    compileattn cannot serve, no attention backend running it included: ``LLM`` raises it for the
+    selector's ``UnsupportedConfigurationError``) names the directory too."""
     from .engine.llm import LLM
     from .hf.loading import check_model_directory
     from .hf.model import UnsupportedModelError
+    from .refusals import ServingRefused
 
     arguments = dict(device=args.device, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -88,8 +94,9 @@ def _llm(parser: argparse.ArgumentParser, args):
         check_model_directory(args.model, args.allow_pickle)
     try:
         return LLM(args.model, dtype=args.dtype, compile_config=None if args.eager else "auto", **arguments)
-    except UnsupportedModelError as exc:
-        parser.error(f"{args.model} cannot be served: {exc}")
+    except ServingRefused as exc:
+        parser.error(f"{args.model} cannot be served: {exc}" if isinstance(exc, UnsupportedModelError)
+                     else str(exc))
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:

@@ -205,3 +205,34 @@ def test_a_configuration_no_backend_runs_is_refused_and_a_backends_own_error_is_
     monkeypatch.setattr(ReferenceBackend, "unsupported_reason", bug)
     with pytest.raises(ValueError, match="^internal$"):
         main(argv)
+
+
+def test_arguments_only_the_build_can_refuse_are_refused_with_usage(model_dir, capsys):
+    """A max_model_len beyond the cache the given num_blocks hold is seen only while the LLM is built
+    (the engine's check, a ``ServingRefused``): it was a traceback; it is refused with the reason."""
+    err = _refused(["generate", "--model", str(model_dir), "--prompt-ids", "5,6,7", "--max-model-len", "1000",
+                    "--num-blocks", "2"], capsys)
+    assert "python -m compileattn generate: error: max_model_len must be in [1, 32] " in err
+    assert "num_blocks * block_size 32), got 1000" in err
+
+
+def test_a_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, capsys):
+    """The load's check of the checkpoint's keys against its config.json (a ``ServingRefused``)
+    was a traceback; it is the directory's mistake, refused with the reason."""
+    from safetensors.torch import load_file, save_file
+
+    directory = save_family("llama", tmp_path / "drop", vocab_size=256)
+    weights = load_file(directory / "model.safetensors")
+    del weights["model.layers.1.self_attn.q_proj.weight"]
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    err = _refused(["generate", "--model", str(directory), "--prompt-ids", "1", "--num-blocks", "32"], capsys)
+    assert (f"python -m compileattn generate: error: the checkpoint in {directory} has no weights for "
+            f"model.layers.1.self_attn.q_proj.weight (its config.json and weights do not match)") in err
+
+
+def test_a_config_transformers_refuses_is_refused(tmp_path, capsys):
+    """transformers' refusal of config.json (here an unknown model_type) was a traceback."""
+    (tmp_path / "config.json").write_text('{"model_type": "nope"}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    err = _refused(["throughput", "--model", str(tmp_path), "--num-prompts", "2", "--num-blocks", "32"], capsys)
+    assert "python -m compileattn throughput: error: The checkpoint you are trying to load has model type `nope`" in err

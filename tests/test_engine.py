@@ -532,3 +532,20 @@ def test_the_step_history_keeps_the_latest_steps_only(monkeypatch):
                     block_size=4)
     engine.generate([[1, 2, 3]], 5, 16)
     assert len(engine.history) == 2 and engine.history[-1][:3] == (1, 0, 0)  # the last two: decodes
+
+
+def test_arguments_beyond_the_cache_are_a_typed_refusal(llama):
+    """A max_model_len longer than the cache the given num_blocks hold, and a KV-cache budget that
+    holds no block, can only be refused while the LLM is built: they raise ``ServingRefused`` (a
+    ValueError), which a caller tells from a failure of the build by type (a plain ValueError
+    before, like any bug's)."""
+    from compileattn.engine import kv_budget
+    from compileattn.refusals import ServingRefused
+
+    with pytest.raises(ServingRefused, match=r"max_model_len must be in \[1, 8\] .* got 1000"):
+        engine_for(llama, num_blocks=2, block_size=4, max_model_len=1000)
+    specs = llama.attention_specs()
+    per_block = kv_budget.bytes_per_block(specs, 4, torch.float32)
+    assert kv_budget.blocks_for_memory(specs, 4, torch.float32, per_block) == 1
+    with pytest.raises(ServingRefused, match="holds no block of 4 tokens"):
+        kv_budget.blocks_for_memory(specs, 4, torch.float32, per_block - 1)

@@ -8,6 +8,7 @@ import compileattn as ca
 from compileattn.engine import Engine
 from compileattn.hf.attention import BINDING_ATTR, AttentionMismatchError, LayerBinding
 from compileattn.hf.model import HFCausalLM, UnsupportedModelError
+from compileattn.refusals import ServingRefused
 from hf_families import VOCAB, byte_level_tokenizer, hf_greedy, load_reference, prompts, save_family
 
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -196,8 +197,37 @@ def test_a_checkpoint_whose_keys_do_not_match_the_model_is_refused(tmp_path, cha
     else:
         weights["model.layers.1.self_attn.bogus.weight"] = torch.zeros(2, 2)
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=refused):
+    with pytest.raises(ServingRefused, match=refused):  # the directory's mistake, by type
         ca.LLM(str(directory), compile_config=None, num_blocks=16)
+
+
+@pytest.mark.parametrize("config, refused", [
+    ('{"model_type": "nope"}', "has model type `nope` but Transformers does not recognize this architecture"),
+    ("{not json", "is not a valid JSON file"),
+    ("{}", "Should have a `model_type` key in its config.json"),
+    ('{"model_type": "vit"}', r"config\.json is a ViTConfig \(model_type 'vit'\), which has no causal language "
+                              r"model in transformers"),
+], ids=["unknown-model-type", "not-json", "no-model-type", "not-a-causal-lm"])
+def test_a_config_transformers_refuses_is_a_typed_refusal(tmp_path, config, refused):
+    """transformers' refusal of the directory's config.json (a ValueError or an OSError out of its
+    load) is the directory's mistake: a ``ServingRefused`` with transformers' message, told by type
+    from a failure of the load."""
+    (tmp_path / "config.json").write_text(config)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the config is refused first
+    with pytest.raises(ServingRefused, match=refused):
+        ca.LLM(str(tmp_path), compile_config=None, num_blocks=16)
+
+
+def test_the_refusals_of_a_model_are_serving_refusals_and_value_errors(tmp_path):
+    """One type for "these arguments or this model cannot be served", which the refusals of a
+    model and of a layer's configuration are too; still ValueErrors for callers catching those.
+    A KV-cache budget that holds no block is one as well."""
+    from compileattn.backends.selector import UnsupportedConfigurationError
+
+    for error in (ServingRefused, UnsupportedModelError, UnsupportedConfigurationError):
+        assert issubclass(error, ServingRefused) and issubclass(error, ValueError)
+    with pytest.raises(ServingRefused, match="holds no block"):
+        ca.LLM(str(save_family("llama", tmp_path / "m")), compile_config=None, kv_cache_memory=1)
 
 
 def test_string_prompts_use_the_directory_tokenizer(tmp_path):

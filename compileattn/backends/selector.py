@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 
 from ..kv_cache import AttentionSpec, is_fp8
+from ..refusals import ServingRefused
 from ..validation import check_alibi, check_k_lengths_given, check_kv_scales
 from .base import AttendCall, AttentionBackend, PersistentBuffers, StepShape, StepTensors
 from .kv_write import StepWriteIndices, prepare_torch_write, write_kv_masked, write_kv_padded
@@ -72,12 +73,12 @@ _logged: set[tuple[str, str]] = set()
 WriteCall = Callable[[torch.Tensor, torch.Tensor], None]
 
 
-class UnsupportedConfigurationError(ValueError):
+class UnsupportedConfigurationError(ServingRefused):
     """No attention backend runs a layer's configuration (its spec, dtype, device, block size) for
     the backend asked for: ``choose``'s refusal, the message naming the first candidate's reason. A
-    type of its own so that a caller refusing the configuration (``LLM`` refuses the model, the
-    command line the user's input) catches this and not any ValueError, which a backend's own bug
-    raises too."""
+    type of its own (a ``ServingRefused``) so that a caller refusing the configuration (``LLM``
+    refuses the model, the command line the user's input) catches this and not any ValueError,
+    which a backend's own bug raises too."""
 
 
 def check_backend_name(name: Any, argument: str = "attention_backend") -> str:

@@ -15,6 +15,7 @@ import torch
 
 from ..argtypes import as_int, integer_as_int, is_bool
 from ..metadata import AttentionMetadata, SequenceStep
+from ..refusals import ServingRefused
 from .block_allocator import BlockAllocator
 from .model_runner import ModelRunner, PreparedStep
 from .request import Request, SamplingParams
@@ -140,9 +141,11 @@ class Engine:
         limit = min(model.max_position, num_blocks * block_size)
         max_model_len = limit if max_model_len is None else integer_as_int(max_model_len)
         if not isinstance(max_model_len, int) or is_bool(max_model_len) or not 1 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in [1, {limit}] (the model's max_position "
-                             f"{model.max_position}, and the cache's num_blocks * block_size "
-                             f"{num_blocks * block_size}), got {max_model_len!r}")
+            # The arguments against the model and the cache they size: a refusal of the caller's
+            # input that only the build can make (an LLM's num_blocks and max_model_len meet here).
+            raise ServingRefused(f"max_model_len must be in [1, {limit}] (the model's max_position "
+                                 f"{model.max_position}, and the cache's num_blocks * block_size "
+                                 f"{num_blocks * block_size}), got {max_model_len!r}")
         self.max_model_len = max_model_len
         self.vocab_size = model.vocab_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)

@@ -20,6 +20,7 @@ import torch
 
 from ..kv_cache import AttentionSpec
 from ..metadata import SequenceStep
+from ..refusals import ServingRefused
 
 logger = logging.getLogger("compileattn")
 
@@ -38,8 +39,8 @@ def blocks_for_memory(specs: Mapping[str, AttentionSpec], block_size: int, dtype
     per_block = bytes_per_block(specs, block_size, dtype)
     num_blocks = int(memory_bytes // per_block)
     if num_blocks < 1:
-        raise ValueError(f"a KV-cache budget of {memory_bytes / 2**20:.1f} MiB holds no block of {block_size} "
-                         f"tokens ({per_block / 2**20:.2f} MiB each)")
+        raise ServingRefused(f"a KV-cache budget of {memory_bytes / 2**20:.1f} MiB holds no block of "
+                             f"{block_size} tokens ({per_block / 2**20:.2f} MiB each)")
     return num_blocks
 
 
@@ -85,9 +86,10 @@ def profile_cuda_budget(model: torch.nn.Module, *, block_size: int, max_num_toke
                 "(a %d-token step)", budget / GiB, gpu_memory_utilization * 100, total / GiB, in_use / GiB,
                 peak / GiB, max_num_tokens)
     if budget <= 0:
-        raise ValueError(f"no memory left for the KV cache on {device}: {in_use / GiB:.1f} GiB in use and a "
-                         f"{peak / GiB:.1f} GiB activation peak exceed {gpu_memory_utilization:.0%} of "
-                         f"{total / GiB:.1f} GiB; lower max_num_batched_tokens or raise gpu_memory_utilization")
+        raise ServingRefused(f"no memory left for the KV cache on {device}: {in_use / GiB:.1f} GiB in use and a "
+                             f"{peak / GiB:.1f} GiB activation peak exceed {gpu_memory_utilization:.0%} of "
+                             f"{total / GiB:.1f} GiB; lower max_num_batched_tokens or raise "
+                             f"gpu_memory_utilization")
     return budget
 
 

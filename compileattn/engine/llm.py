@@ -122,6 +122,12 @@ class LLM:
             the same program under ``torchrun --nproc-per-node N``: each builds its ``LLM`` and calls
             ``generate`` with the same arguments; rank 0 schedules and samples, the others run the
             steps it broadcasts, and every rank returns rank 0's outputs.
+
+    Raises ``compileattn.refusals.ServingRefused`` (a ValueError) where these arguments or this
+    model cannot be served, with the reason: a ``max_model_len`` beyond the model or the cache, a
+    cache budget that holds no block, a directory whose config transformers refuses or whose
+    weights do not match it, a model compileattn cannot serve (``UnsupportedModelError``). Those
+    are refusals by design; any other exception out of the build is a failure.
     """
 
     def __init__(self, model: Any, *, tokenizer: Any = None, dtype: torch.dtype | str | None = None,

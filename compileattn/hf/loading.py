@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..refusals import ServingRefused
+
 logger = logging.getLogger("compileattn")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -97,23 +99,48 @@ def _check_shards(index: Path, allow_pickle: bool) -> None:
 def _check_loaded_keys(path: Path, info: dict) -> None:
     """transformers leaves a parameter the checkpoint lacks at its random initial value and drops
     one the model lacks, and only logs it: a model that would generate from random weights, or
-    without weights the checkpoint holds (a config that does not match), is refused instead."""
+    without weights the checkpoint holds (a config that does not match), is refused instead, as
+    the directory's mistake (``ServingRefused``)."""
     for kind, what in (("missing_keys", "has no weights for"), ("unexpected_keys", "holds weights the model "
                                                                                       "has no place for:")):
         keys = sorted(info.get(kind) or ())
         if keys:
             shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
-            raise ValueError(f"the checkpoint in {path} {what} {shown} (its config.json and weights do not match)")
+            raise ServingRefused(f"the checkpoint in {path} {what} {shown} (its config.json and weights do not "
+                                 f"match)")
+
+
+def _check_config(path: Path) -> None:
+    """transformers' refusal of the directory's config.json (not JSON, no or an unknown
+    ``model_type``, one whose code is the checkpoint's own: no remote code runs), a ValueError or
+    an OSError out of ``AutoConfig``, as the directory's mistake (``ServingRefused``, the same
+    message); and a config with no causal LM class (``AutoModelForCausalLM`` refuses it). Read
+    before the model, which reads it again: ``from_pretrained``'s own ValueErrors are not all the
+    directory's, so they are not caught."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (ValueError, OSError) as exc:
+        raise ServingRefused(str(exc)) from exc
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ServingRefused(f"{path}'s config.json is a {type(config).__name__} (model_type "
+                             f"{getattr(config, 'model_type', None)!r}), which has no causal language model in "
+                             f"transformers (AutoModelForCausalLM)")
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype, device: torch.device, allow_pickle: bool = False):
-    """The directory's ``*ForCausalLM`` in ``dtype`` on ``device``, in eval mode."""
+    """The directory's ``*ForCausalLM`` in ``dtype`` on ``device``, in eval mode. A directory whose
+    config.json transformers refuses, or whose weights do not match it, is refused with a
+    ``ServingRefused``."""
     from transformers import AutoModelForCausalLM
 
     from transformers.utils import is_accelerate_available
 
     path = Path(path)
     check_model_directory(path, allow_pickle)
+    _check_config(path)
     # transformers places weights on a device while loading only through accelerate; without it
     # they are loaded into CPU memory and moved once.
     direct = device.type == "cpu" or is_accelerate_available()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..kv_cache import AttentionSpec
+from ..refusals import ServingRefused
 from . import attention as hf_attention
 from .attention import BINDING_ATTR, IMPLEMENTATION, LayerBinding
 
@@ -38,7 +39,7 @@ BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 _LOGITS_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ServingRefused):
     """A model (or one of its layers) compileattn cannot serve correctly; the message says why."""
 
 
