@@ -87,7 +87,7 @@ def _refused(argv, capsys) -> str:
 @pytest.mark.parametrize("flags, message", [
     (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
     (["--top-p", "2"], "top_p must be in (0, 1], got 2.0"),
-    (["--max-new-tokens", "-1"], "max_new_tokens must be an int >= 0, got -1"),
+    (["--max-new-tokens", "-1"], "max_new_tokens must be >= 0, got -1"),
     (["--prompt-ids", "5,300"], "prompts[1]: prompt token 300 out of range [0, 256)"),
     (["--max-model-len", "4"], "prompts[0]: prompt (3) + max_new_tokens (3) needs 5 positions > max_model_len 4"),
     (["--max-model-len", "0"], "max_model_len must be a positive int, got 0"),

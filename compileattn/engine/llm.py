@@ -203,7 +203,7 @@ class LLM:
     # -- construction --------------------------------------------------------------------------
 
     @staticmethod
-    def check_arguments(*, tokenizer: Any = None, device: torch.device | str | None = None, block_size: int = 16,
+    def check_arguments(*, tokenizer: Any = None, device: torch.device | str | int | None = None, block_size: int = 16,
                         max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                         kv_cache_memory: int | None = None, num_blocks: int | None = None,
                         gpu_memory_utilization: float = 0.9, attention_backend: str = "auto",
