@@ -840,15 +840,19 @@ def test_latency_paired_timing_uses_the_floors_with_a_graph_of_the_cells_size(mo
     assert calls.count("ca-full") == 5 and calls.count("graph-eager") == 5 and "graph-inductor" not in calls
     assert lat.paired_timing(lambda: None, "ca-full", floors, torch.zeros(4, dtype=torch.long), ids, 5) is None
 
-
-def test_latency_keeps_the_full_graphs_for_the_compileattn_columns_only(monkeypatch):
-    """run_model's order: the full graphs' groups first, kept while the compileattn columns are
-    timed side by side with them, released (compilers reset) before reduce-overhead."""
+@pytest.fixture
+def latency_on_tiny_opt(monkeypatch):
+    """latency.py on the CPU with a tiny random OPT for every model it builds."""
     from compileattn.models.opt import OPTConfig, OPTForCausalLM
 
     monkeypatch.setattr(lat, "DEVICE", "cpu")
     monkeypatch.setattr(lat, "build_model", lambda name, **kw: OPTForCausalLM(
         OPTConfig.tiny(), dtype=torch.float32, device="cpu"))
+
+
+def test_latency_keeps_the_full_graphs_for_the_compileattn_columns_only(monkeypatch, latency_on_tiny_opt):
+    """run_model's order: the full graphs' groups first, kept while the compileattn columns are
+    timed side by side with them, released (compilers reset) before reduce-overhead."""
     events = []
 
     class Fake(lat.Group):
@@ -887,15 +891,21 @@ def test_latency_keeps_the_full_graphs_for_the_compileattn_columns_only(monkeypa
     assert not [e for e in events[events.index(("step", "reduce-overhead")):] if e[0] == "floor"]
 
 
-def test_latency_pairs_a_cell_only_with_the_full_graphs_ok_in_it(monkeypatch):
+def _run_fake_groups(monkeypatch, group_class, batches: str, columns: str) -> list:
+    """run_model's rows for OPT decode cells (context 20) with ``group_class`` as every group."""
+    monkeypatch.setattr(lat, "make_group", lambda name, bench: group_class(name, bench))
+    monkeypatch.setattr(lat, "_reset_compilers", lambda: None)
+    args = lat.parse_args(["--models", "opt", "--batches", batches, "--contexts", "20", "--steps", "2", "--warmup",
+                           "1", "--backend", "reference", "--no-mixed", "--no-cold-warm", "--columns", columns])
+    rows = []
+    lat.run_model("opt", args, common.Budget(0), common.Log(), rows, [])
+    return rows
+
+
+def test_latency_pairs_a_cell_only_with_the_full_graphs_ok_in_it(monkeypatch, latency_on_tiny_opt):
     """A full graph whose own row of a cell FAILED the check against eager (its graph was captured
     all the same) is no floor for that cell: the compileattn columns are not timed beside it there,
     as the ratios of unpaired rows divide ok rows only; in a cell where it was ok, it is."""
-    from compileattn.models.opt import OPTConfig, OPTForCausalLM
-
-    monkeypatch.setattr(lat, "DEVICE", "cpu")
-    monkeypatch.setattr(lat, "build_model", lambda name, **kw: OPTForCausalLM(
-        OPTConfig.tiny(), dtype=torch.float32, device="cpu"))
 
     class Fake(lat.Group):
         def __init__(self, name, bench):
@@ -909,28 +919,17 @@ def test_latency_pairs_a_cell_only_with_the_full_graphs_ok_in_it(monkeypatch):
         def floor_step(self, column, ids, pos):
             return (lambda: None) if column.startswith("graph-") else None
 
-    monkeypatch.setattr(lat, "make_group", lambda name, bench: Fake(name, bench))
-    monkeypatch.setattr(lat, "_reset_compilers", lambda: None)
-    args = lat.parse_args(["--models", "opt", "--batches", "3,2", "--contexts", "20", "--steps", "2", "--warmup", "1",
-                           "--backend", "reference", "--no-mixed", "--no-cold-warm",
-                           "--columns", "graph-eager,graph-inductor,ca-full"])
-    rows = []
-    lat.run_model("opt", args, common.Budget(0), common.Log(), rows, [])
+    rows = _run_fake_groups(monkeypatch, Fake, "3,2", "graph-eager,graph-inductor,ca-full")
     by = {(r["column"], r["batch"]): r for r in rows}
     assert by[("graph-inductor", 3)]["status"] == "FAILED" and by[("graph-inductor", 2)]["status"] == "ok"
     assert set(by[("ca-full", 3)]["paired"]["p50_us"]) == {"ca-full", "graph-eager"}
     assert set(by[("ca-full", 2)]["paired"]["p50_us"]) == {"ca-full", "graph-eager", "graph-inductor"}
 
 
-def test_latency_side_by_side_failure_keeps_the_columns_own_row(monkeypatch):
+def test_latency_side_by_side_failure_keeps_the_columns_own_row(monkeypatch, latency_on_tiny_opt):
     """A floor whose replay raises during the side-by-side rounds (code first run on the GPU there)
     costs the pairing only: the compileattn column's row stays ok with its own timings, records
     why (``paired_error``), and its ratio falls back to the run's own p50s, without a dagger."""
-    from compileattn.models.opt import OPTConfig, OPTForCausalLM
-
-    monkeypatch.setattr(lat, "DEVICE", "cpu")
-    monkeypatch.setattr(lat, "build_model", lambda name, **kw: OPTForCausalLM(
-        OPTConfig.tiny(), dtype=torch.float32, device="cpu"))
 
     class Fake(lat.Group):
         def __init__(self, name, bench):
@@ -946,13 +945,7 @@ def test_latency_side_by_side_failure_keeps_the_columns_own_row(monkeypatch):
 
             return replay if column == "graph-eager" else None
 
-    monkeypatch.setattr(lat, "make_group", lambda name, bench: Fake(name, bench))
-    monkeypatch.setattr(lat, "_reset_compilers", lambda: None)
-    args = lat.parse_args(["--models", "opt", "--batches", "3", "--contexts", "20", "--steps", "2", "--warmup", "1",
-                           "--backend", "reference", "--no-mixed", "--no-cold-warm",
-                           "--columns", "graph-eager,ca-full"])
-    rows = []
-    lat.run_model("opt", args, common.Budget(0), common.Log(), rows, [])
+    rows = _run_fake_groups(monkeypatch, Fake, "3", "graph-eager,ca-full")
     full = next(r for r in rows if r["column"] == "ca-full")
     assert full["status"] == "ok" and full["p50_us"] > 0 and "paired" not in full
     assert "replay of a kept graph failed" in full["paired_error"]
@@ -963,17 +956,13 @@ def test_latency_side_by_side_failure_keeps_the_columns_own_row(monkeypatch):
     assert "ca-full — side-by-side timing failed in 1 cell(s): RuntimeError" in rep.render_markdown(payload)
 
 
-def test_latency_real_groups_time_side_by_side_under_simulated_graphs(monkeypatch):
+def test_latency_real_groups_time_side_by_side_under_simulated_graphs(monkeypatch, latency_on_tiny_opt):
     """The GPU command's groups themselves (not fakes): the hand-captured full graphs (eager, and
     Inductor through _inductor_keeping), kept across the compilers' resets, replayed side by side
     with the compileattn columns' steps; the report marks the ratios with a dagger and the goals
     count them. CUDA graphs simulated (the reference backend counts as capturable), pieces eager."""
-    from compileattn.models.opt import OPTConfig, OPTForCausalLM
     from compileattn.testing import simulated_cuda_graphs
 
-    monkeypatch.setattr(lat, "DEVICE", "cpu")
-    monkeypatch.setattr(lat, "build_model", lambda name, **kw: OPTForCausalLM(
-        OPTConfig.tiny(), dtype=torch.float32, device="cpu"))
     monkeypatch.setattr(lat, "replay_gpu_us", lambda graph, replays=20: 1.0)  # CUDA events
     made = []
     make_group = lat.make_group
@@ -1000,14 +989,9 @@ def test_latency_real_groups_time_side_by_side_under_simulated_graphs(monkeypatc
     assert all(g["met"] is not None and g["cells"] == 1 for g in verdicts.values()), verdicts
 
 
-def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, tmp_path):
+def test_latency_plumbing_on_a_tiny_cpu_model(monkeypatch, latency_on_tiny_opt, tmp_path):
     """Bench, metadata per cell, the eager reference, fail-soft columns and the report, on the CPU
     with the reference backend (graph columns are unavailable there: it is not capturable)."""
-    from compileattn.models.opt import OPTConfig, OPTForCausalLM
-
-    monkeypatch.setattr(lat, "DEVICE", "cpu")
-    monkeypatch.setattr(lat, "build_model", lambda name, **kw: OPTForCausalLM(
-        OPTConfig.tiny(), dtype=torch.float32, device="cpu"))
     args = lat.parse_args(["--models", "opt", "--batches", "1,3", "--contexts", "20", "--steps", "2",
                            "--warmup", "1", "--backend", "reference", "--columns", "eager,graph-eager",
                            "--mixed-decodes", "1", "--mixed-prefill", "4", "--no-cold-warm"])

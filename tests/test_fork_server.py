@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from compileattn.compilation import compile_pool, fork_server
+from processes import assert_all_end
 
 
 def _ready(pool: compile_pool.CompilePool, timeout: float = 120) -> None:
@@ -687,15 +688,7 @@ def test_no_worker_outlives_the_compiling_process(workers, end, tmp_path):
     assert line.startswith("pids"), (tmp_path / "stderr").read_text()[-3000:]
     pids = [int(p) for p in line.split()[1:]]
     assert len(pids) == (3 if workers == "forked" else 2), line
-    deadline = time.monotonic() + 30
-    try:
-        while any(fork_server._alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [p for p in pids if fork_server._alive(p)], f"still running after the {end}: {line}"
-    finally:
-        for pid in pids:
-            if fork_server._alive(pid):  # the test's own leftovers only (a pid ended may be reused)
-                os.kill(pid, signal.SIGKILL)
+    assert_all_end(pids, 30, f"still running after the {end}: {line}")
 
 
 # A fresh-interpreter server (the compiling process had threads or CUDA when it started one) whose
@@ -739,11 +732,4 @@ def test_a_server_still_importing_does_not_outlive_the_compiling_process(end, tm
     assert proc.stdout.strip().isdigit(), (tmp_path / "stderr").read_text()[-3000:]
     pid = int(proc.stdout)
     # its interpreter's start and torch's import come first (the watch starts with the imports it serves for)
-    deadline = time.monotonic() + 30
-    try:
-        while fork_server._alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not fork_server._alive(pid), f"the fork server still runs after the compiling process's {end}"
-    finally:
-        if fork_server._alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    assert_all_end([pid], 30, f"the fork server still runs after the compiling process's {end}")

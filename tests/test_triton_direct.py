@@ -559,26 +559,19 @@ os._exit(0)  # no wait for the compile (an exit through atexit would do the same
 def test_a_compile_process_ends_with_the_compiling_process(tmp_path, end):
     import subprocess
     import sys
-    import time
+    from pathlib import Path
 
-    from compileattn.compilation import fork_server
+    from processes import assert_all_end
 
     marker = tmp_path / "pid"
     # the "kernel module": importing it is a compile that takes a minute
     (tmp_path / "slow_ahead_kernel.py").write_text(
         f"import os, time\nopen({str(marker) + '.tmp'!r}, 'w').write(str(os.getpid()))\n"
         f"os.rename({str(marker) + '.tmp'!r}, {str(marker)!r})\ntime.sleep(60)\n")
-    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(tmp_path)]))
     proc = subprocess.run([sys.executable, "-c", _AHEAD_ORPHANED, str(marker), end], capture_output=True,
                           text=True, env=env, timeout=120)
     assert proc.stdout.strip().isdigit(), proc.stderr[-3000:]
     pid = int(proc.stdout)
-    deadline = time.monotonic() + 5
-    try:
-        while fork_server._alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not fork_server._alive(pid), f"the compile process still runs after the compiling process's {end}"
-    finally:
-        if fork_server._alive(pid):
-            os.kill(pid, 9)
+    assert_all_end([pid], 5, f"the compile process still runs after the compiling process's {end}")
