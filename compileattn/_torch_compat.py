@@ -591,8 +591,8 @@ def switches_inference_mode(target: Any) -> bool:
     """Whether a graph's call of ``target`` enters or leaves ``torch.inference_mode()``, as Dynamo
     records it: state for the nodes that follow, which FX's ``is_impure`` does not see (its list
     has ``torch._C._set_grad_enabled``, not these)."""
-    return any(target is resolve(name) for name in ("torch.autograd.grad_mode._enter_inference_mode",
-                                                     "torch.autograd.grad_mode._exit_inference_mode"))
+    return (target is resolve("torch.autograd.grad_mode._enter_inference_mode")
+            or target is resolve("torch.autograd.grad_mode._exit_inference_mode"))
 
 
 def import_inductor() -> None:
