@@ -42,8 +42,11 @@ def _bumps(change) -> bool:
     lambda b: b.double(),  # assigns .data: counted by the wrapped Module._apply
     lambda b: b.lin.to(torch.float16),  # part of a model
     lambda b: b.to("cpu"),  # moves nothing, counted all the same
+    lambda b: setattr(b.lin.weight, "data", torch.zeros(3, 3)),  # the wrapped Tensor.__setattr__
+    lambda b: setattr(b.scale, "data", torch.zeros(3)),
 ], ids=["parameter attribute", "register_parameter", "buffer attribute", "register_buffer", "submodule",
-        "load_state_dict assign", ".double()", "a submodule's .to(dtype)", ".to(same device)"])
+        "load_state_dict assign", ".double()", "a submodule's .to(dtype)", ".to(same device)", "parameter .data",
+        "buffer .data"])
 def test_a_registration_bumps_the_generation(change):
     assert _bumps(change)
 
@@ -53,15 +56,16 @@ def _copy_in_place(b):
         b.lin.weight.copy_(torch.zeros(3, 3))
 
 
-def _assign_data(b):
-    b.lin.weight.data = torch.zeros(3, 3)
+def _set_grad(b):
+    b.lin.weight.grad = torch.zeros(3, 3)
+    b.scale.some_attribute = 1
 
 
 @pytest.mark.parametrize("change", [
     _copy_in_place,
     lambda b: b.load_state_dict({k: v.clone() for k, v in b.state_dict().items()}),
-    _assign_data,  # moves the parameter, unseen here: model_tensors.py looks (test_model_tensors.py)
-], ids=["copy_", "load_state_dict", ".data"])
+    _set_grad,  # attributes other than .data
+], ids=["copy_", "load_state_dict", "other tensor attributes"])
 def test_what_registers_nothing_leaves_the_generation(change):
     assert not _bumps(change)
 
@@ -91,7 +95,8 @@ def installed():
     return [module_watch._count_registration in hooks.values()
             for hooks in (registry._global_parameter_registration_hooks, registry._global_buffer_registration_hooks,
                           registry._global_module_registration_hooks)] + [
-        getattr(torch.nn.Module._apply, "counts_for_module_watch", False)]
+        getattr(torch.nn.Module._apply, "counts_for_module_watch", False),
+        getattr(torch.Tensor.__setattr__, "counts_for_module_watch", False)]
 
 
 def compile_and_step(decorated, **options):
@@ -112,16 +117,16 @@ def compile_and_step(decorated, **options):
         fn(ids, positions)
 
 
-assert installed() == [False] * 4, "at import"
+assert installed() == [False] * 5, "at import"
 if sys.argv[1] == "decorated":
     compile_and_step(True, cudagraph_mode="none")
-    assert installed() == [True] * 4, "after a decorated function's first compile"
+    assert installed() == [True] * 5, "after a decorated function's first compile"
 else:
     compile_and_step(False, cudagraph_mode="none")
-    assert installed() == [False] * 4 and not module_watch.started(), "after a step without graphs"
+    assert installed() == [False] * 5 and not module_watch.started(), "after a step without graphs"
     with simulated_cuda_graphs():
         compile_and_step(False, cudagraph_mode="full_and_piecewise", max_capture_size=8)
-    assert installed() == [True] * 4, "after the first graph step"
+    assert installed() == [True] * 5, "after the first graph step"
 print("ok")
 """
 

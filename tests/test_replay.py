@@ -372,7 +372,7 @@ class Scaled(OPTForCausalLM):
 
 
 def test_a_buffer_replaced_alone_raises_until_put_back(simulated_graphs):
-    """The direct path compares no buffer: it must not replay the old one either."""
+    """The direct path compares the buffers as the ordinary path does: it must not replay the old one either."""
     s = Setup(Scaled)
     s.warm(4)
     with ca.counters.expect(full_graph_direct_steps=1):

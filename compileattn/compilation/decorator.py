@@ -479,7 +479,8 @@ class _Site:
         graph = getattr(graph, "fn", graph)  # _UnsavedCallable wraps a test's backend result
         if getattr(graph, "__self__", graph) is not runtimes[0]:  # or a bound __call__
             return None, "Dynamo's code calls something other than the compileattn dispatcher"
-        return FullStepShortcut(runtimes[0], checker.other_tensors), "on"
+        return FullStepShortcut(runtimes[0], checker.other_tensors,
+                                self.tensors.buffers if self.tensors is not None else tuple), "on"
 
     def _size_guards(self, timed: _TimedBackend, dynamic: dict[str, tuple[int, ...]],
                      checker: ArgChecker) -> SizeGuards:

@@ -45,10 +45,12 @@ nn.Parameter(w)``, ``load_state_dict(..., assign=True)``, a new submodule) drops
 and each size's next step captures them again from the current tensors (a buffer replaced with it
 is then served too); a buffer replaced alone raises ``CudaGraphAddressError``, as a moved token-id
 input does (with ``check_input_addresses``, the default). Updating a parameter in place is served as
-it is. ``param.data = other`` and ``module.to(...)`` register nothing: a graph step sees them where
-they move the first or last parameter input, and the decorator where they move a model's first or
-last parameter (``model_tensors.py``: a conversion of the whole model raises there, moved tensors of
-the same layout bump the generation as a registration does).
+it is. ``param.data = other`` and ``module.to(...)`` register nothing, but bump the generation all
+the same (``module_watch`` wraps ``Module._apply`` and ``torch.Tensor.__setattr__`` for ``data``):
+the next graph step compares every parameter. A graph step also sees a moved first or last
+parameter input by itself, and the decorator a model's first or last parameter
+(``model_tensors.py``: a conversion of the whole model raises there, moved tensors of the same
+layout bump the generation as a registration does).
 
 Scalars: a Python float or int that Dynamo made a graph input (automatic dynamic, after a second
 instance of the class read another value of an attribute) arrives as a fresh 0-dim CPU tensor every

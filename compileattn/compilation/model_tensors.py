@@ -39,8 +39,11 @@ of the decorated function, an attribute of a decorated method's instance that is
 
 A conversion of part of a model (``model.layers[3].half()``) moves neither watched tensor and
 registers nothing, but goes through ``Module._apply``, which ``module_watch`` counts like a
-registration. Not caught: ``.data`` assigned to a parameter of part of a model, with another dtype
-or device, outside ``_apply``: convert models before their first call. A replaced submodule
+registration; so is ``.data`` assigned to any tensor (``module_watch`` wraps
+``torch.Tensor.__setattr__``): a parameter or buffer of part of a model given another dtype,
+device or strides that way (``w.data = w.t()`` of a square weight keeps its address) is compared
+at the next call and refused. Not caught: ``set_``, ``as_strided_`` or ``swap_tensors`` on a
+parameter of part of a model: convert models before their first call. A replaced submodule
 of the same class and tensor layouts is served with its own tensors, and the attribute values the
 trace read from the old one (documented for every compile that skips guards).
 """
@@ -78,7 +81,7 @@ class ModelTensors:
     modules among its arguments and closure, module globals its code reads, and those objects among
     them hold: ``reach.modules_in``), as the first call saw them. Holds the modules weakly."""
 
-    __slots__ = ("_models", "_watched", "_generation", "_bindings", "_storages")
+    __slots__ = ("_models", "_watched", "_generation", "_bindings", "_storages", "_buffers")
 
     def __init__(self, models: Iterable[torch.nn.Module],
                  bindings: Iterable[tuple[str, Callable[[], Any], torch.nn.Module]] = ()):
@@ -100,6 +103,8 @@ class ModelTensors:
         self._watched: tuple[tuple[weakref.ref, str, str, int], ...] = ()
         #: ``storages()``, built when first asked for; None again whenever ``_watch`` runs
         self._storages: dict[int, list[tuple[torch.device, tuple, str]]] | None = None
+        #: ``buffers()``, built when first asked for; None again whenever ``_watch`` runs
+        self._buffers: tuple[tuple[str, Callable[[], Any]], ...] | None = None
         self._watch()
         #: ``module_watch.generation`` when the models were last compared
         self._generation = module_watch.generation
@@ -143,8 +148,30 @@ class ModelTensors:
             self._storages = found
         return self._storages
 
+    def buffers(self) -> tuple[tuple[str, Callable[[], Any]], ...]:
+        """(where, read) of every buffer of the models, each read through its owner's ``_buffers``
+        at each call (so a buffer given other storage, ``.data =``, ``set_``, ``swap_tensors``, or
+        replaced in ``_buffers`` without a registration, reads as it is now; None once gone): what
+        ``replay.FullStepShortcut`` compares per direct step, as the ordinary path compares the
+        graph's buffer inputs (``dispatch.py``). Built when first asked for, and again after
+        ``check`` found a registration or a watched tensor moved."""
+        if self._buffers is None:
+            found = []
+            for ref, _ in self._models:
+                model = ref()
+                if model is None:
+                    continue
+                for path, module in model.named_modules():
+                    for leaf, t in module._buffers.items():
+                        if t is not None:
+                            found.append((f"{type(model).__qualname__}'s buffer {path + '.' if path else ''}{leaf}",
+                                          _buffer_reader(module, leaf)))
+            self._buffers = tuple(found)
+        return self._buffers
+
     def _watch(self) -> None:
         self._storages = None
+        self._buffers = None
         watched = []
         for ref, _ in self._models:
             model = ref()
@@ -211,6 +238,16 @@ class ModelTensors:
             model = ref()
             if model is not None:
                 _refuse_changes(type(model), first, self._tensors_of(model))
+
+
+def _buffer_reader(owner: torch.nn.Module, leaf: str) -> Callable[[], Any]:
+    ref = weakref.ref(owner)
+
+    def read():
+        module = ref()
+        return None if module is None else module._buffers.get(leaf)
+
+    return read
 
 
 def _refuse_changes(cls: type, first: dict[str, tuple], now: dict[str, tuple], subject: str | None = None) -> None:

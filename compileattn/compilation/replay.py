@@ -17,18 +17,27 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
 2. **The dispatcher would replay this full graph** (``StepDispatcher.full_replay_entry``): the
    step is a uniform decode at a size whose full graph was captured and has been replayed, through
    the same metadata builder and the same ``kv_caches`` mapping it already checked, and no module
-   has registered a parameter, buffer or submodule since the dispatcher last compared the
-   parameters (``module_watch.py``: a step after one takes the ordinary path, which compares them
-   and drops the graphs if one was replaced; a dropped graph is learned anew).
+   has registered a parameter, buffer or submodule, and no tensor has been assigned ``.data``,
+   since the dispatcher last compared the parameters (``module_watch.py``: a step after one takes
+   the ordinary path, which compares them and drops the graphs if one was replaced; a dropped
+   graph is learned anew).
 3. **The arguments are where they were** at that graph's first replay through the ordinary path
    (the one ``CapturedGraph.check`` compared with the capture): every tensor argument has the same
    data pointer, shape and strides (``argcheck`` has already pinned dtypes, devices and every
    non-tensor argument's value). Arguments of other kinds (containers, objects) keep the ordinary
    path for the site, since Dynamo's code reads through them. So is every other tensor the graph
-   reads that is neither an argument nor a model's parameter or buffer (a plain module attribute,
-   a closure variable, a module global: ``reach.other_tensors``): Dynamo's code gathers it afresh
-   each call, no registration tells that it was rebound or given other storage, and the ordinary
-   path raises for it (``dispatch.py`` compares such graph inputs every graph step).
+   reads that is not a model's parameter: one that is neither an argument nor a parameter or
+   buffer (a plain module attribute, a closure variable, a module global: ``reach.other_tensors``),
+   and every buffer of the models, read through its owner's ``_buffers`` (``ModelTensors.buffers``):
+   Dynamo's code gathers each afresh every call, and the ordinary path compares such graph inputs
+   every graph step and raises for a moved one (``dispatch.py``). No hook sees every way a buffer
+   moves (``module._buffers[name] = t`` and ``buffer.set_(t)`` register nothing and assign no
+   ``.data``), so the direct path compares them itself, as the ordinary path does: a moved one
+   misses here and raises there. Cost: nothing for a model without buffers (OPT, ``others`` stays
+   empty); for each buffer the graph reads, a reader call, a weakref call, a dict lookup and a
+   ``data_ptr`` per step: ~0.21 µs a buffer by ``timeit`` on the repo's 2-core CPU box (a Llama
+   reads one, ``inv_freq``), against ~15 µs for the ``data_ptr`` of 150 parameters alike, which is
+   why parameters are left to the count (2).
 4. **The output is the graph's**: learned from an ordinary replay of the same graph, whose result
    must be built only of the graph's static output tensors (tuples as they are; lists rebuilt per
    call, as Dynamo's code would build a new one).
@@ -37,10 +46,12 @@ Anything that fails 2-4 on a given step runs the ordinary path, which raises or 
 always did, with one exception: a step that would replay the same graph while an argument the graph
 reads (its address is one of the graph's inputs) has moved raises ``CudaGraphAddressError``, as the
 ordinary path does (``dispatch.py``: every graph step compares the inputs that are not parameters).
-Parameters are compared by neither path at every step, only after a module registration (2).
-Buffers, which the ordinary path compares every step, are not arguments and are not compared here:
-one replaced through its module (``register_buffer``, ``load_state_dict(..., assign=True)``) is
-seen through (2); one moved by ``buffer.data = other`` is not.
+Parameters are compared by neither path at every step, only after a module registration or a
+``.data`` assignment to any tensor (2; ``module_watch.py`` counts both, ``t._version`` being left
+as it was by ``.data =``): the next call compares, the decorator every layout (``model_tensors.py``:
+``w.data = w.t()`` of a square weight, which keeps the address and changes the strides, raises
+``RecompileError``) and the ordinary path every parameter's address (a moved one: the graphs are
+captured again). Buffers' addresses are compared by both paths at every step (3).
 Attribute reads and subscripts in Dynamo's code are assumed to have no side effects (``_modules``,
 ``_parameters`` and the graph's output tuple are plain containers).
 """
@@ -239,7 +250,8 @@ class _Learned:
 
     def __init__(self, entry, nargs, kwkeys, tensors, output, others=()):
         self.entry, self.nargs, self.kwkeys, self.tensors, self.output = entry, nargs, kwkeys, tensors, output
-        #: (read, address) of the tensors outside the arguments the graph reads (``FullStepShortcut.others``)
+        #: (read, address) of the tensors outside the arguments the graph reads that are not
+        #: parameters (``FullStepShortcut.others`` and ``.buffers``)
         self.others = others
 
 
@@ -247,15 +259,19 @@ class FullStepShortcut:
     """One compile site's direct replays of its dispatcher's full-decode graphs (see the module
     docstring for when ``step`` takes one), learned per size from ordinary replays (``run``)."""
 
-    __slots__ = ("runtime", "learned", "tried", "others")
+    __slots__ = ("runtime", "learned", "tried", "others", "buffers")
 
-    def __init__(self, runtime, others: tuple[tuple[str, Callable[[], Any]], ...] = ()):
+    def __init__(self, runtime, others: tuple[tuple[str, Callable[[], Any]], ...] = (),
+                 buffers: Callable[[], tuple[tuple[str, Callable[[], Any]], ...]] = tuple):
         self.runtime = runtime
         self.learned: dict[int, _Learned] = {}
         self.tried = weakref.WeakSet()  # graphs learned from, or found unfit, once each
         #: (where, read) of the tensors the first call reached outside its arguments that are not
         #: a model's parameters or buffers (``reach.other_tensors``): condition 3 of the module docstring
         self.others = others
+        #: gives (where, read) of the models' buffers as they are now (``ModelTensors.buffers``):
+        #: condition 3 of the module docstring
+        self.buffers = buffers
 
     def step(self, args: tuple, kwargs: dict):
         """Replay and return the step's output, or ``MISS``."""
@@ -280,7 +296,7 @@ class FullStepShortcut:
         for read, ptr in known.others:
             t = read()
             if not isinstance(t, torch.Tensor) or t.data_ptr() != ptr:
-                return MISS  # rebound or given other storage: the ordinary path raises, naming it
+                return MISS  # rebound, replaced or given other storage: the ordinary path raises, naming it
         counters.cudagraph_replays += 1
         counters.full_graph_steps += 1
         counters.full_graph_direct_steps += 1
@@ -318,7 +334,7 @@ class FullStepShortcut:
         if output is None:
             return
         others = []
-        for _, read in self.others:
+        for _, read in (*self.others, *self.buffers()):
             t = read()
             if isinstance(t, torch.Tensor) and t.data_ptr() in graph_inputs:
                 others.append((read, t.data_ptr()))
