@@ -68,6 +68,10 @@ PRIVATE_APIS = {
                                                                   "by the backend (no example value to pin or "
                                                                   "capture at)",
     "torch._guards.detect_fake_mode": "the fake mode of the graph's example inputs",
+    "torch._dynamo.source.AttrSource": "graph inputs Dynamo's code reads through an attribute (a module's "
+                                       "buffers): the dispatcher compares their strides every graph step",
+    "torch._dynamo.source.LocalSource": "graph inputs that are the compiled call's own arguments (or items of "
+                                        "them): their strides are left to Dynamo's guards and argcheck",
     "torch._guards.tracing": "a tracing context around a worker's dynamic-shape piece compile (as Dynamo's)",
     "torch._guards.TracingContext": "that context, of the fake mode that travelled with the piece; the ShapeEnv "
                                     "of Dynamo's around the backend (the sizes its compile assumed)",

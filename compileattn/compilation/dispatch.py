@@ -33,22 +33,29 @@ head shape. The compiled forward is inference-only: it runs under ``torch.no_gra
 Addresses: a CUDA graph reads its inputs where they were at capture. ``CapturedGraph.check``
 compares every input of a graph on its first replay; after that, a graph step compares the graph
 inputs that are neither parameters nor unread by any captured graph (the caller's token ids and
-positions, buffers: a few per step, ~0.1 µs each) with where they were when the size's graphs were
-captured, and raises ``CudaGraphAddressError`` for a moved one, which every replay would otherwise
-read stale. Parameters are too many to compare every step (~21 µs for a Llama's 291, probe S18-4):
-a graph step compares ``module_watch.generation``, bumped by every parameter, buffer or submodule
-registration in the process, with the one it last checked, and the addresses of the first and last
-parameter inputs with theirs (another instance of the model's class, which Dynamo serves from this
-same graph, registered nothing since the capture), and only when one changed compares every
-parameter with its address at capture. A replaced parameter (``module.weight =
-nn.Parameter(w)``, ``load_state_dict(..., assign=True)``, a new submodule) drops every CUDA graph,
-and each size's next step captures them again from the current tensors (a buffer replaced with it
-is then served too); a buffer replaced alone raises ``CudaGraphAddressError``, as a moved token-id
-input does (with ``check_input_addresses``, the default). Updating a parameter in place is served as
-it is. ``param.data = other`` and ``module.to(...)`` register nothing, but bump the generation all
-the same (``module_watch`` wraps ``Module._apply`` and ``torch.Tensor.__setattr__`` for ``data``):
-the next graph step compares every parameter. A graph step also sees a moved first or last
-parameter input by itself, and the decorator a model's first or last parameter
+positions, buffers: a few per step, ~0.1 µs each by ``timeit`` on the repo's 2-core CPU box) with
+where they were when the size's graphs were captured, and raises ``CudaGraphAddressError`` for a
+moved one, which every replay would otherwise read stale. Of those that are not the call's arguments
+(``_gathered``: a module's buffers, a module attribute or global Dynamo's code reads) it compares
+the strides too, since ``buffer.data = buffer.t()`` of a square buffer keeps the address and no hook
+counts it (``module_watch`` counts ``.data`` assignments to parameters only): ~0.1 µs more a buffer
+(~0.21 against ~0.09 µs an input, same box; a Llama has one, OPT none). The arguments' strides are
+Dynamo's guards' and ``argcheck``'s. A buffer's shape is not compared after its graph's first
+replay: one reshaped at the same address and strides (``b.data = b[:k]``) is not seen. Parameters
+are too many to compare every step (~21 µs for a Llama's 291, probe S18-4): a graph step compares
+``module_watch.generation``, bumped by every parameter, buffer or submodule registration in the
+process, with the one it last checked, and the addresses of the first and last parameter inputs with
+theirs (another instance of the model's class, which Dynamo serves from this same graph, registered
+nothing since the capture), and only when one changed compares every parameter with its address at
+capture. A replaced parameter (``module.weight = nn.Parameter(w)``,
+``load_state_dict(..., assign=True)``, a new submodule) drops every CUDA graph, and each size's next step captures them
+again from the current tensors (a buffer replaced with it is then served too); a buffer replaced
+alone raises ``CudaGraphAddressError``, as a moved token-id input does (with
+``check_input_addresses``, the default). Updating a parameter in place is served as it is.
+``param.data = other`` and ``module.to(...)`` register nothing, but bump the generation all the same
+(``module_watch`` wraps ``Module._apply`` and gives ``torch.nn.Parameter`` a ``__setattr__`` that
+counts ``data``): the next graph step compares every parameter. A graph step also sees a moved first
+or last parameter input by itself, and the decorator a model's first or last parameter
 (``model_tensors.py``: a conversion of the whole model raises there, moved tensors of the same
 layout bump the generation as a registration does).
 
@@ -149,8 +156,12 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         self._input_names = [n.name for n in self.split_gm.graph.nodes if n.op == "placeholder"]
         #: graph inputs (by position) Dynamo made from a Python scalar: compared by value
         self._scalar_inputs = self._scalars()
-        #: (size, full?) -> (position, address) of its graphs' checked inputs at their capture
-        self._captured_at: dict[tuple[int, bool], tuple[tuple[int, int], ...]] = {}
+        #: graph inputs (by position) Dynamo's code gathers itself (buffers, module attributes, globals):
+        #: their strides are compared every graph step with their addresses (module docstring)
+        self._gathered_inputs = self._gathered()
+        #: (size, full?) -> (position, address, strides or None) of its graphs' checked inputs at their
+        #: capture (strides of the gathered inputs only)
+        self._captured_at: dict[tuple[int, bool], tuple[tuple[int, int, tuple[int, ...] | None], ...]] = {}
         #: (size, full?) -> (position, value) of its graphs' scalar inputs at their capture
         self._scalars_at: dict[tuple[int, bool], tuple[tuple[int, Any], ...]] = {}
         #: changes of a scalar input so far that graphs were captured again for (a change counts once,
@@ -199,6 +210,35 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                 scalars.add(i)
         return frozenset(scalars)
 
+    def _gathered(self) -> frozenset[int]:
+        """Positions of the graph inputs that are not known to be the compiled call's arguments (or
+        items of them): their strides are compared every graph step (module docstring), since no
+        hook sees ``buffer.data = buffer.t()``, which keeps the address, and neither Dynamo's guards
+        (skipped by ``@compileattn.compile``) nor ``argcheck`` look at them. Known arguments: an
+        input whose Dynamo source is a local, or an item of one, with no attribute read on the way
+        (``L['input_ids']``, not ``L['self']._buffers['scale']``); where the graph keeps no source
+        (``aot_compile``, the decorator's graphs), one Dynamo did not mark a module's tensor
+        (``_dynamo_static_input_type``) and traced with a symbolic size (the token dimension). A
+        static-shaped argument there is compared too: ~0.1 µs more, never wrong."""
+        attr = _torch_compat.resolve("torch._dynamo.source.AttrSource")
+        local = _torch_compat.resolve("torch._dynamo.source.LocalSource")
+        gathered = set()
+        for i, n in enumerate(n for n in self.split_gm.graph.nodes if n.op == "placeholder"):
+            grapharg = n.meta.get("grapharg")
+            source = getattr(grapharg, "source", None)
+            if source is not None:
+                while source is not None and not isinstance(source, (attr, local)):
+                    source = getattr(source, "base", None)
+                argument = isinstance(source, local)
+            else:
+                value = _torch_compat.node_example_value(n)
+                argument = (isinstance(value, torch.Tensor)
+                            and "_dynamo_static_input_type" not in (n.meta.get("tensor_dict") or {})
+                            and any(isinstance(d, torch.SymInt) for d in value.shape))
+            if not argument:
+                gathered.add(i)
+        return frozenset(gathered)
+
     def _check_addresses(self, size: int, full: bool, args) -> bool:
         """A graph step's inputs are where its graphs were captured with them, and its scalar inputs
         hold the values they were captured with (module docstring). False: the step runs without
@@ -209,7 +249,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             read = self._read_by_full if full else self._read_by_pieces
             self._scalars_at[key] = tuple((i, args[i].item()) for i in read if i in self._scalar_inputs)
             self._captured_at[key] = tuple(
-                (i, args[i].data_ptr()) for i in read
+                (i, args[i].data_ptr(), args[i].stride() if i in self._gathered_inputs else None) for i in read
                 if isinstance(args[i], torch.Tensor) and not isinstance(args[i], torch.nn.Parameter)
                 and i not in self._scalar_inputs) if self.config.check_input_addresses else ()
             return True
@@ -228,7 +268,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                             "%r (a replay would compute with that): capturing them again", size,
                             self._input_names[i], now, value)
                 return self._check_addresses(size, full, args)  # records this step's, whose graphs it captures
-        for i, ptr in captured:
+        for i, ptr, stride in captured:
             if args[i].data_ptr() != ptr:
                 raise cudagraph.CudaGraphAddressError(
                     f"size {size}: graph input {i} ({self._input_names[i]}, shape {tuple(args[i].shape)}) was at "
@@ -237,6 +277,12 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                     f"memory. Pass inputs that live in persistent buffers (slice views of one preallocated tensor), "
                     f"or turn CUDA graphs off. A module's buffer replaced after capture is refused alike: update it "
                     f"in place (buffer.copy_(new)).")
+            if stride is not None and args[i].stride() != stride:
+                raise cudagraph.CudaGraphAddressError(
+                    f"size {size}: graph input {i} ({self._input_names[i]}, shape {tuple(args[i].shape)}) had "
+                    f"strides {stride} when this size's CUDA graphs were captured and now has {args[i].stride()} at "
+                    f"the same address (buffer.data = buffer.t(), as_strided_); a replay would read it in the old "
+                    f"layout. Keep the layout, and update the tensor in place (buffer.copy_(new)).")
         return True
 
     def _stop_graphs_for_scalar(self, name: str) -> None:

@@ -39,11 +39,17 @@ of the decorated function, an attribute of a decorated method's instance that is
 
 A conversion of part of a model (``model.layers[3].half()``) moves neither watched tensor and
 registers nothing, but goes through ``Module._apply``, which ``module_watch`` counts like a
-registration; so is ``.data`` assigned to any tensor (``module_watch`` wraps
-``torch.Tensor.__setattr__``): a parameter or buffer of part of a model given another dtype,
-device or strides that way (``w.data = w.t()`` of a square weight keeps its address) is compared
-at the next call and refused. Not caught: ``set_``, ``as_strided_`` or ``swap_tensors`` on a
-parameter of part of a model: convert models before their first call. A replaced submodule
+registration; so is ``.data`` assigned to a parameter (``module_watch`` gives
+``torch.nn.Parameter`` a counting ``__setattr__``): a parameter of part of a model given another
+dtype, device or strides that way (``w.data = w.t()`` of a square weight keeps its address) is
+compared at the next call and refused. A buffer's ``.data`` assignment is not counted (buffers are
+plain tensors, and ``torch.Tensor`` is left alone): a CUDA-graph step compares every buffer its
+graph reads, address and strides, each step, and raises ``CudaGraphAddressError`` for a moved or
+restrided one (``dispatch.py``, ``replay.py``); a step without graphs runs the compiled code on the
+buffer as it is. Not caught: ``set_``, ``as_strided_`` or ``swap_tensors`` on a parameter of part
+of a model, a buffer given another dtype or shape through ``.data`` on a step without graphs, or
+another shape at the same address and strides on a graph step: convert models before their first
+call. A replaced submodule
 of the same class and tensor layouts is served with its own tensors, and the attribute values the
 trace read from the old one (documented for every compile that skips guards).
 """

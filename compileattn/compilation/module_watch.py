@@ -19,37 +19,59 @@ model (``model.layers[3].half()``), which moves neither tensor the decorator loo
 (``model_tensors.py``), is compared at the next call like a registration. Subclasses that override
 ``_apply`` reach it through ``super()``.
 
-``tensor.data = other`` outside ``_apply`` registers nothing either, and keeps the tensor object
-(and its ``_version``: torch's ``set_data`` preserves the version counter, so neither an identity nor
-a version comparison tells; checked on torch 2.13): the parameter or buffer now reads other
-storage, or, for ``w.data = w.t()`` of a square ``w``, the same address with other strides. A CUDA
-graph would replay the old memory or layout: a stale answer, no error, on the decorator's direct
-path (``replay.py``) and through Dynamo's code alike wherever the tensor was neither the first nor
-the last parameter. Comparing every parameter per step is what this module exists to avoid
-(~15 µs for 150 tensors' ``data_ptr`` in a Python loop on the repo's 2-core CPU box), so ``start``
-also gives ``torch.Tensor`` a ``__setattr__`` that bumps the generation after a ``data``
-assignment: nothing is added to a step (attribute reads, ``.data`` included, go nowhere near it),
-and an attribute assignment on any tensor costs ~130 ns more (``p.grad = None`` 52 -> 188 ns,
-``t.data = x`` 140 -> 286 ns, same box). After one, the next call compares as after a
+``param.data = other`` outside ``_apply`` registers nothing either, and keeps the parameter object
+(and its ``_version``: torch's ``set_data`` preserves the version counter, so neither an identity
+nor a version comparison tells; checked on torch 2.13): the parameter now reads other storage, or,
+for ``w.data = w.t()`` of a square ``w``, the same address with other strides. A CUDA graph would
+replay the old memory or layout: a stale answer, no error, on the decorator's direct path
+(``replay.py``) and through Dynamo's code alike wherever the parameter was neither the first nor the
+last. Comparing every parameter per step is what this module exists to avoid (~15 µs for 150
+tensors' ``data_ptr`` in a Python loop on the repo's 2-core CPU box), so ``start`` also gives
+``torch.nn.Parameter`` (a Python class without a ``__setattr__`` of its own on torch 2.13: it
+inherits ``object``'s through ``torch.Tensor``) a ``__setattr__`` that makes the inherited
+assignment and bumps the generation after a ``data`` one. Only parameters' attribute assignments
+pay, ~130-180 ns each (``timeit``, best of 5 x 7 runs, same box: ``p.grad = None`` 48 -> ~175 ns,
+``p.data = x`` 141 -> ~320 ns); a plain tensor's, a buffer's included, and Dynamo's and Inductor's
+markers on fake or real tensors (neither is a ``Parameter``) run as before (``t.grad = None`` 48,
+``t.data = x`` 140 ns, before and after), and ``torch.Tensor`` is left as it is. Subclasses of
+``Parameter`` (``UninitializedParameter``, whose ``materialize`` assigns ``.data``, a library's own)
+inherit it; one that defines its own ``__setattr__`` is seen wherever it calls
+``super().__setattr__``. Pickling and ``copy.deepcopy`` of a parameter are unaffected
+(``Parameter.__reduce_ex__`` / ``__deepcopy__``; a restored ``__dict__`` is assigned through it, and
+counted only for a ``data`` key, which torch never writes there). Not seen: a parameter made from a
+tensor subclass's instance (``nn.Parameter(t)`` returns ``t``'s own class, marked ``_is_param``, for
+``isinstance`` only), and a ``.data`` assignment inside a compiled function, which Dynamo traces as
+``set_`` without running any ``__setattr__`` (both checked on torch 2.13; the earlier
+``torch.Tensor``-wide hook counted the first, not the second). Nothing is added to a step (attribute
+reads, ``.data`` included, go nowhere near it). After one, the next call compares as after a
 registration: ``model_tensors.py`` raises ``RecompileError`` for a changed layout (the transposed
-square weight), a graph step captures again for a moved parameter and raises
-``CudaGraphAddressError`` for a moved buffer. The count is process-wide, as for registrations:
-code that assigns ``.data`` to some tensor every step makes every step of every compiled model
-compare (the decorator's ~0.8 ms for a 32-layer tiny Llama, ``model_tensors.py``, and the
-parameters' ~50 µs below) and leave the direct replay: slower, never wrong; use ``copy_``. A class
-that defines its own ``__setattr__`` without calling ``super().__setattr__`` for ``data`` is not
-seen.
+square weight), a graph step captures again for a moved parameter. The count is process-wide, as for
+registrations: code that assigns ``.data`` to some parameter every step makes every step of every
+compiled model compare (the decorator's ~0.8 ms for a 32-layer tiny Llama, ``model_tensors.py``, and
+the parameters' ~50 µs below) and leave the direct replay: slower, never wrong; use ``copy_``.
+
+Buffers are plain tensors (``torch.nn.Buffer(t)`` returns one): ``buffer.data = other`` bumps
+nothing. Graph steps do not need it: both paths compare every buffer the step's graph reads, its
+address and its strides, at every step (``dispatch.py``, ``replay.py``: ~0.33 µs a buffer on the
+direct path; a Llama reads one, OPT none), and raise ``CudaGraphAddressError`` for a moved or
+restrided one (``buffer.data = t``, ``buffer.set_(t)``, ``module._buffers[name] = t``,
+``w.data = w.t()`` of a square buffer). Not seen for buffers: a shape changed at the same address
+and strides (``b.data = b[:k]``) on a graph step, and another dtype or layout given through
+``.data`` on a step without graphs (those run the compiled code on the buffer as it is now:
+another address is served right, another layout or dtype is not compared by compileattn; the
+count's ``model_tensors.py`` comparison used to catch it).
 
 What the hooks see: ``register_parameter`` / ``register_buffer`` / ``register_module`` and the
 attribute assignments that call them, which covers ``load_state_dict(..., assign=True)`` and
 constructing any module, a compile's ``GraphModule``s included: after one, every compiled model's
 next graph step compares its parameters, once (a Python loop: ~50 µs for 291 parameters on the
 repo's 2-core CPU box); every ``Module._apply`` (conversions, above); and every ``.data``
-assignment to a tensor (above). What they do not see: ``torch.utils.swap_tensors``, ``t.set_(other)``
-and in-place restriding (``as_strided_``), writes into ``_parameters`` or ``_buffers``. The
-decorator's per-call look at two tensors of each model (``model_tensors.py``) bumps the generation
-itself (``note_moved``) when those moved; the graph steps compare every buffer they read, each
-step (``dispatch.py``, ``replay.py``), so for a buffer these raise as a moved argument does.
+assignment to a parameter (above). What they do not see: ``.data`` assigned to a buffer or any
+other plain tensor, ``torch.utils.swap_tensors``, ``t.set_(other)`` and in-place restriding
+(``as_strided_``), writes into ``_parameters`` or ``_buffers``. The decorator's per-call look at
+two tensors of each model (``model_tensors.py``) bumps the generation itself (``note_moved``) when
+those moved; the graph steps compare every buffer they read, address and strides, each step
+(``dispatch.py``, ``replay.py``), so for a buffer these raise as a moved argument does.
 
 The hooks run just before torch stores the new tensor, so a replacement made on another thread
 while a step runs can be counted before it lands and missed by that step's comparison; replace
@@ -107,18 +129,19 @@ def _counting_apply(apply):
     return _apply
 
 
-_object_setattr = object.__setattr__
+#: ``torch.nn.Parameter``'s ``__setattr__`` before ``start`` (the inherited one, ``object``'s on torch 2.13)
+_inherited_setattr = None
 
 
 def _counting_setattr(self, name: str, value) -> None:
-    """``torch.Tensor.__setattr__``: the ordinary assignment, then, for ``data``, a bump of the
-    generation (module docstring), also where it raised part-way."""
+    """``torch.nn.Parameter.__setattr__``: the inherited assignment, then, for ``data``, a bump of
+    the generation (module docstring), also where it raised part-way."""
     global generation
     if name != "data":
-        _object_setattr(self, name, value)
+        _inherited_setattr(self, name, value)
         return
     try:
-        _object_setattr(self, name, value)
+        _inherited_setattr(self, name, value)
     finally:
         generation += 1
 
@@ -139,9 +162,20 @@ def start() -> None:
         _module.register_module_module_registration_hook(_count_registration)
         if not getattr(_module.Module._apply, "counts_for_module_watch", False):
             _module.Module._apply = _counting_apply(_module.Module._apply)
-        if "__setattr__" not in torch.Tensor.__dict__:  # torch.Tensor's is object's: nothing to wrap
-            torch.Tensor.__setattr__ = _counting_setattr
+        _count_parameter_data()
         _started = True
+
+
+def _count_parameter_data() -> None:
+    """Give ``torch.nn.Parameter`` the counting ``__setattr__`` (module docstring), wrapping the one
+    it resolves to now: its own if a torch version defines one, else the inherited one (which is
+    what an assignment to a parameter ran before). ``torch.Tensor`` is left alone."""
+    global _inherited_setattr
+    cls = torch.nn.Parameter
+    if getattr(cls.__setattr__, "counts_for_module_watch", False):
+        return
+    _inherited_setattr = cls.__setattr__
+    cls.__setattr__ = _counting_setattr
 
 
 def started() -> bool:

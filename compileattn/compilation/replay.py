@@ -17,7 +17,7 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
 2. **The dispatcher would replay this full graph** (``StepDispatcher.full_replay_entry``): the
    step is a uniform decode at a size whose full graph was captured and has been replayed, through
    the same metadata builder and the same ``kv_caches`` mapping it already checked, and no module
-   has registered a parameter, buffer or submodule, and no tensor has been assigned ``.data``,
+   has registered a parameter, buffer or submodule, and no parameter has been assigned ``.data``,
    since the dispatcher last compared the parameters (``module_watch.py``: a step after one takes
    the ordinary path, which compares them and drops the graphs if one was replaced; a dropped
    graph is learned anew).
@@ -29,15 +29,20 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
    reads that is not a model's parameter: one that is neither an argument nor a parameter or
    buffer (a plain module attribute, a closure variable, a module global: ``reach.other_tensors``),
    and every buffer of the models, read through its owner's ``_buffers`` (``ModelTensors.buffers``):
-   Dynamo's code gathers each afresh every call, and the ordinary path compares such graph inputs
-   every graph step and raises for a moved one (``dispatch.py``). No hook sees every way a buffer
-   moves (``module._buffers[name] = t`` and ``buffer.set_(t)`` register nothing and assign no
-   ``.data``), so the direct path compares them itself, as the ordinary path does: a moved one
-   misses here and raises there. Cost: nothing for a model without buffers (OPT, ``others`` stays
-   empty); for each buffer the graph reads, a reader call, a weakref call, a dict lookup and a
-   ``data_ptr`` per step: ~0.21 µs a buffer by ``timeit`` on the repo's 2-core CPU box (a Llama
-   reads one, ``inv_freq``), against ~15 µs for the ``data_ptr`` of 150 parameters alike, which is
-   why parameters are left to the count (2).
+   Dynamo's code gathers each afresh every call, and the ordinary path compares such graph inputs'
+   addresses and strides every graph step and raises for a moved or restrided one
+   (``dispatch.py``). No hook sees every way a buffer moves (``module._buffers[name] = t``,
+   ``buffer.set_(t)`` and ``buffer.data = t`` register nothing, and ``module_watch`` counts
+   ``.data`` assignments to parameters only), so the direct path compares them itself, as the
+   ordinary path does: each one's address and strides (``buffer.data = buffer.t()`` of a square
+   buffer keeps the address), and a moved or restrided one misses here and raises there. Cost:
+   nothing for a model without buffers (OPT, ``others`` stays empty); for each buffer the graph
+   reads, a reader call, a weakref call, a dict lookup, a ``data_ptr`` and a ``stride()`` per step:
+   ~0.33 µs a buffer by ``timeit`` on the repo's 2-core CPU box (~0.21 µs of it without the
+   strides; a Llama reads one, ``inv_freq``), against ~15 µs for the ``data_ptr`` of 150
+   parameters alike, which is why parameters are left to the count (2). A buffer's shape is not
+   compared (another ~0.12 µs): one given another shape at the same address and strides
+   (``b.data = b[:k]``) is not seen.
 4. **The output is the graph's**: learned from an ordinary replay of the same graph, whose result
    must be built only of the graph's static output tensors (tuples as they are; lists rebuilt per
    call, as Dynamo's code would build a new one).
@@ -47,11 +52,11 @@ always did, with one exception: a step that would replay the same graph while an
 reads (its address is one of the graph's inputs) has moved raises ``CudaGraphAddressError``, as the
 ordinary path does (``dispatch.py``: every graph step compares the inputs that are not parameters).
 Parameters are compared by neither path at every step, only after a module registration or a
-``.data`` assignment to any tensor (2; ``module_watch.py`` counts both, ``t._version`` being left
+``.data`` assignment to a parameter (2; ``module_watch.py`` counts both, ``t._version`` being left
 as it was by ``.data =``): the next call compares, the decorator every layout (``model_tensors.py``:
 ``w.data = w.t()`` of a square weight, which keeps the address and changes the strides, raises
 ``RecompileError``) and the ordinary path every parameter's address (a moved one: the graphs are
-captured again). Buffers' addresses are compared by both paths at every step (3).
+captured again). Buffers' addresses and strides are compared by both paths at every step (3).
 Attribute reads and subscripts in Dynamo's code are assumed to have no side effects (``_modules``,
 ``_parameters`` and the graph's output tuple are plain containers).
 """
@@ -250,7 +255,7 @@ class _Learned:
 
     def __init__(self, entry, nargs, kwkeys, tensors, output, others=()):
         self.entry, self.nargs, self.kwkeys, self.tensors, self.output = entry, nargs, kwkeys, tensors, output
-        #: (read, address) of the tensors outside the arguments the graph reads that are not
+        #: (read, address, strides) of the tensors outside the arguments the graph reads that are not
         #: parameters (``FullStepShortcut.others`` and ``.buffers``)
         self.others = others
 
@@ -293,10 +298,10 @@ class FullStepShortcut:
                 if read and t.data_ptr() != ptr:
                     raise _moved(entry, src, ptr, t)
                 return MISS  # reshaped in place: the ordinary path decides (argcheck, the pinned sizes)
-        for read, ptr in known.others:
+        for read, ptr, stride in known.others:
             t = read()
-            if not isinstance(t, torch.Tensor) or t.data_ptr() != ptr:
-                return MISS  # rebound, replaced or given other storage: the ordinary path raises, naming it
+            if not isinstance(t, torch.Tensor) or t.data_ptr() != ptr or t.stride() != stride:
+                return MISS  # rebound, replaced, given other storage or restrided: the ordinary path raises, naming it
         counters.cudagraph_replays += 1
         counters.full_graph_steps += 1
         counters.full_graph_direct_steps += 1
@@ -337,5 +342,5 @@ class FullStepShortcut:
         for _, read in (*self.others, *self.buffers()):
             t = read()
             if isinstance(t, torch.Tensor) and t.data_ptr() in graph_inputs:
-                others.append((read, t.data_ptr()))
+                others.append((read, t.data_ptr(), t.stride()))
         self.learned[entry.size] = _Learned(entry, len(args), tuple(kwargs), tuple(tensors), output, tuple(others))
