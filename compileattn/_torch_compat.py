@@ -591,6 +591,17 @@ def forget_inductor_compile_pools() -> None:
             cache.clear()
 
 
+def source_is_call_argument(source: Any) -> bool:
+    """Whether a graph input's Dynamo source is the compiled call's own argument or an item of
+    one (``L['input_ids']``, ``L['args'][0]``), not read through an attribute on the way
+    (``L['self']._buffers['scale']``): walks ``base`` to the first local or attribute source."""
+    attr = resolve("torch._dynamo.source.AttrSource")
+    local = resolve("torch._dynamo.source.LocalSource")
+    while source is not None and not isinstance(source, (attr, local)):
+        source = getattr(source, "base", None)
+    return isinstance(source, local)
+
+
 def switches_inference_mode(target: Any) -> bool:
     """Whether a graph's call of ``target`` enters or leaves ``torch.inference_mode()``, as Dynamo
     records it: state for the nodes that follow, which FX's ``is_impure`` does not see (its list

@@ -220,16 +220,12 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
         (``aot_compile``, the decorator's graphs), one Dynamo did not mark a module's tensor
         (``_dynamo_static_input_type``) and traced with a symbolic size (the token dimension). A
         static-shaped argument there is compared too: ~0.1 µs more, never wrong."""
-        attr = _torch_compat.resolve("torch._dynamo.source.AttrSource")
-        local = _torch_compat.resolve("torch._dynamo.source.LocalSource")
         gathered = set()
         for i, n in enumerate(n for n in self.split_gm.graph.nodes if n.op == "placeholder"):
             grapharg = n.meta.get("grapharg")
             source = getattr(grapharg, "source", None)
             if source is not None:
-                while source is not None and not isinstance(source, (attr, local)):
-                    source = getattr(source, "base", None)
-                argument = isinstance(source, local)
+                argument = _torch_compat.source_is_call_argument(source)
             else:
                 value = _torch_compat.node_example_value(n)
                 argument = (isinstance(value, torch.Tensor)
