@@ -20,18 +20,7 @@ from compileattn.compilation.decorator import RecompileError
 from compileattn.models.opt import OPTConfig, OPTForCausalLM
 from compileattn.testing import PersistentInputs, assert_matches_eager
 
-from test_replay import Setup
-
-
-class Scaled(OPTForCausalLM):
-    """Reads a 1-d buffer."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, self.config.hidden_size))
-
-    def forward(self, input_ids, positions):
-        return super().forward(input_ids, positions) * self.scale
+from test_replay import Scaled, Setup
 
 
 class Mixed(OPTForCausalLM):
