@@ -95,7 +95,8 @@ def test_buffer_moved_unregistered_is_refused_as_a_replaced_buffer_is(simulated_
 def test_buffer_compared_per_direct_step_is_the_graphs(simulated_graphs):
     s = _setup(Scaled, True)
     learned = s.fn._site.direct.learned[4]  # noqa: SLF001
-    assert [(read(), stride) for read, _, stride in learned.others] == [(s.model.scale, (1,))]
+    assert [(read(), shape, stride) for read, _, shape, stride in learned.others] == [
+        (s.model.scale, s.model.scale.shape, (1,))]
     plain = _setup(OPTForCausalLM, True)  # no buffer: nothing compared
     assert plain.fn._site.direct.learned[4].others == ()  # noqa: SLF001
 
@@ -148,6 +149,30 @@ def test_square_buffer_transposed_through_data(simulated_graphs, direct):
         model.mix.data = model.mix.t()
         assert model.mix.data_ptr() == ptr
     assert module_watch.generation == generation
+    with ca.counters.expect(full_graph_direct_steps=0):
+        assert _served_right_or_refused(s) == ["CudaGraphAddressError"] * 2
+
+
+class Summed(OPTForCausalLM):
+    """Reads a buffer of rows through their sum (``rows.data = rows[:2]`` keeps address and strides)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("rows", torch.linspace(0.1, 0.4, 4 * self.config.hidden_size).reshape(4, -1))
+
+    def forward(self, input_ids, positions):
+        return super().forward(input_ids, positions) * self.rows.sum(0)
+
+
+@DIRECT
+def test_buffer_reshaped_at_the_same_address_and_strides(simulated_graphs, direct):
+    """Fewer rows of the same buffer: same address, same strides, another shape; the graphs summed
+    four rows. The graph steps compare the shape along with the address and strides."""
+    s = _setup(Summed, direct)
+    for model in (s.model, s.eager):
+        ptr, stride = model.rows.data_ptr(), model.rows.stride()
+        model.rows.data = model.rows[:2]
+        assert (model.rows.data_ptr(), model.rows.stride()) == (ptr, stride)
     with ca.counters.expect(full_graph_direct_steps=0):
         assert _served_right_or_refused(s) == ["CudaGraphAddressError"] * 2
 

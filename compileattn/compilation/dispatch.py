@@ -37,11 +37,11 @@ positions, buffers: a few per step, ~0.1 µs each by ``timeit`` on the repo's 2-
 where they were when the size's graphs were captured, and raises ``CudaGraphAddressError`` for a
 moved one, which every replay would otherwise read stale. Of those that are not the call's arguments
 (``_gathered``: a module's buffers, a module attribute or global Dynamo's code reads) it compares
-the strides too, since ``buffer.data = buffer.t()`` of a square buffer keeps the address and no hook
-counts it (``module_watch`` counts ``.data`` assignments to parameters only): ~0.1 µs more a buffer
-(~0.21 against ~0.09 µs an input, same box; a Llama has one, OPT none). The arguments' strides are
-Dynamo's guards' and ``argcheck``'s. A buffer's shape is not compared after its graph's first
-replay: one reshaped at the same address and strides (``b.data = b[:k]``) is not seen. Parameters
+the shape and strides too, since ``buffer.data = buffer.t()`` of a square buffer, or
+``buffer.data = buffer[:k]``, keeps the address and no hook counts it (``module_watch`` counts
+``.data`` assignments to parameters only): ~0.1-0.2 µs more a buffer (~0.21 against ~0.09 µs an
+input for the address and strides, the shape ~0.09 µs more, same box; a Llama has one, OPT none).
+The arguments' layouts are Dynamo's guards' and ``argcheck``'s. Parameters
 are too many to compare every step (~21 µs for a Llama's 291, probe S18-4): a graph step compares
 ``module_watch.generation``, bumped by every parameter, buffer or submodule registration in the
 process, with the one it last checked, and the addresses of the first and last parameter inputs with
@@ -245,7 +245,8 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
             read = self._read_by_full if full else self._read_by_pieces
             self._scalars_at[key] = tuple((i, args[i].item()) for i in read if i in self._scalar_inputs)
             self._captured_at[key] = tuple(
-                (i, args[i].data_ptr(), args[i].stride() if i in self._gathered_inputs else None) for i in read
+                (i, args[i].data_ptr(), (args[i].shape, args[i].stride()) if i in self._gathered_inputs else None)
+                for i in read
                 if isinstance(args[i], torch.Tensor) and not isinstance(args[i], torch.nn.Parameter)
                 and i not in self._scalar_inputs) if self.config.check_input_addresses else ()
             return True
@@ -264,7 +265,7 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                             "%r (a replay would compute with that): capturing them again", size,
                             self._input_names[i], now, value)
                 return self._check_addresses(size, full, args)  # records this step's, whose graphs it captures
-        for i, ptr, stride in captured:
+        for i, ptr, layout in captured:
             if args[i].data_ptr() != ptr:
                 raise cudagraph.CudaGraphAddressError(
                     f"size {size}: graph input {i} ({self._input_names[i]}, shape {tuple(args[i].shape)}) was at "
@@ -273,11 +274,12 @@ class StepDispatcher(_torch_compat.serializable_callable_base()):
                     f"memory. Pass inputs that live in persistent buffers (slice views of one preallocated tensor), "
                     f"or turn CUDA graphs off. A module's buffer replaced after capture is refused alike: update it "
                     f"in place (buffer.copy_(new)).")
-            if stride is not None and args[i].stride() != stride:
+            if layout is not None and (args[i].shape, args[i].stride()) != layout:
                 raise cudagraph.CudaGraphAddressError(
-                    f"size {size}: graph input {i} ({self._input_names[i]}, shape {tuple(args[i].shape)}) had "
-                    f"strides {stride} when this size's CUDA graphs were captured and now has {args[i].stride()} at "
-                    f"the same address (buffer.data = buffer.t(), as_strided_); a replay would read it in the old "
+                    f"size {size}: graph input {i} ({self._input_names[i]}) had shape {tuple(layout[0])} and "
+                    f"strides {layout[1]} when this size's CUDA graphs were captured and now has shape "
+                    f"{tuple(args[i].shape)} and strides {args[i].stride()} at the same address "
+                    f"(buffer.data = buffer.t() or buffer[:k], as_strided_); a replay would read it in the old "
                     f"layout. Keep the layout, and update the tensor in place (buffer.copy_(new)).")
         return True
 

@@ -44,12 +44,11 @@ registration; so is ``.data`` assigned to a parameter (``module_watch`` gives
 dtype, device or strides that way (``w.data = w.t()`` of a square weight keeps its address) is
 compared at the next call and refused. A buffer's ``.data`` assignment is not counted (buffers are
 plain tensors, and ``torch.Tensor`` is left alone): a CUDA-graph step compares every buffer its
-graph reads, address and strides, each step, and raises ``CudaGraphAddressError`` for a moved or
-restrided one (``dispatch.py``, ``replay.py``); a step without graphs runs the compiled code on the
+graph reads, address, shape and strides, each step, and raises ``CudaGraphAddressError`` for a
+moved, reshaped or restrided one (``dispatch.py``, ``replay.py``); a step without graphs runs the compiled code on the
 buffer as it is. Not caught: ``set_``, ``as_strided_`` or ``swap_tensors`` on a parameter of part
-of a model, a buffer given another dtype or shape through ``.data`` on a step without graphs, or
-another shape at the same address and strides on a graph step: convert models before their first
-call. A replaced submodule
+of a model, or a buffer given another dtype or shape through ``.data`` on a step without graphs:
+convert models before their first call. A replaced submodule
 of the same class and tensor layouts is served with its own tensors, and the attribute values the
 trace read from the old one (documented for every compile that skips guards).
 """

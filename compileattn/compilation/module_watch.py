@@ -52,14 +52,13 @@ the parameters' ~50 µs below) and leave the direct replay: slower, never wrong;
 
 Buffers are plain tensors (``torch.nn.Buffer(t)`` returns one): ``buffer.data = other`` bumps
 nothing. Graph steps do not need it: both paths compare every buffer the step's graph reads, its
-address and its strides, at every step (``dispatch.py``, ``replay.py``: ~0.33 µs a buffer on the
-direct path; a Llama reads one, OPT none), and raise ``CudaGraphAddressError`` for a moved or
-restrided one (``buffer.data = t``, ``buffer.set_(t)``, ``module._buffers[name] = t``,
-``w.data = w.t()`` of a square buffer). Not seen for buffers: a shape changed at the same address
-and strides (``b.data = b[:k]``) on a graph step, and another dtype or layout given through
-``.data`` on a step without graphs (those run the compiled code on the buffer as it is now:
-another address is served right, another layout or dtype is not compared by compileattn; the
-count's ``model_tensors.py`` comparison used to catch it).
+address, shape and strides, at every step (``dispatch.py``, ``replay.py``: ~0.3-0.4 µs a buffer on
+the direct path; a Llama reads one, OPT none), and raise ``CudaGraphAddressError`` for a moved,
+reshaped or restrided one (``buffer.data = t``, ``buffer.set_(t)``, ``module._buffers[name] = t``,
+``w.data = w.t()`` of a square buffer, ``b.data = b[:k]``). Not seen for buffers: another dtype or
+layout given through ``.data`` on a step without graphs (those run the compiled code on the buffer
+as it is now: another address is served right, another layout or dtype is not compared by
+compileattn).
 
 What the hooks see: ``register_parameter`` / ``register_buffer`` / ``register_module`` and the
 attribute assignments that call them, which covers ``load_state_dict(..., assign=True)`` and

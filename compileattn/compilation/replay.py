@@ -34,15 +34,15 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
    (``dispatch.py``). No hook sees every way a buffer moves (``module._buffers[name] = t``,
    ``buffer.set_(t)`` and ``buffer.data = t`` register nothing, and ``module_watch`` counts
    ``.data`` assignments to parameters only), so the direct path compares them itself, as the
-   ordinary path does: each one's address and strides (``buffer.data = buffer.t()`` of a square
-   buffer keeps the address), and a moved or restrided one misses here and raises there. Cost:
+   ordinary path does: each one's address, shape and strides (``buffer.data = buffer.t()`` of a
+   square buffer, or ``buffer[:k]``, keeps the address), and a moved, reshaped or restrided one
+   misses here and raises there. Cost:
    nothing for a model without buffers (OPT, ``others`` stays empty); for each buffer the graph
-   reads, a reader call, a weakref call, a dict lookup, a ``data_ptr`` and a ``stride()`` per step:
-   ~0.33 µs a buffer by ``timeit`` on the repo's 2-core CPU box (~0.21 µs of it without the
-   strides; a Llama reads one, ``inv_freq``), against ~15 µs for the ``data_ptr`` of 150
-   parameters alike, which is why parameters are left to the count (2). A buffer's shape is not
-   compared (another ~0.12 µs): one given another shape at the same address and strides
-   (``b.data = b[:k]``) is not seen.
+   reads, a reader call, a weakref call, a dict lookup, a ``data_ptr``, a ``shape`` and a
+   ``stride()`` per step: ~0.33 µs a buffer by ``timeit`` on the repo's 2-core CPU box without the
+   shape (~0.21 µs of it without the strides; the shape another ~0.09 µs; a Llama reads one,
+   ``inv_freq``), against ~15 µs for the ``data_ptr`` of 150 parameters alike, which is why
+   parameters are left to the count (2).
 4. **The output is the graph's**: learned from an ordinary replay of the same graph, whose result
    must be built only of the graph's static output tensors (tuples as they are; lists rebuilt per
    call, as Dynamo's code would build a new one).
@@ -298,10 +298,10 @@ class FullStepShortcut:
                 if read and t.data_ptr() != ptr:
                     raise _moved(entry, src, ptr, t)
                 return MISS  # reshaped in place: the ordinary path decides (argcheck, the pinned sizes)
-        for read, ptr, stride in known.others:
+        for read, ptr, shape, stride in known.others:
             t = read()
-            if not isinstance(t, torch.Tensor) or t.data_ptr() != ptr or t.stride() != stride:
-                return MISS  # rebound, replaced, given other storage or restrided: the ordinary path raises, naming it
+            if not isinstance(t, torch.Tensor) or t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
+                return MISS  # rebound, replaced, given other storage, reshaped or restrided: the ordinary path raises
         counters.cudagraph_replays += 1
         counters.full_graph_steps += 1
         counters.full_graph_direct_steps += 1
@@ -342,5 +342,5 @@ class FullStepShortcut:
         for _, read in (*self.others, *self.buffers()):
             t = read()
             if isinstance(t, torch.Tensor) and t.data_ptr() in graph_inputs:
-                others.append((read, t.data_ptr(), t.stride()))
+                others.append((read, t.data_ptr(), t.shape, t.stride()))
         self.learned[entry.size] = _Learned(entry, len(args), tuple(kwargs), tuple(tensors), output, tuple(others))
