@@ -227,7 +227,11 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         elif max_new_tokens is not None:
             raise ValueError("pass max_new_tokens inside params, not both")
-        req = Request.create(self._next_id, self.check_prompt(prompt, params), params, self.eos_token_ids)
+        return self._queue(self.check_prompt(prompt, params), params)
+
+    def _queue(self, prompt: list[int], params: SamplingParams) -> int:
+        """Queue a checked prompt (``check_prompt``'s list); its seq_id."""
+        req = Request.create(self._next_id, prompt, params, self.eos_token_ids)
         self._next_id += 1
         self._requests[req.seq_id] = req
         if not req.finished:
@@ -238,7 +242,7 @@ class Engine:
         """``prompt`` as a list of ints, or the TypeError or ValueError ``add_request`` raises for it:
         token ids of this engine's vocabulary, and room within ``max_model_len`` for the prompt and
         ``params.max_new_tokens``. Public so that a caller can refuse its requests before it runs
-        anything (``LLM.check_requests``)."""
+        anything (``check_prompts``, ``LLM.check_requests``)."""
         if not hasattr(prompt, "__iter__"):
             raise TypeError(f"prompt must be a sequence of token ids, got {prompt!r}")
         # The int rule (``argtypes``): int() would truncate a float into another token, and a bool
@@ -431,19 +435,24 @@ class Engine:
         return [self._requests.pop(i).output for i in ids]
 
     def add_requests(self, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]]) -> list[int]:
-        """Queue several prompts, all or none: on a bad prompt the ones queued before it are dropped
-        and the ValueError names the prompt's index."""
+        """Queue several prompts, all or none: every one is checked (``check_prompts``) before the
+        first is queued."""
+        params = list(params)
+        return [self._queue(prompt, p) for p, prompt in zip(params, self.check_prompts(params, prompts))]
+
+    def check_prompts(self, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """``check_prompt`` of each prompt with its ``SamplingParams``: the prompts as lists of ints,
+        or the TypeError or ValueError of the first bad one, its message naming its index
+        (``prompts[i]: ...``)."""
         params, prompts = list(params), list(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        ids: list[int] = []
-        try:
-            for p, prompt in zip(params, prompts):
-                ids.append(self.add_request(prompt, params=p))
-        except (ValueError, TypeError) as exc:
-            for i in ids:
-                req = self._requests.pop(i)
-                if req in self.scheduler.waiting:
-                    self.scheduler.waiting.remove(req)
-            raise type(exc)(f"prompts[{len(ids)}]: {exc}") from None
-        return ids
+        checked = []
+        for i, (p, prompt) in enumerate(zip(params, prompts)):
+            try:
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"params must be a SamplingParams, got {type(p).__name__}")
+                checked.append(self.check_prompt(prompt, p))
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
+        return checked

@@ -433,7 +433,7 @@ class LLM:
     def _requests(self, prompts, max_new_tokens, temperature, top_p, seed, stop_token_ids, ignore_eos):
         """``generate``'s arguments checked and converted: (prompts as a list, their token ids, one
         ``SamplingParams`` each); a TypeError or ValueError naming the argument, or the prompt whose
-        tokens this engine cannot serve (``Engine.check_prompt``)."""
+        tokens this engine cannot serve (``Engine.check_prompts``)."""
         if isinstance(prompts, torch.Tensor):
             raise TypeError("prompts must be a string, a list of token ids or a list of those, got a Tensor "
                             "(pass tensor.tolist())")
@@ -470,12 +470,7 @@ class LLM:
                                  stop_token_ids=stop, ignore_eos=ignore_eos,
                                  seed=None if seed is None else sampling_key(seed, i))
                   for i, n in enumerate(lengths)]
-        token_prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
-        for i, (tokens, p) in enumerate(zip(token_prompts, params)):
-            try:
-                self.engine.check_prompt(tokens, p)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"prompts[{i}]: {exc}") from None
+        token_prompts = self.engine.check_prompts(params, [self._encode(p, i) for i, p in enumerate(prompts)])
         return prompts, token_prompts, params
 
     def _agree_across_ranks(self, digest: str | None, refused: BaseException | None = None) -> None:
