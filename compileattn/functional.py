@@ -19,7 +19,7 @@ import torch
 
 from . import ops
 from .backends.selector import check_backend_name
-from .argtypes import as_int, integer_as_int, is_bool
+from .argtypes import as_int, integer_as_int, is_bool, non_negative_int
 from .validation import (
     check_append_slots, check_float_values, check_kv_write_args, check_kvcache_args, check_kvcache_values,
     check_varlen_args, check_varlen_values,
@@ -127,11 +127,8 @@ def _refuse_unsupported_kvcache_arguments(rotary_cos, rotary_sin, cache_batch_id
                              f"got {type(value).__name__}")
     if not is_bool(rotary_interleaved):
         raise TypeError(f"rotary_interleaved must be a bool, got {rotary_interleaved!r}")
-    splits = as_int(num_splits)  # a hint in flash-attn (0: its heuristic); the split count is chosen here
-    if splits is None:
-        raise TypeError(f"num_splits must be an int, got {num_splits!r}")
-    if splits < 0:
-        raise ValueError(f"num_splits must be >= 0, got {splits}")
+    # a hint in flash-attn (0: its heuristic); the split count is chosen here
+    non_negative_int(num_splits, "num_splits")
     _refuse_extra_outputs("return_softmax_lse", return_softmax_lse, "flash_attn_with_kvcache", "not its log-sum-exp")
 
 
