@@ -69,7 +69,7 @@ assignment to a parameter (above). What they do not see: ``.data`` assigned to a
 other plain tensor, ``torch.utils.swap_tensors``, ``t.set_(other)`` and in-place restriding
 (``as_strided_``), writes into ``_parameters`` or ``_buffers``. The decorator's per-call look at
 two tensors of each model (``model_tensors.py``) bumps the generation itself (``note_moved``) when
-those moved; the graph steps compare every buffer they read, address and strides, each step
+those moved; the graph steps compare every buffer they read, address, shape and strides, each step
 (``dispatch.py``, ``replay.py``), so for a buffer these raise as a moved argument does.
 
 The hooks run just before torch stores the new tensor, so a replacement made on another thread

@@ -30,7 +30,7 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
    buffer (a plain module attribute, a closure variable, a module global: ``reach.other_tensors``),
    and every buffer of the models, read through its owner's ``_buffers`` (``ModelTensors.buffers``):
    Dynamo's code gathers each afresh every call, and the ordinary path compares such graph inputs'
-   addresses and strides every graph step and raises for a moved or restrided one
+   addresses, shapes and strides every graph step and raises for a moved, reshaped or restrided one
    (``dispatch.py``). No hook sees every way a buffer moves (``module._buffers[name] = t``,
    ``buffer.set_(t)`` and ``buffer.data = t`` register nothing, and ``module_watch`` counts
    ``.data`` assignments to parameters only), so the direct path compares them itself, as the
@@ -56,7 +56,7 @@ Parameters are compared by neither path at every step, only after a module regis
 as it was by ``.data =``): the next call compares, the decorator every layout (``model_tensors.py``:
 ``w.data = w.t()`` of a square weight, which keeps the address and changes the strides, raises
 ``RecompileError``) and the ordinary path every parameter's address (a moved one: the graphs are
-captured again). Buffers' addresses and strides are compared by both paths at every step (3).
+captured again). Buffers' addresses, shapes and strides are compared by both paths at every step (3).
 Attribute reads and subscripts in Dynamo's code are assumed to have no side effects (``_modules``,
 ``_parameters`` and the graph's output tuple are plain containers).
 """
