@@ -14,7 +14,7 @@ import torch.fx
 
 import compileattn as ca
 from compileattn import _torch_compat
-from compileattn.compilation import compile_pool, fork_server
+from compileattn.compilation import compile_pool, compile_worker, fork_server
 from compileattn.compilation.backend import compileattn_backend
 from compileattn.models.opt import OPTConfig, OPTForCausalLM
 from compileattn.testing import assert_matches_eager, random_step
@@ -258,12 +258,12 @@ def test_a_dynamic_compile_that_replaces_a_symbolic_size_is_refused_in_a_worker(
     _compile_and_run(workers=1)
     compile_pool.release()
     dynamic = next(m for m in messages if m.get("inputs", ()) is None)
-    data, guards = compile_pool.compile_message(dynamic)  # what a worker answers: the artifact, and every
+    data, guards = compile_worker.compile_message(dynamic)  # what a worker answers: the artifact, and every
     assert data and all(g.free_symbols for g in guards)     # size guard its code may rely on
     states = iter([(0, (), 0), (0, (("s0", "8"),), 0), (0, (("s0", "8"),), 0)])
     monkeypatch.setattr(_torch_compat, "size_assumptions", lambda shape_env: next(states))
-    with pytest.raises(compile_pool.SizeAssumptionsAdded, match=r"replacement s0 -> 8\)$"):
-        compile_pool.compile_message(dynamic)
+    with pytest.raises(compile_worker.SizeAssumptionsAdded, match=r"replacement s0 -> 8\)$"):
+        compile_worker.compile_message(dynamic)
 
 
 def test_what_a_compile_assumed_is_said_on_one_line():
@@ -480,7 +480,7 @@ def test_a_worker_compiles_for_the_compiling_processs_thread_count(monkeypatch, 
         message = {"graph": _torch_compat.piece_pickle(gm),
                    "inputs": [("tensor", (4096, 512), (512, 1), torch.float32, "cpu")],
                    "options": {}, "settings": _torch_compat.compile_settings()}
-        here, _ = compile_pool.compile_message(message)
+        here, _ = compile_worker.compile_message(message)
         assert _threads_in(here) == {f"num_threads({threads})"}
         pool = compile_pool.CompilePool(1)
         task = compile_pool.Task(0, "piece (4096 tokens)", message)

@@ -307,8 +307,8 @@ def test_this_process_is_untouched_by_cuda_only_without_a_gpu():
 
 _SERVER_CHECK = """
 import ctypes, os
-from compileattn.compilation import compile_pool, fork_server
-compile_pool.import_for_worker()
+from compileattn.compilation import compile_worker, fork_server
+compile_worker.import_for_worker()
 print("after imports:", fork_server.cuda_touched())
 ctypes.CDLL("libcuda.so.1").cuInit(0)
 print("after cuInit:", fork_server.cuda_touched())

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import compileattn as ca
-from compileattn.compilation import compile_pool, decorator
+from compileattn.compilation import compile_pool, compile_worker, decorator
 from compileattn.models.llama import LlamaConfig, LlamaForCausalLM
 from compileattn.testing import PersistentInputs, RecordingBackend, assert_matches_eager, random_step
 
@@ -83,7 +83,7 @@ class HeldPool:
 
     def answer(self, task, error: str | None = None) -> None:
         task.result = (("error", error) if error else
-                       ("ok", *_answer_of(compile_pool.compile_message(task.message))))
+                       ("ok", *_answer_of(compile_worker.compile_message(task.message))))
         self.on_result()
 
 

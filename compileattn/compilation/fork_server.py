@@ -1,6 +1,6 @@
 """Compile workers forked, ready, from one process that imported torch, compileattn and Inductor.
 
-A compile worker (``compile_pool.py``) is useful only once it has imported torch, compileattn and
+A compile worker (``compile_pool.py``, ``compile_worker.py``) is useful only once it has imported torch, compileattn and
 Inductor: several seconds of CPU per interpreter. Eight fresh interpreters importing at once, beside
 the compiling process's Dynamo trace, were ready only 10-16 s after they started on the H200's
 16-CPU host (runs S7-1, S11-5), when the compile had long done its own work. A **fork server** pays
@@ -549,7 +549,7 @@ def serve(sock_fd: int, worker_niceness: int, started: float) -> None:
 
 
 def _serve_on(sock: socket.socket, worker_niceness: int, started: float) -> None:
-    from .compile_pool import import_for_worker
+    from .compile_worker import import_for_worker
 
     with _exit_if_closed_meanwhile(sock):
         import_for_worker()
@@ -628,7 +628,7 @@ def _forked_worker(sock: socket.socket, fds: list[int], niceness: int) -> None:
     os.nice(niceness)
     code = 0
     try:
-        from .compile_pool import serve_tasks
+        from .compile_worker import serve_tasks
 
         with os.fdopen(fds[0], "rb") as inp, os.fdopen(fds[1], "wb") as out:
             serve_tasks(inp, out)
