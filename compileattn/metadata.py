@@ -18,20 +18,7 @@ from .argtypes import as_int, is_bool, positive_int
 from .backends.base import AttentionBackend, PersistentBuffers, StepShape, StepTensors
 from .backends.selector import KernelSelector
 from .kv_cache import check_num_blocks
-from .validation import context_write_clash
-
-
-#: The most tokens a sequence (``seq_lens``) or a step (``query_start_loc``'s total) may have: both
-#: are int32, the kernels' index type, and a larger count would wrap to a negative length.
-MAX_TOKENS = 2 ** 31 - 1
-
-
-def check_token_count(num_tokens: int, name: str) -> int:
-    """``num_tokens`` (an int), or a ValueError naming ``name`` if it exceeds ``MAX_TOKENS``."""
-    if num_tokens > MAX_TOKENS:
-        raise ValueError(f"{name} must be at most {MAX_TOKENS} (2**31 - 1), got {num_tokens}: token counts are "
-                         f"int32 in seq_lens and query_start_loc, and larger ones would wrap to negative lengths")
-    return num_tokens
+from .validation import MAX_TOKENS, check_token_count, context_write_clash
 
 
 class SequenceStep(NamedTuple):

@@ -16,6 +16,20 @@ from .kv_cache import check_cache_dtype, check_dtype, check_head_dim, is_fp8
 
 _INDEX_DTYPES = (torch.int32,)
 
+#: The most tokens a sequence or a step may have: token counts (the builder's ``seq_lens`` and
+#: ``query_start_loc``, ``flash_attn_with_kvcache``'s ``cache_seqlens`` and the key lengths it
+#: passes on) are int32, the kernels' index type, and a larger count would wrap to a negative length.
+MAX_TOKENS = 2 ** 31 - 1
+
+
+def check_token_count(num_tokens: int, name: str, held_in: str = "seq_lens and query_start_loc") -> int:
+    """``num_tokens`` (an int), or a ValueError naming ``name`` if it exceeds ``MAX_TOKENS``;
+    ``held_in`` names the int32 tensors the count would wrap in."""
+    if num_tokens > MAX_TOKENS:
+        raise ValueError(f"{name} must be at most {MAX_TOKENS} (2**31 - 1), got {num_tokens}: token counts are "
+                         f"int32 in {held_in}, and larger ones would wrap to negative lengths")
+    return num_tokens
+
 
 def _same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
@@ -293,6 +307,10 @@ def _tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
 
 
+#: Where ``flash_attn_with_kvcache``'s token counts are int32 (``check_token_count``'s ``held_in``).
+_KVCACHE_COUNTS = "cache_seqlens and in the key lengths the kernels read (cache_seqlens plus the new tokens)"
+
+
 def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, window_left: int,
                        softcap: float, alibi_slopes, k_scale, v_scale, softmax_scale: float | None = None) -> None:
     """Structure of a ``flash_attn_with_kvcache`` call (no device tensor is read)."""
@@ -361,13 +379,20 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, ou
     elif k_cache.shape[0] < batch:
         raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences for a batch of {batch} (without block_table "
                          f"sequence b uses row b of the cache)")
-    if isinstance(cache_seqlens, int):  # on the host: checked here, free of device reads (validate=False too)
+    # An int (or None: the whole cache) is on the host: checked here, free of device reads
+    # (validate=False too). The entry makes an int32 tensor of it, and of it plus the new tokens.
+    blocks = block_table.shape[1] if block_table is not None else 1
+    if cache_seqlens is None:
+        check_token_count(blocks * k_cache.shape[1], f"cache_seqlens=None (the whole cache, {blocks} blocks x "
+                          f"{k_cache.shape[1]})", _KVCACHE_COUNTS)
+    elif isinstance(cache_seqlens, int):
         seqlen_new = k.shape[1] if k is not None else 0
-        blocks = block_table.shape[1] if block_table is not None else 1
         if cache_seqlens + seqlen_new > blocks * k_cache.shape[1]:
             raise ValueError(f"cache_seqlens={cache_seqlens} plus the {seqlen_new} new tokens of k/v exceed the "
                              f"{blocks * k_cache.shape[1]} tokens each sequence can hold ({blocks} blocks x "
                              f"{k_cache.shape[1]})")
+        check_token_count(cache_seqlens + seqlen_new, f"cache_seqlens={cache_seqlens} plus the {seqlen_new} new "
+                          f"tokens of k/v", _KVCACHE_COUNTS)
     if out is not None:
         _tensor("out", out)
         if out.shape != q.shape or out.dtype != q.dtype:
@@ -394,6 +419,8 @@ def check_kvcache_values(k_cache, cache_seqlens: torch.Tensor, seqlen_new: int, 
         if n + seqlen_new > capacity:
             raise ValueError(f"cache_seqlens[{b}] = {n} plus the {seqlen_new} new tokens of k/v exceed the "
                              f"{capacity} tokens sequence {b} can hold ({block_table.shape[1]} blocks x {page})")
+        check_token_count(n + seqlen_new, f"cache_seqlens[{b}] = {n} plus the {seqlen_new} new tokens of k/v",
+                          _KVCACHE_COUNTS)
         used = block_table[b, : -(-(n + seqlen_new) // page)]
         if used.numel() and (int(used.max()) >= num_blocks or int(used.min()) < 0):
             raise ValueError(f"block_table row {b} has an entry outside [0, {num_blocks})")

@@ -384,6 +384,42 @@ def test_an_int_cache_seqlens_past_the_cache_is_named_without_validate_too(no_ke
     assert torch.equal(args["k_cache"], k_before)
 
 
+def _past_int32(**over):
+    """One sequence whose block table holds 2**31 + 2**13 tokens: 2**18 + 1 columns of 2**13-row
+    pages, all page 0 (4 MiB of cache, where distinct pages would take 512 GiB)."""
+    page, d = 2 ** 13, 64
+    args = dict(q=torch.randn(1, 1, 1, d), k_cache=torch.zeros(1, page, 1, d), v_cache=torch.zeros(1, page, 1, d),
+                block_table=torch.zeros(1, 2 ** 18 + 1, dtype=torch.int32))
+    args.update(over)
+    return args
+
+
+NEW = dict(k=torch.randn(1, 1, 1, 64), v=torch.randn(1, 1, 1, 64))
+PAST_INT32 = [
+    (dict(cache_seqlens=2 ** 31), True, r"cache_seqlens=2147483648 plus the 0 new tokens of k/v"),
+    (dict(cache_seqlens=2 ** 31 - 1, **NEW), True, r"cache_seqlens=2147483647 plus the 1 new tokens of k/v"),
+    (dict(cache_seqlens=2 ** 31 - 1, **NEW), False, r"cache_seqlens=2147483647 plus the 1 new tokens of k/v"),
+    (dict(cache_seqlens=None), False, r"cache_seqlens=None \(the whole cache, 262145 blocks x 8192\)"),
+    (dict(cache_seqlens=torch.tensor([2 ** 31 - 1], dtype=torch.int32), **NEW), True,
+     r"cache_seqlens\[0\] = 2147483647 plus the 1 new tokens of k/v"),
+]
+
+
+@pytest.mark.parametrize("changes,validate,name", PAST_INT32, ids=["int", "int+new", "int+new-novalidate", "None",
+                                                                     "tensor+new"])
+def test_token_counts_past_int32_are_refused_by_name(no_kernels, changes, validate, name):
+    """The entry passes ``cache_seqlens`` (an int or None made into an int32 tensor) plus the new
+    tokens to the kernels as int32 key lengths. In a cache that holds more than 2**31 - 1 tokens a
+    count past int32 passes the capacity check; unchecked, an int fails in torch.full naming
+    nothing and a tensor's sum with the new tokens wraps to a negative length. An int is checked on
+    the host, ``validate=False`` too; a tensor's entries are read under ``validate=True``."""
+    args = _past_int32(**changes)
+    with pytest.raises(ValueError, match=rf"^{name} must be at most 2147483647 \(2\*\*31 - 1\), got \d+: token "
+                                         r"counts are int32 in cache_seqlens"):
+        compileattn.flash_attn_with_kvcache(**args, validate=validate)
+    assert not args["k_cache"].any()
+
+
 def test_out_sharing_memory_with_q_or_a_cache_is_named(no_kernels):
     """The attention reads q and the caches while it writes out: an out in their memory would be
     written before some of its reads."""
