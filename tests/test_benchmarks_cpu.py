@@ -1230,12 +1230,15 @@ def test_committed_latency_results_render_with_the_report(name):
     assert all(ln.split(" | ")[4] == "n/a" for ln in rows)
 
 
-def test_committed_decode_attention_results_render_with_the_report():
-    """The committed table is what ``render_markdown`` makes of the committed JSON, and the plot's
-    link ``write_outputs`` appends (it was an early renderer's: other goal lines, no kernel table)."""
-    payload = common.read_json(BENCH / "results" / "decode_attention.json")
-    committed = (BENCH / "results" / "decode_attention.md").read_text()
-    assert committed == dec.render_markdown(payload) + "\n![decode attention](decode_attention.png)\n"
+@pytest.mark.parametrize("name", ["decode_attention", "decode_attention_fa4", "decode_attention_fi",
+                                  "decode_kernel_table"])
+def test_committed_decode_attention_results_render_with_the_report(name):
+    """Each committed table is what ``render_markdown`` makes of its committed JSON, and the plot's
+    link ``write_outputs`` appends: a table left as an earlier renderer wrote it (other goal lines,
+    no kernel table or KV-waste section) would disagree with what re-running ``--merge`` makes."""
+    payload = common.read_json(BENCH / "results" / f"{name}.json")
+    committed = (BENCH / "results" / f"{name}.md").read_text(encoding="utf-8")
+    assert committed == dec.render_markdown(payload) + f"\n![decode attention]({name}.png)\n"
 
 
 def _roofline_payload():
