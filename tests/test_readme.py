@@ -61,19 +61,22 @@ def test_command_line_examples_run_on_the_checkpoint_the_llm_example_writes(tmp_
         assert run(argv, tmp_path).strip(), f"{line} printed nothing"
 
 
-@pytest.mark.parametrize("shown, function", [("`LLM(model, ", "LLM"), ("`generate(prompts, ", "LLM.generate")])
+@pytest.mark.parametrize("shown, function", [("`LLM(model, ", "LLM"), ("`generate(prompts, ", "LLM.generate"),
+                                             ("`flash_attn_varlen_func(q, ", "flash_attn_varlen_func"),
+                                             ("`flash_attn_with_kvcache(q, ", "flash_attn_with_kvcache")])
 def test_the_signatures_shown_are_the_real_ones(shown, function):
-    """The README's ``LLM(...)`` and ``generate(...)`` lines left out tokenizer,
-    gpu_memory_utilization, attention_backend, allow_pickle, tensor_parallel_size and use_tqdm:
-    every parameter is shown, in order, with its default where one is written as a literal."""
+    """The README's signature lines are what a reader ports a call from: every parameter is shown,
+    in order, with its default where one is written as a literal (a parameter left out, such as
+    the entry points' ``k_scale``/``v_scale``/``validate``, is one the reader does not know of)."""
     import ast
+    import functools
     import inspect
 
     import compileattn
 
     start = README.index(shown) + 1
     text = " ".join(README[start:README.index("`", start)].split())
-    fn = compileattn.LLM if function == "LLM" else compileattn.LLM.generate
+    fn = functools.reduce(getattr, function.split("."), compileattn)
     params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
     names = re.findall(r"(?:\(|, |or )(\w+)(?==|,|\))", text)
     assert names == [p.name for p in params], text
