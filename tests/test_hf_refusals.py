@@ -59,9 +59,18 @@ def build(config):
                         no_rope_layers=[1, 0], attention_chunk_size=None, layer_types=["full_attention"] * 2,
                         floor_scale=8, **TINY),
      r"Llama4ForCausalLM uses attn_temperature_tuning, .* index in the row"),
+    # Its cos/sin scale (short_mscale or long_mscale) follows the longest position in the forward,
+    # whatever its rope_type: served, a short sequence packed with one past original_max_position_embeddings
+    # got the long scale, and its own generate() re-encodes its whole cache when a sequence crosses it
+    (T.PhimoeConfig(sliding_window=None, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=64,
+                    rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0, "short_mscale": 1.0,
+                                     "long_mscale": 1.6, "original_max_position_embeddings": 16}, **TINY),
+     r"PhimoeForCausalLM's position encoding depends on more than each token's position: model\.layers\.0\.self_attn's "
+     r"query at positions 0\.\.2 changes when a sequence at positions 61\.\.63 is packed into the same row"),
 ], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5",
         "window-in-mask-only-qwen2-moe", "window-in-mask-only-phimoe", "mla-value-head-dim",
-        "positions-not-from-position-ids-bart", "window-in-cache-only-moshi", "attn-temperature-tuning-llama4"])
+        "positions-not-from-position-ids-bart", "window-in-cache-only-moshi", "attn-temperature-tuning-llama4",
+        "max-position-dependent-mscale-phimoe"])
 def test_unservable_models_are_refused_with_the_reason(config, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
         HFCausalLM(build(config))

@@ -235,7 +235,7 @@ def bind_layers(model, num_tokens: int = 3) -> dict[str, AttentionSpec]:
             _check_mask(call.mask_function, spec, layer_name, max_position)
             checked_masks.add((id(call.mask_function), spec.sliding_window))
     _check_cache_windows(model, specs, max_position)
-    _check_positions(model, ids, pos, names)
+    _check_positions(model, ids, pos, names, max_position)
     for layer_name, spec in specs.items():
         setattr(model.get_submodule(layer_name), BINDING_ATTR, LayerBinding(layer_name, spec))
     return specs
@@ -275,27 +275,67 @@ def _check_cache_windows(model, specs: dict[str, AttentionSpec], max_position: i
 _PACKED_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 
 
-def _check_positions(model, ids: torch.Tensor, pos: torch.Tensor, names: dict[int, str]) -> None:
+def _check_positions(model, ids: torch.Tensor, pos: torch.Tensor, names: dict[int, str], max_position: int) -> None:
     """compileattn packs every sequence of a step into one row and gives each token its position
     through ``position_ids``; a model must compute a token's query and key from its id and that
-    position alone. The probe's tokens are packed twice, as two sequences starting at position 0,
-    and every layer's queries and keys for the second must be the first's. A model that numbers
-    tokens by their index in the row instead (BartForCausalLM and its kin take positions from the
-    cache length and drop ``position_ids``) would serve every token after a step's first sequence,
-    and every decode token, at the wrong position."""
-    with _probing(model) as calls, torch.no_grad():
-        _body(model)(input_ids=ids.repeat(1, 2), position_ids=pos.repeat(1, 2), use_cache=False)
+    position alone. Three probes of the row, every layer's queries and keys compared:
+
+    - the probe's tokens packed twice, as two sequences starting at position 0: the second's must
+      be the first's. A model that numbers tokens by their index in the row instead
+      (BartForCausalLM and its kin take positions from the cache length and drop ``position_ids``)
+      would serve every token after a step's first sequence, and every decode token, at the wrong
+      position;
+    - the second sequence moved to the last positions below ``max_position``: the first's must not
+      change. A model whose position encoding depends on the longest position in the forward
+      (PhiMoE scales cos/sin by ``long_mscale`` or ``short_mscale`` by ``max(position_ids)``,
+      whatever its ``rope_type``) would give a short sequence another encoding when a long one
+      shares its step; its own ``generate()`` even re-encodes the whole cache when a sequence
+      crosses the switch, which a paged cache cannot;
+    - the first probe again: a forward at those positions must not have changed the model's state
+      (a rotary embedding that keeps the frequencies of the longest sequence it saw)."""
     n = ids.shape[1]
-    for call in calls:
-        for what, x in (("query", call.query), ("key", call.key)):
-            first, second = x[..., :n, :].float(), x[..., n:, :].float()
-            err = ((second - first).norm() / first.norm().clamp_min(1e-12)).item() if x.shape[-2] == 2 * n else math.inf
-            if not err <= _PACKED_TOLERANCE.get(x.dtype, 2e-2):
+    runs = {}
+    far = torch.arange(max_position - n, max_position, device=pos.device).unsqueeze(0)
+    for run, second in (("near", pos), ("far", far), ("again", pos)):
+        if run != "near" and max_position <= n:
+            break
+        with _probing(model) as calls, torch.no_grad():
+            _body(model)(input_ids=ids.repeat(1, 2), position_ids=torch.cat([pos, second], dim=1), use_cache=False)
+        runs[run] = calls
+    name = type(model).__name__
+    for i, call in enumerate(runs["near"]):
+        for what in ("query", "key"):
+            x = getattr(call, what)
+            tol = _PACKED_TOLERANCE.get(x.dtype, 2e-2)
+            first = x[..., :n, :].float()
+            err = _relative(x[..., n:, :] if x.shape[-2] == 2 * n else None, first)
+            if not err <= tol:
                 raise UnsupportedModelError(
-                    f"{type(model).__name__} does not place tokens by position_ids: {names[id(call.module)]}'s "
-                    f"{what} for the same tokens at the same positions differs in a second sequence packed into "
-                    f"the row (relative difference {err:.2e}); compileattn packs a step's sequences into one "
-                    f"row and gives each token its position through position_ids")
+                    f"{name} does not place tokens by position_ids: {names[id(call.module)]}'s {what} for the same "
+                    f"tokens at the same positions differs in a second sequence packed into the row (relative "
+                    f"difference {err:.2e}); "
+                    f"compileattn packs a step's sequences into one row and gives each token its position through "
+                    f"position_ids")
+            for run, how in (("far", f"when a sequence at positions {max_position - n}..{max_position - 1} is "
+                                     f"packed into the same row"),
+                             ("again", f"after a forward at positions up to {max_position - 1}")):
+                calls = runs.get(run)
+                if calls is None:
+                    continue
+                other = getattr(calls[i], what) if i < len(calls) else None
+                err = _relative(other[..., :n, :] if other is not None and other.shape == x.shape else None, first)
+                if not err <= tol:
+                    raise UnsupportedModelError(
+                        f"{name}'s position encoding depends on more than each token's position: "
+                        f"{names[id(call.module)]}'s {what} at positions 0..{n - 1} changes {how} (relative "
+                        f"difference {err:.2e}); compileattn packs sequences of any length into one step, so a "
+                        f"sequence's result would depend on the others'")
+
+
+def _relative(x: torch.Tensor | None, reference: torch.Tensor) -> float:
+    if x is None:
+        return math.inf
+    return ((x.float() - reference).norm() / reference.norm().clamp_min(1e-12)).item()
 
 
 def _probe_inputs(model, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
