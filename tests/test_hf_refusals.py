@@ -26,7 +26,14 @@ def build(config):
     (T.Gemma3TextConfig(head_dim=32, use_bidirectional_attention=True, **TINY), "not causal"),
     (T.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=2), "does not route attention"),
     (T.GptOssConfig(head_dim=32, num_local_experts=2, num_experts_per_tok=1, **TINY), r"\['s_aux'\]"),
-    (T.LlamaConfig(head_dim=32, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **TINY), "'dynamic'"),
+    (T.LlamaConfig(head_dim=32, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **TINY),
+     "rope_type='dynamic', which recomputes its frequencies .* torch.compile cannot trace"),
+    # Phi-3.5's: its generate() re-encodes the whole cache when a sequence crosses the switch
+    (T.Phi3Config(max_position_embeddings=64, pad_token_id=0, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+        "original_max_position_embeddings": 16}, **TINY),
+     "rope_type='longrope', which switches from its short to its long frequencies .* a short sequence would get a "
+     "long one's frequencies"),
     (T.Qwen2Config(layer_types=["full_attention", "linear_attention"], **TINY), r"\['linear_attention'\]"),
     (T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=32, d_ff=128, num_layers=1, num_heads=2), "encoder-decoder"),
     # Their sliding windows are in the mask only, not in the attention call: served, they attended
@@ -67,7 +74,7 @@ def build(config):
                                      "long_mscale": 1.6, "original_max_position_embeddings": 16}, **TINY),
      r"PhimoeForCausalLM's position encoding depends on more than each token's position: model\.layers\.0\.self_attn's "
      r"query at positions 0\.\.2 changes when a sequence at positions 61\.\.63 is packed into the same row"),
-], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "linear-attention", "t5",
+], ids=["head-dim", "bidirectional", "alibi-bloom", "attention-sinks", "dynamic-rope", "longrope-phi3", "linear-attention", "t5",
         "window-in-mask-only-qwen2-moe", "window-in-mask-only-phimoe", "mla-value-head-dim",
         "positions-not-from-position-ids-bart", "window-in-cache-only-moshi", "attn-temperature-tuning-llama4",
         "max-position-dependent-mscale-phimoe"])

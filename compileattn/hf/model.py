@@ -31,9 +31,19 @@ logger = logging.getLogger("compileattn")
 _PROBE = "compileattn_probe"
 #: Layer types (``config.layer_types``) whose attention compileattn serves.
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
-#: RoPE variants that pick their frequencies from the longest position in the batch: with all
-#: sequences of a step packed into one row, a short sequence would get a long one's frequencies.
-BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+#: RoPE variants whose frequencies transformers picks in the forward from its longest position,
+#: each with why compileattn refuses it. ``longrope`` switches from its short to its long factors
+#: once that position passes ``original_max_position_embeddings``: with all sequences of a step
+#: packed into one row, a short sequence would get a long one's frequencies. ``dynamic`` rescales
+#: only past ``max_position_embeddings``, which no served sequence reaches, but decides so in a
+#: data-dependent branch that torch.compile cannot trace, on state kept across forwards.
+BATCH_DEPENDENT_ROPE = {
+    "longrope": "switches from its short to its long frequencies when the longest position in the forward passes "
+                "original_max_position_embeddings; with every sequence of a step packed into one row, a short "
+                "sequence would get a long one's frequencies",
+    "dynamic": "recomputes its frequencies in every forward from its longest position, in a data-dependent branch "
+               "on state kept across forwards that torch.compile cannot trace",
+}
 #: Norm-relative agreement the load-time check wants between the model's own logits and
 #: ``compute_logits`` (the latter applies the softcap in fp32, the model in its own dtype).
 _LOGITS_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
@@ -156,9 +166,7 @@ def _refuse_config(model) -> None:
         rope_type = (r or {}).get("rope_type", (r or {}).get("type"))
         if rope_type in BATCH_DEPENDENT_ROPE:
             raise UnsupportedModelError(
-                f"{name} uses rope_type={rope_type!r}, whose frequencies depend on the longest position in "
-                f"the batch; with every sequence of a step packed into one row that would change each "
-                f"sequence's result")
+                f"{name} uses rope_type={rope_type!r}, which {BATCH_DEPENDENT_ROPE[rope_type]}")
     no_rope = getattr(config, "no_rope_layers", None) or ()
     if getattr(config, "attn_temperature_tuning", False) and not all(no_rope):
         # Llama-4's NoPE layers (no_rope_layers[i] == 0) scale their queries by a function of the
