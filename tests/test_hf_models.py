@@ -274,3 +274,22 @@ def test_the_models_own_generate_after_llm_says_the_llm_switched_it(checkpoint):
     HFCausalLM(own)  # switched by a caller that runs it in its own forward contexts: the generic advice
     with pytest.raises(RuntimeError, match=r"^no forward context: run the model inside compileattn\.set_forward_context"):
         own(ids)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+], ids=lambda rope: rope["rope_type"])
+def test_rope_scalings_fixed_at_load_are_served_past_their_original_length(rope, tmp_path):
+    """These rope types' frequencies are fixed when the model is built, whatever the positions of a
+    forward: sequences crossing ``original_max_position_embeddings`` (16), batched with shorter ones,
+    give the model's own generate()'s tokens. (Those that switch by the longest position are refused
+    at load: tests/test_hf_refusals.py.)"""
+    directory = save_family("llama", tmp_path / rope["rope_type"], max_position_embeddings=64,
+                            rope_parameters={**rope, "rope_theta": 10000.0})
+    reference = load_reference(directory)
+    llm = ca.LLM(str(directory), compile_config=None, **ENGINE)
+    outputs = llm.generate(prompts(), 16, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [hf_greedy(reference, p, 16)[0] for p in prompts()]
