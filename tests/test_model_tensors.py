@@ -328,6 +328,42 @@ def test_a_parameter_given_other_strides_after_the_first_call_is_refused_by_name
         _with_data(nn.Linear(1, 1), torch.empty(3, 4)[:1, :1]))  # a size-1 dim's stride is free
 
 
+class Mixed(nn.Module):
+    """Reads a square buffer in an Inductor kernel of its own making."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mix", torch.linspace(-1.0, 1.0, 16).reshape(4, 4))
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * self.mix.sum(0) + 1
+
+
+@pytest.mark.parametrize("change, refused", [
+    (lambda b: b.double(), r"was torch\.float32 \(4, 4\) on cpu at the first call and is torch\.float64 \(4, 4\)"),
+    (lambda b: b.half(), r"was .* and is torch\.float16 \(4, 4\) on cpu now"),
+    (lambda b: b.t(), r"was .* with strides \(4, 1\) at the first call and is .* with strides \(1, 4\) now"),
+    (lambda b: b[:2], r"was .* and is torch\.float32 \(2, 4\) on cpu now"),
+], ids=["double", "half", "transposed", "fewer rows"])
+def test_a_buffer_given_another_layout_through_data_is_refused_by_name(change, refused):
+    """``buffer.data = other`` registers nothing and leaves the parameters where they were (buffers
+    are plain tensors: module_watch.py), and steps without CUDA graphs compare no address: every
+    call compares the buffers' layouts. Without it Inductor's kernel read the float64 or float16
+    buffer as float32 (a wrong answer, no error), and the transposed or shorter one failed inside
+    its code (``assert_size_stride``)."""
+    model = Mixed()
+    fn = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
+    with torch.no_grad():
+        for _ in range(2):  # the second call settles the count the compile itself moved
+            torch.testing.assert_close(fn(X), Mixed.forward(model, X))
+        model.mix.data = change(model.mix.data)
+        with pytest.raises(RecompileError, match=r"Mixed's buffer mix " + refused):
+            fn(X)
+        model.mix.data = torch.linspace(1.0, -1.0, 16).reshape(4, 4)  # the first layout, new storage: served
+        torch.testing.assert_close(fn(X), Mixed.forward(model, X))
+
+
 def _with_data(module: nn.Module, data: torch.Tensor) -> nn.Module:
     module.weight.data = data
     return module

@@ -15,7 +15,7 @@ a model changed after its first call:
   tensors are the same is compared too (a tie made or undone), as the submodules are.
 
 Comparing every parameter per call would cost what the guards cost (~21 µs for a Llama's 291 even
-in torch's C++ helper, probe S18-4). So per call, two cheap looks:
+in torch's C++ helper, probe S18-4). So per call, three cheap looks:
 
 1. ``module_watch.generation``, one integer: any parameter, buffer or submodule registered anywhere
    in the process since the last call (a replaced submodule registers itself; so does constructing
@@ -24,9 +24,17 @@ in torch's C++ helper, probe S18-4). So per call, two cheap looks:
 2. the addresses of two tensors of each model (its first and last parameter; buffers where it has
    none): a whole-model conversion moves every parameter (a dict lookup and ``data_ptr`` each: ~1.1
    µs for both on the CPU box with a test suite running beside it; ``benchmarks/host_step.py``'s
-   direct-replay step moved by less than its run-to-run spread).
+   direct-replay step moved by less than its run-to-run spread);
+3. every buffer's dtype, shape, strides and device (a weakref call, a dict lookup and four reads
+   each, ~0.37 µs for a tiny Llama's one
+   buffer, ~0.09 of it the device, ``timeit`` on the 2-core CPU box at load 4; nothing for a model without buffers, OPT; a Llama has one): nothing counts a
+   buffer's ``.data`` assignment (buffers are plain tensors, ``module_watch.py``), and on a step
+   without CUDA graphs Inductor's kernels read a buffer given another dtype as the old one (float64
+   as float32: a wrong answer, no error) and fail inside their ``assert_size_stride`` for other
+   strides or shape. A buffer's address is the graph steps' to compare (``dispatch.py``,
+   ``replay.py``); a step without graphs reads it where it is now.
 
-Where either changed, every submodule's class and every parameter's and buffer's dtype, device,
+Where any of them changed, every submodule's class and every parameter's and buffer's dtype, device,
 shape and strides, by name from the model, is compared with the first call's: a difference raises
 ``RecompileError`` naming it (a compile for the changed model would be a new instance's). Where only
 addresses changed (``param.data = w`` with the same dtype, device, shape and strides), the compiled code
@@ -42,13 +50,12 @@ registers nothing, but goes through ``Module._apply``, which ``module_watch`` co
 registration; so is ``.data`` assigned to a parameter (``module_watch`` gives
 ``torch.nn.Parameter`` a counting ``__setattr__``): a parameter of part of a model given another
 dtype, device or strides that way (``w.data = w.t()`` of a square weight keeps its address) is
-compared at the next call and refused. A buffer's ``.data`` assignment is not counted (buffers are
-plain tensors, and ``torch.Tensor`` is left alone): a CUDA-graph step compares every buffer its
-graph reads, address, shape and strides, each step, and raises ``CudaGraphAddressError`` for a
-moved, reshaped or restrided one (``dispatch.py``, ``replay.py``); a step without graphs runs the compiled code on the
-buffer as it is. Not caught: ``set_``, ``as_strided_`` or ``swap_tensors`` on a parameter of part
-of a model, or a buffer given another dtype or shape through ``.data`` on a step without graphs:
-convert models before their first call. A replaced submodule
+compared at the next call and refused. A buffer given another layout (``.data =``, ``set_``,
+``as_strided_``, ``module._buffers[name] = t``) is refused at the next call by look 3, on every step;
+one moved with its layout kept is served by a step without graphs and refused by a CUDA-graph step
+(``CudaGraphAddressError``, which compares every buffer its graph reads). Not caught: ``set_``,
+``as_strided_`` or ``swap_tensors`` on a parameter of part of a model: convert models before their
+first call. A replaced submodule
 of the same class and tensor layouts is served with its own tensors, and the attribute values the
 trace read from the old one (documented for every compile that skips guards).
 """
@@ -86,7 +93,7 @@ class ModelTensors:
     modules among its arguments and closure, module globals its code reads, and those objects among
     them hold: ``reach.modules_in``), as the first call saw them. Holds the modules weakly."""
 
-    __slots__ = ("_models", "_watched", "_generation", "_bindings", "_storages", "_buffers")
+    __slots__ = ("_models", "_watched", "_generation", "_bindings", "_storages", "_buffers", "_buffer_layouts")
 
     def __init__(self, models: Iterable[torch.nn.Module],
                  bindings: Iterable[tuple[str, Callable[[], Any], torch.nn.Module]] = ()):
@@ -106,6 +113,9 @@ class ModelTensors:
         self._bindings = tuple((name, read, weakref.ref(model), index[id(model)]) for name, read, model in bindings)
         #: (weakref to the owning module, its table, the tensor's name, address at the first call)
         self._watched: tuple[tuple[weakref.ref, str, str, int], ...] = ()
+        #: (weakref to the owning module, the buffer's name, dtype, shape, strides, device) of every
+        #: buffer of the models at the last comparison: compared every call (``_restrided``)
+        self._buffer_layouts: tuple[tuple[weakref.ref, str, torch.dtype, torch.Size, tuple, torch.device], ...] = ()
         #: ``storages()``, built when first asked for; None again whenever ``_watch`` runs
         self._storages: dict[int, list[tuple[torch.device, tuple, str]]] | None = None
         #: ``buffers()``, built when first asked for; None again whenever ``_watch`` runs
@@ -191,6 +201,10 @@ class ModelTensors:
                         watched.append((weakref.ref(model.get_submodule(owner_path)), table, leaf, address))
                     break  # buffers only where the model has no parameter with storage
         self._watched = tuple(watched)
+        self._buffer_layouts = tuple(
+            (weakref.ref(module), leaf, t.dtype, t.shape, t.stride(), t.device)
+            for model in (ref() for ref, _ in self._models) if model is not None
+            for module in model.modules() for leaf, t in module._buffers.items() if t is not None)
 
     def check(self) -> None:
         """Per call: the models where the compiled code finds them, nothing registered and the
@@ -199,7 +213,7 @@ class ModelTensors:
             if read() is not ref():
                 self._rebound(i)
         registered = module_watch.generation != self._generation
-        if not registered and not self._moved():
+        if not registered and not self._moved() and not self._restrided():
             return
         self._compare_all()
         if not registered:  # graph steps compare their parameters after a registration by themselves
@@ -217,6 +231,18 @@ class ModelTensors:
                 if getattr(owner, table)[name].data_ptr() != address:
                     return True
             except (KeyError, AttributeError, RuntimeError):  # gone, None, or without storage now
+                return True
+        return False
+
+    def _restrided(self) -> bool:
+        """Whether a buffer has another dtype, shape, strides or device than at the last comparison
+        (module docstring: nothing counts a buffer's ``.data`` assignment)."""
+        for ref, leaf, dtype, shape, stride, device in self._buffer_layouts:
+            owner = ref()
+            if owner is None:
+                continue  # the model is gone: its compiled code cannot run either
+            t = owner._buffers.get(leaf)
+            if t is None or t.dtype is not dtype or t.shape != shape or t.stride() != stride or t.device != device:
                 return True
         return False
 

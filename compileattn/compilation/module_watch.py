@@ -55,10 +55,9 @@ nothing. Graph steps do not need it: both paths compare every buffer the step's 
 address, shape and strides, at every step (``dispatch.py``, ``replay.py``: ~0.3-0.4 µs a buffer on
 the direct path; a Llama reads one, OPT none), and raise ``CudaGraphAddressError`` for a moved,
 reshaped or restrided one (``buffer.data = t``, ``buffer.set_(t)``, ``module._buffers[name] = t``,
-``w.data = w.t()`` of a square buffer, ``b.data = b[:k]``). Not seen for buffers: another dtype or
-layout given through ``.data`` on a step without graphs (those run the compiled code on the buffer
-as it is now: another address is served right, another layout or dtype is not compared by
-compileattn).
+``w.data = w.t()`` of a square buffer, ``b.data = b[:k]``). Steps without graphs need no address
+(they read the buffer where it is), and every decorated call compares each buffer's dtype, shape,
+strides and device (``model_tensors.py``).
 
 What the hooks see: ``register_parameter`` / ``register_buffer`` / ``register_module`` and the
 attribute assignments that call them, which covers ``load_state_dict(..., assign=True)`` and
