@@ -94,6 +94,8 @@ PRIVATE_APIS = {
     "torch.distributed.distributed_c10d._get_default_store": "the store torchrun's group was set up with: a "
                                                              "failed TP step's reason for its peers",
     "torch._C._len_torch_dispatch_stack": "whether a dispatch mode is active (then the Autograd kernel redispatches)",
+    "torch._C._swap_tensor_impl": "what torch.utils.swap_tensors calls, looked up at each call, to swap two "
+                                  "tensors' storage and layout: module_watch counts it as a .data assignment",
 }
 
 
@@ -132,6 +134,18 @@ def dispatch_stack_depth() -> Callable[[], int]:
     """The function counting active dispatch modes: callers resolve it once, as it sits on the eager
     op's per-call path."""
     return resolve("torch._C._len_torch_dispatch_stack")
+
+
+def swap_tensor_impl() -> Callable:
+    """What ``torch.utils.swap_tensors`` calls now to swap the two tensors' C++ halves (its
+    ``torch._C`` attribute, read at each of its calls)."""
+    resolve("torch._C._swap_tensor_impl")  # ImportError naming it where a torch lacks it
+    return torch._C._swap_tensor_impl
+
+
+def set_swap_tensor_impl(fn: Callable) -> None:
+    """Make ``torch.utils.swap_tensors`` call ``fn`` (``swap_tensor_impl``'s, wrapped)."""
+    torch._C._swap_tensor_impl = fn
 
 
 def default_store():

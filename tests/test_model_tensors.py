@@ -88,6 +88,24 @@ def test_a_conversion_of_part_of_a_model_is_refused_by_name():
         torch.testing.assert_close(fn(x), Stack.forward(model, x))
 
 
+@pytest.mark.parametrize("change", [lambda w: w.set_(w.detach().t().contiguous().t()), lambda w: w.t_()],
+                         ids=["set_ column-major", "t_"])
+def test_a_parameter_of_part_of_a_model_restrided_in_place_is_refused_by_name(change):
+    """Neither watched tensor moves and nothing registers: ``nn.Parameter``'s in-place methods that
+    change storage or layout are counted (module_watch.py), so the next call compares; Inductor's
+    code had read the middle weight in its old order or failed inside its ``assert_size_stride``."""
+    model = Stack()
+    fn = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(2):  # the second call settles the count the compile itself moved
+            torch.testing.assert_close(fn(x), Stack.forward(model, x))
+        change(model.layers[1].weight)
+        with pytest.raises(RecompileError, match=r"Stack's parameter layers\.1\.weight was .* with strides "
+                                                 r"\(8, 1\) at the first call and is .* with strides \(1, 8\) now"):
+            fn(x)
+
+
 def test_a_model_passed_as_an_argument_is_watched_too():
     model = Lookup()
     fn = ca.compile(lambda m, ids: m(ids), dynamic_arg_dims={"ids": 0}, config=CONFIG)

@@ -43,10 +43,21 @@ def _bumps(change) -> bool:
     lambda b: b.lin.to(torch.float16),  # part of a model
     lambda b: b.to("cpu"),  # moves nothing, counted all the same
     lambda b: setattr(b.lin.weight, "data", torch.zeros(3, 3)),  # nn.Parameter's counting __setattr__
+    lambda b: _in_place(b.lin.weight.set_, torch.zeros(3, 3)),  # nn.Parameter's counting in-place methods
+    lambda b: _in_place(b.lin.weight.as_strided_, (3, 3), (1, 3)),
+    lambda b: _in_place(b.lin.weight.t_),
+    lambda b: _in_place(b.lin.bias.unsqueeze_, 0),
+    lambda b: torch.utils.swap_tensors(b.lin.weight, nn.Parameter(torch.zeros(3, 3))),  # the counting swap
 ], ids=["parameter attribute", "register_parameter", "buffer attribute", "register_buffer", "submodule",
-        "load_state_dict assign", ".double()", "a submodule's .to(dtype)", ".to(same device)", "parameter .data"])
+        "load_state_dict assign", ".double()", "a submodule's .to(dtype)", ".to(same device)", "parameter .data",
+        "parameter set_", "parameter as_strided_", "parameter t_", "parameter unsqueeze_", "swap_tensors"])
 def test_a_registration_bumps_the_generation(change):
     assert _bumps(change)
+
+
+def _in_place(method, *args):
+    with torch.no_grad():
+        assert method(*args) is method.__self__  # returns the tensor, as torch's own
 
 
 def _copy_in_place(b):
@@ -64,7 +75,8 @@ def _set_grad(b):
     lambda b: b.load_state_dict({k: v.clone() for k, v in b.state_dict().items()}),
     _set_grad,  # attributes other than .data
     lambda b: setattr(b.scale, "data", torch.zeros(3)),  # a buffer is a plain tensor: the graph steps compare it
-], ids=["copy_", "load_state_dict", "other tensor attributes", "buffer .data"])
+    lambda b: _in_place(b.scale.set_, torch.zeros(3)),  # and each decorated call its layout (model_tensors.py)
+], ids=["copy_", "load_state_dict", "other tensor attributes", "buffer .data", "buffer set_"])
 def test_what_registers_nothing_leaves_the_generation(change):
     assert not _bumps(change)
 
@@ -95,7 +107,10 @@ def installed():
             for hooks in (registry._global_parameter_registration_hooks, registry._global_buffer_registration_hooks,
                           registry._global_module_registration_hooks)] + [
         getattr(torch.nn.Module._apply, "counts_for_module_watch", False),
-        getattr(torch.nn.Parameter.__setattr__, "counts_for_module_watch", False)]
+        getattr(torch.nn.Parameter.__setattr__, "counts_for_module_watch", False),
+        all(getattr(getattr(torch.nn.Parameter, name), "counts_for_module_watch", False)
+            for name in module_watch.COUNTED_METHODS),
+        getattr(torch._C._swap_tensor_impl, "counts_for_module_watch", False)]
 
 
 def compile_and_step(decorated, **options):
@@ -116,17 +131,17 @@ def compile_and_step(decorated, **options):
         fn(ids, positions)
 
 
-assert installed() == [False] * 5, "at import"
+assert installed() == [False] * 7, "at import"
 if sys.argv[1] == "decorated":
     compile_and_step(True, cudagraph_mode="none")
-    assert installed() == [True] * 5, "after a decorated function's first compile"
-    assert "__setattr__" not in torch.Tensor.__dict__, "torch.Tensor left alone"
+    assert installed() == [True] * 7, "after a decorated function's first compile"
+    assert not {"__setattr__", *module_watch.COUNTED_METHODS} & set(torch.Tensor.__dict__), "torch.Tensor left alone"
 else:
     compile_and_step(False, cudagraph_mode="none")
-    assert installed() == [False] * 5 and not module_watch.started(), "after a step without graphs"
+    assert installed() == [False] * 7 and not module_watch.started(), "after a step without graphs"
     with simulated_cuda_graphs():
         compile_and_step(False, cudagraph_mode="full_and_piecewise", max_capture_size=8)
-    assert installed() == [True] * 5, "after the first graph step"
+    assert installed() == [True] * 7, "after the first graph step"
 print("ok")
 """
 

@@ -125,6 +125,30 @@ def test_middle_parameter_data_assigned_is_captured_again(simulated_graphs, dire
         assert _served_right_or_refused(s) == ["served"] * 2
 
 
+def _set_other_storage(w, new):
+    w.set_(new)
+
+
+def _restride(w, new):
+    w.as_strided_(w.shape, (1, w.shape[0]))  # the square weight read transposed, at the same address
+
+
+@DIRECT
+@pytest.mark.parametrize("change, did", [(_set_other_storage, ["served"] * 2), (_restride, ["RecompileError"] * 2)],
+                         ids=["set_", "as_strided_"])
+def test_middle_parameter_changed_in_place_is_captured_again_or_refused(simulated_graphs, direct, change, did):
+    """Neither a registration nor a ``.data`` assignment, and not the first or last parameter: the
+    graphs replayed the old storage or layout (a wrong answer, no error) until ``nn.Parameter``'s
+    in-place methods that change them were counted too (module_watch.py)."""
+    s = _setup(OPTForCausalLM, direct)
+    new = torch.randn(64, 64, generator=torch.Generator().manual_seed(5)) * 0.2
+    with torch.no_grad():
+        for model in (s.model, s.eager):
+            change(model.model.layers[0].self_attn.out_proj.weight, new.clone())
+    with ca.counters.expect(parameter_recaptures=int(did[0] == "served"), full_graph_direct_steps=0):
+        assert _served_right_or_refused(s) == did
+
+
 # (b) same address, other strides --------------------------------------------------------------
 
 @DIRECT

@@ -39,7 +39,7 @@ moved one, which every replay would otherwise read stale. Of those that are not 
 (``_gathered``: a module's buffers, a module attribute or global Dynamo's code reads) it compares
 the shape and strides too, since ``buffer.data = buffer.t()`` of a square buffer, or
 ``buffer.data = buffer[:k]``, keeps the address and no hook counts it (``module_watch`` counts
-``.data`` assignments to parameters only): ~0.1-0.2 µs more a buffer (~0.21 against ~0.09 µs an
+``.data`` assignments and in-place changes of parameters only): ~0.1-0.2 µs more a buffer (~0.21 against ~0.09 µs an
 input for the address and strides, the shape ~0.09 µs more, same box; a Llama has one, OPT none).
 The arguments' layouts are Dynamo's guards' and ``argcheck``'s. Parameters
 are too many to compare every step (~21 µs for a Llama's 291, probe S18-4): a graph step compares
@@ -52,9 +52,10 @@ capture. A replaced parameter (``module.weight = nn.Parameter(w)``,
 again from the current tensors (a buffer replaced with it is then served too); a buffer replaced
 alone raises ``CudaGraphAddressError``, as a moved token-id input does (with
 ``check_input_addresses``, the default). Updating a parameter in place is served as it is.
-``param.data = other`` and ``module.to(...)`` register nothing, but bump the generation all the same
-(``module_watch`` wraps ``Module._apply`` and gives ``torch.nn.Parameter`` a ``__setattr__`` that
-counts ``data``): the next graph step compares every parameter. A graph step also sees a moved first
+``param.data = other``, ``param.set_(other)``, ``torch.utils.swap_tensors`` and ``module.to(...)``
+register nothing, but bump the generation all the same (``module_watch`` wraps ``Module._apply`` and
+the swap, and gives ``torch.nn.Parameter`` a ``__setattr__`` that counts ``data`` and counting
+in-place methods): the next graph step compares every parameter. A graph step also sees a moved first
 or last parameter input by itself, and the decorator a model's first or last parameter
 (``model_tensors.py``: a conversion of the whole model raises there, moved tensors of the same
 layout bump the generation as a registration does).

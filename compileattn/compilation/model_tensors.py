@@ -47,15 +47,16 @@ of the decorated function, an attribute of a decorated method's instance that is
 
 A conversion of part of a model (``model.layers[3].half()``) moves neither watched tensor and
 registers nothing, but goes through ``Module._apply``, which ``module_watch`` counts like a
-registration; so is ``.data`` assigned to a parameter (``module_watch`` gives
-``torch.nn.Parameter`` a counting ``__setattr__``): a parameter of part of a model given another
-dtype, device or strides that way (``w.data = w.t()`` of a square weight keeps its address) is
-compared at the next call and refused. A buffer given another layout (``.data =``, ``set_``,
+registration; so is ``.data`` assigned to a parameter, a parameter's ``set_``, ``as_strided_``,
+``t_`` and the like, and ``torch.utils.swap_tensors`` (``module_watch`` gives ``torch.nn.Parameter``
+a counting ``__setattr__`` and counting in-place methods, and wraps the swap): a parameter of part
+of a model given another dtype, device or strides that way (``w.data = w.t()`` of a square weight
+keeps its address) is compared at the next call and refused. A buffer given another layout (``.data =``, ``set_``,
 ``as_strided_``, ``module._buffers[name] = t``) is refused at the next call by look 3, on every step;
 one moved with its layout kept is served by a step without graphs and refused by a CUDA-graph step
-(``CudaGraphAddressError``, which compares every buffer its graph reads). Not caught: ``set_``,
-``as_strided_`` or ``swap_tensors`` on a parameter of part of a model: convert models before their
-first call. A replaced submodule
+(``CudaGraphAddressError``, which compares every buffer its graph reads). Not caught: what
+``module_watch`` lists as not seen (``torch.ops.aten.set_(p, x)`` on a parameter of part of a
+model, a storage resized under it): convert models before their first call. A replaced submodule
 of the same class and tensor layouts is served with its own tensors, and the attribute values the
 trace read from the old one (documented for every compile that skips guards).
 """

@@ -50,6 +50,25 @@ registrations: code that assigns ``.data`` to some parameter every step makes ev
 compiled model compare (the decorator's ~0.8 ms for a 32-layer tiny Llama, ``model_tensors.py``, and
 the parameters' ~50 µs below) and leave the direct replay: slower, never wrong; use ``copy_``.
 
+A parameter's in-place methods that give it other storage or another shape or strides
+(``p.set_(other)``, ``p.as_strided_(...)``, ``p.t_()``, ``p.resize_(...)``: ``COUNTED_METHODS``) and
+``torch.utils.swap_tensors(p, other)`` keep the object too and register nothing: on a parameter
+neither first nor last, a graph step replayed the old storage or layout (a stale answer, no error:
+``tests/test_replay_data.py``) and a step without graphs read a restrided weight in its old order or
+failed inside Inductor's ``assert_size_stride``. ``set_`` bumps ``_version``, but so does every
+in-place update a step serves as it is, and reading every parameter's version per step costs what
+reading its address does; so ``start`` gives ``Parameter`` counting versions of those methods, each
+wrapping what the name resolved to (``TensorBase``'s): ~0.11 µs more a call of one on a parameter
+(``timeit``, same box: ``p.set_(x)`` 524 -> 626 ns, ``p.t_()`` 457 -> 567 ns), nothing for a plain
+tensor's (``t.t_()`` 455 -> 453 ns) or for other methods, nothing a step. ``torch.utils.swap_tensors``
+looks ``torch._C._swap_tensor_impl`` up at each of its calls, so ``start`` wraps that one
+(``_torch_compat.set_swap_tensor_impl``), which counts a swap however the function was imported (torch
+itself refuses to swap a parameter that Dynamo traced in this process: its fake-tensor converter holds
+a weakref to it). Not seen: those ops reached other than as a parameter's method
+(``torch.Tensor.set_(p, x)``, ``torch.ops.aten.set_``, an ``out=p`` that resizes ``p``), a storage
+resized under a parameter (``p.untyped_storage().resize_(n)``), and any of them inside a compiled
+function (Dynamo traces the op and runs no Python method).
+
 Buffers are plain tensors (``torch.nn.Buffer(t)`` returns one): ``buffer.data = other`` bumps
 nothing. Graph steps do not need it: both paths compare every buffer the step's graph reads, its
 address, shape and strides, at every step (``dispatch.py``, ``replay.py``: ~0.3-0.4 µs a buffer on
@@ -63,10 +82,10 @@ What the hooks see: ``register_parameter`` / ``register_buffer`` / ``register_mo
 attribute assignments that call them, which covers ``load_state_dict(..., assign=True)`` and
 constructing any module, a compile's ``GraphModule``s included: after one, every compiled model's
 next graph step compares its parameters, once (a Python loop: ~50 µs for 291 parameters on the
-repo's 2-core CPU box); every ``Module._apply`` (conversions, above); and every ``.data``
-assignment to a parameter (above). What they do not see: ``.data`` assigned to a buffer or any
-other plain tensor, ``torch.utils.swap_tensors``, ``t.set_(other)`` and in-place restriding
-(``as_strided_``), writes into ``_parameters`` or ``_buffers``. The decorator's per-call look at
+repo's 2-core CPU box); every ``Module._apply`` (conversions, above); every ``.data`` assignment to
+a parameter, call of a parameter's ``COUNTED_METHODS`` and ``torch.utils.swap_tensors`` (above). What
+they do not see: ``.data`` assigned to a buffer or any other plain tensor, ``set_`` and in-place
+restriding of one, writes into ``_parameters`` or ``_buffers``, and what the paragraphs above list. The decorator's per-call look at
 two tensors of each model (``model_tensors.py``) bumps the generation itself (``note_moved``) when
 those moved; the graph steps compare every buffer they read, address, shape and strides, each step
 (``dispatch.py``, ``replay.py``), so for a buffer these raise as a moved argument does.
@@ -91,6 +110,8 @@ import threading
 
 import torch
 from torch.nn.modules import module as _module
+
+from .. import _torch_compat
 
 #: Bumped by every parameter, buffer or submodule registration in the process (once ``start`` ran).
 generation = 0
@@ -146,6 +167,29 @@ def _counting_setattr(self, name: str, value) -> None:
 
 _counting_setattr.counts_for_module_watch = True
 
+#: The in-place methods that give a tensor other storage (``set_``, ``resize_`` past its storage) or
+#: another shape or strides at the same address, which ``Parameter`` counts as it counts a ``.data``
+#: assignment (module docstring): the aten ops tagged ``inplace_view`` on torch 2.13 (``as_strided_``,
+#: ``resize_as_``, ``set_``, ``t_``, ``transpose_``, ``unsqueeze_``), their aliases and ``squeeze_``.
+COUNTED_METHODS = ("set_", "as_strided_", "resize_", "resize_as_", "t_", "transpose_", "swapdims_", "swapaxes_",
+                   "squeeze_", "unsqueeze_")
+
+
+def _counting(method):
+    """``method`` (a parameter's in-place method, or the swap of two tensors' C++ halves) that bumps
+    the generation once it returned or raised."""
+
+    @functools.wraps(method)
+    def counted(*args, **kwargs):
+        global generation
+        try:
+            return method(*args, **kwargs)
+        finally:
+            generation += 1
+
+    counted.counts_for_module_watch = True
+    return counted
+
 
 def start() -> None:
     """Install the hooks, once per process; later calls do nothing."""
@@ -161,6 +205,7 @@ def start() -> None:
         if not getattr(_module.Module._apply, "counts_for_module_watch", False):
             _module.Module._apply = _counting_apply(_module.Module._apply)
         _count_parameter_data()
+        _count_parameter_changes()
         _started = True
 
 
@@ -174,6 +219,20 @@ def _count_parameter_data() -> None:
         return
     _inherited_setattr = cls.__setattr__
     cls.__setattr__ = _counting_setattr
+
+
+def _count_parameter_changes() -> None:
+    """Give ``torch.nn.Parameter`` counting ``COUNTED_METHODS``, each wrapping the one it resolves to
+    now, and ``torch.utils.swap_tensors`` a counting swap (module docstring). ``torch.Tensor`` is
+    left alone."""
+    cls = torch.nn.Parameter
+    for name in COUNTED_METHODS:
+        method = getattr(cls, name)
+        if not getattr(method, "counts_for_module_watch", False):
+            setattr(cls, name, _counting(method))
+    swap = _torch_compat.swap_tensor_impl()
+    if not getattr(swap, "counts_for_module_watch", False):
+        _torch_compat.set_swap_tensor_impl(_counting(swap))
 
 
 def started() -> bool:

@@ -18,7 +18,7 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
    step is a uniform decode at a size whose full graph was captured and has been replayed, through
    the same metadata builder and the same ``kv_caches`` mapping it already checked, and no module
    has registered a parameter, buffer or submodule, and no parameter has been assigned ``.data``,
-   since the dispatcher last compared the parameters (``module_watch.py``: a step after one takes
+   given other storage or layout in place (``set_``, ``as_strided_``, ...) or swapped, since the dispatcher last compared the parameters (``module_watch.py``: a step after one takes
    the ordinary path, which compares them and drops the graphs if one was replaced; a dropped
    graph is learned anew).
 3. **The arguments are where they were** at that graph's first replay through the ordinary path
@@ -33,7 +33,7 @@ The shortcut is taken only where it returns exactly what Dynamo's code would:
    addresses, shapes and strides every graph step and raises for a moved, reshaped or restrided one
    (``dispatch.py``). No hook sees every way a buffer moves (``module._buffers[name] = t``,
    ``buffer.set_(t)`` and ``buffer.data = t`` register nothing, and ``module_watch`` counts
-   ``.data`` assignments to parameters only), so the direct path compares them itself, as the
+   ``.data`` assignments and in-place changes of parameters only), so the direct path compares them itself, as the
    ordinary path does: each one's address, shape and strides (``buffer.data = buffer.t()`` of a
    square buffer, or ``buffer[:k]``, keeps the address), and a moved, reshaped or restrided one
    misses here and raises there. Cost:
@@ -51,9 +51,9 @@ Anything that fails 2-4 on a given step runs the ordinary path, which raises or 
 always did, with one exception: a step that would replay the same graph while an argument the graph
 reads (its address is one of the graph's inputs) has moved raises ``CudaGraphAddressError``, as the
 ordinary path does (``dispatch.py``: every graph step compares the inputs that are not parameters).
-Parameters are compared by neither path at every step, only after a module registration or a
-``.data`` assignment to a parameter (2; ``module_watch.py`` counts both, ``t._version`` being left
-as it was by ``.data =``): the next call compares, the decorator every layout (``model_tensors.py``:
+Parameters are compared by neither path at every step, only after a module registration, a
+``.data`` assignment to a parameter or an in-place change of its storage or layout (2;
+``module_watch.py`` counts them, ``t._version`` being left as it was by ``.data =``): the next call compares, the decorator every layout (``model_tensors.py``:
 ``w.data = w.t()`` of a square weight, which keeps the address and changes the strides, raises
 ``RecompileError``) and the ordinary path every parameter's address (a moved one: the graphs are
 captured again). Buffers' addresses, shapes and strides are compared by both paths at every step (3).
