@@ -62,9 +62,9 @@ wrapping what the name resolved to (``TensorBase``'s): ~0.11 µs more a call of 
 (``timeit``, same box: ``p.set_(x)`` 524 -> 626 ns, ``p.t_()`` 457 -> 567 ns), nothing for a plain
 tensor's (``t.t_()`` 455 -> 453 ns) or for other methods, nothing a step. ``torch.utils.swap_tensors``
 looks ``torch._C._swap_tensor_impl`` up at each of its calls, so ``start`` wraps that one
-(``_torch_compat.set_swap_tensor_impl``), which counts a swap however the function was imported (torch
-itself refuses to swap a parameter that Dynamo traced in this process: its fake-tensor converter holds
-a weakref to it). Not seen: those ops reached other than as a parameter's method
+(``_torch_compat.set_swap_tensor_impl``), which counts a swap however the function was imported (on
+torch 2.13 ``swap_tensors`` refuses a parameter that a compile in this process traced: a weak
+reference from torch's tracing state outlives the compile). Not seen: those ops reached other than as a parameter's method
 (``torch.Tensor.set_(p, x)``, ``torch.ops.aten.set_``, an ``out=p`` that resizes ``p``), a storage
 resized under a parameter (``p.untyped_storage().resize_(n)``), and any of them inside a compiled
 function (Dynamo traces the op and runs no Python method).
