@@ -1,8 +1,10 @@
 """A transformers ``*ForCausalLM`` as a compileattn model: ``forward(input_ids, positions) -> hidden``,
 ``compute_logits(hidden)``, ``attention_specs()``, like the own models in ``compileattn.models``.
 
-The model's own code runs unmodified (embedding scaling, RoPE, norms, Gemma's final logit softcap);
-only its attention implementation is switched to ``"compileattn"``. Each layer's ``AttentionSpec``
+The model's decoder runs unmodified (embedding scaling, RoPE, norms, Granite's multipliers); only
+its attention implementation is switched to ``"compileattn"``. What the ``*ForCausalLM.forward``
+does to the logits after ``lm_head`` (Gemma's softcap, Cohere's and Granite's scales) is repeated by
+``compute_logits`` from ``LOGIT_TRANSFORMS``. Each layer's ``AttentionSpec``
 is derived at load time by a probe: one short forward with a recording attention function, which
 sees exactly what every layer passes (head counts from the projected shapes, ``scaling``,
 ``sliding_window``, ``softcap``, any mask or extra argument). Deriving it from the calls rather
@@ -16,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -45,8 +47,39 @@ BATCH_DEPENDENT_ROPE = {
                "on state kept across forwards that torch.compile cannot trace",
 }
 #: Norm-relative agreement the load-time check wants between the model's own logits and
-#: ``compute_logits`` (the latter applies the softcap in fp32, the model in its own dtype).
+#: ``compute_logits`` (the latter applies its transform in fp32, the model in its own dtype).
 _LOGITS_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+class LogitTransform(NamedTuple):
+    """What a family's ``*ForCausalLM.forward`` does to the logits after ``lm_head``, which
+    ``compute_logits`` must repeat (compileattn runs the decoder, not that forward): ``op`` with
+    the text config's ``attribute`` as its parameter, for the families whose ``model_type`` is in
+    ``model_types`` (``None``: any family whose config has the attribute). An attribute that is
+    unset or ``None`` (or a softcap of 0) means no transform."""
+    attribute: str
+    op: str  # a key of LOGIT_OPS
+    model_types: tuple[str, ...] | None = None
+
+
+#: ``LogitTransform.op`` -> (fp32 logits, the config's parameter c) -> logits.
+LOGIT_OPS = {
+    "softcap": lambda logits, c: torch.tanh(logits / c) * c,
+    "multiply": lambda logits, c: logits * c,
+    "divide": lambda logits, c: logits / c,
+}
+
+
+#: The post-``lm_head`` logit transforms compileattn applies, in this order. The scales are named by
+#: ``model_type``, not by attribute alone: HyperCLOVA X multiplies by the ``logits_scaling`` that
+#: Granite divides by. A family not listed here that transforms its logits is refused at load
+#: (``HFCausalLM._check_logits`` compares ``compute_logits`` with the model's own logits).
+LOGIT_TRANSFORMS = (
+    LogitTransform("final_logit_softcapping", "softcap"),  # Gemma-2/3 and kin
+    LogitTransform("logit_scale", "multiply", ("cohere", "cohere2", "cohere2_moe")),
+    LogitTransform("logits_scaling", "divide", ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")),
+    LogitTransform("logits_scaling", "multiply", ("hyperclovax",)),
+)
 
 
 class UnsupportedModelError(ServingRefused):
@@ -353,6 +386,20 @@ def _probe_inputs(model, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.arange(num_tokens, device=device).unsqueeze(0)
 
 
+def logit_transforms(text_config) -> tuple[tuple[str, float], ...]:
+    """(op, parameter) of each ``LOGIT_TRANSFORMS`` entry that applies to ``text_config``, in order."""
+    model_type = getattr(text_config, "model_type", None)
+    found = []
+    for transform in LOGIT_TRANSFORMS:
+        if transform.model_types is not None and model_type not in transform.model_types:
+            continue
+        value = getattr(text_config, transform.attribute, None)
+        if value is None or (transform.op == "softcap" and not value):
+            continue
+        found.append((transform.op, float(value)))
+    return tuple(found)
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM behind compileattn's model interface.
 
@@ -376,8 +423,8 @@ class HFCausalLM(nn.Module):
         for layer_name in self._specs:
             getattr(model.get_submodule(layer_name), BINDING_ATTR).served_by = served_by
         text_config = model.config.get_text_config()
-        #: Gemma-2/3 cap the final logits in their ``*ForCausalLM.forward``, after ``lm_head``.
-        self.final_logit_softcapping = getattr(text_config, "final_logit_softcapping", None)
+        #: (op, parameter) of each ``LOGIT_TRANSFORMS`` entry this model's forward applies after ``lm_head``.
+        self.logit_transforms = logit_transforms(text_config)
         max_position = getattr(text_config, "max_position_embeddings", None)
         if max_position is None:
             raise UnsupportedModelError(f"{type(model).__name__}'s config has no max_position_embeddings")
@@ -400,11 +447,11 @@ class HFCausalLM(nn.Module):
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> fp32 (N, vocab): ``lm_head``, then the final softcap where the model has one."""
+        """(N, hidden) -> fp32 (N, vocab): ``lm_head``, then what the model's own forward does to
+        its logits after it (``LOGIT_TRANSFORMS``: Gemma's softcap, Cohere's and Granite's scales)."""
         logits = self.hf.get_output_embeddings()(hidden).float()
-        cap = self.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
+        for op, value in self.logit_transforms:
+            logits = LOGIT_OPS[op](logits, value)
         return logits
 
     def attention_specs(self) -> dict[str, AttentionSpec]:
@@ -423,4 +470,6 @@ class HFCausalLM(nn.Module):
         if actual.shape != expected.shape or not err <= tol:
             raise UnsupportedModelError(
                 f"{type(self.hf).__name__}'s forward transforms its logits after lm_head in a way compileattn does "
-                f"not reproduce (relative difference {err:.2e} > {tol:.0e})")
+                f"not reproduce (relative difference {err:.2e} > {tol:.0e}); compute_logits applies "
+                f"{[op for op, _ in self.logit_transforms] or 'none'} of the transforms in "
+                f"compileattn.hf.model.LOGIT_TRANSFORMS")
