@@ -3,7 +3,9 @@
 Every config is a few hundred thousand random parameters (2 layers, hidden 64, head dim 32: the
 smallest head dim every backend takes), with whatever makes its family different switched on and
 made to matter: sliding windows (6) shorter than the test prompts, Gemma-2's attention softcap
-small enough to bite, Gemma's final logit softcap, OPT's pre-scaled queries, GQA. Weights are drawn
+small enough to bite, Gemma's final logit softcap, OPT's pre-scaled queries, GQA, Granite's
+embedding, residual and attention multipliers, Cohere's, Granite's and HyperCLOVA X's logit scales
+(positive factors, which change no greedy token: the logits comparisons show them). Weights are drawn
 with ``initializer_range=0.2`` and untied output embeddings: at transformers' default 0.02, or with
 tied embeddings, greedy decoding repeats one token and a test could not tell right from wrong.
 EOS is off (``eos_token_id=None``) so token-for-token comparisons run their full length.
@@ -58,6 +60,31 @@ def _config(family: str, **overrides):
         cls, c = T.OPTConfig, dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                                    num_attention_heads=2, word_embed_proj_dim=64, eos_token_id=None, bos_token_id=None,
                                    pad_token_id=None, init_std=0.2, tie_word_embeddings=False)
+    elif family == "cohere":  # logits * logit_scale after lm_head; per-head q/k LayerNorm (Command R+)
+        cls, c = T.CohereConfig, dict(c, num_attention_heads=2, num_key_value_heads=1, logit_scale=0.3,
+                                      use_qk_norm=True)
+    elif family == "cohere2":  # and alternating windows, RoPE on the windowed layers only
+        cls, c = T.Cohere2Config, dict(c, num_attention_heads=2, num_key_value_heads=1, logit_scale=0.3,
+                                       sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+    elif family == "cohere2_moe":
+        cls, c = T.Cohere2MoeConfig, dict(c, head_dim=32, logit_scale=0.3, sliding_window=WINDOW,
+                                          layer_types=["sliding_attention", "full_attention"], num_experts=2,
+                                          num_experts_per_tok=1)
+    elif family in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid"):
+        # logits / logits_scaling after lm_head; the multipliers are the decoder's: embeddings,
+        # each residual branch, and the attention scale it passes as scaling= (not 1/sqrt(head dim))
+        cls = {"granite": T.GraniteConfig, "granitemoe": T.GraniteMoeConfig,
+               "granitemoeshared": T.GraniteMoeSharedConfig, "granitemoehybrid": T.GraniteMoeHybridConfig}[family]
+        c = dict(c, num_attention_heads=2, num_key_value_heads=1, logits_scaling=4.0, embedding_multiplier=3.0,
+                 residual_multiplier=0.5, attention_multiplier=0.05)
+        if family != "granite":
+            c.update(num_local_experts=2, num_experts_per_tok=1)
+        if family in ("granitemoeshared", "granitemoehybrid"):
+            c.update(shared_intermediate_size=64)
+        if family == "granitemoehybrid":  # no Mamba layers (those are refused: linear attention)
+            c.update(layer_types=["full_attention", "full_attention"], position_embedding_type="rope")
+    elif family == "hyperclovax":  # logits * logits_scaling: Granite's attribute, the other way round
+        cls, c = T.HyperCLOVAXConfig, dict(c, head_dim=32, logits_scaling=0.5)
     else:
         raise ValueError(family)
     c.update(overrides)
@@ -66,7 +93,8 @@ def _config(family: str, **overrides):
     return cls(**c)
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "opt")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "opt", "cohere", "cohere2",
+            "cohere2_moe", "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "hyperclovax")
 #: Prompt lengths: one shorter than the window, the rest longer (so the window's edge is crossed in
 #: prefill and in decode), one long enough to be chunked at a 16-token step budget.
 PROMPT_LENGTHS = (3, 13, 21, 37)

@@ -38,9 +38,11 @@ def gpu_overrides(family: str) -> dict:
         return dict(hidden_size=512, ffn_dim=1024, word_embed_proj_dim=512, num_hidden_layers=4, num_attention_heads=8,
                     vocab_size=1024, init_std=0.05)
     heads = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    if family in ("qwen2", "phi3"):  # head dim from hidden / heads
+    if family in ("qwen2", "phi3", "cohere", "cohere2", "granite", "granitemoe", "granitemoeshared",
+                  "granitemoehybrid"):  # head dim from hidden / heads
         heads = dict(num_attention_heads=8, num_key_value_heads=2)
-    window = {} if family in ("llama", "qwen3", "phi3") else dict(sliding_window=32)
+    window = dict(sliding_window=32) if family in ("qwen2", "mistral", "gemma2", "gemma3", "cohere2",
+                                                   "cohere2_moe") else {}
     return {**SHAPE, **heads, **window}
 
 

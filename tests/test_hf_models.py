@@ -10,6 +10,7 @@ rounding: tokens must be equal, logits within 1e-4.
 Compiled runs use simulated CUDA graphs (tests/conftest.py): mixed steps take the piecewise path,
 uniform decode steps the full-graph path, as on a GPU.
 """
+import math
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,7 @@ def test_compiled_greedy_equals_hf_generate(family, piece_compiler, mode, checkp
     # Compiled once, at construction, the two decoder layers traced as one region. Where their windows
     # differ each is traced on its own, and torch inlines a region called only once (no region calls).
     # (torch 2.13's behaviour; 2.11 traces each call and keeps what it keeps: not counted there)
-    regions = {"regions_inlined": 0 if family in ("qwen2", "gemma2", "gemma3") else 2}
+    regions = {"regions_inlined": 0 if family in ("qwen2", "gemma2", "gemma3", "cohere2", "cohere2_moe") else 2}
     with ca.counters.expect(dynamo_graphs=1, **(regions if _torch_compat.compile_region() is not None else {})):
         llm = ca.LLM(str(directory), compile_config=config, **ENGINE)
     captures, replays, full = ca.counters.cudagraph_captures, ca.counters.cudagraph_replays, ca.counters.full_graph_steps
@@ -123,6 +124,24 @@ def test_windows_and_softcaps_reach_the_kernel(checkpoint, monkeypatch):
         outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
         monkeypatch.undo()
         assert [o.token_ids for o in outputs] != [tokens for tokens, _ in expected], wrong
+
+
+def test_granites_attention_multiplier_reaches_the_kernel(checkpoint, monkeypatch):
+    """Granite passes its ``attention_multiplier`` (0.05 here) as ``scaling=``, not 1/sqrt(head dim):
+    the token tests can fail, served at the default scale it generates other tokens. (Its and
+    Cohere's logit scales are positive factors, which no greedy token shows: the eager test's logits
+    do, and the load-time check refuses a model without its scale, tests/test_hf_refusals.py.)"""
+    import compileattn.hf.attention as hf_attention
+
+    directory, _, expected = checkpoint("granite")
+    real = hf_attention.settings_from_call
+    monkeypatch.setattr(hf_attention, "settings_from_call",
+                        lambda query, key, scaling, sliding_window, softcap: real(query, key, None, sliding_window,
+                                                                                  softcap))
+    llm = ca.LLM(str(directory), compile_config=None, **ENGINE)
+    assert {spec.scale for spec in llm.model.attention_specs().values()} == {1.0 / math.sqrt(32)}
+    outputs = llm.generate(prompts(), NEW_TOKENS, use_tqdm=False)
+    assert [o.token_ids for o in outputs] != [tokens for tokens, _ in expected]
 
 
 def test_a_window_of_one_attends_each_token_alone_as_the_models_forward_does(tmp_path):
