@@ -83,6 +83,33 @@ def test_unservable_models_are_refused_with_the_reason(config, reason):
         HFCausalLM(build(config))
 
 
+@pytest.mark.parametrize("config", [
+    T.CohereConfig(logit_scale=0.0625, **TINY),
+    T.GraniteConfig(logits_scaling=16.0, **TINY),
+    T.HyperCLOVAXConfig(head_dim=32, logits_scaling=0.5, **TINY),
+], ids=lambda config: config.model_type)
+def test_a_logit_transform_compileattn_does_not_repeat_is_refused(config, monkeypatch):
+    """``compute_logits`` repeats only the post-lm_head transforms in ``LOGIT_TRANSFORMS``; the
+    load-time check compares it with the model's own logits. Without these families' entries (a
+    family whose transform is not listed) they are refused; with HyperCLOVA X taken for Granite
+    (the same ``logits_scaling``, which it multiplies by), too."""
+    import compileattn.hf.model as hf_model
+
+    model = build(config)
+    HFCausalLM(model)  # served with the entries
+    softcap_only = tuple(t for t in hf_model.LOGIT_TRANSFORMS if t.op == "softcap")
+    monkeypatch.setattr(hf_model, "LOGIT_TRANSFORMS", softcap_only)
+    reason = rf"{type(model).__name__}'s forward transforms its logits after lm_head in a way compileattn does not " \
+             r"reproduce .*compute_logits applies none of the transforms"
+    with pytest.raises(UnsupportedModelError, match=reason):
+        HFCausalLM(build(config))
+    if config.model_type == "hyperclovax":
+        monkeypatch.setattr(hf_model, "LOGIT_TRANSFORMS", softcap_only + (
+            hf_model.LogitTransform("logits_scaling", "divide", ("granite", "hyperclovax")),))
+        with pytest.raises(UnsupportedModelError, match=r"compute_logits applies \['divide'\]"):
+            HFCausalLM(build(config))
+
+
 def test_a_cache_window_no_sequence_reaches_is_served():
     """Moshi's checkpoints window their cache at max_position_embeddings: no sequence is longer,
     so the window never drops a key its attention would see."""
