@@ -1,4 +1,5 @@
 """The step driver: block allocator, scheduling, greedy generation eager vs compiled, padding."""
+import collections
 import sys
 
 import pytest
@@ -161,6 +162,90 @@ def test_tokens_do_not_depend_on_batching_chunking_or_blocks(llama, lengths, bud
     ref = engine_for(llama, num_blocks=64, block_size=16).generate(prompts, new, 64)
     got = engine_for(llama, num_blocks=160 // block_size + 8, block_size=block_size).generate(prompts, new, budget)
     assert got == ref
+
+
+def assert_blocks_held_by_running_requests(engine):
+    """Every block's reference count is the number of running requests holding it, and the free
+    blocks are exactly those no one holds (each in one pool, a cached one with its key). A
+    registered block that a request holds at index i names, through its chain of parents, exactly
+    that request's first i + 1 blocks of tokens (a key naming other tokens serves wrong K/V)."""
+    alloc, held, bs = engine.allocator, collections.Counter(), engine.block_size
+    key_of_content = {cid: key for key, (_, cid) in alloc._by_key.items()}
+
+    def tokens_named(key):
+        parent, tokens = key
+        if parent is None:
+            return tokens
+        above = key_of_content.get(parent)
+        return None if above is None else (None if (t := tokens_named(above)) is None else t + tokens)
+    for req in engine.scheduler.running.values():
+        assert len(set(req.blocks)) == len(req.blocks)
+        held.update(req.blocks)
+        for i, b in enumerate(req.blocks):
+            named = tokens_named(alloc._key_of[b]) if alloc.is_registered(b) else None
+            assert named is None or list(named) == req.token_ids[:(i + 1) * bs], (req.seq_id, i)
+    assert all(not req.blocks for req in engine.scheduler.waiting)
+    assert [alloc.refcount(b) for b in range(alloc.num_blocks)] == [held[b] for b in range(alloc.num_blocks)]
+    free, cached = alloc._free, list(alloc._cached_free)
+    assert sorted(free + cached) == [b for b in range(alloc.num_blocks) if not held[b]]
+    assert all(alloc.is_registered(b) for b in cached) and not any(alloc.is_registered(b) for b in free)
+
+
+_ALONE: dict[tuple, list[int]] = {}
+
+
+def alone(model, prompt, n=6):
+    """``prompt``'s first ``n`` greedy tokens, alone in a roomy cache (memoised: hypothesis repeats prompts)."""
+    key = (id(model), *prompt)
+    if key not in _ALONE:
+        _ALONE[key] = engine_for(model, num_blocks=64, block_size=16).generate([prompt], 6, 64)[0]
+    return _ALONE[key][:n]
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 3, 4]), caching=st.booleans(), pipelined=st.booleans(),
+       budget=st.integers(1, 24), max_num_seqs=st.integers(1, 4), spare_blocks=st.integers(0, 2))
+def test_a_mixed_workload_under_block_pressure_gives_each_request_its_tokens_alone(
+        llama, data, block_size, caching, pipelined, budget, max_num_seqs, spare_blocks):
+    """Prompts that share prefixes (or are another's prefix, or equal), each with its own
+    max_new_tokens (0 included) and maybe a stop token, some added while others run, in a cache
+    of just enough blocks for the longest: preemptions, block reuse and prefix hits change no
+    request's tokens from those it gets alone. After every step each block is held exactly by the
+    running requests that list it; at the end every block is free."""
+    from compileattn.engine import SamplingParams
+
+    base = prompts_of([20], data.draw(st.integers(0, 2**16), label="seed"))[0]
+    specs = data.draw(st.lists(st.tuples(st.sampled_from([1, 3, 4, 8, 12, 13, 20]), st.integers(0, 6),
+                                         st.integers(0, 6), st.booleans(), st.integers(0, 5)),
+                               min_size=1, max_size=6), label="requests")
+    requests = []  # (prompt, params, step it arrives at)
+    for shared, own, new, stop, arrival in specs:
+        prompt = base[:shared] + prompts_of([own], seed=own)[0]  # equal (shared, own): equal prompts
+        stop_ids = (alone(llama, prompt)[data.draw(st.integers(0, 5), label="stop at")],) if stop else ()
+        requests.append((prompt, SamplingParams(max_new_tokens=new, stop_token_ids=stop_ids), arrival))
+    longest = max(len(p) + max(sp.max_new_tokens - 1, 0) for p, sp, _ in requests)
+    engine = engine_for(llama, block_size=block_size, num_blocks=-(-longest // block_size) + spare_blocks,
+                        max_num_tokens=budget, max_num_seqs=max_num_seqs, enable_prefix_caching=caching)
+    ids = {}
+    if pipelined:
+        engine.on_step_done = lambda _step: assert_blocks_held_by_running_requests(engine)
+        ids = dict(enumerate(engine.add_requests([sp for _, sp, _ in requests], [p for p, _, _ in requests])))
+        engine.run()
+    else:
+        step = 0
+        while len(ids) < len(requests) or engine.has_unfinished():
+            ids.update((i, engine.add_request(p, params=sp)) for i, (p, sp, arrival) in enumerate(requests)
+                       if i not in ids and (arrival <= step or not engine.has_unfinished()))
+            if engine.has_unfinished():
+                engine.step()
+                assert_blocks_held_by_running_requests(engine)
+            step += 1
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+    for i, (prompt, sp, _) in enumerate(requests):
+        want = alone(llama, prompt, sp.max_new_tokens)
+        stops = [k for k, t in enumerate(want) if t in sp.stop_token_ids]
+        want = want[:stops[0] + 1] if stops else want
+        assert engine.pop_request(ids[i]).output == want, (i, prompt, sp)
 
 
 def test_run_plans_each_step_while_the_previous_one_runs_and_matches_step_by_step(llama):
