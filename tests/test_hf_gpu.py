@@ -27,6 +27,14 @@ from hf_families import FAMILIES, hf_greedy, load_reference, save_family
 from hf_families import prompts as hf_prompts
 
 NEW_TOKENS = 24
+#: Families whose layers route each token to its top-k experts. Their bf16 logits cannot be held to
+#: a norm-relative tolerance against the model's own code: the two attentions' bf16 rounding
+#: differences flip a router's choice for some token, after which that prompt's logits differ by
+#: what another expert computes. S30-4 (one H100): dense Granite passed, while the Granite MoE
+#: variants gave 0.13-0.32 on some prompts and 0.014-0.016 (the dense families' level) on the others,
+#: in eager and compiled runs alike. They are compared token for token in fp32 on the CPU
+#: (``test_hf_models.py``), where the paths agree exactly.
+ROUTED = ("cohere2_moe", "granitemoe", "granitemoeshared", "granitemoehybrid")
 #: Norm-relative logits difference allowed in bf16 (latency.py's eager-check tolerance).
 TOLERANCE = 0.1
 PROMPT_LENGTHS = (5, 40, 77, 120)
@@ -58,7 +66,7 @@ def record(payload: dict) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ROUTED])
 def test_bf16_logits_and_tokens_match_the_models_own_code(family, compiled, tmp_path):
     directory = save_family(family, tmp_path / family, **gpu_overrides(family))
     reference = load_reference(directory, torch.bfloat16, "cuda")
