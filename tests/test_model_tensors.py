@@ -70,40 +70,44 @@ class Stack(nn.Module):
         return x
 
 
-def test_a_conversion_of_part_of_a_model_is_refused_by_name():
-    """``model.layers[1].double()`` registers nothing and leaves both watched tensors where they
-    were: the wrapped ``Module._apply`` counts it (module_watch.py), so the next call compares."""
+@pytest.mark.parametrize("change,was", [
+    (lambda m: m.layers[1].double(), r"layers\.1\.weight \(and 1 more\) was torch\.float32 \(8, 8\) on cpu at the "
+                                     r"first call and is torch\.float64"),
+    (lambda m: m.layers[1].weight.set_(m.layers[1].weight.detach().t().contiguous().t()),
+     r"layers\.1\.weight was .* with strides \(8, 1\) at the first call and is .* with strides \(1, 8\) now"),
+    (lambda m: m.layers[1].weight.t_(),
+     r"layers\.1\.weight was .* with strides \(8, 1\) at the first call and is .* with strides \(1, 8\) now"),
+], ids=["double", "set_ column-major", "t_"])
+def test_a_change_of_part_of_a_model_is_refused_by_name(change, was):
+    """A change of the middle layer moves neither watched tensor and registers nothing, so the
+    per-call look alone would miss it: ``Module._apply`` (``model.layers[1].double()``) and
+    ``nn.Parameter``'s in-place methods that change storage or layout (``set_``, ``t_``) are
+    counted (module_watch.py), so the next call compares. Unrefused, Inductor's code read the
+    middle weight in its old dtype or order, or failed inside its ``assert_size_stride``."""
     model = Stack()
     fn = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
     x = torch.randn(4, 8)
     with torch.no_grad():
         for _ in range(2):  # the second call settles the count the compile itself moved
             torch.testing.assert_close(fn(x), Stack.forward(model, x))
+        change(model)
+        with pytest.raises(RecompileError, match=rf"Stack's parameter {was}"):
+            fn(x)
+
+
+def test_a_part_converted_back_is_served_from_its_new_storage():
+    """``model.layers[1].double()`` then ``.float()``: the layout it was compiled for, in new
+    storage, which the compiled code reads where it is now."""
+    model = Stack()
+    fn = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        fn(x)
         model.layers[1].double()
-        with pytest.raises(RecompileError, match=r"Stack's parameter layers\.1\.weight \(and 1 more\) was "
-                                                 r"torch\.float32 \(8, 8\) on cpu at the first call and is "
-                                                 r"torch\.float64"):
+        with pytest.raises(RecompileError):
             fn(x)
-        model.layers[1].float()  # back as compiled, in new storage: served
+        model.layers[1].float()
         torch.testing.assert_close(fn(x), Stack.forward(model, x))
-
-
-@pytest.mark.parametrize("change", [lambda w: w.set_(w.detach().t().contiguous().t()), lambda w: w.t_()],
-                         ids=["set_ column-major", "t_"])
-def test_a_parameter_of_part_of_a_model_restrided_in_place_is_refused_by_name(change):
-    """Neither watched tensor moves and nothing registers: ``nn.Parameter``'s in-place methods that
-    change storage or layout are counted (module_watch.py), so the next call compares; Inductor's
-    code had read the middle weight in its old order or failed inside its ``assert_size_stride``."""
-    model = Stack()
-    fn = ca.compile(lambda x: model(x), dynamic_arg_dims={"x": 0}, config=CONFIG)
-    x = torch.randn(4, 8)
-    with torch.no_grad():
-        for _ in range(2):  # the second call settles the count the compile itself moved
-            torch.testing.assert_close(fn(x), Stack.forward(model, x))
-        change(model.layers[1].weight)
-        with pytest.raises(RecompileError, match=r"Stack's parameter layers\.1\.weight was .* with strides "
-                                                 r"\(8, 1\) at the first call and is .* with strides \(1, 8\) now"):
-            fn(x)
 
 
 def test_a_model_passed_as_an_argument_is_watched_too():
