@@ -248,6 +248,27 @@ def test_a_mixed_workload_under_block_pressure_gives_each_request_its_tokens_alo
         assert engine.pop_request(ids[i]).output == want, (i, prompt, sp)
 
 
+def test_a_request_preempted_and_readmitted_without_hits_registers_its_blocks_from_its_first(llama):
+    """Two requests in four blocks of 2: the second one's growth preempts it, the first one's
+    growth then evicts its cached blocks, and it is readmitted with no prefix hit. Its count of
+    registered blocks must restart with its blocks (``Scheduler._preempt``): a count kept from
+    before would skip its first blocks and register a later one as a sequence's first, whose K/V
+    (computed at later positions) another prompt starting with those tokens would then be served."""
+    from compileattn.engine import SamplingParams
+
+    engine = engine_for(llama, block_size=2, num_blocks=4, max_num_tokens=16, max_num_seqs=2,
+                        enable_prefix_caching=True)
+    first, second = prompts_of([2, 2], seed=1)
+    ids = [engine.add_request(first, params=SamplingParams(max_new_tokens=6))]
+    engine.step()
+    ids.append(engine.add_request(second, params=SamplingParams(max_new_tokens=4)))
+    while engine.has_unfinished():
+        engine.step()
+        assert_blocks_held_by_running_requests(engine)
+    assert engine.scheduler.num_preemptions == 1
+    assert [engine.pop_request(i).output for i in ids] == [alone(llama, first), alone(llama, second, 4)]
+
+
 def test_run_plans_each_step_while_the_previous_one_runs_and_matches_step_by_step(llama):
     """``run`` schedules step N+1 before step N's tokens reach the host: decodes of a pending token
     get it written into the inputs at launch; a request stopped by a token of step N has already
