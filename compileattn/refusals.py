@@ -18,3 +18,10 @@ from __future__ import annotations
 class ServingRefused(ValueError):
     """These arguments, or this model, cannot be served; the message says why. Raised on purpose by
     a check of the caller's input (never for a bug): see the module docstring."""
+
+
+class UnsupportedModelError(ServingRefused):
+    """A model (or one of its layers) compileattn cannot serve correctly; the message says why.
+    Defined here, not beside the Hugging Face loader that raises most of them, so that the
+    tensor-parallel sharding (``parallel.shard``) refuses a model it cannot shard with the same type
+    without importing the loader."""

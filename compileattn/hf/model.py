@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..kv_cache import AttentionSpec
-from ..refusals import ServingRefused
+from ..refusals import UnsupportedModelError
 from . import attention as hf_attention
 from .attention import BINDING_ATTR, IMPLEMENTATION, LayerBinding
 
@@ -80,10 +80,6 @@ LOGIT_TRANSFORMS = (
     LogitTransform("logits_scaling", "divide", ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")),
     LogitTransform("logits_scaling", "multiply", ("hyperclovax",)),
 )
-
-
-class UnsupportedModelError(ServingRefused):
-    """A model (or one of its layers) compileattn cannot serve correctly; the message says why."""
 
 
 class _ProbeCall:
