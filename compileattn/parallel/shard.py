@@ -14,8 +14,15 @@ A plan maps module paths to styles, as Hugging Face's ``config.base_model_tp_pla
   then bias).
 - ``replicated``, ``replicated_with_grad_allreduce``: left whole (inference has no gradients).
 
-Any other style (vocab-parallel embeddings, MoE experts, sequence parallelism) is refused with
-a ``ValueError`` rather than run wrongly. Embeddings and the LM head stay replicated.
+Any other style (vocab-parallel embeddings, MoE experts, sequence parallelism) is refused rather
+than run wrongly. Embeddings and the LM head stay replicated.
+
+A model the plan does not fit (no plan, a style above not supported, a layer whose heads do not
+split over the ranks, a planned module that is missing or not a linear of the expected width) is
+refused before any module changes with ``UnsupportedModelError`` (a ``ValueError``; only a
+planned module that is not an ``nn.Linear`` is a ``TypeError``): ``LLM(..., tensor_parallel_size=N)``
+shards while it loads, and its callers tell a model that cannot be served this way from a
+failure by that type.
 
 Attention modules are recognised two ways: compileattn's own (``tp_head_layout()`` /
 ``shard_heads()``, see ``models/llama.py``), or Hugging Face's (``q_proj``/``k_proj``/``v_proj``/
@@ -31,6 +38,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from ..refusals import UnsupportedModelError
 from .group import TPGroup, get_tp
 from .layers import HeadShard, even_rows, head_rows, row_parallel, shard_columns_out
 
@@ -69,7 +77,11 @@ def _attention_modules(root: nn.Module, rank: int, tp: int) -> dict[str, _Attent
             head_dim, roles = module.head_dim, dict(_HF_ROLES)
         else:
             continue
-        found[path] = _Attention(path, module, HeadShard(num_heads, num_kv_heads, rank, tp), head_dim, roles)
+        try:
+            heads = HeadShard(num_heads, num_kv_heads, rank, tp)
+        except ValueError as exc:
+            raise UnsupportedModelError(f"{path}: its heads cannot be split over {tp} ranks: {exc}") from None
+        found[path] = _Attention(path, module, heads, head_dim, roles)
     return found
 
 
@@ -123,11 +135,12 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
         else:
             plan = getattr(model, "tp_plan", None)
         if not plan:
-            raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (neither .tp_plan nor "
-                             f"config.base_model_tp_plan); pass plan=")
+            raise UnsupportedModelError(f"{type(model).__name__} has no tensor-parallel plan (neither .tp_plan nor "
+                                        f"config.base_model_tp_plan); pass plan=")
     bad = sorted({style for style in plan.values() if style not in STYLES})
     if bad:
-        raise ValueError(f"unsupported tensor-parallel style(s) {bad} in the plan; supported: {list(STYLES)}")
+        raise UnsupportedModelError(f"unsupported tensor-parallel style(s) {bad} in the plan; supported: "
+                                    f"{list(STYLES)}")
     if getattr(model, "tp_shard", None) is not None:
         raise ValueError(f"the model is already sharded ({model.tp_shard})")
     if tp.world_size == 1:
@@ -145,7 +158,7 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
         if not hits:
             continue
         if len(hits) > 1:
-            raise ValueError(f"{name} matches several plan entries: {[p for p, _ in hits]}")
+            raise UnsupportedModelError(f"{name} matches several plan entries: {[p for p, _ in hits]}")
         pattern, style = hits[0]
         matched[pattern] += 1
         if style in _NOOP_STYLES:
@@ -165,11 +178,11 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
             else:  # rowwise
                 share = _columns(role, module, attn, tp.rank, tp.world_size)
         except ValueError as exc:
-            raise ValueError(f"{name} ({style}): {exc}") from None
+            raise UnsupportedModelError(f"{name} ({style}): {exc}") from None
         shares.append((name, module, style, attn, share))
     missing = [p for p, n in matched.items() if n == 0 and plan[p] not in _NOOP_STYLES]
     if missing:
-        raise ValueError(f"plan entries matched no module: {missing}")
+        raise UnsupportedModelError(f"plan entries matched no module: {missing}")
     planned: dict[str, set] = {}
     for name, _, _, attn, _ in shares:
         if attn is not None:
@@ -177,8 +190,9 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
     for attn in attentions.values():
         roles = planned.get(attn.path)
         if roles and roles != set(attn.roles):
-            raise ValueError(f"{attn.path}: the plan shards {sorted(roles)} but not "
-                             f"{sorted(set(attn.roles) - roles)}; an attention's projections shard together")
+            raise UnsupportedModelError(f"{attn.path}: the plan shards {sorted(roles)} but not "
+                                        f"{sorted(set(attn.roles) - roles)}; an attention's projections shard "
+                                        f"together")
     for name, module, style, attn, share in shares:
         if style == "rowwise":
             parent, _, child = name.rpartition(".")
