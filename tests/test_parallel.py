@@ -165,6 +165,39 @@ def test_plan_problems_are_refused_with_the_reason():
         shard_model(nn.Sequential(nn.Linear(4, 4)), tp=fake_tp(0, 2))
 
 
+def test_a_per_head_qk_norm_keeps_its_heads_rows_and_a_norm_over_all_heads_is_refused():
+    """Cohere's qk LayerNorm has a weight row per head, (heads, head_dim): each rank keeps its query
+    heads' rows in ``q_norm`` and its KV heads' in ``k_norm`` (left whole, it broke the forward with
+    a shape error, or with one head per rank would have normalised with another head's weights).
+    A norm over the whole query width (OLMo-2's) mixes every head: refused before any change."""
+    import transformers
+
+    from compileattn.refusals import UnsupportedModelError
+
+    torch.manual_seed(0)
+    cohere = transformers.CohereForCausalLM(transformers.CohereConfig(
+        vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=1, use_qk_norm=True))
+    attn = cohere.model.layers[0].self_attn
+    q_w, k_w = torch.randn(4, 16), torch.randn(1, 16)
+    attn.q_norm.weight.data.copy_(q_w)
+    attn.k_norm.weight.data.copy_(k_w)
+    for rank in range(2):
+        m = shard_model(copy.deepcopy(cohere), tp=fake_tp(rank, 2))
+        local = m.model.layers[0].self_attn
+        torch.testing.assert_close(local.q_norm.weight, q_w[2 * rank:2 * rank + 2], rtol=0, atol=0)
+        torch.testing.assert_close(local.k_norm.weight, k_w, rtol=0, atol=0)  # the one KV head, replicated
+    olmo2 = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+        vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2))
+    before = {k: v.clone() for k, v in olmo2.state_dict().items()}
+    # Its own plan gathers q and k for that norm (a style refused anyway); Llama's plan is the one that would run it
+    plan = {f"model.{k}": v for k, v in transformers.LlamaConfig().base_model_tp_plan.items()}
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn\.q_norm\.weight has shape \(64,\)"):
+        shard_model(olmo2, plan=plan, tp=fake_tp(0, 2))
+    assert all(torch.equal(before[k], v) for k, v in olmo2.state_dict().items())
+
+
 def test_a_refused_plan_leaves_the_model_as_it_was():
     """The layers before the one that does not divide were sharded before the refusal; a second
     attempt then failed on the half-sharded model."""

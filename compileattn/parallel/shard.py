@@ -28,6 +28,13 @@ Attention modules are recognised two ways: compileattn's own (``tp_head_layout()
 ``shard_heads()``, see ``models/llama.py``), or Hugging Face's (``q_proj``/``k_proj``/``v_proj``/
 ``o_proj`` linears, ``head_dim``, and head counts in ``config``); after sharding, each learns its
 local head counts so its forward and ``attention_specs()`` describe this rank's heads.
+
+A Hugging Face attention's other parameters (its q/k norms) must be the same for every head, or
+be sharded with the heads: a norm over ``head_dim`` (Qwen3's, Gemma-3's) stays whole; one with a
+weight per head, ``(heads, head_dim)`` (Cohere's qk LayerNorm), keeps the rows of this rank's
+query (``q_norm``) or KV (``k_norm``) heads. Any other parameter could span the heads (a norm over
+the whole query width, OLMo-2's, mixes every head and cannot be computed from one rank's): such a
+model is refused, not served with a norm over the wrong heads.
 """
 from __future__ import annotations
 
@@ -57,6 +64,8 @@ class _Attention:
     head_dim: int
     #: child name -> role: "q", "k", "v", "qkv" (fused) or "o"
     roles: dict[str, str]
+    #: Hugging Face only: other parameters with a row per head, by name -> "q" or "kv" (whose heads' rows a rank keeps)
+    per_head: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _pattern(pattern: str) -> re.Pattern:
@@ -83,6 +92,29 @@ def _attention_modules(root: nn.Module, rank: int, tp: int) -> dict[str, _Attent
             raise UnsupportedModelError(f"{path}: its heads cannot be split over {tp} ranks: {exc}") from None
         found[path] = _Attention(path, module, heads, head_dim, roles)
     return found
+
+
+#: Hugging Face attention children whose ``(heads, head_dim)`` weight has a row per query / KV head.
+_PER_HEAD_NORMS = {"q_norm": "q", "k_norm": "kv"}
+
+
+def _per_head_parameters(attn: _Attention) -> dict[str, str]:
+    """A Hugging Face attention's parameters outside its projections that have a row per head (name ->
+    "q" or "kv"); refuses one that is neither that nor per ``head_dim`` (see the module docstring)."""
+    h, d = attn.heads, attn.head_dim
+    per_head = {}
+    for name, param in attn.module.named_parameters():
+        child = name.partition(".")[0]
+        if child in attn.roles or tuple(param.shape) == (d,):
+            continue
+        kind = _PER_HEAD_NORMS.get(child)
+        if kind is not None and tuple(param.shape) == ({"q": h.num_heads, "kv": h.num_kv_heads}[kind], d):
+            per_head[name] = kind
+            continue
+        raise UnsupportedModelError(
+            f"{attn.path}.{name} has shape {tuple(param.shape)}, neither per head_dim ({d},) nor a row per head: it "
+            f"may span the attention's heads, which tensor parallelism splits over the ranks")
+    return per_head
 
 
 def _rows(role: str | None, linear: nn.Linear, attn: _Attention | None, rank: int, tp: int) -> torch.Tensor:
@@ -193,6 +225,8 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
             raise UnsupportedModelError(f"{attn.path}: the plan shards {sorted(roles)} but not "
                                         f"{sorted(set(attn.roles) - roles)}; an attention's projections shard "
                                         f"together")
+        if roles and not hasattr(attn.module, "shard_heads"):
+            attn.per_head = _per_head_parameters(attn)
     for name, module, style, attn, share in shares:
         if style == "rowwise":
             parent, _, child = name.rpartition(".")
@@ -212,6 +246,13 @@ def _localize(attn: _Attention) -> None:
     if hasattr(attn.module, "shard_heads"):
         attn.module.shard_heads(h)
         return
+    with torch.no_grad():
+        for name, kind in attn.per_head.items():
+            parent, _, leaf = name.rpartition(".")
+            owner = attn.module.get_submodule(parent) if parent else attn.module
+            param = getattr(owner, leaf)
+            heads = h.q_heads if kind == "q" else h.kv_heads
+            setattr(owner, leaf, nn.Parameter(param[heads.start:heads.stop].contiguous(), requires_grad=False))
     # Hugging Face: forward infers head counts from the projections' widths (view(..., -1, head_dim));
     # what it keeps as attributes must follow.
     if hasattr(attn.module, "num_key_value_groups"):
