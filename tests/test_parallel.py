@@ -198,6 +198,32 @@ def test_a_per_head_qk_norm_keeps_its_heads_rows_and_a_norm_over_all_heads_is_re
     assert all(torch.equal(before[k], v) for k, v in olmo2.state_dict().items())
 
 
+def test_an_own_hf_plan_group_that_matches_nothing_stays_replicated_and_one_matched_in_part_is_refused():
+    """Cohere2-MoE keeps dense Cohere2's plan, whose ``layers.*.mlp.*`` entries name projections its
+    routed MLP does not have: its attention is sharded and its experts stay whole on every rank
+    (refused as "matched no module" before). An own plan of which one entry of a group matched is
+    still refused."""
+    import transformers
+
+    from compileattn.refusals import UnsupportedModelError
+    from hf_families import _config
+
+    torch.manual_seed(0)
+    moe = transformers.AutoModelForCausalLM.from_config(_config("cohere2_moe"))
+    full = dict(moe.named_parameters())
+    m = shard_model(copy.deepcopy(moe), tp=fake_tp(1, 2))
+    assert isinstance(m.model.layers[0].self_attn.o_proj, RowParallelLinear)
+    for name, p in m.named_parameters():
+        if ".mlp." in name:
+            torch.testing.assert_close(p, full[name], rtol=0, atol=0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2))
+    llama.config.base_model_tp_plan = {**llama.config.base_model_tp_plan, "layers.*.mlp.nope": "colwise"}
+    with pytest.raises(UnsupportedModelError, match=r"matched no module: \['layers\.\*\.mlp\.nope'\]"):
+        shard_model(llama, tp=fake_tp(0, 2))
+
+
 def test_a_refused_plan_leaves_the_model_as_it_was():
     """The layers before the one that does not divide were sharded before the refusal; a second
     attempt then failed on the half-sharded model."""

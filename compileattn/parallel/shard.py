@@ -155,15 +155,23 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
     ``plan`` defaults to the model's own: ``model.config.base_model_tp_plan`` (Hugging Face, paths
     from ``model.base_model``) or ``model.tp_plan`` (compileattn's models, paths from the model's
     root). A one-rank group leaves the model as it is.
+
+    A plan entry that matches no module is refused (a plan that does not fit the model); except, in
+    a Hugging Face model's own plan, a whole group of entries under one parent (``layers.*.mlp.*``)
+    that matches nothing: MoE variants keep their dense parent's plan (Cohere2-MoE's names a
+    ``gate_proj``/``up_proj``/``down_proj`` its routed ``mlp`` does not have), and what no entry
+    names stays replicated, which is correct (each rank computes it whole from the all-reduced
+    hidden state). A group matched in part is still refused: half a column/row pair would be wrong.
     """
     tp = tp or get_tp()
     root = model
+    own_hf_plan = False
     if plan is None:
         # Hugging Face first: its models also have a ``tp_plan``, which adds vocab-parallel
         # embedding and LM head styles; the base model's plan keeps those replicated.
         plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
         if plan:
-            root = getattr(model, "base_model", model)
+            root, own_hf_plan = getattr(model, "base_model", model), True
         else:
             plan = getattr(model, "tp_plan", None)
         if not plan:
@@ -213,6 +221,11 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
             raise UnsupportedModelError(f"{name} ({style}): {exc}") from None
         shares.append((name, module, style, attn, share))
     missing = [p for p, n in matched.items() if n == 0 and plan[p] not in _NOOP_STYLES]
+    if own_hf_plan:
+        def parent(pattern: str) -> str:
+            return pattern.rpartition(".")[0]
+
+        missing = [p for p in missing if any(matched[q] for q in plan if parent(q) == parent(p))]
     if missing:
         raise UnsupportedModelError(f"plan entries matched no module: {missing}")
     planned: dict[str, set] = {}
