@@ -168,9 +168,12 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
     own_hf_plan = False
     if plan is None:
         # Hugging Face first: its models also have a ``tp_plan``, which adds vocab-parallel
-        # embedding and LM head styles; the base model's plan keeps those replicated.
-        plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
-        if plan:
+        # embedding and LM head styles; the base model's plan keeps those replicated. A Hugging
+        # Face config without one (Granite-MoE's in transformers 5.17) means no plan: the
+        # model's ``tp_plan`` is then its LM head's alone, refused for a style that was not the point.
+        config = getattr(model, "config", None)
+        if hasattr(config, "base_model_tp_plan"):
+            plan = config.base_model_tp_plan
             root, own_hf_plan = getattr(model, "base_model", model), True
         else:
             plan = getattr(model, "tp_plan", None)
@@ -179,8 +182,8 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
                                         f"config.base_model_tp_plan); pass plan=")
     bad = sorted({style for style in plan.values() if style not in STYLES})
     if bad:
-        raise UnsupportedModelError(f"unsupported tensor-parallel style(s) {bad} in the plan; supported: "
-                                    f"{list(STYLES)}")
+        raise UnsupportedModelError(f"{type(model).__name__}: unsupported tensor-parallel style(s) {bad} in the plan; "
+                                    f"supported: {list(STYLES)}")
     if getattr(model, "tp_shard", None) is not None:
         raise ValueError(f"the model is already sharded ({model.tp_shard})")
     if tp.world_size == 1:
