@@ -177,7 +177,7 @@ def test_a_per_head_qk_norm_keeps_its_heads_rows_and_a_norm_over_all_heads_is_re
     torch.manual_seed(0)
     cohere = transformers.CohereForCausalLM(transformers.CohereConfig(
         vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=1, use_qk_norm=True))
+        num_key_value_heads=1, use_qk_norm=True, tie_word_embeddings=False))
     attn = cohere.model.layers[0].self_attn
     q_w, k_w = torch.randn(4, 16), torch.randn(1, 16)
     attn.q_norm.weight.data.copy_(q_w)
@@ -586,6 +586,76 @@ def test_llm_tensor_parallel_size_2_equals_one_process(tmp_path, mode):
             assert again == expected
             if rank == 0:  # whole blocks of 4, the last token left to compute: 4 + 8 + 0
                 assert hits == 12
+
+
+HF_FAMILIES_TP_SCRIPT = r'''
+import json, sys
+import torch
+import compileattn
+import compileattn.parallel
+sys.path.insert(0, "tests")
+from hf_families import prompts
+
+out, model_dirs = sys.argv[1], sys.argv[2].split(",")
+tokens = {}
+for model_dir in model_dirs:  # one group for every family: a family's build reuses the group init_tp made
+    llm = compileattn.LLM(model_dir, tensor_parallel_size=2, dtype="float32", compile_config=None, num_blocks=64,
+                          max_num_seqs=4, max_num_batched_tokens=16)
+    tokens[model_dir] = [o.token_ids for o in llm.generate(prompts(), max_new_tokens=8, use_tqdm=False)]
+json.dump(tokens, open(f"{out}.{torch.distributed.get_rank()}.json", "w"))
+compileattn.parallel.shutdown_tp()
+'''
+#: The families ``tests/hf_families.py`` serves that tensor parallelism serves too (every one but the
+#: two ``test_hf_families_tp_cannot_shard_are_refused_up_front`` names), each with what TP must get right.
+TP_FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3",  # Llama's layout, per-head_dim q/k norms, softcaps
+               "cohere",  # a (heads, head_dim) qk LayerNorm: each rank keeps its heads' rows
+               "cohere2", "cohere2_moe",  # the MoE's routed experts (no plan entry) replicated
+               "granite", "granitemoe", "granitemoeshared", "granitemoehybrid",  # multipliers; experts replicated
+               "hyperclovax")  # a logit scale after the (replicated) LM head
+
+
+def test_hf_families_tp2_equal_tp1(tmp_path):
+    """Every family served with ``tensor_parallel_size=2`` (gloo, fp32) gives one process's greedy
+    tokens, on prompts that cross the sliding windows. One torchrun serves them all, one after the
+    other in the same group: a torchrun per family costs its start and imports each time."""
+    import compileattn
+    from hf_families import _config, prompts, save_family
+
+    expected, dirs = {}, []
+    # A family whose config has no plan in this transformers (Granite-MoE's in 5.17) is refused as OPT is
+    for family in (f for f in TP_FAMILIES if _config(f).base_model_tp_plan):
+        model_dir = str(save_family(family, tmp_path / family))
+        dirs.append(model_dir)
+        expected[model_dir] = [o.token_ids for o in compileattn.LLM(
+            model_dir, dtype="float32", compile_config=None, num_blocks=64, max_num_seqs=4,
+            max_num_batched_tokens=16).generate(prompts(), max_new_tokens=8, use_tqdm=False)]
+    script = tmp_path / "families_tp.py"
+    script.write_text(HF_FAMILIES_TP_SCRIPT)
+    rc, log = torchrun(2, [str(script), str(tmp_path / "tokens"), ",".join(dirs)], tmp_path, timeout=400)
+    assert rc == 0, log[-4000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"tokens.{rank}.json").read_text())
+        wrong = [Path(d).name for d in dirs if got[d] != expected[d]]
+        assert not wrong, (rank, wrong)
+
+
+@pytest.mark.parametrize("family,reason", [
+    ("phi3", r"Phi3ForCausalLM: unsupported tensor-parallel style\(s\) \['colwise_gather_output', 'rowwise_split_input'\]"),
+    ("opt", "OPTForCausalLM has no tensor-parallel plan")])
+def test_hf_families_tp_cannot_shard_are_refused_up_front(family, reason):
+    """Phi-3's plan gathers its fused projections' outputs (and its attention slices the fused qkv
+    at the full model's query width, read from the config); transformers' OPT has no plan. Each is
+    refused by the sharding, before any module changes (``LLM`` shards while it loads, so every rank
+    raises the same ``UnsupportedModelError``), not served with wrong shapes."""
+    import transformers
+
+    from compileattn.refusals import UnsupportedModelError
+    from hf_families import _config
+
+    model = transformers.AutoModelForCausalLM.from_config(_config(family))
+    with pytest.raises(UnsupportedModelError, match=reason):
+        shard_model(model, tp=fake_tp(0, 2))
+    assert getattr(model, "tp_shard", None) is None
 
 
 STEP_FAILURE_SCRIPT = r'''
