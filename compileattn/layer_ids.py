@@ -18,12 +18,15 @@ not a buffer: ``model.to("cuda")`` leaves it on the CPU, where reading it costs 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
 _lock = threading.Lock()
 _names: list[str] = []
 _index: dict[str, int] = {}
+#: id -> weak reference of each tensor ``id_of`` made and that is still alive (``is_layer_id``)
+_made: dict[int, weakref.ref] = {}
 #: True while compileattn traces a model with its repeated layers as regions (set only by
 #: ``compilation.regions.layers_as_regions``): attention layers then pass their layer id, not their name.
 #: An eager call in another thread meanwhile takes ``attention_by_id`` too, which does the same.
@@ -40,7 +43,17 @@ def id_of(layer_name: str) -> torch.Tensor:
             index = _index[layer_name] = len(_names)
             _names.append(layer_name)
     # device explicitly: models are often built under ``with torch.device("meta")``.
-    return torch.tensor(index, dtype=torch.int64, device="cpu")
+    t = torch.tensor(index, dtype=torch.int64, device="cpu")
+    _made[id(t)] = weakref.ref(t, lambda _, key=id(t): _made.pop(key, None))
+    return t
+
+
+def is_layer_id(t: torch.Tensor) -> bool:
+    """Whether ``t`` was made by ``id_of``: ``model_tensors.py`` leaves such a tensor out of its
+    per-call layout comparison (one per attention layer, ~0.5 µs each, for a tensor whose value the
+    compile bakes in as the layer's name)."""
+    ref = _made.get(id(t))
+    return ref is not None and ref() is t
 
 
 def name_of(layer_id: torch.Tensor) -> str:

@@ -386,6 +386,68 @@ def test_a_buffer_given_another_layout_through_data_is_refused_by_name(change, r
         torch.testing.assert_close(fn(X), Mixed.forward(model, X))
 
 
+class Plain(nn.Module):
+    """Reads a square tensor held in a plain attribute (not a buffer) in an Inductor kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.mix = torch.linspace(-1.0, 1.0, 16).reshape(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * self.mix.sum(0) + 1
+
+
+_PLAIN = torch.linspace(-1.0, 1.0, 16).reshape(4, 4)
+
+
+@pytest.mark.parametrize("where", ["attribute", "closure", "global"])
+@pytest.mark.parametrize("how", ["rebound", "data"])
+@pytest.mark.parametrize("change, refused", [
+    (lambda t: t.double(), r"was torch\.float32 \(4, 4\) on cpu at the first call and is torch\.float64 \(4, 4\)"),
+    (lambda t: t.t(), r"was .* with strides \(4, 1\) at the first call and is .* with strides \(1, 4\) now"),
+    (lambda t: t[:2], r"was .* and is torch\.float32 \(2, 4\) on cpu now"),
+], ids=["double", "transposed", "fewer rows"])
+def test_a_plain_tensor_given_another_layout_is_refused_by_name(where, how, change, refused):
+    """A tensor in a plain module attribute, a closure variable or a global is a graph input that
+    Dynamo's code reads at every call, compiled for the first call's layout: given another (rebound,
+    or through ``.data``), Inductor's kernel read float64 as float32 (a wrong answer, no error) and
+    the transposed or shorter one failed inside its code (``assert_size_stride``). Every call compares
+    their layouts, as the buffers'; one of the first layout is served."""
+    global _PLAIN
+    _PLAIN = torch.linspace(-1.0, 1.0, 16).reshape(4, 4)
+    model = Plain()
+    held = torch.linspace(-1.0, 1.0, 16).reshape(4, 4)
+    if where == "attribute":
+        fn, name = (lambda x: model(x)), "Plain's attribute 'mix'"
+    elif where == "closure":
+        fn, name = (lambda x: torch.relu(model.lin(x)) * held.sum(0) + 1), "closure variable 'held'"
+    else:
+        fn, name = (lambda x: torch.relu(model.lin(x)) * _PLAIN.sum(0) + 1), "global '_PLAIN'"
+
+    def put(t):
+        nonlocal held
+        global _PLAIN
+        if how == "data":
+            {"attribute": model.mix, "closure": held, "global": _PLAIN}[where].data = t
+        elif where == "attribute":
+            model.mix = t
+        elif where == "closure":
+            held = t
+        else:
+            _PLAIN = t
+
+    compiled = ca.compile(fn, dynamic_arg_dims={"x": 0}, config=CONFIG)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(X), fn(X))
+        put(change({"attribute": model.mix, "closure": held, "global": _PLAIN}[where]))
+        with pytest.raises(RecompileError, match=f"{name} " + refused):
+            compiled(X)
+        if not (where == "global" and how == "rebound"):  # the compiled code keeps the first call's global
+            put(torch.linspace(1.0, -1.0, 16).reshape(4, 4))  # the first layout: served with the new values
+            torch.testing.assert_close(compiled(X), fn(X))
+
+
 def _with_data(module: nn.Module, data: torch.Tensor) -> nn.Module:
     module.weight.data = data
     return module
@@ -442,3 +504,18 @@ def test_an_untied_model_put_where_a_tied_one_was_is_refused():
         with pytest.raises(RecompileError, match=r"holds another model than at the first call: Stack's tie of "
                                                  r"parameter layers\.2\.weight was to layers\.0\.weight"):
             fn(x)
+
+
+def test_attention_layer_ids_are_left_out_of_the_per_call_layouts():
+    """Each attention layer holds its id in a plain attribute (``layer_ids.py``): compared per call
+    with the other plain tensors, a 32-layer model's would cost ~16 µs a call, for tensors whose
+    values the compile bakes in. A plain tensor beside them is compared."""
+    from compileattn.compilation.reach import other_tensors, tensors_reached
+    from compileattn.models.opt import OPTConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(OPTConfig.tiny(), seed=0)
+    model.scale = torch.ones(3)
+    others = other_tensors(tensors_reached([model], None))
+    assert sum("layer_id" in where for where, _ in others) == 2
+    assert [record[0] for record in ModelTensors([model], (), others)._other_layouts] == \
+        ["OPTForCausalLM's attribute 'scale'"]

@@ -311,13 +311,13 @@ class _Site:
         dynamic = _mark_dynamic(values, owner._dynamic_arg_dims)
         instance = full_args[:1 if self.bound else 0]
         models = list(modules_in((*instance, *values.values(), *closure_values(fn), *global_modules(fn))))
-        self.tensors = ModelTensors(models, model_bindings(fn, instance))
-        places = tensor_places(values)
         reached = list(tensors_reached(models, fn, instance))
+        self.tensors = ModelTensors(models, model_bindings(fn, instance), other_tensors(reached))
+        places = tensor_places(values)
         checker = ArgChecker(owner._sig, self.bound, {name: spec_of(v, dynamic.get(name, ()))
                                                       for name, v in values.items()}, torch.is_grad_enabled(),
                              places, overlapping_tensors(values, places), held_elsewhere(values, places, reached),
-                             self.tensors.storages, other_tensors(reached), name=what)
+                             self.tensors.storages, self.tensors.others, name=what)
         start = time.perf_counter()
         kernel_warmup.settle_cache_dir()
         path = None

@@ -34,7 +34,20 @@ in torch's C++ helper, probe S18-4). So per call, three cheap looks:
    strides or shape. A buffer's address is the graph steps' to compare (``dispatch.py``,
    ``replay.py``); a step without graphs reads it where it is now.
 
-Where any of them changed, every submodule's class and every parameter's and buffer's dtype, device,
+A tensor reached outside the arguments that is no model's parameter or buffer (a plain module
+attribute, a closure variable, a global: ``reach.other_tensors``, the list the argument check's
+aliasing rules and the direct replays read too) is a graph input Dynamo's code reads at every call,
+compiled for the first call's layout, and nothing counts its rebinding or ``.data`` assignment: so
+every call compares its dtype, shape, strides and device too, as the buffers' (a reader call and
+five reads each: ~0.5 µs a tensor, ``timeit`` of ``check`` on the 2-core CPU box at load 1.7, from
+~0.5 to ~2.1 µs with three; nothing for a model reaching none: OPT and Llama reach only their
+attention layers' ids, left out as ``layer_ids.is_layer_id``, whose values the compile bakes in).
+Without it Inductor's code read float64 as float32 (a wrong answer, no error) and failed inside
+``assert_size_stride`` for other strides or shape; a CUDA-graph step compares address, shape and
+strides only, so ``t.data = t.view(torch.int32)`` was replayed. A difference raises
+``RecompileError`` naming it.
+
+Where any of looks 1-3 found a change, every submodule's class and every parameter's and buffer's dtype, device,
 shape and strides, by name from the model, is compared with the first call's: a difference raises
 ``RecompileError`` naming it (a compile for the changed model would be a new instance's). Where only
 addresses changed (``param.data = w`` with the same dtype, device, shape and strides), the compiled code
@@ -67,8 +80,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import module_watch
+from .. import layer_ids
 from ..validation import byte_layout
+from . import module_watch
 from .argcheck import RecompileError
 
 
@@ -85,8 +99,11 @@ def _layout(t: torch.Tensor) -> tuple:
     (``assert_size_stride``, which leaves size-1 dims free), so a parameter given storage of its
     shape in another order (``w.data = w.t().contiguous().t()``) failed inside it, or with
     ``size_asserts`` off was read in the old order, no error."""
-    return (t.dtype, t.device, tuple(t.shape),
-            tuple(stride if size > 1 else None for size, stride in zip(t.shape, t.stride())))
+    return _layout_of(t.dtype, t.shape, t.stride(), t.device)
+
+
+def _layout_of(dtype: torch.dtype, shape: torch.Size, stride: tuple, device: torch.device) -> tuple:
+    return dtype, device, tuple(shape), tuple(s if size > 1 else None for size, s in zip(shape, stride))
 
 
 class ModelTensors:
@@ -94,13 +111,24 @@ class ModelTensors:
     modules among its arguments and closure, module globals its code reads, and those objects among
     them hold: ``reach.modules_in``), as the first call saw them. Holds the modules weakly."""
 
-    __slots__ = ("_models", "_watched", "_generation", "_bindings", "_storages", "_buffers", "_buffer_layouts")
+    __slots__ = ("_models", "_watched", "_generation", "_bindings", "_storages", "_buffers", "_buffer_layouts",
+                 "others", "_other_layouts")
 
     def __init__(self, models: Iterable[torch.nn.Module],
-                 bindings: Iterable[tuple[str, Callable[[], Any], torch.nn.Module]] = ()):
+                 bindings: Iterable[tuple[str, Callable[[], Any], torch.nn.Module]] = (),
+                 others: tuple[tuple[str, Callable[[], Any]], ...] = ()):
         """``bindings``: where the compiled code looks a model up again at each call
-        (``reach.model_bindings``): another model put there is compared with the first call's."""
+        (``reach.model_bindings``): another model put there is compared with the first call's.
+        ``others``: (where, read) of the tensors reached outside the arguments that are no model's
+        parameter or buffer (``reach.other_tensors``), whose layouts are compared every call
+        (``check``; module docstring)."""
         module_watch.start()  # a submodule replaced from now on is counted
+        #: ``others``, as given: the argument check and the direct replays read them too
+        self.others = others
+        #: [where, read, dtype, shape, strides, device] of each of ``others`` as the first call found it
+        self._other_layouts = tuple([where, read, *_fast_layout(t)] for where, read, t in
+                                    ((where, read, read()) for where, read in others)
+                                    if isinstance(t, torch.Tensor) and not layer_ids.is_layer_id(t))
         #: (weakref to the model, {"submodule name" / "parameter name" / "buffer name": what it was}) per
         #: distinct model
         self._models: list[tuple[weakref.ref, dict[str, tuple]]] = []
@@ -213,6 +241,12 @@ class ModelTensors:
         for i, (_, read, ref, _) in enumerate(self._bindings):
             if read() is not ref():
                 self._rebound(i)
+        for record in self._other_layouts:
+            where, read, dtype, shape, stride, device = record
+            t = read()
+            if (not isinstance(t, torch.Tensor) or t.dtype is not dtype or t.shape != shape or t.stride() != stride
+                    or t.device != device):
+                _check_other(record, t)
         registered = module_watch.generation != self._generation
         if not registered and not self._moved() and not self._restrided():
             return
@@ -270,6 +304,35 @@ class ModelTensors:
             model = ref()
             if model is not None:
                 _refuse_changes(type(model), first, self._tensors_of(model))
+
+
+def _fast_layout(t: torch.Tensor) -> tuple:
+    """dtype, shape, strides and device as ``ModelTensors.check`` compares them per call."""
+    return t.dtype, t.shape, t.stride(), t.device
+
+
+def _check_other(record: list, now: Any) -> None:
+    """A tensor of ``ModelTensors.others`` (a plain module attribute, a closure variable, a global)
+    differs from the first call's at a per-call look: Dynamo's code reads it at every call (a global
+    from the compiled code's own copy of the globals, which ``read`` does not see, so a global
+    rebound is compared here as eager code would read it), and its Inductor code assumes the first
+    call's layout: float64 read as float32 (a wrong answer, no error), other strides or shape failing
+    inside ``assert_size_stride``, or read in the old order without it. Only the strides of size-1
+    dims are free, as for Inductor (``_layout``): the record takes them. Else ``RecompileError``."""
+    where, _, dtype, shape, stride, device = record
+    if isinstance(now, torch.Tensor):
+        was, is_ = _layout_of(dtype, shape, stride, device), _layout(now)
+        if was == is_:
+            record[2:] = _fast_layout(now)
+            return
+        strides = was[:-1] == is_[:-1]  # only they differ
+        what = f"was {_shown(was, strides)} at the first call and is {_shown(is_, strides)} now"
+    else:
+        what = f"was a tensor at the first call and is {'absent' if now is None else f'a {type(now).__qualname__}'} now"
+    raise RecompileError(
+        f"compileattn.compile: {where} {what}. The compiled code reads it at every call as a tensor of the first "
+        f"call's dtype, shape, strides and device (Dynamo's guards, which would have recompiled, are skipped): "
+        f"update it in place (t.copy_(new)), or put a tensor of that layout there")
 
 
 def _buffer_reader(owner: torch.nn.Module, leaf: str) -> Callable[[], Any]:
