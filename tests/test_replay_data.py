@@ -257,6 +257,30 @@ def test_middle_parameter_data_assigned_through_torch_compile_is_captured_again(
         step()
 
 
+@DIRECT
+@pytest.mark.parametrize("change", [lambda t: t.view(torch.int32), lambda t: t.double()], ids=["int32 view", "double"])
+def test_closure_tensor_given_another_dtype_through_data(simulated_graphs, direct, change):
+    """A closure tensor is a graph input compared per graph step by address, shape and strides
+    only: ``held.data = held.view(torch.int32)`` keeps all three, and the graph (on the direct path
+    too) replayed with it, reading its bits as float32. Every call compares its dtype too
+    (``model_tensors.py``), refused by name before any step runs, as a float64 one is (which the
+    graph step refused only as a moved graph input)."""
+    s = Setup(direct=direct)
+    model, held = s.model, torch.linspace(0.0, 1.0, 8)
+
+    def forward(input_ids, positions):
+        return model(input_ids, positions) + held.sum()
+
+    s.fn = ca.compile(forward, dynamic_arg_dims={"input_ids": 0, "positions": 0}, config=s.config)
+    s.warm(4)
+    with ca.counters.expect(full_graph_direct_steps=int(direct)):
+        s.step(s.decode(4))
+    held.data = change(held.data)
+    with pytest.raises(RecompileError, match=r"closure variable 'held' was torch\.float32 \(8,\) on cpu at the first "
+                                             r"call and is torch\.(int32|float64) \(8,\) on cpu now"):
+        s.step(s.decode(4))
+
+
 def test_a_parameter_data_assignment_counts_as_a_registration():
     module_watch.start()
     p = torch.nn.Parameter(torch.zeros(3))
