@@ -441,11 +441,33 @@ def test_a_plain_tensor_given_another_layout_is_refused_by_name(where, how, chan
     with torch.no_grad():
         torch.testing.assert_close(compiled(X), fn(X))
         put(change({"attribute": model.mix, "closure": held, "global": _PLAIN}[where]))
+        if where == "global" and how == "rebound":  # test_a_global_rebound_is_refused
+            refused = "holds another tensor than at the first call"
         with pytest.raises(RecompileError, match=f"{name} " + refused):
             compiled(X)
-        if not (where == "global" and how == "rebound"):  # the compiled code keeps the first call's global
+        if not (where == "global" and how == "rebound"):
             put(torch.linspace(1.0, -1.0, 16).reshape(4, 4))  # the first layout: served with the new values
             torch.testing.assert_close(compiled(X), fn(X))
+
+
+def test_a_global_rebound_is_refused():
+    """Dynamo's ahead-of-time code runs with its own copy of the module globals: a global tensor
+    rebound, even to one of the same layout, was not seen (the first call's values, no error). An
+    item of a global list is read through the shared list: served."""
+    global _PLAIN
+    _PLAIN = torch.ones(4)
+    items = [torch.ones(4)]
+    globals()["_ITEMS"] = items
+    fn = eval("lambda x: x * _PLAIN + _ITEMS[0]", globals())
+    compiled = ca.compile(fn, dynamic_arg_dims={"x": 0}, config=CONFIG)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(X), fn(X))
+        items[0] = torch.full((4,), 2.0)
+        torch.testing.assert_close(compiled(X), fn(X))
+        _PLAIN = torch.full((4,), 3.0)
+        with pytest.raises(RecompileError, match=r"global '_PLAIN' holds another tensor than at the first call, "
+                                                 r"which the compiled code keeps reading"):
+            compiled(X)
 
 
 def _with_data(module: nn.Module, data: torch.Tensor) -> nn.Module:

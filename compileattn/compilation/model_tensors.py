@@ -45,7 +45,9 @@ attention layers' ids, left out as ``layer_ids.is_layer_id``, whose values the c
 Without it Inductor's code read float64 as float32 (a wrong answer, no error) and failed inside
 ``assert_size_stride`` for other strides or shape; a CUDA-graph step compares address, shape and
 strides only, so ``t.data = t.view(torch.int32)`` was replayed. A difference raises
-``RecompileError`` naming it.
+``RecompileError`` naming it. A module global rebound is refused even in the same layout: Dynamo's
+ahead-of-time code kept reading the first call's tensor, no error (``reach.reads_a_global_name``;
+one read and an identity a global).
 
 Where any of looks 1-3 found a change, every submodule's class and every parameter's and buffer's dtype, device,
 shape and strides, by name from the model, is compared with the first call's: a difference raises
@@ -84,6 +86,7 @@ from .. import layer_ids
 from ..validation import byte_layout
 from . import module_watch
 from .argcheck import RecompileError
+from .reach import reads_a_global_name
 
 
 def _address(t: torch.Tensor) -> int | None:
@@ -112,7 +115,7 @@ class ModelTensors:
     them hold: ``reach.modules_in``), as the first call saw them. Holds the modules weakly."""
 
     __slots__ = ("_models", "_watched", "_generation", "_bindings", "_storages", "_buffers", "_buffer_layouts",
-                 "others", "_other_layouts")
+                 "others", "_other_layouts", "_globals")
 
     def __init__(self, models: Iterable[torch.nn.Module],
                  bindings: Iterable[tuple[str, Callable[[], Any], torch.nn.Module]] = (),
@@ -129,6 +132,9 @@ class ModelTensors:
         self._other_layouts = tuple([where, read, *_fast_layout(t)] for where, read, t in
                                     ((where, read, read()) for where, read in others)
                                     if isinstance(t, torch.Tensor) and not layer_ids.is_layer_id(t))
+        #: (where, read, the tensor) of each of ``others`` that is a module global by name: compared
+        #: by identity every call (``reach.reads_a_global_name``)
+        self._globals = tuple((where, read, read()) for where, read in others if reads_a_global_name(read))
         #: (weakref to the model, {"submodule name" / "parameter name" / "buffer name": what it was}) per
         #: distinct model
         self._models: list[tuple[weakref.ref, dict[str, tuple]]] = []
@@ -241,6 +247,12 @@ class ModelTensors:
         for i, (_, read, ref, _) in enumerate(self._bindings):
             if read() is not ref():
                 self._rebound(i)
+        for where, read, first in self._globals:
+            if read() is not first:
+                raise RecompileError(
+                    f"compileattn.compile: {where} holds another tensor than at the first call, which the compiled "
+                    f"code keeps reading (it runs with its own copy of the module globals): update the first one in "
+                    f"place (t.copy_(new))")
         for record in self._other_layouts:
             where, read, dtype, shape, stride, device = record
             t = read()
@@ -313,10 +325,8 @@ def _fast_layout(t: torch.Tensor) -> tuple:
 
 def _check_other(record: list, now: Any) -> None:
     """A tensor of ``ModelTensors.others`` (a plain module attribute, a closure variable, a global)
-    differs from the first call's at a per-call look: Dynamo's code reads it at every call (a global
-    from the compiled code's own copy of the globals, which ``read`` does not see, so a global
-    rebound is compared here as eager code would read it), and its Inductor code assumes the first
-    call's layout: float64 read as float32 (a wrong answer, no error), other strides or shape failing
+    differs from the first call's at a per-call look: Dynamo's code reads it at every call, and its
+    Inductor code assumes the first call's layout: float64 read as float32 (a wrong answer, no error), other strides or shape failing
     inside ``assert_size_stride``, or read in the old order without it. Only the strides of size-1
     dims are free, as for Inductor (``_layout``): the record takes them. Else ``RecompileError``."""
     where, _, dtype, shape, stride, device = record

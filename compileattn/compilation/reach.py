@@ -225,6 +225,14 @@ def other_tensors(reached: Iterable[tuple[torch.Tensor, str, Callable[[], Any], 
     return tuple(out)
 
 
+def reads_a_global_name(read: Callable[[], Any]) -> bool:
+    """Whether ``read`` (of ``other_tensors``) reads a module global itself, not an item of one:
+    Dynamo's ahead-of-time code, saved or not, runs with its own copy of the module globals
+    (``forward_callable`` in ``torch._dynamo``), so it keeps reading the first call's tensor after
+    the name is rebound (an item of a global list or dict it reads through the shared container)."""
+    return isinstance(read, functools.partial) and read.func is _global_path and read.args[2] == ()
+
+
 def _keys(path: tuple) -> str:
     return "".join(f"[{key!r}]" for key in path)
 
