@@ -147,9 +147,11 @@ def test_opt_row_parallel_bias_is_added_once_after_the_sum():
 
 
 def test_plan_problems_are_refused_with_the_reason():
+    from compileattn.refusals import UnsupportedModelError
+
     model = LlamaForCausalLM(LlamaConfig.tiny(), seed=0)
-    with pytest.raises(ValueError, match="embedding_rowwise"):
-        shard_model(copy.deepcopy(model), plan={**model.tp_plan, "model.embed_tokens": "embedding_rowwise"},
+    with pytest.raises(UnsupportedModelError, match="sequence_parallel"):
+        shard_model(copy.deepcopy(model), plan={**model.tp_plan, "model.norm": "sequence_parallel"},
                     tp=fake_tp(0, 2))
     with pytest.raises(ValueError, match="matched no module"):
         shard_model(copy.deepcopy(model), plan={**model.tp_plan, "model.layers.*.nope": "colwise"}, tp=fake_tp(0, 2))
@@ -163,6 +165,27 @@ def test_plan_problems_are_refused_with_the_reason():
         shard_model(twice, tp=fake_tp(0, 2))
     with pytest.raises(ValueError, match="no tensor-parallel plan"):
         shard_model(nn.Sequential(nn.Linear(4, 4)), tp=fake_tp(0, 2))
+
+
+@pytest.mark.parametrize("style", ["embedding_rowwise", "embedding_colwise"])
+def test_an_embedding_style_leaves_a_tied_embedding_and_its_lm_head_whole(style):
+    """transformers 5.17 plans ``embed_tokens: embedding_rowwise`` for every config with tied
+    embeddings (Cohere's default); both Hugging Face embedding styles end with the full hidden state
+    on every rank, so the embedding (and the LM head sharing its weight) stays whole while the
+    layers shard as without it."""
+    import transformers
+
+    from hf_families import _config
+
+    torch.manual_seed(0)
+    full = transformers.AutoModelForCausalLM.from_config(_config("cohere", tie_word_embeddings=True))
+    assert full.lm_head.weight is full.model.embed_tokens.weight
+    full.config.base_model_tp_plan = {**full.config.base_model_tp_plan, "embed_tokens": style}
+    m = shard_model(copy.deepcopy(full), tp=fake_tp(1, 2))
+    assert type(m.model.embed_tokens) is nn.Embedding and m.lm_head.weight is m.model.embed_tokens.weight
+    torch.testing.assert_close(m.model.embed_tokens.weight, full.model.embed_tokens.weight, rtol=0, atol=0)
+    assert isinstance(m.model.layers[0].self_attn.o_proj, RowParallelLinear)
+    assert m.model.layers[0].mlp.gate_proj.out_features == full.config.intermediate_size // 2
 
 
 def test_a_per_head_qk_norm_keeps_its_heads_rows_and_a_norm_over_all_heads_is_refused():
@@ -612,6 +635,8 @@ TP_FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3",  # Llama's layout, per-head
                "cohere2", "cohere2_moe",  # the MoE's routed experts (no plan entry) replicated
                "granite", "granitemoe", "granitemoeshared", "granitemoehybrid",  # multipliers; experts replicated
                "hyperclovax")  # a logit scale after the (replicated) LM head
+#: Families again with a config change TP must serve, by directory name: (family, overrides).
+TP_VARIANTS = {"cohere_tied": ("cohere", dict(tie_word_embeddings=True))}  # 5.17 plans embedding_rowwise
 
 
 def test_hf_families_tp2_equal_tp1(tmp_path):
@@ -623,8 +648,11 @@ def test_hf_families_tp2_equal_tp1(tmp_path):
 
     expected, dirs = {}, []
     # A family whose config has no plan in this transformers (Granite-MoE's in 5.17) is refused as OPT is
-    for family in (f for f in TP_FAMILIES if _config(f).base_model_tp_plan):
-        model_dir = str(save_family(family, tmp_path / family))
+    variants = {**{f: (f, {}) for f in TP_FAMILIES}, **TP_VARIANTS}
+    for name, (family, overrides) in variants.items():
+        if not _config(family, **overrides).base_model_tp_plan:
+            continue
+        model_dir = str(save_family(family, tmp_path / name, **overrides))
         dirs.append(model_dir)
         expected[model_dir] = [o.token_ids for o in compileattn.LLM(
             model_dir, dtype="float32", compile_config=None, num_blocks=64, max_num_seqs=4,

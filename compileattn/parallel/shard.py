@@ -13,9 +13,14 @@ A plan maps module paths to styles, as Hugging Face's ``config.base_model_tp_pla
 - ``rowwise``: keep the matching input columns; becomes a ``RowParallelLinear`` (all-reduce,
   then bias).
 - ``replicated``, ``replicated_with_grad_allreduce``: left whole (inference has no gradients).
+- ``embedding_rowwise``, ``embedding_colwise``: Hugging Face's vocab-parallel and hidden-parallel
+  embeddings, left whole. Both end with the full hidden state on every rank (the ranks' partial
+  lookups summed, or their slices gathered), which the whole embedding gives; transformers 5.17
+  writes ``embed_tokens: embedding_rowwise`` into the plan of every config with tied embeddings,
+  and a whole embedding also keeps the LM head that shares its weight whole.
 
-Any other style (vocab-parallel embeddings, MoE experts, sequence parallelism) is refused rather
-than run wrongly. Embeddings and the LM head stay replicated.
+Any other style (MoE experts, sequence parallelism, a linear whose output is gathered) is refused
+rather than run wrongly. Embeddings and the LM head stay replicated.
 
 A model the plan does not fit (no plan, a style above not supported, a layer whose heads do not
 split over the ranks, a planned module that is missing or not a linear of the expected width) is
@@ -49,8 +54,9 @@ from ..refusals import UnsupportedModelError
 from .group import TPGroup, get_tp
 from .layers import HeadShard, even_rows, head_rows, row_parallel, shard_columns_out
 
-STYLES = ("colwise", "packed_colwise", "rowwise", "replicated", "replicated_with_grad_allreduce")
-_NOOP_STYLES = ("replicated", "replicated_with_grad_allreduce")
+#: Styles left whole: see the module docstring.
+_NOOP_STYLES = ("replicated", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise")
+STYLES = ("colwise", "packed_colwise", "rowwise") + _NOOP_STYLES
 _HF_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
 
 
