@@ -155,7 +155,7 @@ def test_plan_problems_are_refused_with_the_reason():
                     tp=fake_tp(0, 2))
     with pytest.raises(ValueError, match="matched no module"):
         shard_model(copy.deepcopy(model), plan={**model.tp_plan, "model.layers.*.nope": "colwise"}, tp=fake_tp(0, 2))
-    with pytest.raises(TypeError, match="only nn.Linear"):
+    with pytest.raises(UnsupportedModelError, match=r"^model\.norm \(RMSNorm\) is planned 'colwise'; only nn\.Linear"):
         shard_model(copy.deepcopy(model), plan={"model.norm": "colwise"}, tp=fake_tp(0, 2))
     partial = {k: v for k, v in model.tp_plan.items() if "o_proj" not in k}
     with pytest.raises(ValueError, match="shard together"):
@@ -256,6 +256,21 @@ def test_a_refused_plan_leaves_the_model_as_it_was():
                                          r"4 ranks"):
         shard_model(model, tp=fake_tp(0, 4))
     assert set(before) == set(model.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(isinstance(m, RowParallelLinear) for m in model.modules())
+
+
+def test_a_planned_module_that_is_not_a_linear_is_refused_as_the_model_not_fitting_its_plan():
+    """Named after every layer's projections, it is still refused before any of them changes, with
+    the type of every other plan mismatch (``LLM``'s callers tell it from a failure by that type),
+    not a ``TypeError``."""
+    from compileattn.refusals import UnsupportedModelError
+
+    model = LlamaForCausalLM(LlamaConfig.tiny(), seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match=r"^model\.norm \(\w+\) is planned 'rowwise'") as refused:
+        shard_model(model, plan={**model.tp_plan, "model.norm": "rowwise"}, tp=fake_tp(0, 2))
+    assert not isinstance(refused.value, TypeError)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(isinstance(m, RowParallelLinear) for m in model.modules())
 

@@ -23,11 +23,12 @@ Any other style (MoE experts, sequence parallelism, a linear whose output is gat
 rather than run wrongly. Embeddings and the LM head stay replicated.
 
 A model the plan does not fit (no plan, a style above not supported, a layer whose heads do not
-split over the ranks, a planned module that is missing or not a linear of the expected width) is
-refused before any module changes with ``UnsupportedModelError`` (a ``ValueError``; only a
-planned module that is not an ``nn.Linear`` is a ``TypeError``): ``LLM(..., tensor_parallel_size=N)``
-shards while it loads, and its callers tell a model that cannot be served this way from a
-failure by that type.
+split over the ranks, a planned module that is missing, not an ``nn.Linear``, or not of the
+expected width) is refused before any module changes with ``UnsupportedModelError`` (a
+``ValueError``): ``LLM(..., tensor_parallel_size=N)`` shards while it loads, and its callers tell a
+model that cannot be served this way from a failure by that type. A planned module of another
+class is the model's mismatch with its plan, as a wrong width is, not a caller's argument of the
+wrong type: it is refused the same way, not as a ``TypeError``.
 
 Attention modules are recognised two ways: compileattn's own (``tp_head_layout()`` /
 ``shard_heads()``, see ``models/llama.py``), or Hugging Face's (``q_proj``/``k_proj``/``v_proj``/
@@ -213,7 +214,8 @@ def shard_model(model: nn.Module, plan: Mapping[str, str] | None = None, tp: TPG
         if style in _NOOP_STYLES:
             continue
         if type(module) is not nn.Linear:
-            raise TypeError(f"{name} ({type(module).__name__}) is planned {style!r}; only nn.Linear can be sharded")
+            raise UnsupportedModelError(f"{name} ({type(module).__name__}) is planned {style!r}; only nn.Linear can "
+                                        f"be sharded")
         attn, role = owner.get(name, (None, None))
         try:
             if style == "colwise":
