@@ -237,7 +237,7 @@ class ModelTensors:
                     break  # buffers only where the model has no parameter with storage
         self._watched = tuple(watched)
         self._buffer_layouts = tuple(
-            (weakref.ref(module), leaf, t.dtype, t.shape, t.stride(), t.device)
+            (weakref.ref(module), leaf, *_fast_layout(t))
             for model in (ref() for ref, _ in self._models) if model is not None
             for module in model.modules() for leaf, t in module._buffers.items() if t is not None)
 

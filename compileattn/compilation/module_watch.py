@@ -133,21 +133,6 @@ def note_moved() -> None:
     generation += 1
 
 
-def _counting_apply(apply):
-    """``Module._apply`` that bumps the generation once it returned (or raised part-way through a
-    model: some submodules may be converted already)."""
-
-    @functools.wraps(apply)
-    def _apply(self, *args, **kwargs):
-        try:
-            return apply(self, *args, **kwargs)
-        finally:
-            note_moved()
-
-    _apply.counts_for_module_watch = True
-    return _apply
-
-
 #: ``torch.nn.Parameter``'s ``__setattr__`` before ``start`` (the inherited one, ``object``'s on torch 2.13)
 _inherited_setattr = None
 
@@ -176,8 +161,9 @@ COUNTED_METHODS = ("set_", "as_strided_", "resize_", "resize_as_", "t_", "transp
 
 
 def _counting(method):
-    """``method`` (a parameter's in-place method, or the swap of two tensors' C++ halves) that bumps
-    the generation once it returned or raised."""
+    """``method`` (``Module._apply``, a parameter's in-place method, or the swap of two tensors' C++
+    halves) that bumps the generation once it returned, or raised part-way (a conversion of a model
+    may have converted some submodules already)."""
 
     @functools.wraps(method)
     def counted(*args, **kwargs):
@@ -203,7 +189,7 @@ def start() -> None:
         _module.register_module_buffer_registration_hook(_count_registration)
         _module.register_module_module_registration_hook(_count_registration)
         if not getattr(_module.Module._apply, "counts_for_module_watch", False):
-            _module.Module._apply = _counting_apply(_module.Module._apply)
+            _module.Module._apply = _counting(_module.Module._apply)
         _count_parameter_data()
         _count_parameter_changes()
         _started = True
